@@ -1,0 +1,71 @@
+"""Every error flowrl raises on purpose.
+
+A ``FlowrlError`` is a user error: the CLI prints its message (no traceback) and exits
+with code 2. Its message says what was expected, what was found and what to do.
+Anything else that escapes is a bug in flowrl.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class FlowrlError(Exception):
+    """A mistake in what the user gave flowrl (file, flag, data, environment)."""
+
+    exit_code: int = 2
+
+
+@dataclass(frozen=True)
+class SpecIssue:
+    """One problem in a pipeline (or inventory) description.
+
+    ``path`` is the dotted place in the document (``nodes.rollout.model``); ``file`` and
+    ``line`` are known when the document came from a file.
+    """
+
+    path: str
+    message: str
+    file: str | None = None
+    line: int | None = None
+
+    def __str__(self) -> str:
+        where = ""
+        if self.file is not None:
+            where = f"{self.file}:{self.line}: " if self.line is not None else f"{self.file}: "
+        place = f"{self.path}: " if self.path else ""
+        return f"{where}{place}{self.message}"
+
+
+class SpecError(FlowrlError):
+    """A pipeline description with one or more problems; all of them are listed."""
+
+    def __init__(self, issues: list[SpecIssue]) -> None:
+        self.issues = list(issues)
+        count = len(self.issues)
+        header = f"{count} problem{'s' if count != 1 else ''} in the pipeline:"
+        super().__init__("\n".join([header, *(f"  {issue}" for issue in self.issues)]))
+
+
+class DataError(FlowrlError):
+    """A dataset that cannot be read (file missing, bad line)."""
+
+
+class ModelLoadError(FlowrlError):
+    """A model or tokenizer that cannot be loaded (missing directory, offline hub name)."""
+
+
+class PlacementError(FlowrlError):
+    """The device groups cannot be placed on the devices that exist."""
+
+
+class ClusterError(FlowrlError):
+    """The Dask cluster cannot be started or reached, or lost the workers a run needs."""
+
+
+class RewardError(FlowrlError):
+    """A reward function that cannot be resolved, or that failed in strict mode."""
+
+
+class CheckpointError(FlowrlError):
+    """A checkpoint that cannot be written or read."""
