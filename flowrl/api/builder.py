@@ -1,0 +1,177 @@
+"""The Python front end: build a pipeline step by step instead of writing YAML.
+
+    p = Pipeline("grpo-digits")
+    actor = p.model("actor", path="builtin:tiny-llama", group="actor_group")
+    prompts = p.source("builtin:digits", batch_size=16)
+    roll = p.generate(actor, prompts, n=8)
+    ...
+    graph = p.build()          # the same PipelineGraph load_pipeline() gives for the YAML
+
+The builder only collects plain data; ``build()`` runs it through the same validation as a
+YAML file, so both front ends accept and reject exactly the same pipelines. Issues carry
+the dotted path (``nodes.train.lr``) but no file or line.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flowrl.errors import SpecError, SpecIssue
+from flowrl.graph import PipelineGraph
+from flowrl.spec.dump import to_yaml
+from flowrl.spec.loader import pipeline_from_dict
+from flowrl.spec.schema import SOURCE_NODE
+
+
+class ModelRef(str):
+    """The name of a model declared with ``Pipeline.model``; pass it to node methods."""
+
+
+class NodeRef(str):
+    """The name of a node (or ``prompts``); pass it as an input of later nodes."""
+
+
+# Name each node gets when ``name=`` is not given; a second node of a role gets ``_2``.
+_DEFAULT_NAMES = {
+    "generate": "rollout",
+    "score": "reward",
+    "reference_logprob": "ref",
+    "value": "values",
+    "advantage": "adv",
+    "update": "train",
+}
+
+
+class Pipeline:
+    """A pipeline under construction. Every node method returns the node's name."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._models: dict[str, dict[str, Any]] = {}
+        self._devices: dict[str, dict[str, Any]] = {}
+        self._implicit_groups: list[str] = []
+        self._nodes: dict[str, dict[str, Any]] = {}
+        self._data: dict[str, Any] | None = None
+        self._sections: dict[str, dict[str, Any]] = {}
+
+    # --- models, devices, data -------------------------------------------------------
+
+    def model(self, name: str, path: str, group: str | None = None, **fields: Any) -> ModelRef:
+        """Declare a model. ``group`` (or ``device_group``) names its device group.
+
+        A group that ``devices()`` never describes is a default group (one CPU slot).
+        """
+        if name in self._models:
+            raise SpecError([SpecIssue(f"models.{name}", f"a model named '{name}' already exists")])
+        entry: dict[str, Any] = {"path": path, **fields}
+        if group is not None:
+            entry["device_group"] = group
+        self._note_group(entry.get("device_group"))
+        self._models[name] = entry
+        return ModelRef(name)
+
+    def devices(self, group: str, **fields: Any) -> str:
+        """Describe a device group (``type``, ``count``, ``min_memory_gb``, ...)."""
+        self._devices[group] = {**self._devices.get(group, {}), **fields}
+        return group
+
+    def source(self, source: str, **fields: Any) -> NodeRef:
+        """Set the prompt source (``builtin:digits``, a .jsonl path); returns ``prompts``."""
+        if self._data is not None:
+            raise SpecError(
+                [SpecIssue("data", "a pipeline has one data source; source() was called twice")]
+            )
+        self._data = {"source": source, **fields}
+        return NodeRef(SOURCE_NODE)
+
+    def trainer(self, **fields: Any) -> None:
+        """Set trainer fields (``steps``, ``output_dir``, ``seed``, ...)."""
+        self._set_section("trainer", fields)
+
+    def scheduler(self, **fields: Any) -> None:
+        """Set scheduler fields (``policy``, ``every_steps``, ...)."""
+        self._set_section("scheduler", fields)
+
+    def runtime(self, **fields: Any) -> None:
+        """Set runtime fields (``cpu_slots``, ``scheduler_address``, ...)."""
+        self._set_section("runtime", fields)
+
+    # --- nodes -----------------------------------------------------------------------
+
+    def generate(self, model: str, *inputs: str, name: str | None = None, **fields: Any) -> NodeRef:
+        """Sample completions of ``inputs`` (normally ``prompts``) from a policy model."""
+        return self._node("generate", name, inputs, {"model": str(model), **fields})
+
+    def score(self, scorer: str, *inputs: str, name: str | None = None, **fields: Any) -> NodeRef:
+        """Score a rollout with a reward function name / ``module:function``, or a reward model."""
+        key = "model" if isinstance(scorer, ModelRef) else "fn"
+        return self._node("score", name, inputs, {key: str(scorer), **fields})
+
+    def reference_logprob(
+        self, model: str, *inputs: str, name: str | None = None, **fields: Any
+    ) -> NodeRef:
+        """Log-probabilities of a rollout under a frozen reference model."""
+        return self._node("reference_logprob", name, inputs, {"model": str(model), **fields})
+
+    def value(self, model: str, *inputs: str, name: str | None = None, **fields: Any) -> NodeRef:
+        """Value estimates of a rollout from a value model."""
+        return self._node("value", name, inputs, {"model": str(model), **fields})
+
+    def advantage(
+        self, estimator: str, *inputs: str, name: str | None = None, **fields: Any
+    ) -> NodeRef:
+        """Advantages from scores (and values) with ``estimator`` (``grpo``, ...)."""
+        return self._node("advantage", name, inputs, {"estimator": estimator, **fields})
+
+    def update(self, model: str, *inputs: str, name: str | None = None, **fields: Any) -> NodeRef:
+        """Train ``model`` on a rollout and its advantages (and reference log-probs)."""
+        return self._node("update", name, inputs, {"model": str(model), **fields})
+
+    # --- output ----------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """The pipeline as plain data, the same shape as a parsed YAML file."""
+        devices: dict[str, dict[str, Any]] = {
+            group: {} for group in self._implicit_groups if group not in self._devices
+        }
+        devices.update(self._devices)
+        data: dict[str, Any] = {"name": self._name, "models": dict(self._models)}
+        if devices:
+            data["devices"] = devices
+        data["nodes"] = dict(self._nodes)
+        if self._data is not None:
+            data["data"] = dict(self._data)
+        data.update({section: dict(fields) for section, fields in self._sections.items()})
+        return data
+
+    def build(self) -> PipelineGraph:
+        """Validate and return the immutable pipeline; raises ``SpecError`` listing all problems."""
+        return pipeline_from_dict(self.to_dict())
+
+    def to_yaml(self) -> str:
+        """The pipeline as YAML text (validated first)."""
+        return to_yaml(self.build())
+
+    # --- internals -------------------------------------------------------------------
+
+    def _node(
+        self, role: str, name: str | None, inputs: tuple[str, ...], fields: dict[str, Any]
+    ) -> NodeRef:
+        if name is None:
+            name = _DEFAULT_NAMES[role]
+            suffix = 2
+            while name in self._nodes:
+                name = f"{_DEFAULT_NAMES[role]}_{suffix}"
+                suffix += 1
+        elif name in self._nodes:
+            raise SpecError([SpecIssue(f"nodes.{name}", f"a node named '{name}' already exists")])
+        self._note_group(fields.get("device_group"))
+        self._nodes[name] = {"role": role, "inputs": [str(item) for item in inputs], **fields}
+        return NodeRef(name)
+
+    def _note_group(self, group: Any) -> None:
+        if isinstance(group, str) and group not in self._implicit_groups:
+            self._implicit_groups.append(group)
+
+    def _set_section(self, section: str, fields: dict[str, Any]) -> None:
+        self._sections[section] = {**self._sections.get(section, {}), **fields}

@@ -1,0 +1,47 @@
+"""Per-step metrics from node reports, named as verl names them where it has a name."""
+
+from __future__ import annotations
+
+from flowrl.graph import PipelineGraph
+from flowrl.records import NodeTiming
+from flowrl.runtime.calls import NodeReport
+
+TIMING_NAMES = {
+    "generate": "gen",
+    "score": "reward",
+    "reference_logprob": "ref",
+    "value": "values",
+    "advantage": "adv",
+}
+
+
+def timing_name(graph: PipelineGraph, node: str) -> str:
+    spec = graph.spec.nodes[node]
+    if spec.role == "update":
+        kind = graph.spec.models[spec.model].kind if spec.model else "policy"
+        return "update_actor" if kind == "policy" else "update_critic"
+    return TIMING_NAMES.get(spec.role, spec.role)
+
+
+def step_metrics(
+    graph: PipelineGraph, reports: dict[str, NodeReport], step_s: float, num_devices: int
+) -> tuple[dict[str, float], list[NodeTiming]]:
+    metrics: dict[str, float] = {}
+    nodes: list[NodeTiming] = []
+    generated_tokens = 0
+    for name, report in reports.items():
+        for key, value in report.metrics.items():
+            metrics[key] = value
+        key = f"timing_s/{timing_name(graph, name)}"
+        metrics[key] = metrics.get(key, 0.0) + report.latency_s
+        if report.role == "generate":
+            generated_tokens += report.tokens
+        compute_s = max(report.latency_s - report.wait_s, 1e-9)
+        nodes.append(
+            NodeTiming(name, report.role, report.device, report.latency_s, report.wait_s, report.tokens, report.tokens / compute_s)
+        )
+    metrics["timing_s/step"] = step_s
+    # verl's perf/throughput: prompt + response tokens per second per device.
+    metrics["perf/throughput"] = generated_tokens / step_s / max(1, num_devices)
+    metrics["perf/total_tokens"] = float(generated_tokens)
+    return metrics, nodes

@@ -1,0 +1,92 @@
+"""A run's output folder (config, plans, metrics, events, checkpoints, final model).
+
+    OUTPUT_DIR/
+      config.yaml          the resolved pipeline
+      plan-<step>.json     every placement decision
+      metrics.jsonl        one line per step
+      profile.jsonl        one line per node call and per device sample
+      events.jsonl         placement, checkpoints, warnings
+      checkpoints/step-<n>/  written under a temporary name, then renamed
+      final/               the trained policy, loadable with from_pretrained
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from flowrl.errors import CheckpointError, FlowrlError
+from flowrl.records import RunEvent, StepRecord
+
+
+class RunFolder:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise FlowrlError(f"cannot create the output folder {path}: {error}") from error
+        self.checkpoints = path / "checkpoints"
+
+    def write_config(self, text: str) -> None:
+        (self.path / "config.yaml").write_text(text)
+
+    def reset_logs(self) -> None:
+        """A fresh run starts the line files anew (a resumed run would append)."""
+        for name in ("metrics.jsonl", "profile.jsonl", "events.jsonl"):
+            (self.path / name).write_text("")
+
+    def write_plan(self, step: int, plan: dict[str, Any]) -> Path:
+        target = self.path / f"plan-{step}.json"
+        target.write_text(json.dumps(plan, indent=2) + "\n")
+        return target
+
+    def append_metrics(self, record: StepRecord) -> None:
+        line = {"step": record.step, "elapsed_s": round(record.elapsed_s, 4), **_finite(record.metrics)}
+        self._append("metrics.jsonl", line)
+        for node in record.nodes:
+            self._append("profile.jsonl", {"step": record.step, "type": "node", **vars(node)})
+        for device in record.devices:
+            self._append("profile.jsonl", {"step": record.step, "type": "device", **vars(device)})
+
+    def append_event(self, event: RunEvent) -> None:
+        self._append("events.jsonl", {"time": time.time(), **vars(event)})
+
+    def checkpoint_staging(self, step: int) -> Path:
+        staging = self.checkpoints / f".step-{step}.tmp"
+        if staging.exists():
+            shutil.rmtree(staging)
+        staging.mkdir(parents=True)
+        return staging
+
+    def commit_checkpoint(self, staging: Path, step: int, trainer_state: dict[str, Any], keep: int) -> Path:
+        final = self.checkpoints / f"step-{step}"
+        try:
+            (staging / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2) + "\n")
+            if final.exists():
+                shutil.rmtree(final)
+            staging.rename(final)
+        except OSError as error:
+            raise CheckpointError(f"cannot finish checkpoint {final}: {error}; the previous one is intact") from error
+        self._prune(keep)
+        return final
+
+    def _prune(self, keep: int) -> None:
+        steps = sorted(
+            (int(p.name.removeprefix("step-")), p) for p in self.checkpoints.glob("step-*") if p.is_dir()
+        )
+        for _, path in steps[:-keep]:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def _append(self, name: str, line: dict[str, Any]) -> None:
+        with open(self.path / name, "a") as handle:
+            handle.write(json.dumps(line) + "\n")
+
+
+def _finite(metrics: dict[str, float]) -> dict[str, float | None]:
+    # JSON has no NaN; a missing number is written as null.
+    return {k: (v if isinstance(v, (int, float)) and math.isfinite(v) else None) for k, v in metrics.items()}

@@ -1,0 +1,191 @@
+"""Builtin models: small random-init Llamas with the character tokenizer, built locally.
+
+``builtin:tiny-llama`` in a pipeline resolves to a directory that
+``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained`` load like any
+checkpoint. The directory is built on first use from a fixed seed, so every machine (and every
+Dask worker) gets byte-identical weights without a download, and is cached::
+
+    <cache root>/models/<name>-v<version>/
+        config.json  generation_config.json  model.safetensors
+        tokenizer.json  tokenizer_config.json
+
+The cache root is the ``cache_dir`` argument, else ``$FLOWRL_CACHE``, else ``~/.cache/flowrl``.
+Several processes may build the same model at once: each writes a private temporary directory
+next to the target and renames it into place; the loser of the race deletes its copy and uses
+the winner's, which holds the same bytes.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.utils import logging as hf_logging
+
+from flowrl.backends.tokenizer import build_char_tokenizer
+from flowrl.errors import ModelLoadError
+
+CACHE_ENV_VAR = "FLOWRL_CACHE"
+BUILTIN_PREFIX = "builtin:"
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    """The shape of one builtin Llama; the vocabulary is the character tokenizer's."""
+
+    hidden_size: int
+    """Width of the residual stream."""
+    num_layers: int
+    """Number of decoder layers."""
+    num_heads: int
+    """Attention heads per layer."""
+    num_kv_heads: int
+    """Key/value heads per layer (equal to ``num_heads``: plain multi-head attention)."""
+    intermediate_size: int
+    """Width of the MLP's hidden layer."""
+    max_position_embeddings: int = 256
+    """Longest sequence (prompt + completion) in tokens, default 256."""
+    seed: int = 0
+    """Seed of the weight initialisation, default 0."""
+    version: int = 1
+    """Bumped whenever the bytes would change, so stale caches are never reused."""
+
+    def llama_config(self, vocab_size: int, pad_token_id: int, bos_token_id: int,
+                     eos_token_id: int) -> LlamaConfig:
+        """The transformers config for this shape and the given vocabulary."""
+        return LlamaConfig(
+            vocab_size=vocab_size,
+            hidden_size=self.hidden_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            intermediate_size=self.intermediate_size,
+            max_position_embeddings=self.max_position_embeddings,
+            tie_word_embeddings=False,
+            pad_token_id=pad_token_id,
+            bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id,
+        )
+
+
+BUILTIN_MODELS: dict[str, BuiltinModel] = {
+    "tiny-llama": BuiltinModel(
+        hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=4, intermediate_size=512
+    ),
+    "small-llama": BuiltinModel(
+        hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=4, intermediate_size=1024
+    ),
+}
+
+
+def cache_root(cache_dir: Path | None = None) -> Path:
+    """The cache root: ``cache_dir``, else ``$FLOWRL_CACHE``, else ``~/.cache/flowrl``."""
+    if cache_dir is not None:
+        return Path(cache_dir)
+    from_env = os.environ.get(CACHE_ENV_VAR)
+    if from_env:
+        return Path(from_env)
+    return Path.home() / ".cache" / "flowrl"
+
+
+def lookup_builtin(name: str) -> BuiltinModel:
+    """The builtin model called ``name``; a ModelLoadError naming the choices otherwise."""
+    if name in BUILTIN_MODELS:
+        return BUILTIN_MODELS[name]
+    choices = sorted(BUILTIN_MODELS)
+    close = difflib.get_close_matches(name, choices, n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    raise ModelLoadError(
+        f"unknown builtin model '{name}'{hint}; builtin models are: {', '.join(choices)}"
+    )
+
+
+def builtin_model_dir(name: str, cache_dir: Path | None = None) -> Path:
+    """The directory of builtin model ``name``, building it on first use.
+
+    ``name`` is given without the ``builtin:`` prefix (it is stripped if present).
+    """
+    if name.startswith(BUILTIN_PREFIX):
+        name = name[len(BUILTIN_PREFIX):]
+    shape = lookup_builtin(name)
+    target = cache_root(cache_dir) / "models" / f"{name}-v{shape.version}"
+    if (target / "config.json").is_file():
+        return target
+    if target.exists():
+        # Only an atomic rename creates the target, so a target without config.json was
+        # made by something else; never delete a directory flowrl did not write.
+        raise ModelLoadError(
+            f"the cache directory {target} exists but holds no config.json; "
+            f"delete it and flowrl will build '{name}' again"
+        )
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    except OSError as error:
+        raise ModelLoadError(
+            f"cannot write builtin model '{name}' under {target.parent}: {error}; "
+            f"set {CACHE_ENV_VAR} to a writable directory"
+        ) from error
+    try:
+        write_builtin(shape, staging)
+        make_readable(staging)
+        try:
+            os.rename(staging, target)
+        except OSError:
+            # Another process renamed its copy first; the bytes are the same, use it.
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def build_builtin(name: str, cache_dir: Path | None = None) -> Path:
+    """Alias of :func:`builtin_model_dir`."""
+    return builtin_model_dir(name, cache_dir)
+
+
+def write_builtin(shape: BuiltinModel, directory: Path) -> None:
+    """Build the model from its seed and save it (safetensors) with the tokenizer."""
+    tokenizer = build_char_tokenizer()
+    config = shape.llama_config(
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    # fork_rng keeps the caller's global RNG stream untouched by the seeded init.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(shape.seed)
+        model = LlamaForCausalLM(config)
+    with quiet_progress_bars():
+        model.to(torch.float32).save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+
+
+@contextmanager
+def quiet_progress_bars() -> Iterator[None]:
+    """Hide transformers' shard progress bars (noise for small models), then restore the setting."""
+    were_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if were_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def make_readable(directory: Path) -> None:
+    """Open the private temporary directory (mode 0700) to other users of a shared cache."""
+    directory.chmod(0o755)
+    for path in directory.iterdir():
+        path.chmod(0o644)

@@ -1,0 +1,183 @@
+"""Loading causal language models and their tokenizers with transformers.
+
+A model path in a pipeline is one of:
+
+* ``builtin:NAME``: a builtin model, built locally on first use (see ``builtin.py``);
+* a local directory holding ``config.json`` (relative paths are tried against the pipeline
+  file's directory first, then the working directory);
+* a Hugging Face hub name (``org/name``): taken from the local HF cache if it is there,
+  otherwise downloaded, unless the hub is unreachable or ``HF_HUB_OFFLINE`` is set.
+
+huggingface_hub retries a failed connection five times with back-off (about 25 s), so before an
+online attempt one request with a short cap checks that the hub answers at all; without network
+the user gets a ModelLoadError within ``HUB_PROBE_TIMEOUT_S`` instead of a long hang.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from pathlib import Path
+from typing import Literal
+
+import huggingface_hub.constants as hub_constants
+import torch
+from huggingface_hub.utils import get_session
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from flowrl.backends.builtin import BUILTIN_PREFIX, builtin_model_dir, quiet_progress_bars
+from flowrl.errors import ModelLoadError
+
+DtypeName = Literal["fp32", "bf16", "fp16"]
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+
+HUB_PROBE_TIMEOUT_S = 10.0
+"""Longest wait, in seconds, for the hub to answer before a hub name counts as unreachable."""
+
+# A hub repo id: one optional "org/" then a name, of letters, digits, "-", "_" and ".".
+HUB_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
+
+
+def resolve_model_path(path: str, base_dir: Path | None = None) -> Path | str:
+    """Turn a model path from a pipeline into a local directory (Path) or a hub name (str).
+
+    ``builtin:NAME`` builds (or finds) the builtin model's directory. An existing directory
+    is returned as a Path, ``base_dir / path`` winning over ``path`` itself. Something shaped
+    like a hub name is returned as the name; anything else is a missing local directory.
+    """
+    if path.startswith(BUILTIN_PREFIX):
+        return builtin_model_dir(path[len(BUILTIN_PREFIX):])
+    candidates = [Path(path).expanduser()]
+    if base_dir is not None and not candidates[0].is_absolute():
+        candidates.insert(0, Path(base_dir) / candidates[0])
+    for candidate in candidates:
+        if candidate.is_dir():
+            return candidate
+        if candidate.exists():
+            raise ModelLoadError(
+                f"model path '{path}' is a file ({candidate}); expected a directory holding "
+                "config.json and the weights"
+            )
+    if HUB_NAME_PATTERN.match(path) and not path.startswith("."):
+        return path
+    looked_in = ", ".join(str(candidate) for candidate in candidates)
+    raise ModelLoadError(
+        f"model directory '{path}' not found (looked in {looked_in}); pass an existing "
+        "directory, a hub name like 'org/name', or builtin:tiny-llama"
+    )
+
+
+def load_causal_lm(
+    path: str,
+    dtype: DtypeName = "fp32",
+    device: str = "cpu",
+    base_dir: Path | None = None,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer onto ``device`` in ``dtype``.
+
+    The tokenizer pads on the left (prompts for generation) and, when it has no pad token,
+    pads with its eos token.
+    """
+    if dtype not in TORCH_DTYPES:
+        raise ModelLoadError(
+            f"unknown dtype '{dtype}' for model '{path}'; expected one of {', '.join(TORCH_DTYPES)}"
+        )
+    location = resolve_model_path(path, base_dir)
+    if isinstance(location, Path):
+        if not (location / "config.json").is_file():
+            raise ModelLoadError(
+                f"model directory {location} has no config.json; pass a directory written by "
+                "save_pretrained (config.json, weights and tokenizer files)"
+            )
+        model, tokenizer = _from_pretrained(str(location), dtype, path, local_files_only=True)
+    else:
+        model, tokenizer = _load_hub_model(location, dtype)
+    _set_padding(tokenizer, model, path)
+    return model.to(device), tokenizer
+
+
+def _load_hub_model(name: str, dtype: DtypeName) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """From the local HF cache if it is there, else from the hub when the hub answers."""
+    try:
+        return _from_pretrained(name, dtype, name, local_files_only=True)
+    except ModelLoadError:
+        pass
+    if hub_offline() or not hub_reachable(HUB_PROBE_TIMEOUT_S):
+        raise ModelLoadError(
+            f"model '{name}' is not a local directory and cannot be downloaded (no network): "
+            "download it elsewhere and pass its directory, or use builtin:tiny-llama"
+        )
+    return _from_pretrained(name, dtype, name, local_files_only=False)
+
+
+def _from_pretrained(
+    source: str, dtype: DtypeName, shown_name: str, local_files_only: bool
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Both from_pretrained calls, with their failures turned into ModelLoadError."""
+    try:
+        with quiet_progress_bars():
+            tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_files_only)
+            model = AutoModelForCausalLM.from_pretrained(
+                source, dtype=TORCH_DTYPES[dtype], local_files_only=local_files_only
+            )
+    except (OSError, ValueError, KeyError) as error:
+        # transformers reports missing files and unknown architectures as OSError/ValueError
+        # (KeyError for some unknown model types); all are problems with what the user passed.
+        raise ModelLoadError(f"cannot load model '{shown_name}' from {source}: {error}") from error
+    return model, tokenizer
+
+
+def _set_padding(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel, path: str) -> None:
+    """Left padding, and eos as the pad token when the tokenizer has none."""
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ModelLoadError(
+                f"the tokenizer of model '{path}' has neither a pad nor an eos token; "
+                "generation needs at least an eos token"
+            )
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    if model.generation_config is not None and model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+
+
+def hub_offline() -> bool:
+    """Whether offline mode is set, read now (huggingface_hub reads it once, at import)."""
+    for variable in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if os.environ.get(variable, "").strip().upper() in {"1", "ON", "YES", "TRUE"}:
+            return True
+    return bool(hub_constants.HF_HUB_OFFLINE)
+
+
+def hub_reachable(timeout_s: float) -> bool:
+    """Whether the hub endpoint answers one HEAD request within ``timeout_s`` seconds.
+
+    The request runs in a daemon thread so that a slow DNS lookup (not covered by the HTTP
+    timeout) cannot hold the caller past ``timeout_s`` either.
+    """
+    finished = threading.Event()
+    outcome: list[bool] = []
+
+    def probe() -> None:
+        try:
+            # Any HTTP status means the network works; only connection failures count.
+            get_session().head(hub_constants.ENDPOINT, timeout=timeout_s)
+            outcome.append(True)
+        except Exception:  # noqa: BLE001 - every failure here means "unreachable"
+            outcome.append(False)
+        finally:
+            finished.set()
+
+    threading.Thread(target=probe, name="flowrl-hub-probe", daemon=True).start()
+    return finished.wait(timeout_s) and outcome == [True]

@@ -1,0 +1,102 @@
+"""The ``flowrl`` command.
+
+Every flowrl error becomes one clear message on stderr and exit code 2; an interrupt
+exits 130. A traceback is printed only for a bug in flowrl itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+from typing import Any, Callable, Optional, TypeVar
+
+import typer
+from rich.console import Console
+
+from flowrl.errors import FlowrlError
+
+app = typer.Typer(
+    name="flowrl",
+    help="Reinforcement-learning dataflow for language models, placed on Dask workers.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _friendly(function: F) -> F:
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        except FlowrlError as error:
+            Console(stderr=True, highlight=False).print(f"[bold red]error:[/] {error}", markup=True, soft_wrap=True)
+            raise typer.Exit(code=error.exit_code) from None
+        except KeyboardInterrupt:
+            Console(stderr=True).print("interrupted")
+            raise typer.Exit(code=130) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+@app.command()
+@_friendly
+def validate(pipeline_file: Path = typer.Argument(..., help="Pipeline YAML file.")) -> None:
+    """Check a pipeline file: schema, names and graph. Exit 0 when valid, 2 otherwise."""
+    from flowrl.spec.loader import load_pipeline
+
+    graph = load_pipeline(pipeline_file)
+    roles = ", ".join(f"{n} ({graph.spec.nodes[n].role})" for n in graph.topological_order())
+    print(f"{pipeline_file}: valid pipeline '{graph.name}': {len(graph.spec.nodes)} nodes: {roles}")
+
+
+@app.command()
+@_friendly
+def run(
+    pipeline_file: Path = typer.Argument(..., help="Pipeline YAML file."),
+    steps: Optional[int] = typer.Option(None, min=1, help="Override trainer.steps."),
+    output_dir: Optional[str] = typer.Option(None, "--output-dir", "-o", help="Override trainer.output_dir."),
+    scheduler: Optional[str] = typer.Option(
+        None, help="Join an existing Dask scheduler (tcp://HOST:PORT) instead of starting a local cluster."
+    ),
+    cpu_slots: Optional[int] = typer.Option(None, min=1, help="Override runtime.cpu_slots (local cluster workers)."),
+    seed: Optional[int] = typer.Option(None, help="Override trainer.seed."),
+    plain: bool = typer.Option(False, "--plain", help="One log line per step instead of the live view."),
+) -> None:
+    """Train a pipeline: start (or join) Dask, place the roles, run the steps."""
+    from flowrl.api.run import run as run_pipeline
+    from flowrl.spec.loader import load_pipeline
+    from flowrl.ui import make_reporter
+
+    graph = load_pipeline(pipeline_file)
+    console = Console()
+    num_steps = steps or graph.spec.trainer.steps
+    with make_reporter(console, plain, graph.name, num_steps) as reporter:
+        result = run_pipeline(
+            graph,
+            steps=steps,
+            output_dir=output_dir,
+            scheduler_address=scheduler,
+            cpu_slots=cpu_slots,
+            seed=seed,
+            observer=reporter,
+            base_dir=pipeline_file.resolve().parent,
+        )
+    rewards = result.metric("critic/score/mean")
+    if rewards:
+        window = max(1, min(10, len(rewards) // 2))
+        first = sum(rewards[:window]) / window
+        last = sum(rewards[-window:]) / window
+        console.print(f"reward mean: first {window} steps {first:.3f} -> last {window} steps {last:.3f}")
+    console.print(f"outputs: {result.output_dir}")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""Built-in toy tasks: prompts generated on the fly, so any step's batch exists without files.
+
+Both tasks show a prompt of 8 random lowercase letters followed by ``=``; the reward function
+of the same name in :mod:`flowrl.rewards` says what a good completion is. A random-init
+character-level model can learn either in a few hundred steps on CPU.
+"""
+
+from __future__ import annotations
+
+import random
+import string
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from flowrl.data.examples import PromptExample
+
+PROMPT_LETTERS = 8
+"""Random lowercase letters in a built-in prompt, before the trailing ``=``."""
+
+
+@dataclass(frozen=True)
+class BuiltinTask:
+    """A named generator of prompts plus the reward function that grades it."""
+
+    name: str
+    description: str
+    reward: str
+    """Name of the matching function in flowrl.rewards' registry."""
+    make_example: Callable[[random.Random], PromptExample]
+
+
+def _letters_prompt(rng: random.Random) -> str:
+    return "".join(rng.choice(string.ascii_lowercase) for _ in range(PROMPT_LETTERS)) + "="
+
+
+def _digits_example(rng: random.Random) -> PromptExample:
+    return PromptExample(prompt=_letters_prompt(rng), answer=None, meta={"task": "digits"})
+
+
+def _first_letter_example(rng: random.Random) -> PromptExample:
+    prompt = _letters_prompt(rng)
+    return PromptExample(prompt=prompt, answer=prompt[0], meta={"task": "first_letter"})
+
+
+BUILTIN_TASKS: dict[str, BuiltinTask] = {
+    "digits": BuiltinTask(
+        name="digits",
+        description="8 random letters + '='; reward: share of digit characters in the completion",
+        reward="digits",
+        make_example=_digits_example,
+    ),
+    "first_letter": BuiltinTask(
+        name="first_letter",
+        description="8 random letters + '='; reward: repeat the prompt's first letter",
+        reward="first_letter",
+        make_example=_first_letter_example,
+    ),
+}
+"""Task name (``data.source: builtin:NAME``) -> task."""

@@ -1,0 +1,342 @@
+"""The pipeline as an immutable dataflow graph, and the rules a graph must follow.
+
+Nodes are the iteration's role nodes plus the implicit data source ``prompts``; an edge
+``producer -> consumer`` means the consumer reads the producer's output. The checks here
+know nothing of files: they return ``(dotted path, message)`` pairs, and the loader maps
+paths to lines.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Collection
+from typing import Any
+
+import networkx as nx
+
+from flowrl.errors import SpecError, SpecIssue
+from flowrl.spec.messages import Issue, did_you_mean
+from flowrl.spec.schema import SOURCE_NODE, PipelineSpec
+
+_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+def find_graph_issues(spec: PipelineSpec, broken: Collection[str] = frozenset()) -> list[Issue]:
+    """Every cross-reference and dataflow problem of ``spec``, as (dotted path, message).
+
+    ``broken`` holds dotted paths that already failed schema validation: whole entries
+    missing from ``spec`` (``nodes.adv``, or a section ``models``), or fields reset to their
+    defaults (``nodes.train.kl_coef``). References to them are not reported again and rules
+    that read them are skipped, so one mistake gives one message.
+    """
+    return _Checker(spec, frozenset(broken)).run()
+
+
+class _Checker:
+    def __init__(self, spec: PipelineSpec, broken: frozenset[str]) -> None:
+        self.spec = spec
+        self.broken = broken
+        self.issues: list[Issue] = []
+
+    def run(self) -> list[Issue]:
+        for section in ("models", "devices", "nodes"):
+            for name in getattr(self.spec, section):
+                self._check_name(section, name)
+        for name, model in self.spec.models.items():
+            self._check_group(f"models.{name}.device_group", model.device_group)
+        for name in self.spec.nodes:
+            self._check_node(name)
+        self._check_cycles()
+        self._check_unused()
+        return self.issues
+
+    def add(self, path: str, message: str) -> None:
+        self.issues.append((path, message))
+
+    def known(self, section: str, name: str) -> bool:
+        """True when ``name`` exists in ``section`` or cannot be judged (it failed earlier)."""
+        if section in self.broken or f"{section}.{name}" in self.broken:
+            return True
+        return name in getattr(self.spec, section)
+
+    def reliable(self, path: str) -> bool:
+        """False when ``path`` or an enclosing entry failed schema validation."""
+        parts = path.split(".")
+        return not any(".".join(parts[:end]) in self.broken for end in range(1, len(parts) + 1))
+
+    def _check_name(self, section: str, name: str) -> None:
+        if name == SOURCE_NODE and section == "nodes":
+            self.add(
+                f"nodes.{name}", "'prompts' is the data source's output; give the node another name"
+            )
+        elif not _NAME.match(name):
+            suggestion = re.sub(r"[^a-z0-9_]+", "_", name.lower()).strip("_")
+            self.add(
+                f"{section}.{name}",
+                f"names are lower_snake_case (a-z, digits, _; starting with a letter), "
+                f"found '{name}'; try '{suggestion}'",
+            )
+
+    def _check_group(self, path: str, group: str | None) -> None:
+        if group is None or self.known("devices", group):
+            return
+        declared = list(self.spec.devices)
+        hint = did_you_mean(group, declared) or (
+            f"; declared groups: {', '.join(declared)}"
+            if declared
+            else "; declare it under devices:"
+        )
+        self.add(path, f"no device group '{group}'{hint}")
+
+    def _model_kind(self, node_name: str) -> str | None:
+        """Kind of the node's model, or None when it has none or it is unknown/broken."""
+        model_name = self.spec.nodes[node_name].model
+        model = self.spec.models.get(model_name) if model_name is not None else None
+        if model is None or not self.reliable(f"models.{model_name}.kind"):
+            return None
+        return model.kind
+
+    def _check_node(self, name: str) -> None:
+        node = self.spec.nodes[name]
+        path = f"nodes.{name}"
+        if node.model is not None and not self.known("models", node.model):
+            models = list(self.spec.models)
+            hint = did_you_mean(node.model, models) or f"; models: {', '.join(models)}"
+            self.add(f"{path}.model", f"no model '{node.model}'{hint}")
+        self._check_group(f"{path}.device_group", node.device_group)
+        if self.reliable(f"{path}.inputs") and self._check_inputs(name):
+            self._check_role(name)
+
+    def _check_inputs(self, name: str) -> bool:
+        """Report unknown, repeated and self inputs; False when an input cannot be judged."""
+        path = f"nodes.{name}.inputs"
+        judged = True
+        seen: set[str] = set()
+        for item in self.spec.nodes[name].inputs:
+            if item in seen:
+                self.add(path, f"'{item}' is listed twice")
+            seen.add(item)
+            if item == name:
+                self.add(path, f"'{name}' reads its own output; drop '{name}' from inputs")
+            elif item != SOURCE_NODE and not self.known("nodes", item):
+                hint = did_you_mean(item, [*self.spec.nodes, SOURCE_NODE])
+                self.add(path, f"no node '{item}'{hint}; inputs name other nodes or 'prompts'")
+            if item != SOURCE_NODE and item not in self.spec.nodes:
+                judged = False
+        return judged
+
+    def _inputs_with_role(self, name: str, role: str) -> list[str]:
+        nodes = self.spec.nodes
+        return [
+            item
+            for item in nodes[name].inputs
+            if item != SOURCE_NODE and item in nodes and nodes[item].role == role
+        ]
+
+    def _check_role(self, name: str) -> None:
+        node = self.spec.nodes[name]
+        path = f"nodes.{name}"
+        kind = self._model_kind(name)
+        rollouts = self._inputs_with_role(name, "generate")
+
+        def need(role: str, what: str) -> None:
+            if not self._inputs_with_role(name, role):
+                self.add(f"{path}.inputs", f"{node.role} needs {what}: add a {role} node to inputs")
+
+        def need_kind(wanted: str) -> None:
+            if kind is not None and kind != wanted:
+                self.add(
+                    f"{path}.model",
+                    f"{node.role} needs a {wanted} model; '{node.model}' is kind {kind}",
+                )
+
+        if node.role == "generate":
+            if SOURCE_NODE not in node.inputs:
+                self.add(f"{path}.inputs", "generate needs the prompts: add 'prompts' to inputs")
+            for item in node.inputs:
+                if item not in (SOURCE_NODE, name) and item in self.spec.nodes:
+                    self.add(f"{path}.inputs", f"generate reads only 'prompts'; drop '{item}'")
+            need_kind("policy")
+        elif node.role in ("score", "reference_logprob", "value"):
+            need("generate", "a rollout")
+            if node.role == "score" and node.model is not None:
+                need_kind("reward")
+            elif node.role == "reference_logprob":
+                need_kind("policy")
+            elif node.role == "value":
+                need_kind("value")
+        elif node.role == "advantage":
+            if node.model is not None:
+                self.add(f"{path}.model", "an advantage node runs no model; remove 'model'")
+            need("score", "scores")
+            if getattr(node, "estimator", None) == "gae" and self.reliable(f"{path}.estimator"):
+                need("value", "values (gae)")
+        elif node.role == "update":
+            self._check_update(name, kind, rollouts)
+
+    def _check_update(self, name: str, kind: str | None, rollouts: list[str]) -> None:
+        node = self.spec.nodes[name]
+        path = f"nodes.{name}"
+        if kind == "reward":
+            self.add(
+                f"{path}.model",
+                f"update trains a policy or value model; '{node.model}' is kind reward",
+            )
+            return
+        if not rollouts:
+            self.add(f"{path}.inputs", "update needs a rollout: add a generate node to inputs")
+        if not self._inputs_with_role(name, "advantage"):
+            self.add(f"{path}.inputs", "update needs advantages: add an advantage node to inputs")
+        if kind != "policy":
+            return
+        for rollout in rollouts:
+            source_model = self.spec.nodes[rollout].model
+            if source_model != node.model:
+                self.add(
+                    f"{path}.model",
+                    f"update trains '{node.model}' but its rollout '{rollout}' comes from "
+                    f"'{source_model}'; a policy update trains the model that generated",
+                )
+        references = self._inputs_with_role(name, "reference_logprob")
+        kl_coef = getattr(node, "kl_coef", 0.0)
+        if not self.reliable(f"{path}.kl_coef"):
+            return
+        if kl_coef > 0 and not references:
+            self.add(
+                f"{path}.inputs",
+                f"kl_coef is {kl_coef}, so update needs reference log-probs: add a "
+                "reference_logprob node to inputs (or set kl_coef: 0)",
+            )
+        for reference in references if kl_coef == 0 else []:
+            self.add(
+                f"{path}.inputs",
+                f"kl_coef is 0, so the reference is never used; set kl_coef > 0 or drop "
+                f"'{reference}' from inputs",
+            )
+
+    def _check_cycles(self) -> None:
+        """One message per group of nodes that feed each other: its shortest cycle."""
+        order = {name: index for index, name in enumerate(self.spec.nodes)}
+        graph = nx.DiGraph()
+        graph.add_nodes_from(order)
+        for name, node in self.spec.nodes.items():
+            graph.add_edges_from(
+                (item, name)
+                for item in node.inputs
+                if item in order and item not in (name, SOURCE_NODE)
+            )
+        components = [
+            sorted(group, key=order.__getitem__)
+            for group in nx.strongly_connected_components(graph)
+        ]
+        for group in sorted(
+            (group for group in components if len(group) > 1), key=lambda g: order[g[0]]
+        ):
+            start = group[0]
+            subgraph = graph.subgraph(group)
+            paths = [
+                nx.shortest_path(subgraph, start, last) for last in subgraph.predecessors(start)
+            ]
+            cycle = min(paths, key=lambda path: (len(path), [order[item] for item in path]))
+            shown = " -> ".join([*cycle, start])
+            # the edge that closes the cycle is an input of the first node
+            self.add(f"nodes.{start}.inputs", f"cycle {shown}; one iteration must flow one way")
+
+    def _check_unused(self) -> None:
+        if self.broken:
+            return  # a broken entry or field may be the one that uses them
+        used_models = {node.model for node in self.spec.nodes.values()}
+        for name in self.spec.models:
+            if name not in used_models:
+                self.add(
+                    f"models.{name}", f"no node uses model '{name}'; remove it or use it in a node"
+                )
+        used_groups = {
+            item.device_group for item in [*self.spec.models.values(), *self.spec.nodes.values()]
+        }
+        for name in self.spec.devices:
+            if name not in used_groups:
+                self.add(
+                    f"devices.{name}", f"no model or node uses device group '{name}'; remove it"
+                )
+        if not any(node.role == "generate" for node in self.spec.nodes.values()):
+            self.add("nodes", "a pipeline needs a generate node to produce rollouts")
+
+
+class PipelineGraph:
+    """An immutable, validated pipeline: the spec plus its dataflow graph.
+
+    Building one checks every graph rule and raises ``SpecError`` listing all problems.
+    Two graphs are equal when their specs are equal.
+    """
+
+    __slots__ = ("_spec", "_graph", "_order")
+    _spec: PipelineSpec
+    _graph: nx.DiGraph
+    _order: tuple[str, ...]
+
+    def __init__(self, spec: PipelineSpec) -> None:
+        issues = find_graph_issues(spec)
+        if issues:
+            raise SpecError([SpecIssue(path, message) for path, message in issues])
+        graph = nx.DiGraph()
+        graph.add_node(SOURCE_NODE, role="source", spec=spec.data)
+        for name, node in spec.nodes.items():
+            graph.add_node(name, role=node.role, spec=node)
+        for name, node in spec.nodes.items():
+            graph.add_edges_from((item, name) for item in node.inputs)
+        rank = {name: index for index, name in enumerate([SOURCE_NODE, *spec.nodes])}
+        order = list(nx.lexicographical_topological_sort(graph, key=rank.__getitem__))
+        object.__setattr__(self, "_spec", spec)
+        object.__setattr__(self, "_graph", nx.freeze(graph))
+        object.__setattr__(self, "_order", tuple(name for name in order if name != SOURCE_NODE))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("a PipelineGraph cannot be changed; build a new one")
+
+    @property
+    def spec(self) -> PipelineSpec:
+        """The validated spec this graph was built from."""
+        return self._spec
+
+    @property
+    def name(self) -> str:
+        """The pipeline's name."""
+        return self._spec.name
+
+    @property
+    def graph(self) -> nx.DiGraph:
+        """Frozen graph: nodes carry ``role`` and ``spec``; ``prompts`` has role ``source``."""
+        return self._graph
+
+    def topological_order(self) -> list[str]:
+        """Node names (without ``prompts``) producers first; ties keep file order."""
+        return list(self._order)
+
+    def producers(self, node: str) -> list[str]:
+        """Names whose output ``node`` reads, in the order of its inputs (may include prompts)."""
+        if node == SOURCE_NODE:
+            return []
+        return list(self._spec.nodes[node].inputs)
+
+    def consumers(self, node: str) -> list[str]:
+        """Nodes that read ``node``'s output, in file order."""
+        return [name for name, spec in self._spec.nodes.items() if node in spec.inputs]
+
+    def nodes_with_role(self, role: str) -> list[str]:
+        """Names of the nodes with ``role``, in file order."""
+        return [name for name, node in self._spec.nodes.items() if node.role == role]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The spec as plain data (lists, dicts, strings, numbers); loads back to an equal graph."""
+        return self._spec.model_dump(mode="json")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PipelineGraph):
+            return NotImplemented
+        return self._spec == other._spec
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"PipelineGraph(name={self.name!r}, nodes={list(self._spec.nodes)})"

@@ -1,0 +1,123 @@
+"""Static placement: which device slot hosts each device group, model and node.
+
+This is the placement every run starts from. It is a pure function of the pipeline and
+the slot names, so it is deterministic and testable without a cluster. Groups take slots
+in the order they are declared, one group per slot while slots last, then sharing
+round-robin (on a CPU machine with 2 slots and 3 groups, the third shares with the first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from flowrl.errors import PlacementError
+from flowrl.graph import PipelineGraph
+
+AUTO_GROUP_PREFIX = "auto:"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Plain data (JSON-ready): where everything runs."""
+
+    step: int
+    group_slots: dict[str, list[str]]
+    """Device group -> the slots that serve it."""
+    model_slots: dict[str, list[str]]
+    """Model -> the slots that hold a copy (every slot where one of its nodes runs)."""
+    node_slots: dict[str, str]
+    """Node -> the slot that runs it."""
+    reasons: list[str] = field(default_factory=list)
+    """One line per decision."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def weight_peers(self, node: str, model: str) -> list[str]:
+        """Slots other than the node's own that hold ``model`` and must get its new weights."""
+        own = self.node_slots[node]
+        return [slot for slot in self.model_slots.get(model, []) if slot != own]
+
+
+def model_group(pipeline: PipelineGraph, model: str) -> str:
+    group = pipeline.spec.models[model].device_group
+    return group if group is not None else f"{AUTO_GROUP_PREFIX}{model}"
+
+
+def plan_static(pipeline: PipelineGraph, slots: list[str], step: int = 0) -> Plan:
+    if not slots:
+        raise PlacementError("no device slots: the cluster has no workers")
+    spec = pipeline.spec
+    groups = _groups_in_use(pipeline)
+    reasons: list[str] = []
+    group_slots: dict[str, list[str]] = {}
+    for index, group in enumerate(groups):
+        group_slots[group] = [_slot_for_group(pipeline, group, index, slots, reasons)]
+
+    node_slots: dict[str, str] = {}
+    for node in pipeline.topological_order():
+        node_spec = spec.nodes[node]
+        if node_spec.device_group is not None:
+            node_slots[node] = group_slots[node_spec.device_group][0]
+            reasons.append(f"{node} -> {node_slots[node]}: its own device_group '{node_spec.device_group}'")
+        elif node_spec.model is not None:
+            group = model_group(pipeline, node_spec.model)
+            node_slots[node] = group_slots[group][0]
+            reasons.append(f"{node} -> {node_slots[node]}: where model '{node_spec.model}' lives ({group})")
+        else:
+            producers = [p for p in pipeline.producers(node) if p in node_slots]
+            node_slots[node] = node_slots[producers[0]] if producers else slots[0]
+            source = producers[0] if producers else "the data source"
+            reasons.append(f"{node} -> {node_slots[node]}: no model; next to its input {source} (no transfer)")
+
+    model_slots: dict[str, list[str]] = {}
+    for node, slot in node_slots.items():
+        model = spec.nodes[node].model
+        if model is not None and slot not in model_slots.setdefault(model, []):
+            model_slots[model].append(slot)
+    return Plan(step=step, group_slots=group_slots, model_slots=model_slots, node_slots=node_slots, reasons=reasons)
+
+
+def _groups_in_use(pipeline: PipelineGraph) -> list[str]:
+    spec = pipeline.spec
+    used: list[str] = []
+    for name in spec.devices:
+        used.append(name)
+    for model in spec.models:
+        group = model_group(pipeline, model)
+        if group not in used:
+            used.append(group)
+    return used
+
+
+def _slot_for_group(pipeline: PipelineGraph, group: str, index: int, slots: list[str], reasons: list[str]) -> str:
+    group_spec = pipeline.spec.devices.get(group)
+    if group_spec is None:  # automatic group of a model that names none
+        slot = slots[index % len(slots)]
+        reasons.append(f"{group} -> {slot}: model names no device group; one CPU slot")
+        return slot
+    if group_spec.type == "gpu":
+        raise PlacementError(
+            f"devices.{group}: needs type gpu, but this cluster has only CPU slots ({', '.join(slots)}). "
+            "Set `type: cpu` to run it on the CPU, or run where GPUs are visible."
+        )
+    count = group_spec.count or group_spec.min_count or 1
+    if count > 1:
+        raise PlacementError(
+            f"devices.{group}: asks for {count} devices; data-parallel device groups are not available "
+            "in this version. Set `count: 1`."
+        )
+    if group_spec.device_ids:
+        wanted = group_spec.device_ids[0]
+        if wanted >= len(slots):
+            raise PlacementError(
+                f"devices.{group}.device_ids: device {wanted} does not exist; the slots are "
+                f"{', '.join(f'{i} ({s})' for i, s in enumerate(slots))}."
+            )
+        reasons.append(f"{group} -> {slots[wanted]}: pinned by device_ids")
+        return slots[wanted]
+    slot = slots[index % len(slots)]
+    shared = " (shared: more groups than slots)" if index >= len(slots) else ""
+    reasons.append(f"{group} -> {slot}: cpu slot {index % len(slots)}{shared}")
+    return slot

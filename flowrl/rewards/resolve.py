@@ -1,0 +1,128 @@
+"""Turning a score node's ``fn`` string into a callable.
+
+``fn`` is a registry name (``digits``) or ``module:function``. The module is looked up in two
+places only, in this order: a ``.py`` file in the pipeline's own folder (``base_dir``), then
+the installed packages. The pipeline's folder is never put on ``sys.path``, so a file there
+cannot shadow an installed module for the rest of the process.
+
+Resolve on the process that calls the function (each Dask worker resolves the string itself):
+a function loaded from a file is not importable by name elsewhere, so it does not pickle.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from flowrl.errors import RewardError
+from flowrl.rewards.builtin import REWARD_FUNCTIONS, RewardFunction
+
+
+def _did_you_mean(name: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(name, candidates, n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _load_file_module(module_name: str, path: Path) -> ModuleType:
+    # A name unique to the file, so two pipelines' "rewards.py" never collide in sys.modules;
+    # registered while it runs because dataclasses and pickling look modules up there.
+    digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:10]
+    unique_name = f"flowrl_pipeline_{digest}_{module_name.replace('.', '_')}"
+    spec = importlib.util.spec_from_file_location(unique_name, path)
+    if spec is None or spec.loader is None:
+        raise RewardError(f"cannot load reward module {path}: not a Python source file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[unique_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as error:
+        sys.modules.pop(unique_name, None)
+        raise RewardError(
+            f"importing reward module {path} failed: {type(error).__name__}: {error}"
+        ) from error
+    return module
+
+
+def _import_module(module_name: str, base_dir: Path | None) -> ModuleType:
+    if base_dir is not None:
+        candidate = Path(base_dir) / (module_name.replace(".", "/") + ".py")
+        if candidate.is_file():
+            return _load_file_module(module_name, candidate)
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        missing = error.name or ""
+        if module_name == missing or module_name.startswith(missing + "."):
+            where = f"in {base_dir} " if base_dir is not None else ""
+            raise RewardError(
+                f"module '{module_name}' not found {where}nor installed; put "
+                f"{module_name.replace('.', '/')}.py next to the pipeline file, or install the "
+                "package that provides it"
+            ) from error
+        raise RewardError(
+            f"importing module '{module_name}' failed: {type(error).__name__}: {error}"
+        ) from error
+    except Exception as error:
+        raise RewardError(
+            f"importing module '{module_name}' failed: {type(error).__name__}: {error}"
+        ) from error
+
+
+def _get_attribute(module: ModuleType, module_name: str, qualname: str) -> Any:
+    target: Any = module
+    for part in qualname.split("."):
+        if not hasattr(target, part):
+            public = sorted(
+                name for name, value in vars(target).items()
+                if callable(value) and not name.startswith("_")
+            )
+            defined = f"; it defines: {', '.join(public)}" if public else ""
+            raise RewardError(
+                f"module '{module_name}' has no attribute '{qualname}'"
+                f"{_did_you_mean(part, public)}{defined}"
+            )
+        target = getattr(target, part)
+    return target
+
+
+def resolve_reward(ref: str, base_dir: Path | None = None) -> RewardFunction:
+    """The reward function named by ``ref``.
+
+    Args:
+        ref: a registry name (``"digits"``, ``"first_letter"``, ``"exact_match"``) or
+            ``"module:function"`` (``function`` may be dotted, e.g. ``"mod:Grader.score"``).
+        base_dir: the pipeline file's folder, searched for ``module.py`` before the installed
+            packages; None to use installed packages only.
+
+    Raises RewardError saying what was not found and what to do.
+    """
+    ref = ref.strip()
+    known = ", ".join(sorted(REWARD_FUNCTIONS))
+    if ":" not in ref:
+        if ref in REWARD_FUNCTIONS:
+            return REWARD_FUNCTIONS[ref]
+        raise RewardError(
+            f"unknown reward function '{ref}'{_did_you_mean(ref, list(REWARD_FUNCTIONS))}; "
+            f"use one of {known}, or 'module:function' for your own function"
+        )
+    module_name, _, qualname = ref.partition(":")
+    if not module_name or not qualname or ":" in qualname:
+        raise RewardError(
+            f"reward function '{ref}' is not of the form 'module:function' "
+            "(e.g. 'my_rewards:score' for a function score in my_rewards.py)"
+        )
+    module = _import_module(module_name, base_dir)
+    fn = _get_attribute(module, module_name, qualname)
+    if not callable(fn):
+        raise RewardError(
+            f"'{qualname}' in module '{module_name}' is not callable (it is {type(fn).__name__}); "
+            "point the score node at a function fn(prompts, completions, answers, max_new_tokens)"
+        )
+    result: RewardFunction = fn
+    return result

@@ -1,0 +1,93 @@
+"""The batches that flow between role nodes within one step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Rollout:
+    """Completions sampled for one step's prompts.
+
+    Rows are grouped by prompt: the ``group_size`` samples of prompt 0 come first, then
+    those of prompt 1, and so on; the GRPO advantage relies on this layout.
+    Prompts are left-padded and completions right-padded, so every completion starts at
+    column ``prompt_ids.shape[1]`` of the joined sequence.
+    """
+
+    prompt_ids: torch.Tensor
+    """[N, P] token ids, left-padded."""
+    prompt_mask: torch.Tensor
+    """[N, P] 1 for real prompt tokens."""
+    completion_ids: torch.Tensor
+    """[N, T] sampled token ids, right-padded after the end-of-sequence token."""
+    completion_mask: torch.Tensor
+    """[N, T] 1 for generated tokens (end-of-sequence included), 0 for padding."""
+    group_size: int
+    prompts: list[str]
+    completions: list[str]
+    answers: list[str | None]
+    max_new_tokens: int
+    temperature: float
+    sampled_logprobs: torch.Tensor | None = None
+    """[N, T] log-probabilities of the sampled tokens under the sampling policy."""
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.completion_ids.shape[0])
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return int(self.completion_mask.sum())
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return int(self.prompt_mask.sum())
+
+    def joined(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Input ids, attention mask and position ids of prompt + completion."""
+        input_ids = torch.cat([self.prompt_ids, self.completion_ids], dim=1)
+        attention_mask = torch.cat([self.prompt_mask, self.completion_mask], dim=1)
+        position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+        return input_ids, attention_mask, position_ids
+
+    def select(self, rows: torch.Tensor) -> "Rollout":
+        """The sub-batch of the given row indices (for mini-batches)."""
+        index = rows.tolist()
+        return Rollout(
+            prompt_ids=self.prompt_ids[rows],
+            prompt_mask=self.prompt_mask[rows],
+            completion_ids=self.completion_ids[rows],
+            completion_mask=self.completion_mask[rows],
+            group_size=self.group_size,
+            prompts=[self.prompts[i] for i in index],
+            completions=[self.completions[i] for i in index],
+            answers=[self.answers[i] for i in index],
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            sampled_logprobs=None if self.sampled_logprobs is None else self.sampled_logprobs[rows],
+            meta=dict(self.meta),
+        )
+
+
+@dataclass
+class Scores:
+    """One scalar reward per rollout row."""
+
+    values: torch.Tensor
+    """[N] float32."""
+    num_failed: int = 0
+    """Rows whose reward function raised or returned no number (scored 0)."""
+
+
+@dataclass
+class NodeOutput:
+    """What a node leaves in its worker's store, plus what the driver is told."""
+
+    value: Any
+    metrics: dict[str, float] = field(default_factory=dict)
+    tokens: int = 0

@@ -1,0 +1,70 @@
+"""The ``generate`` role: sample ``n`` completions for each prompt."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from flowrl.backends.generation import generate_tokens
+from flowrl.roles.batch import NodeOutput, Rollout
+from flowrl.roles.state import ModelState
+
+
+def run_generate(state: ModelState, prompts: Sequence[Any], node: Any) -> NodeOutput:
+    """Sample ``node.n`` completions per prompt; ``prompts`` are data-source examples."""
+    tokenizer = state.tokenizer
+    texts = [example.prompt for example in prompts for _ in range(node.n)]
+    answers = [example.answer for example in prompts for _ in range(node.n)]
+    encoded = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    input_ids = encoded["input_ids"].to(state.device)
+    attention_mask = encoded["attention_mask"].to(state.device)
+    was_training = state.module.training
+    state.module.eval()
+    output = generate_tokens(
+        state.module,
+        input_ids,
+        attention_mask,
+        max_new_tokens=node.max_new_tokens,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        temperature=node.temperature,
+        top_p=node.top_p,
+        top_k=node.top_k,
+        generator=state.generator,
+    )
+    state.module.train(was_training)
+    # Generation runs under inference mode; clones outside it are ordinary tensors that a
+    # training step on this same worker may use.
+    completion_ids = output.completion_ids.cpu().clone()
+    completion_mask = output.completion_mask.cpu().clone()
+    completions = _decode(tokenizer, completion_ids, completion_mask)
+    rollout = Rollout(
+        prompt_ids=input_ids.cpu().clone(),
+        prompt_mask=attention_mask.cpu().clone(),
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        group_size=node.n,
+        prompts=texts,
+        completions=completions,
+        answers=answers,
+        max_new_tokens=node.max_new_tokens,
+        temperature=node.temperature,
+        sampled_logprobs=None if output.sampled_logprobs is None else output.sampled_logprobs.cpu().clone(),
+    )
+    lengths = completion_mask.sum(dim=1).float()
+    metrics = {
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+        "response_length/clip_ratio": float((lengths >= node.max_new_tokens).float().mean()),
+        "prompt_length/mean": float(attention_mask.sum(dim=1).float().mean()),
+    }
+    tokens = rollout.num_prompt_tokens + rollout.num_completion_tokens
+    return NodeOutput(value=rollout, metrics=metrics, tokens=tokens)
+
+
+def _decode(tokenizer: Any, completion_ids: torch.Tensor, completion_mask: torch.Tensor) -> list[str]:
+    rows = []
+    for ids, mask in zip(completion_ids.tolist(), completion_mask.tolist()):
+        rows.append([token for token, keep in zip(ids, mask) if keep])
+    return list(tokenizer.batch_decode(rows, skip_special_tokens=True))

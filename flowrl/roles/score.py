@@ -1,0 +1,32 @@
+"""The ``score`` role: one reward per completion from a rule-based function."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from flowrl.rewards import score_safely
+from flowrl.roles.batch import NodeOutput, Rollout, Scores
+
+
+def run_score(
+    rollout: Rollout, reward_fn: Callable[..., list[float]], weight: float, on_error: str, name: str | None = None
+) -> NodeOutput:
+    values, num_failed = score_safely(
+        reward_fn,
+        rollout.prompts,
+        rollout.completions,
+        rollout.answers,
+        rollout.max_new_tokens,
+        on_error=on_error,
+        name=name,
+    )
+    tensor = torch.tensor(values, dtype=torch.float32) * weight
+    metrics = {
+        "critic/score/mean": float(tensor.mean()),
+        "critic/score/max": float(tensor.max()),
+        "critic/score/min": float(tensor.min()),
+        "reward/num_failed": float(num_failed),
+    }
+    return NodeOutput(value=Scores(values=tensor, num_failed=num_failed), metrics=metrics, tokens=rollout.num_completion_tokens)

@@ -1,0 +1,61 @@
+"""A model held by a worker for the whole run: module, tokenizer, optimizer, RNG."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flowrl.backends.hf import load_causal_lm
+
+@dataclass
+class ModelState:
+    """Everything a worker keeps about one model between node calls."""
+
+    name: str
+    module: torch.nn.Module
+    tokenizer: Any
+    device: torch.device
+    generator: torch.Generator
+    """Sampling RNG of this model's generate calls; part of the checkpoint."""
+    optimizer: torch.optim.Optimizer | None = None
+    num_updates: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def load(
+        cls,
+        name: str,
+        path: str,
+        dtype: str,
+        device: str,
+        seed: int,
+        base_dir: Path | None,
+        gradient_checkpointing: bool = False,
+    ) -> "ModelState":
+        module, tokenizer = load_causal_lm(path, dtype=dtype, device=device, base_dir=base_dir)
+        if gradient_checkpointing:
+            module.gradient_checkpointing_enable()
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed)
+        return cls(name=name, module=module, tokenizer=tokenizer, device=torch.device(device), generator=generator)
+
+    def ensure_optimizer(self, lr: float, betas: tuple[float, float], weight_decay: float) -> torch.optim.Optimizer:
+        """The optimizer is created by the first update, with that node's settings."""
+        if self.optimizer is None:
+            params = [p for p in self.module.parameters() if p.requires_grad]
+            self.optimizer = torch.optim.AdamW(
+                params, lr=lr, betas=betas, weight_decay=weight_decay, foreach=True
+            )
+        return self.optimizer
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            own = self.module.state_dict()
+            for key, value in weights.items():
+                own[key].copy_(value.to(own[key].device, own[key].dtype))

@@ -1,0 +1,55 @@
+"""What the driver sends to a worker to run one node, and what comes back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class InputRef:
+    """Where a node finds one of its inputs: a key in some host's store."""
+
+    name: str
+    role: str
+    key: str
+    host: Any | None
+    """The Dask actor handle of the host that holds it; None when it is the caller."""
+
+
+@dataclass(frozen=True)
+class NodeCall:
+    step: int
+    node: str
+    role: str
+    spec: Any
+    """The node's spec (a pydantic model from flowrl.spec.schema)."""
+    model: str | None
+    inputs: tuple[InputRef, ...] = ()
+    prompts: tuple[Any, ...] = ()
+    """Data-source examples, for generate nodes only."""
+    group_size: int = 1
+    weight_peers: tuple[Any, ...] = ()
+    """Hosts that keep a copy of ``model`` for generation: updated weights go to them."""
+
+
+@dataclass(frozen=True)
+class NodeReport:
+    """Sent back to the driver: small numbers only, never batches."""
+
+    node: str
+    role: str
+    device: str
+    key: str
+    latency_s: float
+    wait_s: float
+    tokens: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def store_key(step: int, node: str) -> str:
+    return f"{step}:{node}"
+
+
+def key_step(key: str) -> int:
+    return int(key.split(":", 1)[0])

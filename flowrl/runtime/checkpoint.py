@@ -1,0 +1,55 @@
+"""Saving and restoring one model's full state, on the worker that holds it.
+
+Weights go to safetensors through ``save_pretrained`` (so a checkpoint of a policy is a
+model directory ``from_pretrained`` can open); optimizer, sampling RNG and update count go
+to ``state.pt``, read back with ``weights_only=True`` so loading never runs pickled code.
+The driver makes the step directory appear atomically (temp name, then rename).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from flowrl.errors import CheckpointError
+from flowrl.roles.state import ModelState
+
+STATE_FILE = "state.pt"
+
+
+def save_model_state(state: ModelState, directory: Path, with_state: bool) -> None:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        state.module.save_pretrained(directory, safe_serialization=True)
+        if state.tokenizer is not None:
+            state.tokenizer.save_pretrained(directory)
+        if with_state:
+            torch.save(
+                {
+                    "optimizer": state.optimizer.state_dict() if state.optimizer is not None else None,
+                    "generator": state.generator.get_state(),
+                    "num_updates": state.num_updates,
+                },
+                directory / STATE_FILE,
+            )
+    except OSError as error:
+        raise CheckpointError(f"cannot write checkpoint of '{state.name}' to {directory}: {error}") from error
+
+
+def load_model_state(state: ModelState, directory: Path) -> None:
+    weights_file = directory / "model.safetensors"
+    if not weights_file.exists():
+        raise CheckpointError(f"checkpoint of '{state.name}' has no {weights_file.name} in {directory}")
+    state.load_weights(load_file(str(weights_file)))
+    state_file = directory / STATE_FILE
+    if state_file.exists():
+        saved = torch.load(state_file, weights_only=True)
+        if saved["optimizer"] is not None:
+            optimizer = state.optimizer
+            if optimizer is None:
+                raise CheckpointError(f"'{state.name}' has optimizer state but no optimizer was created yet")
+            optimizer.load_state_dict(saved["optimizer"])
+        state.generator.set_state(saved["generator"])
+        state.num_updates = int(saved["num_updates"])

@@ -1,0 +1,105 @@
+"""Start or join the Dask cluster a run executes on.
+
+Embedded mode starts a ``LocalCluster`` of worker processes in this process, one per
+device slot. Cluster mode joins an existing scheduler; every worker there is one slot.
+Role workers get ``memory_limit=0``: model weights count as unmanaged memory, and the
+nanny would otherwise kill a worker that merely holds a model.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from distributed import Client, LocalCluster
+
+from flowrl.errors import ClusterError
+from flowrl.runtime.serialization import TorchSerializerPlugin, register
+
+
+@dataclass(frozen=True)
+class WorkerSlot:
+    """One Dask worker serving one device slot."""
+
+    name: str
+    """The device slot's name (``cpu-0``); in cluster mode, the worker's own name."""
+    worker: Any
+    """What Dask accepts in ``workers=[...]``: the worker's name."""
+    address: str
+    host: str
+    kind: str = "cpu"
+
+
+class Cluster:
+    def __init__(self, client: Client, slots: list[WorkerSlot], local: LocalCluster | None) -> None:
+        self.client = client
+        self.slots = slots
+        self._local = local
+
+    @classmethod
+    def start_local(cls, num_slots: int, dashboard: bool = False) -> "Cluster":
+        register()
+        try:
+            local = LocalCluster(
+                n_workers=num_slots,
+                threads_per_worker=1,
+                processes=True,
+                memory_limit=0,
+                host="127.0.0.1",
+                dashboard_address="127.0.0.1:8787" if dashboard else None,
+                silence_logs=logging.ERROR,
+            )
+        except Exception as error:  # any start-up failure is an environment problem
+            raise ClusterError(f"cannot start a local Dask cluster of {num_slots} workers: {error}") from error
+        client = Client(local, direct_to_workers=True)
+        client.register_plugin(TorchSerializerPlugin())
+        return cls(client, _slots(client, prefix="cpu-"), local)
+
+    @classmethod
+    def join(cls, address: str, timeout_s: float = 30.0) -> "Cluster":
+        register()
+        try:
+            client = Client(address, direct_to_workers=True, timeout=timeout_s)
+        except (OSError, TimeoutError) as error:
+            raise ClusterError(
+                f"cannot reach the Dask scheduler at {address}: {error}. "
+                "Check the address (tcp://HOST:PORT) and that `dask scheduler` is running there."
+            ) from error
+        try:
+            client.wait_for_workers(1, timeout=timeout_s)
+        except TimeoutError as error:
+            client.close()
+            raise ClusterError(
+                f"the Dask scheduler at {address} has no workers after {timeout_s:.0f} s: "
+                "start some with `dask worker " + address + "`."
+            ) from error
+        client.register_plugin(TorchSerializerPlugin())
+        return cls(client, _slots(client, prefix=None), None)
+
+    @property
+    def dashboard_link(self) -> str | None:
+        return self.client.dashboard_link if self._local is not None and self._local.dashboard_link else None
+
+    def close(self) -> None:
+        # Quiet shutdown: a closing cluster logs connection noise that means nothing here.
+        logging.getLogger("distributed").setLevel(logging.CRITICAL)
+        self.client.close()
+        if self._local is not None:
+            self._local.close()
+
+
+def _slots(client: Client, prefix: str | None) -> list[WorkerSlot]:
+    workers = client.scheduler_info(n_workers=-1)["workers"]
+    slots = []
+    for address, info in workers.items():
+        name = info["name"]
+        slot_name = f"{prefix}{name}" if prefix is not None else str(name)
+        slots.append(WorkerSlot(name=slot_name, worker=name, address=address, host=info.get("host", "")))
+    return sorted(slots, key=lambda slot: _natural_key(slot.name))
+
+
+def _natural_key(name: str) -> tuple[Any, ...]:
+    head = name.rstrip("0123456789")
+    tail = name[len(head):]
+    return (head, int(tail) if tail else -1)

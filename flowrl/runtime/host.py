@@ -1,0 +1,170 @@
+"""The Dask actor that owns one device slot's models and runs their node calls.
+
+One ``RoleHost`` lives on each worker for the whole run. Dask runs an actor's plain
+methods one at a time on a single thread, so node calls on one device never overlap.
+``fetch`` is a coroutine and runs on the worker's event loop instead: another worker
+can pull a finished batch even while this host is busy computing, and a fetch that
+arrives before the batch exists waits for it rather than blocking the actor thread.
+
+    driver --run_node(call)--> host B --fetch(key)--> host A (event loop, never blocked)
+                                 |  computes, stores its output under "step:node"
+                                 '--> NodeReport (numbers only) --> driver
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import psutil
+import torch
+
+from flowrl.records import DeviceSample
+from flowrl.rewards import resolve_reward
+from flowrl.roles.advantage import run_advantage
+from flowrl.roles.batch import NodeOutput
+from flowrl.roles.generate import run_generate
+from flowrl.roles.reference import run_reference_logprob
+from flowrl.roles.score import run_score
+from flowrl.roles.state import ModelState
+from flowrl.roles.update import run_update
+from flowrl.runtime import checkpoint
+from flowrl.runtime.calls import NodeCall, NodeReport, key_step, store_key
+from flowrl.runtime.serialization import register
+
+
+class RoleHost:
+    def __init__(self, device_name: str, device: str, torch_threads: int, seed: int, base_dir: str | None) -> None:
+        register()
+        from distributed import get_worker
+
+        torch.set_num_threads(max(1, torch_threads))
+        self.device_name = device_name
+        self.device = device
+        self.seed = seed
+        self.base_dir = Path(base_dir) if base_dir else None
+        self.models: dict[str, ModelState] = {}
+        self.store: dict[str, Any] = {}
+        self._ready: dict[str, asyncio.Event] = {}
+        self._loop = get_worker().loop.asyncio_loop
+        self._rewards: dict[str, Callable[..., list[float]]] = {}
+        self._process = psutil.Process(os.getpid())
+        self._process.cpu_percent(None)
+        self._torch_threads = max(1, torch_threads)
+
+    # ---- models -------------------------------------------------------------------
+    def load_model(self, name: str, spec: Any, seed: int) -> dict[str, Any]:
+        state = ModelState.load(
+            name,
+            spec.path,
+            dtype=spec.dtype,
+            device=self.device,
+            seed=seed,
+            base_dir=self.base_dir,
+            gradient_checkpointing=spec.gradient_checkpointing,
+        )
+        self.models[name] = state
+        num_parameters = sum(p.numel() for p in state.module.parameters())
+        return {"model": name, "device": self.device_name, "num_parameters": num_parameters}
+
+    def receive_weights(self, model: str, weights: dict[str, torch.Tensor]) -> None:
+        self.models[model].load_weights(weights)
+
+    # ---- node calls ---------------------------------------------------------------
+    def run_node(self, call: NodeCall) -> NodeReport:
+        started = time.perf_counter()
+        self._forget_before(call.step)
+        inputs: dict[str, Any] = {}
+        for ref in call.inputs:
+            inputs[ref.name] = self.store[ref.key] if ref.host is None else ref.host.fetch(ref.key).result()
+        wait_s = time.perf_counter() - started
+        output = self._dispatch(call, inputs)
+        key = store_key(call.step, call.node)
+        self.store[key] = output.value
+        self._loop.call_soon_threadsafe(self._event(key).set)
+        return NodeReport(
+            node=call.node,
+            role=call.role,
+            device=self.device_name,
+            key=key,
+            latency_s=time.perf_counter() - started,
+            wait_s=wait_s,
+            tokens=output.tokens,
+            metrics=output.metrics,
+        )
+
+    def _dispatch(self, call: NodeCall, inputs: dict[str, Any]) -> NodeOutput:
+        spec = call.spec
+        by_role = _inputs_by_role(call, inputs)
+        if call.role == "generate":
+            return run_generate(self.models[call.model], call.prompts, spec)
+        if call.role == "score":
+            reward_fn = self._reward(spec.fn)
+            return run_score(by_role["generate"][0], reward_fn, spec.weight, spec.on_error, name=spec.fn)
+        if call.role == "reference_logprob":
+            return run_reference_logprob(self.models[call.model], by_role["generate"][0])
+        if call.role == "advantage":
+            return run_advantage(by_role["score"], call.group_size, spec)
+        if call.role == "update":
+            ref = by_role.get("reference_logprob", [None])[0]
+            state = self.models[call.model]
+            output = run_update(state, by_role["generate"][0], by_role["advantage"][0], ref, spec, self.seed)
+            self._push_weights(call.model, call.weight_peers)
+            return output
+        raise ValueError(f"role {call.role!r} cannot run on a host")
+
+    def _push_weights(self, model: str, peers: tuple[Any, ...]) -> None:
+        if not peers:
+            return
+        weights = self.models[model].weights()
+        for peer in peers:
+            peer.receive_weights(model, weights).result()
+
+    def _reward(self, ref: str) -> Callable[..., list[float]]:
+        if ref not in self._rewards:
+            self._rewards[ref] = resolve_reward(ref, self.base_dir)
+        return self._rewards[ref]
+
+    # ---- data plane -----------------------------------------------------------------
+    def _event(self, key: str) -> asyncio.Event:
+        event = self._ready.get(key)
+        if event is None:
+            event = self._ready[key] = asyncio.Event()
+        return event
+
+    async def fetch(self, key: str) -> Any:
+        await self._event(key).wait()
+        return self.store[key]
+
+    def _forget_before(self, step: int) -> None:
+        # The driver starts step s only after every node of step s-1 finished, so no
+        # worker can still want an older batch.
+        for key in [k for k in self.store if key_step(k) < step]:
+            del self.store[key]
+            self._loop.call_soon_threadsafe(self._ready.pop, key, None)
+
+    # ---- measuring ----------------------------------------------------------------
+    def sample_device(self) -> DeviceSample:
+        busy = self._process.cpu_percent(None) / (100.0 * self._torch_threads)
+        rss_gb = self._process.memory_info().rss / 1e9
+        total_gb = psutil.virtual_memory().total / 1e9
+        return DeviceSample(self.device_name, "cpu", min(busy, 1.0), rss_gb, total_gb)
+
+    # ---- checkpoints --------------------------------------------------------------
+    def save_models(self, directory: str, names: list[str], with_state: bool) -> None:
+        for name in names:
+            checkpoint.save_model_state(self.models[name], Path(directory) / name, with_state=with_state)
+
+    def load_models(self, directory: str, names: list[str]) -> None:
+        for name in names:
+            checkpoint.load_model_state(self.models[name], Path(directory) / name)
+
+
+def _inputs_by_role(call: NodeCall, inputs: dict[str, Any]) -> dict[str, list[Any]]:
+    grouped: dict[str, list[Any]] = {}
+    for ref in call.inputs:
+        grouped.setdefault(ref.role, []).append(inputs[ref.name])
+    return grouped

@@ -1,0 +1,101 @@
+"""Read YAML text safely and remember on which line every key sits.
+
+The data comes from ``yaml.safe_load`` (no arbitrary objects). A second pass composes the
+node tree with the same ``SafeLoader`` to map each dotted path (``nodes.rollout.n``) to the
+1-based line of its key, and to catch duplicate keys, which YAML itself silently collapses
+to the last one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from flowrl.errors import SpecError, SpecIssue
+
+LineMap = dict[str, int]
+"""Dotted path -> 1-based line of the key (or of the list item)."""
+
+
+def parse_yaml(text: str, source_name: str) -> tuple[Any, LineMap, list[SpecIssue]]:
+    """Parse ``text``; return the data, the line map and duplicate-key issues.
+
+    A syntax error raises ``SpecError`` with the line where YAML gave up.
+    """
+    try:
+        data = yaml.safe_load(text)
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.MarkedYAMLError as error:
+        mark = error.problem_mark or error.context_mark
+        line = mark.line + 1 if mark is not None else None
+        problem = error.problem or "cannot be parsed"
+        context = ""
+        if error.context:
+            start = error.context_mark
+            started = (
+                f" started at line {start.line + 1}"
+                if start is not None and start.line + 1 != line
+                else ""
+            )
+            context = f" ({error.context}{started})"
+        syntax = isinstance(error, (yaml.scanner.ScannerError, yaml.parser.ParserError))
+        message = f"YAML {'syntax ' if syntax else ''}error: {problem}{context}"
+        raise SpecError([SpecIssue("", message, source_name, line)]) from None
+    except yaml.YAMLError as error:
+        raise SpecError([SpecIssue("", f"YAML error: {error}", source_name)]) from None
+    line_map: LineMap = {}
+    duplicates: list[SpecIssue] = []
+    if root is not None:
+        _walk(root, "", line_map, duplicates, source_name)
+    return data, line_map, duplicates
+
+
+def _walk(
+    node: yaml.Node, prefix: str, line_map: LineMap, duplicates: list[SpecIssue], source: str
+) -> None:
+    if isinstance(node, yaml.MappingNode):
+        first_line: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            key = str(key_node.value)
+            path = f"{prefix}.{key}" if prefix else key
+            line = key_node.start_mark.line + 1
+            if key in first_line:
+                first = first_line[key]
+                where = f" (first at line {first})" if first != line else ""
+                message = (
+                    f"duplicate key '{key}'{where}; YAML would keep only the last one, "
+                    "so remove one of them"
+                )
+                duplicates.append(SpecIssue(path, message, source, line))
+            else:
+                first_line[key] = line
+            line_map[path] = line  # the last occurrence is the one whose value is kept
+            _walk(value_node, path, line_map, duplicates, source)
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            path = f"{prefix}.{index}" if prefix else str(index)
+            line_map.setdefault(path, item.start_mark.line + 1)
+            _walk(item, path, line_map, duplicates, source)
+
+
+def line_of(path: str, line_map: LineMap) -> int | None:
+    """Line of ``path``, or of its nearest enclosing key when it is not in the file."""
+    found = _nearest(path, line_map)
+    return line_map[found] if found is not None else None
+
+
+def file_order(path: str, line_map: LineMap) -> int:
+    """Rank of ``path`` (or its nearest enclosing key) in file order; -1 when not in the file."""
+    found = _nearest(path, line_map)
+    return list(line_map).index(found) if found is not None else -1
+
+
+def _nearest(path: str, line_map: LineMap) -> str | None:
+    parts = path.split(".") if path else []
+    while parts:
+        candidate = ".".join(parts)
+        if candidate in line_map:
+            return candidate
+        parts.pop()
+    return None

@@ -1,0 +1,145 @@
+"""Load a pipeline from a YAML file or a plain dict, reporting every problem at once.
+
+Validation runs in two passes over the same data: the schema (types, ranges, unknown
+keys) and the graph rules (names that refer to each other, dataflow, roles). Entries that
+fail the schema are left out of the graph pass and references to them are not reported
+again, so each mistake gives exactly one message. Issues are listed in file order.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
+
+from flowrl.errors import SpecError, SpecIssue
+from flowrl.graph import PipelineGraph, find_graph_issues
+from flowrl.spec.lines import LineMap, file_order, line_of, parse_yaml
+from flowrl.spec.messages import Issue, issues_from_validation, show
+from flowrl.spec.schema import SECTION_CLASSES, NodeSpec, PipelineSpec
+
+_NODE_ADAPTER: TypeAdapter[Any] = TypeAdapter(NodeSpec)
+
+
+def load_pipeline(path: str | Path) -> PipelineGraph:
+    """Read and validate the pipeline file at ``path``.
+
+    Raises ``SpecError`` listing every problem as ``file:line: path: message``.
+    """
+    source_name = str(path)
+    file = Path(path)
+    if not file.exists():
+        raise SpecError([SpecIssue("", "no such file; check the path", source_name)])
+    if not file.is_file():
+        raise SpecError([SpecIssue("", "is a directory, not a pipeline file", source_name)])
+    try:
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise SpecError([SpecIssue("", f"cannot be read: {error}", source_name)]) from None
+    data, line_map, duplicates = parse_yaml(text, source_name)
+    return _validate(data, source_name, line_map, duplicates)
+
+
+def pipeline_from_dict(
+    data: Any, source_name: str | None = None, line_map: LineMap | None = None
+) -> PipelineGraph:
+    """Validate plain data (as ``yaml.safe_load`` gives it) into a ``PipelineGraph``.
+
+    ``source_name`` and ``line_map`` (dotted path -> line) put ``file:line`` on issues.
+    """
+    return _validate(data, source_name, line_map or {}, [])
+
+
+def _validate(
+    data: Any, source_name: str | None, line_map: LineMap, early: list[SpecIssue]
+) -> PipelineGraph:
+    first_line = 1 if source_name else None
+    if data is None:
+        message = "the file is empty; a pipeline needs name, models, nodes and data"
+        raise SpecError([*early, SpecIssue("", message, source_name, first_line)])
+    if not isinstance(data, dict):
+        message = (
+            "expected a mapping of pipeline sections (name, models, nodes, data, ...), "
+            f"found {show(data)}"
+        )
+        raise SpecError([*early, SpecIssue("", message, source_name, first_line)])
+    spec: PipelineSpec | None = None
+    found: list[Issue] = []
+    try:
+        spec = PipelineSpec.model_validate(data)
+        found.extend(find_graph_issues(spec))
+    except ValidationError as error:
+        found.extend(issues_from_validation(error))
+        partial, unusable = _partial_spec(data, error)
+        found.extend(find_graph_issues(partial, unusable))
+    issues = [*early, *(_locate(path, message, source_name, line_map) for path, message in found)]
+    if issues:
+        if line_map:
+            # file order: by line, then by where the key sits on that line
+            issues.sort(key=lambda issue: (issue.line or 0, file_order(issue.path, line_map)))
+        raise SpecError(issues)
+    assert spec is not None
+    return PipelineGraph(spec)
+
+
+def _locate(path: str, message: str, source_name: str | None, line_map: LineMap) -> SpecIssue:
+    return SpecIssue(path, message, source_name, line_of(path, line_map) if source_name else None)
+
+
+def _partial_spec(data: dict[str, Any], error: ValidationError) -> tuple[PipelineSpec, set[str]]:
+    """The models, device groups and nodes usable by the graph checks, and what is not.
+
+    An entry whose errors all sit in optional fields is kept with those fields dropped
+    (back to defaults); the dropped fields are returned as unusable (``nodes.train.kl_coef``),
+    so rules that read them are skipped. Any other failed entry is unusable as a whole.
+    """
+    bad_fields: dict[tuple[str, Any], set[str] | None] = {}
+    unusable: set[str] = set()
+    for detail in error.errors():
+        loc = detail["loc"]
+        if not loc or loc[0] not in ("models", "devices", "nodes"):
+            continue
+        if len(loc) == 1:
+            unusable.add(str(loc[0]))
+            continue
+        entry = (str(loc[0]), loc[1])
+        depth = 3 if loc[0] == "nodes" else 2  # nodes carry the role tag at loc[2]
+        fields = bad_fields.setdefault(entry, set())
+        if len(loc) > depth and fields is not None and "[key]" not in loc:
+            fields.add(str(loc[depth]))
+        else:
+            bad_fields[entry] = None  # the entry itself is wrong (not a mapping, bad role, ...)
+
+    def valid_entries(section: str) -> dict[str, Any]:
+        raw = data.get(section)
+        if raw is None and section == "devices":
+            return {}  # optional section
+        if section in unusable or not isinstance(raw, dict):
+            unusable.add(section)  # missing or not a mapping: references into it cannot be judged
+            return {}
+        entries: dict[str, Any] = {}
+        for name, value in raw.items():
+            dropped = bad_fields.get((section, name), set())
+            try:
+                if dropped is None:
+                    raise ValueError("not repairable")
+                kept = {key: item for key, item in value.items() if key not in dropped}
+                entries[name] = _validate_entry(section, kept)
+                unusable.update(f"{section}.{name}.{field}" for field in dropped)
+            except (ValueError, AttributeError):  # ValidationError is a ValueError
+                unusable.add(f"{section}.{name}")
+        return entries
+
+    spec = PipelineSpec.model_construct(
+        models=valid_entries("models"),
+        devices=valid_entries("devices"),
+        nodes=valid_entries("nodes"),
+    )
+    return spec, unusable
+
+
+def _validate_entry(section: str, value: dict[str, Any]) -> Any:
+    if section == "nodes":
+        return _NODE_ADAPTER.validate_python(value)
+    return SECTION_CLASSES[section].model_validate(value)

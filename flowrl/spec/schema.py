@@ -1,0 +1,326 @@
+"""The pipeline schema: what a pipeline file (or the Python builder) may say.
+
+Every model here is frozen and rejects unknown keys, so a typo is an error and never a
+silently ignored setting. Each field carries its unit and default in the docstring under it.
+Cross-references between sections (a node naming a model, a model naming a device group)
+are checked on the graph (``flowrl.graph``), not here, so that all problems are found at once.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+ROLES: tuple[str, ...] = (
+    "generate",
+    "score",
+    "reference_logprob",
+    "value",
+    "advantage",
+    "update",
+)
+"""Every node role, in the order an iteration usually runs them."""
+
+SOURCE_NODE = "prompts"
+"""The name of the data source's output; node inputs use it to read prompts."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class ModelSpec(_Strict):
+    """One model that nodes run: a policy, a value model (critic) or a reward model."""
+
+    path: str
+    """Where the weights come from: ``builtin:NAME``, a local directory, or a hub name. Required."""
+    kind: Literal["policy", "value", "reward"] = "policy"
+    """What it computes: next-token policy, scalar value, or scalar reward. Default policy."""
+    device_group: str | None = None
+    """A group under ``devices:``; None gives the model its own one-CPU-slot group. Default None."""
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Parameter and compute precision. Default fp32."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory (update nodes only). Default false."""
+    offload_to_cpu: bool = False
+    """Keep the weights in host memory between uses, on the device only when used. Default false."""
+
+
+class DeviceGroupSpec(_Strict):
+    """A logical device group: what a set of nodes needs, not which card it gets."""
+
+    type: Literal["cpu", "gpu"] = "cpu"
+    """Kind of device. Default cpu."""
+    count: Annotated[int, Field(ge=1)] | None = None
+    """Exact number of devices (CPU slots or GPUs); excludes min/max_count. Default None (= 1)."""
+    min_count: Annotated[int, Field(ge=1)] | None = None
+    """Fewest devices the group may shrink to under the dynamic scheduler. Default None."""
+    max_count: Annotated[int, Field(ge=1)] | None = None
+    """Most devices the group may grow to under the dynamic scheduler. Default None."""
+    min_memory_gb: Annotated[float, Field(gt=0)] | None = None
+    """Least memory per device, in GiB. Default None (any)."""
+    arch: list[str] | None = None
+    """Accepted GPU architectures (``[a100, h100]``); others do not match. Default None (any)."""
+    preferred_arch: list[str] | None = None
+    """Architectures tried first when several match. Default None (no preference)."""
+    device_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    """Pin the group to these physical device indices; turns matching off. Default None."""
+
+    @model_validator(mode="after")
+    def _counts_agree(self) -> DeviceGroupSpec:
+        if self.count is not None and (self.min_count is not None or self.max_count is not None):
+            raise ValueError(
+                "count fixes the size, min_count/max_count let it vary; give one or the other"
+            )
+        if (
+            self.min_count is not None
+            and self.max_count is not None
+            and self.min_count > self.max_count
+        ):
+            raise ValueError(
+                f"min_count ({self.min_count}) is larger than max_count ({self.max_count})"
+            )
+        if self.device_ids is not None and self.count is not None:
+            if len(self.device_ids) != self.count:
+                raise ValueError(
+                    f"device_ids lists {len(self.device_ids)} devices but count is {self.count}"
+                )
+        return self
+
+    @property
+    def effective_count(self) -> int:
+        """Number of devices the group starts with."""
+        if self.count is not None:
+            return self.count
+        if self.device_ids is not None:
+            return len(self.device_ids)
+        return self.min_count if self.min_count is not None else 1
+
+
+class _NodeBase(_Strict):
+    inputs: list[str] = []
+    """Names of the nodes (or ``prompts``) whose outputs this node reads. Default []."""
+    model: str | None = None
+    """Name of a model under ``models:``. Default None."""
+    device_group: str | None = None
+    """Run this node on this group instead of its model's. Default None (the model's group)."""
+
+
+class GenerateNode(_NodeBase):
+    """Sample completions of the prompts from a policy model (a rollout)."""
+
+    role: Literal["generate"] = "generate"
+    """Always ``generate``."""
+    model: str
+    """Name of the policy model that samples. Required."""
+    n: int = Field(default=8, ge=1)
+    """Completions per prompt (the GRPO group size). Default 8."""
+    max_new_tokens: int = Field(default=16, ge=1, le=4096)
+    """Most tokens generated per completion, in tokens. Default 16."""
+    temperature: float = Field(default=1.0, gt=0)
+    """Softmax temperature of sampling. Default 1.0."""
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    """Nucleus sampling mass; 1.0 keeps every token. Default 1.0."""
+    top_k: int = Field(default=0, ge=0)
+    """Sample among the k likeliest tokens; 0 turns it off. Default 0."""
+
+
+class ScoreNode(_NodeBase):
+    """Give every completion a scalar reward, by a function or a reward model."""
+
+    role: Literal["score"] = "score"
+    """Always ``score``."""
+    fn: str | None = None
+    """Reward function: a registry name (``digits``) or ``module:function``. Default None."""
+    model: str | None = None
+    """Name of a reward model (kind reward) instead of ``fn``. Default None."""
+    weight: float = 1.0
+    """Factor applied to this score when several are summed. Default 1.0."""
+    on_error: Literal["zero", "strict"] = "zero"
+    """When the function raises: score 0 and go on, or stop the run. Default zero."""
+
+    @model_validator(mode="after")
+    def _one_scorer(self) -> ScoreNode:
+        if self.fn is None and self.model is None:
+            raise ValueError(
+                "a score node needs 'fn' (a reward function) or 'model' (a reward model)"
+            )
+        if self.fn is not None and self.model is not None:
+            raise ValueError("give either 'fn' or 'model', not both")
+        return self
+
+
+class ReferenceLogprobNode(_NodeBase):
+    """Log-probabilities of the rollout under a frozen reference model (for the KL penalty)."""
+
+    role: Literal["reference_logprob"] = "reference_logprob"
+    """Always ``reference_logprob``."""
+    model: str
+    """Name of the reference model. Required."""
+
+
+class ValueNode(_NodeBase):
+    """Per-token value estimates of the rollout from a value model (critic)."""
+
+    role: Literal["value"] = "value"
+    """Always ``value``."""
+    model: str
+    """Name of the value model (kind value). Required."""
+
+
+class AdvantageNode(_NodeBase):
+    """Turn scores (and values) into per-token advantages."""
+
+    role: Literal["advantage"] = "advantage"
+    """Always ``advantage``."""
+    estimator: Literal["grpo", "gae", "rloo", "reinforce_pp"] = "grpo"
+    """Advantage estimator. Default grpo."""
+    scale_by_std: bool = True
+    """Divide group-centred scores by the group's standard deviation (grpo). Default true."""
+    epsilon: float = Field(default=1e-6, gt=0)
+    """Added to the standard deviation before dividing, to avoid division by zero. Default 1e-6."""
+
+
+class UpdateNode(_NodeBase):
+    """One optimisation pass of a model on the rollout (policy gradient or value regression)."""
+
+    role: Literal["update"] = "update"
+    """Always ``update``."""
+    model: str
+    """Name of the model trained. Required."""
+    lr: float = Field(default=1e-5, gt=0)
+    """AdamW learning rate. Default 1e-5."""
+    kl_coef: float = Field(default=0.0, ge=0)
+    """Weight of the KL penalty towards the reference; 0 turns it off. Default 0.0."""
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    """KL estimator (Schulman's k1 or k3). Default k3."""
+    clip_eps: float = Field(default=0.2, gt=0)
+    """PPO ratio clipping range epsilon. Default 0.2."""
+    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
+    """Average the loss over all tokens, or per sequence then over sequences. Default token_mean."""
+    ppo_epochs: int = Field(default=1, ge=1)
+    """Passes over the rollout per step. Default 1."""
+    mini_batch_size: Annotated[int, Field(ge=1)] | None = None
+    """Sequences per optimizer step; None uses the whole rollout. Default None."""
+    max_grad_norm: float = Field(default=1.0, ge=0)
+    """Clip the gradient's global norm to this; 0 turns clipping off. Default 1.0."""
+    weight_decay: float = Field(default=0.0, ge=0)
+    """AdamW decoupled weight decay. Default 0.0."""
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (
+        0.9,
+        0.999,
+    )
+    """AdamW moment decay rates. Default (0.9, 0.999)."""
+
+
+NodeSpec = Annotated[
+    GenerateNode | ScoreNode | ReferenceLogprobNode | ValueNode | AdvantageNode | UpdateNode,
+    Field(discriminator="role"),
+]
+"""A node of the iteration graph; ``role`` picks which fields it has."""
+
+NODE_CLASSES: dict[str, type[_NodeBase]] = {
+    "generate": GenerateNode,
+    "score": ScoreNode,
+    "reference_logprob": ReferenceLogprobNode,
+    "value": ValueNode,
+    "advantage": AdvantageNode,
+    "update": UpdateNode,
+}
+
+
+class DataSpec(_Strict):
+    """Where prompts come from; its output is the node input ``prompts``."""
+
+    source: str
+    """``builtin:digits``, ``builtin:first_letter``, or a .jsonl path (relative to the pipeline
+    file). Required."""
+    batch_size: int = Field(default=8, ge=1)
+    """Prompts per step. Default 8."""
+    shuffle: bool = True
+    """Visit the prompts in a seeded random order. Default true."""
+    prompt_field: str = "prompt"
+    """Key of the prompt in each jsonl record. Default prompt."""
+    answer_field: str = "answer"
+    """Key of the reference answer in each jsonl record. Default answer."""
+
+
+class TrainerSpec(_Strict):
+    """How long to train and where to write."""
+
+    steps: int = Field(default=100, ge=1)
+    """Iterations to run. Default 100."""
+    output_dir: str = "outputs/run"
+    """Run folder (checkpoints, metrics, plans), relative to the working directory.
+    Default outputs/run."""
+    checkpoint_every: int = Field(default=0, ge=0)
+    """Write a checkpoint every this many steps; 0 writes only the final one. Default 0."""
+    seed: int = Field(default=0, ge=0)
+    """Seed of data order, sampling and initialisation. Default 0."""
+    log_every: int = Field(default=1, ge=1)
+    """Log metrics every this many steps. Default 1."""
+    keep_checkpoints: int = Field(default=2, ge=1)
+    """Newest checkpoints kept on disk. Default 2."""
+
+
+class SchedulerSpec(_Strict):
+    """When the placement is reconsidered while running."""
+
+    policy: Literal["static", "dynamic"] = "static"
+    """static keeps the first plan; dynamic re-plans from measurements. Default static."""
+    every_steps: int = Field(default=10, ge=1)
+    """Consider re-planning every this many steps (dynamic). Default 10."""
+    low_util: float = Field(default=0.4, ge=0, le=1)
+    """Utilization (0..1) below which a device counts as under-used. Default 0.4."""
+    low_util_window_s: float = Field(default=30.0, gt=0)
+    """How long a device must stay under-used before acting, in seconds. Default 30."""
+    high_memory: float = Field(default=0.9, gt=0, le=1)
+    """Memory share (0..1) above which a device counts as full. Default 0.9."""
+
+
+class RuntimeSpec(_Strict):
+    """The Dask cluster the run uses."""
+
+    cpu_slots: int = Field(default=2, ge=1)
+    """CPU device slots (= Dask worker processes) on a CPU machine. Default 2."""
+    scheduler_address: str | None = None
+    """Existing Dask scheduler (``tcp://host:8786``); None starts a local cluster. Default None."""
+    torch_threads: Annotated[int, Field(ge=1)] | None = None
+    """Torch threads per worker; None uses cores / workers, at least 1. Default None."""
+    node_timeout_s: float = Field(default=600.0, gt=0)
+    """Longest one node may run before the step fails, in seconds. Default 600."""
+    dashboard: bool = False
+    """Serve the Dask dashboard. Default false."""
+
+
+class PipelineSpec(_Strict):
+    """A whole pipeline: models, device groups, one iteration's nodes, data and run settings."""
+
+    name: str = Field(min_length=1)
+    """Name of the pipeline, shown in logs. Required."""
+    models: dict[str, ModelSpec]
+    """Every model a node uses, by name. Required."""
+    devices: dict[str, DeviceGroupSpec] = {}
+    """Logical device groups, by name. Default {}."""
+    nodes: dict[str, NodeSpec]
+    """The dataflow of one iteration, by node name, in file order. Required."""
+    data: DataSpec
+    """The prompt source. Required."""
+    trainer: TrainerSpec = Field(default_factory=TrainerSpec)
+    """Steps, output folder, checkpoints, seed. Default TrainerSpec()."""
+    scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec)
+    """Re-planning policy. Default SchedulerSpec()."""
+    runtime: RuntimeSpec = Field(default_factory=RuntimeSpec)
+    """Cluster settings. Default RuntimeSpec()."""
+
+
+SECTION_CLASSES: dict[str, type[BaseModel]] = {
+    "models": ModelSpec,
+    "devices": DeviceGroupSpec,
+    "data": DataSpec,
+    "trainer": TrainerSpec,
+    "scheduler": SchedulerSpec,
+    "runtime": RuntimeSpec,
+}
+"""Schema class of each top-level section (for models/devices: of each entry)."""

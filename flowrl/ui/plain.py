@@ -1,0 +1,97 @@
+"""One line per step, for logs and pipes (stdout that is not a terminal).
+
+::
+
+    step 12/120 | reward 0.41 | resp_len 16.0 | step 0.084s | gen 31ms | 1,520 tok/s | eta 9s
+    [event] checkpoint: saved outputs/run/step-12
+
+A part whose metric the step did not report is left out rather than shown empty, so
+lines stay short and ``grep``-able.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from types import TracebackType
+from typing import TextIO
+
+from flowrl.records import RunEvent, StepRecord
+from flowrl.ui.format import (
+    format_duration,
+    format_ms,
+    format_number,
+    format_seconds,
+    format_tokens_per_s,
+)
+from flowrl.ui.progress import (
+    RESPONSE_LENGTH_KEY,
+    REWARD_KEY,
+    STEP_TIME_KEY,
+    THROUGHPUT_KEY,
+    EtaEstimator,
+)
+
+
+def format_step_line(record: StepRecord, eta_s: float | None) -> str:
+    """The log line of one step (pure, so tests and other writers can reuse it)."""
+    metrics = record.metrics
+    parts = [f"step {record.step}/{record.num_steps}"]
+    if REWARD_KEY in metrics:
+        parts.append(f"reward {format_number(metrics[REWARD_KEY], 2)}")
+    if RESPONSE_LENGTH_KEY in metrics:
+        parts.append(f"resp_len {format_number(metrics[RESPONSE_LENGTH_KEY], 1)}")
+    if STEP_TIME_KEY in metrics:
+        parts.append(f"step {format_seconds(metrics[STEP_TIME_KEY])}")
+    if record.nodes:
+        parts.append(" ".join(f"{node.node} {format_ms(node.latency_s)}" for node in record.nodes))
+    if THROUGHPUT_KEY in metrics:
+        parts.append(format_tokens_per_s(metrics[THROUGHPUT_KEY]))
+    parts.append(f"eta {format_duration(eta_s)}")
+    return " | ".join(parts)
+
+
+def format_event_line(event: RunEvent) -> str:
+    """The log line of one event: ``[event] kind: message``."""
+    return f"[event] {event.kind}: {event.message}"
+
+
+class PlainLog:
+    """Writes one line per step and per event to ``stream``, flushing each.
+
+    ``clock`` stands in for ``record.elapsed_s`` when a producer leaves it at 0 (records
+    built without timing): the run's elapsed time is then measured from this object's
+    creation.
+    """
+
+    def __init__(self, stream: TextIO, clock: Callable[[], float] = time.monotonic) -> None:
+        self._stream = stream
+        self._clock = clock
+        self._started_s = clock()
+        self._eta = EtaEstimator()
+
+    def on_step(self, record: StepRecord) -> None:
+        """Log a finished step."""
+        elapsed_s = record.elapsed_s if record.elapsed_s > 0 else self._clock() - self._started_s
+        self._eta.add(record.step, elapsed_s)
+        self._write(format_step_line(record, self._eta.eta_s(record.num_steps)))
+
+    def on_event(self, event: RunEvent) -> None:
+        """Log an event as it happens."""
+        self._write(format_event_line(event))
+
+    def __enter__(self) -> PlainLog:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self._stream.flush()
+
+    def _write(self, line: str) -> None:
+        self._stream.write(line + "\n")
+        # Flushed per line so `tail -f` and CI logs show progress as it happens.
+        self._stream.flush()

@@ -1,0 +1,100 @@
+"""Chunked token log-probabilities and entropies against the plain torch formulas."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flowrl.algorithms.logprobs import token_entropy, token_logprobs
+
+
+def _reference(logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
+    log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+
+
+def test_hand_example() -> None:
+    # logits [0, ln 3] -> softmax [1/4, 3/4]; label 1 -> ln 0.75, label 0 -> ln 0.25.
+    # At temperature 2 the logits [0, 2 ln 3] scale to the same [0, ln 3].
+    logits = torch.tensor([[[0.0, math.log(3)], [0.0, math.log(3)]]])
+    labels = torch.tensor([[1, 0]])
+    torch.testing.assert_close(
+        token_logprobs(logits, labels), torch.tensor([[math.log(0.75), math.log(0.25)]])
+    )
+    torch.testing.assert_close(
+        token_logprobs(logits * 2, labels, temperature=2.0),
+        torch.tensor([[math.log(0.75), math.log(0.25)]]),
+    )
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 7, 1024])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_matches_log_softmax_gather(chunk_size: int, temperature: float) -> None:
+    generator = torch.Generator().manual_seed(chunk_size)
+    logits = torch.randn(3, 5, 11, generator=generator) * 4
+    labels = torch.randint(0, 11, (3, 5), generator=generator)
+    result = token_logprobs(logits, labels, temperature, chunk_size)
+    assert result.dtype == torch.float32 and result.shape == (3, 5)
+    torch.testing.assert_close(result, _reference(logits, labels, temperature), atol=1e-5, rtol=0)
+
+
+def test_gradient_matches_autograd_of_the_reference() -> None:
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, 4, 9, generator=generator)
+    labels = torch.randint(0, 9, (2, 4), generator=generator)
+    weights = torch.randn(2, 4, generator=generator)
+    ours = logits.clone().requires_grad_(True)
+    theirs = logits.clone().requires_grad_(True)
+    (token_logprobs(ours, labels, 0.8, chunk_size=3) * weights).sum().backward()
+    (_reference(theirs, labels, 0.8) * weights).sum().backward()
+    assert ours.grad is not None and theirs.grad is not None
+    torch.testing.assert_close(ours.grad, theirs.grad, atol=1e-6, rtol=1e-5)
+
+
+def test_gradcheck_in_float64() -> None:
+    generator = torch.Generator().manual_seed(2)
+    logits = torch.randn(2, 3, 5, dtype=torch.float64, generator=generator, requires_grad=True)
+    labels = torch.randint(0, 5, (2, 3), generator=generator)
+    # The computation runs in fp32 by contract, so finite differences need a step well above
+    # fp32 rounding (central differences with eps=1e-3: truncation ~1e-6, rounding ~1e-4).
+    assert torch.autograd.gradcheck(
+        lambda x: token_logprobs(x, labels, 1.3, chunk_size=2).double(),
+        (logits,),
+        eps=1e-3,
+        atol=1e-3,
+        rtol=1e-3,
+    )
+
+
+def test_bfloat16_logits_give_fp32_results_and_bf16_grads() -> None:
+    generator = torch.Generator().manual_seed(3)
+    logits = (torch.randn(2, 3, 7, generator=generator) * 3).to(torch.bfloat16)
+    labels = torch.randint(0, 7, (2, 3), generator=generator)
+    logits.requires_grad_(True)
+    result = token_logprobs(logits, labels, chunk_size=4)
+    assert result.dtype == torch.float32
+    torch.testing.assert_close(result, _reference(logits.detach(), labels, 1.0), atol=1e-5, rtol=0)
+    result.sum().backward()
+    assert logits.grad is not None and logits.grad.dtype == torch.bfloat16
+
+
+def test_errors() -> None:
+    with pytest.raises(ValueError, match="vocab"):
+        token_logprobs(torch.zeros(2, 3, 4), torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="temperature"):
+        token_logprobs(torch.zeros(2, 3, 4), torch.zeros(2, 3, dtype=torch.long), temperature=0)
+
+
+def test_entropy() -> None:
+    # uniform over 4 -> ln 4; one-hot-like (100, 0, 0, 0) -> ~0
+    logits = torch.tensor([[[0.0, 0.0, 0.0, 0.0], [100.0, 0.0, 0.0, 0.0]]])
+    entropy = token_entropy(logits, chunk_size=1)
+    assert entropy[0, 0].item() == pytest.approx(math.log(4))
+    assert entropy[0, 1].item() == pytest.approx(0.0, abs=1e-6)
+    generator = torch.Generator().manual_seed(4)
+    random_logits = torch.randn(2, 3, 6, generator=generator)
+    probs = torch.softmax(random_logits / 0.5, -1)
+    expected = -(probs * probs.log()).sum(-1)
+    torch.testing.assert_close(token_entropy(random_logits, 0.5, chunk_size=4), expected)

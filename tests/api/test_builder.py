@@ -1,0 +1,129 @@
+"""The Python builder gives the same pipeline as the equivalent YAML file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from flowrl.api.builder import ModelRef, Pipeline
+from flowrl.errors import SpecError
+from flowrl.spec.loader import load_pipeline
+
+# The YAML equivalent of the builder example in DESIGN.md section 1. The builder example
+# names `actor_group` without describing it, which declares a default group.
+DESIGN_YAML = """\
+name: grpo-digits
+models:
+  actor:     {path: builtin:tiny-llama, device_group: actor_group}
+  reference: {path: builtin:tiny-llama, offload_to_cpu: true}
+devices:
+  actor_group: {}
+nodes:
+  rollout: {role: generate, model: actor, inputs: [prompts], n: 8, max_new_tokens: 24}
+  reward:  {role: score, fn: "flowrl.rewards:digit_match", inputs: [rollout]}
+  ref:     {role: reference_logprob, model: reference, inputs: [rollout]}
+  adv:     {role: advantage, estimator: grpo, inputs: [reward]}
+  train:   {role: update, model: actor, inputs: [rollout, adv, ref], lr: 1.0e-4, kl_coef: 0.02}
+data: {source: builtin:digits, batch_size: 16}
+"""
+
+
+def design_example() -> Pipeline:
+    p = Pipeline("grpo-digits")
+    actor = p.model("actor", path="builtin:tiny-llama", group="actor_group")
+    ref = p.model("reference", path="builtin:tiny-llama", offload_to_cpu=True)
+    prompts = p.source("builtin:digits", batch_size=16)
+    roll = p.generate(actor, prompts, n=8, max_new_tokens=24)
+    scores = p.score("flowrl.rewards:digit_match", roll)
+    ref_lp = p.reference_logprob(ref, roll)
+    adv = p.advantage("grpo", scores)
+    p.update(actor, roll, adv, ref_lp, lr=1e-4, kl_coef=0.02)
+    return p
+
+
+def test_design_example_equals_yaml(tmp_path: Path) -> None:
+    path = tmp_path / "grpo.yaml"
+    path.write_text(DESIGN_YAML)
+    assert design_example().build() == load_pipeline(path)
+
+
+def test_handles_and_default_names() -> None:
+    p = Pipeline("names")
+    actor = p.model("actor", path="builtin:tiny-llama")
+    assert isinstance(actor, ModelRef) and actor == "actor"
+    prompts = p.source("builtin:digits")
+    assert prompts == "prompts"
+    first = p.generate(actor, prompts)
+    second = p.generate(actor, prompts, n=2)
+    named = p.generate(actor, prompts, name="greedy", temperature=0.1)
+    assert (first, second, named) == ("rollout", "rollout_2", "greedy")
+    scores = p.score("digits", first, second)
+    assert scores == "reward"
+    adv = p.advantage("grpo", scores)
+    train = p.update(actor, first, adv)
+    assert (adv, train) == ("adv", "train")
+    spec = p.to_dict()
+    assert spec["nodes"]["greedy"] == {
+        "role": "generate",
+        "inputs": ["prompts"],
+        "model": "actor",
+        "temperature": 0.1,
+    }
+
+
+def test_score_with_a_reward_model_and_sections() -> None:
+    p = Pipeline("rm")
+    actor = p.model("actor", path="builtin:tiny-llama")
+    rm = p.model("rm", path="builtin:tiny-rm", kind="reward")
+    roll = p.generate(actor, p.source("builtin:digits"))
+    p.update(actor, roll, p.advantage("grpo", p.score(rm, roll)))
+    p.devices("gpus", type="gpu", count=2)
+    p.trainer(steps=5)
+    p.trainer(seed=3)
+    p.runtime(cpu_slots=1)
+    p.scheduler(policy="dynamic")
+    data = p.to_dict()
+    assert data["nodes"]["reward"]["model"] == "rm" and "fn" not in data["nodes"]["reward"]
+    assert data["trainer"] == {"steps": 5, "seed": 3}
+    with pytest.raises(SpecError) as caught:
+        p.build()  # gpus is declared but nothing uses it
+    assert [str(issue) for issue in caught.value.issues] == [
+        "devices.gpus: no model or node uses device group 'gpus'; remove it"
+    ]
+
+
+def test_build_reports_problems_by_path_without_file() -> None:
+    p = Pipeline("bad")
+    actor = p.model("actor", path="builtin:tiny-llama", dtype="fp64")
+    roll = p.generate(actor, p.source("builtin:digits"), n=0)
+    p.update(actor, roll, lrr=1.0)
+    with pytest.raises(SpecError) as caught:
+        p.build()
+    assert [str(issue) for issue in caught.value.issues] == [
+        "models.actor.dtype: expected one of fp32, bf16, fp16, found 'fp64' (did you mean 'fp16'?)",
+        "nodes.rollout.n: out of range: allowed n >= 1, found 0",
+        "nodes.train.lrr: unknown field 'lrr' (did you mean 'lr'?)",
+        "nodes.train.inputs: update needs advantages: add an advantage node to inputs",
+    ]
+    assert all(issue.file is None and issue.line is None for issue in caught.value.issues)
+
+
+def test_duplicates_are_refused_at_once() -> None:
+    p = Pipeline("dup")
+    p.model("actor", path="builtin:tiny-llama")
+    with pytest.raises(SpecError, match="a model named 'actor' already exists"):
+        p.model("actor", path="builtin:small-llama")
+    p.source("builtin:digits")
+    with pytest.raises(SpecError, match="one data source"):
+        p.source("builtin:first_letter")
+    p.generate("actor", "prompts", name="roll")
+    with pytest.raises(SpecError, match="a node named 'roll' already exists"):
+        p.generate("actor", "prompts", name="roll")
+
+
+def test_to_yaml_loads_back(tmp_path: Path) -> None:
+    p = design_example()
+    path = tmp_path / "out.yaml"
+    path.write_text(p.to_yaml())
+    assert load_pipeline(path) == p.build()

@@ -1,0 +1,259 @@
+"""Schema and loader: every problem reported at once, with file:line and a useful message."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from flowrl.errors import FlowrlError, SpecError
+from flowrl.spec.loader import load_pipeline, pipeline_from_dict
+from flowrl.spec.schema import DeviceGroupSpec, GenerateNode, PipelineSpec, UpdateNode
+
+BROKEN = Path(__file__).parent.parent / "fixtures" / "broken"
+
+GOOD = """\
+name: small
+models:
+  actor: {path: builtin:tiny-llama, device_group: actor_group}
+devices:
+  actor_group: {type: cpu}
+nodes:
+  rollout: {role: generate, model: actor, inputs: [prompts]}
+  reward:  {role: score, fn: digits, inputs: [rollout]}
+  adv:     {role: advantage, inputs: [reward]}
+  train:   {role: update, model: actor, inputs: [rollout, adv]}
+data: {source: builtin:digits}
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "pipeline.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def problems(path: Path) -> list[str]:
+    with pytest.raises(SpecError) as caught:
+        load_pipeline(path)
+    return [str(issue) for issue in caught.value.issues]
+
+
+def test_good_file_loads_with_defaults(tmp_path: Path) -> None:
+    graph = load_pipeline(write(tmp_path, GOOD))
+    rollout = graph.spec.nodes["rollout"]
+    assert isinstance(rollout, GenerateNode)
+    assert (rollout.n, rollout.max_new_tokens, rollout.temperature) == (8, 16, 1.0)
+    train = graph.spec.nodes["train"]
+    assert isinstance(train, UpdateNode)
+    assert train.betas == (0.9, 0.999)
+    assert graph.spec.trainer.steps == 100
+    assert graph.spec.runtime.cpu_slots == 2
+    assert list(graph.spec.nodes) == ["rollout", "reward", "adv", "train"]
+
+
+def test_specs_are_frozen(tmp_path: Path) -> None:
+    graph = load_pipeline(write(tmp_path, GOOD))
+    with pytest.raises(ValidationError):
+        graph.spec.data.batch_size = 3  # type: ignore[misc]
+
+
+def test_field_docstrings_carry_the_default() -> None:
+    description = GenerateNode.model_fields["max_new_tokens"].description
+    assert description is not None and "Default 16" in description
+
+
+def test_many_mistakes_are_all_reported_in_file_order() -> None:
+    path = BROKEN / "many_mistakes.yaml"
+    f = str(path)
+    # Line numbers counted by hand in the fixture (line 1 is `name:`).
+    expected = [
+        f"{f}:3: models.actor.device_group: no device group 'Actor_Group' (did you mean "
+        "'actor_group'?)",
+        f"{f}:3: models.actor.dtype: expected one of fp32, bf16, fp16, found 'bf32' (did you mean "
+        "'fp32'?)",
+        f"{f}:4: models.reference.kind: expected one of policy, value, reward, found 'critic'",
+        f"{f}:7: devices.actor_group.count: out of range: allowed count >= 1, found 0",
+        f"{f}:9: nodes.rollout.model: no model 'actr' (did you mean 'actor'?)",
+        f"{f}:9: nodes.rollout.max_new_tokens: out of range: allowed 1 <= max_new_tokens <= 4096, "
+        "found 5000",
+        f"{f}:9: nodes.rollout.top_p: out of range: allowed 0 < top_p <= 1, found 1.5",
+        f"{f}:10: nodes.reward.role: unknown role 'scor' (did you mean 'score'?); known roles: "
+        "generate, score, reference_logprob, value, advantage, update",
+        # a missing field is reported on the line of its parent
+        f"{f}:12: nodes.values.model: required field 'model' is missing",
+        f"{f}:13: nodes.adv.inputs: no node 'advv' (did you mean 'adv'?); inputs name other nodes "
+        "or 'prompts'",
+        f"{f}:17: nodes.train.inputs: update needs a rollout: add a generate node to inputs",
+        f"{f}:18: nodes.train.lrr: unknown field 'lrr' (did you mean 'lr'?)",
+        f"{f}:20: data.batch_size: out of range: allowed batch_size >= 1, found 0",
+        f"{f}:20: data.shufle: unknown field 'shufle' (did you mean 'shuffle'?)",
+        f"{f}:21: trainer.steps: expected an integer, found 'ten'",
+    ]
+    assert problems(path) == expected
+
+
+def test_graph_mistakes_are_all_reported_in_file_order() -> None:
+    path = BROKEN / "graph_mistakes.yaml"
+    f = str(path)
+    expected = [
+        f"{f}:5: models.spare: no node uses model 'spare'; remove it or use it in a node",
+        f"{f}:7: devices.gpus: no model or node uses device group 'gpus'; remove it",
+        f"{f}:9: nodes.rollout.model: generate needs a policy model; 'critic' is kind value",
+        f"{f}:10: nodes.reward.inputs: cycle reward -> late -> reward; one iteration must flow "
+        "one way",
+        f"{f}:12: nodes.loop.inputs: 'loop' reads its own output; drop 'loop' from inputs",
+        f"{f}:13: nodes.adv.inputs: advantage needs values (gae): add a value node to inputs",
+        f"{f}:13: nodes.adv.device_group: no device group 'gpu' (did you mean 'gpus'?)",
+        f"{f}:14: nodes.train.inputs: update needs a rollout: add a generate node to inputs",
+        f"{f}:14: nodes.train.inputs: kl_coef is 0, so the reference is never used; "
+        "set kl_coef > 0 or drop 'ref' from inputs",
+    ]
+    assert problems(path) == expected
+
+
+def test_duplicate_keys_are_errors() -> None:
+    path = BROKEN / "duplicate_keys.yaml"
+    f = str(path)
+    assert problems(path) == [
+        f"{f}:9: nodes.rollout: duplicate key 'rollout' (first at line 5); "
+        "YAML would keep only the last one, so remove one of them",
+        f"{f}:10: data.batch_size: duplicate key 'batch_size'; "
+        "YAML would keep only the last one, so remove one of them",
+    ]
+
+
+def test_syntax_error_names_the_line() -> None:
+    path = BROKEN / "syntax_error.yaml"
+    # line 3 opens `{path: ...` without closing it; YAML notices at the `:` on line 4
+    assert problems(path) == [
+        f"{path}:4: YAML syntax error: expected ',' or '}}', but got ':' "
+        "(while parsing a flow mapping started at line 3)"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("fixture", "message"),
+    [
+        ("not_a_mapping.yaml", "expected a mapping of pipeline sections"),
+        ("empty.yaml", "the file is empty"),
+    ],
+)
+def test_file_that_is_not_a_pipeline(fixture: str, message: str) -> None:
+    (problem,) = problems(BROKEN / fixture)
+    assert problem.startswith(f"{BROKEN / fixture}:1: {message}")
+
+
+def test_missing_file_and_directory(tmp_path: Path) -> None:
+    with pytest.raises(FlowrlError, match="no such file"):
+        load_pipeline(tmp_path / "nope.yaml")
+    with pytest.raises(FlowrlError, match="is a directory"):
+        load_pipeline(tmp_path)
+
+
+def test_python_tags_are_refused_not_executed(tmp_path: Path) -> None:
+    text = GOOD.replace("name: small", "name: !!python/object/apply:os.system ['echo hi']")
+    (problem,) = problems(write(tmp_path, text))
+    assert problem.startswith(
+        f"{tmp_path / 'pipeline.yaml'}:1: YAML error: could not determine a constructor for the tag"
+    )
+
+
+def test_unknown_field_without_close_match_lists_allowed_and_owner(tmp_path: Path) -> None:
+    text = GOOD.replace("inputs: [prompts]}", "inputs: [prompts], kl_coef: 0.1}")
+    (problem,) = problems(write(tmp_path, text))
+    assert problem.startswith(
+        f"{tmp_path / 'pipeline.yaml'}:7: nodes.rollout.kl_coef: unknown field"
+    )
+    assert "allowed: inputs, model, device_group, role, n, max_new_tokens" in problem
+    assert "('kl_coef' belongs to update nodes, not generate)" in problem
+
+
+def test_unknown_section_suggests_nearest(tmp_path: Path) -> None:
+    (problem,) = problems(write(tmp_path, GOOD + "trainr: {steps: 3}\n"))
+    assert problem.endswith(":12: trainr: unknown section 'trainr' (did you mean 'trainer'?)")
+
+
+def test_missing_role_and_missing_section(tmp_path: Path) -> None:
+    text = GOOD.replace("{role: score, fn: digits,", "{fn: digits,").replace(
+        "data: {source: builtin:digits}\n", ""
+    )
+    found = problems(write(tmp_path, text))
+    assert found == [
+        f"{tmp_path / 'pipeline.yaml'}: data: required section 'data' is missing",
+        f"{tmp_path / 'pipeline.yaml'}:8: nodes.reward.role: a node needs a role; known roles: "
+        "generate, score, reference_logprob, value, advantage, update",
+    ]
+
+
+def test_wrong_types(tmp_path: Path) -> None:
+    text = GOOD.replace("inputs: [prompts]}", "inputs: prompts, temperature: hot}").replace(
+        "{type: cpu}", "{type: cpu, arch: a100}"
+    )
+    assert problems(write(tmp_path, text)) == [
+        f"{tmp_path / 'pipeline.yaml'}:5: devices.actor_group.arch: expected a list, found 'a100'",
+        f"{tmp_path / 'pipeline.yaml'}:7: nodes.rollout.inputs: expected a list, found 'prompts'",
+        f"{tmp_path / 'pipeline.yaml'}:7: nodes.rollout.temperature: expected a number, found "
+        "'hot'",
+    ]
+
+
+def test_score_needs_exactly_one_of_fn_and_model() -> None:
+    with pytest.raises(ValidationError, match="needs 'fn'"):
+        PipelineSpec.model_validate(
+            {"name": "x", "models": {}, "nodes": {"r": {"role": "score"}}, "data": {"source": "s"}}
+        )
+    with pytest.raises(ValidationError, match="not both"):
+        PipelineSpec.model_validate(
+            {
+                "name": "x",
+                "models": {},
+                "nodes": {"r": {"role": "score", "fn": "digits", "model": "rm"}},
+                "data": {"source": "s"},
+            }
+        )
+
+
+def test_device_group_counts() -> None:
+    with pytest.raises(ValidationError, match="give one or the other"):
+        DeviceGroupSpec(count=2, min_count=1)
+    with pytest.raises(ValidationError, match=r"min_count \(3\) is larger than max_count \(2\)"):
+        DeviceGroupSpec(min_count=3, max_count=2)
+    assert DeviceGroupSpec().effective_count == 1
+    assert DeviceGroupSpec(type="gpu", device_ids=[2, 3]).effective_count == 2
+
+
+def minimal() -> dict[str, Any]:
+    return {
+        "name": "d",
+        "models": {"actor": {"path": "builtin:tiny-llama"}},
+        "nodes": {
+            "rollout": {"role": "generate", "model": "actor", "inputs": ["prompts"]},
+            "reward": {"role": "score", "fn": "digits", "inputs": ["rollout"]},
+            "adv": {"role": "advantage", "inputs": ["reward"]},
+            "train": {"role": "update", "model": "actor", "inputs": ["rollout", "adv"], "lr": -1},
+        },
+        "data": {"source": "builtin:digits"},
+    }
+
+
+def test_pipeline_from_dict_without_file_has_no_lines() -> None:
+    with pytest.raises(SpecError) as caught:
+        pipeline_from_dict(minimal())
+    (issue,) = caught.value.issues
+    assert (issue.file, issue.line) == (None, None)
+    assert str(issue) == "nodes.train.lr: out of range: allowed lr > 0, found -1"
+
+
+def test_pipeline_from_dict_with_line_map() -> None:
+    with pytest.raises(SpecError) as caught:
+        pipeline_from_dict(minimal(), source_name="p.yaml", line_map={"nodes.train": 9})
+    assert str(caught.value.issues[0]).startswith("p.yaml:9: nodes.train.lr:")
+
+
+def test_error_message_counts_problems() -> None:
+    with pytest.raises(SpecError) as caught:
+        pipeline_from_dict(minimal())
+    assert str(caught.value).splitlines()[0] == "1 problem in the pipeline:"

@@ -1,0 +1,300 @@
+"""PipelineGraph: graph rules, deterministic order, immutability, equality."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import networkx as nx
+import pytest
+
+from flowrl.errors import SpecError
+from flowrl.graph import PipelineGraph, find_graph_issues
+from flowrl.spec.loader import pipeline_from_dict
+from flowrl.spec.schema import PipelineSpec
+
+
+def grpo() -> dict[str, Any]:
+    """A valid GRPO pipeline with a KL reference; tests change one thing at a time."""
+    return {
+        "name": "grpo",
+        "models": {
+            "actor": {"path": "builtin:tiny-llama", "device_group": "actor_group"},
+            "reference": {"path": "builtin:tiny-llama"},
+        },
+        "devices": {"actor_group": {"type": "cpu"}},
+        "nodes": {
+            "rollout": {"role": "generate", "model": "actor", "inputs": ["prompts"]},
+            "ref": {"role": "reference_logprob", "model": "reference", "inputs": ["rollout"]},
+            "reward": {"role": "score", "fn": "digits", "inputs": ["rollout"]},
+            "adv": {"role": "advantage", "inputs": ["reward"]},
+            "train": {
+                "role": "update",
+                "model": "actor",
+                "inputs": ["rollout", "adv", "ref"],
+                "kl_coef": 0.02,
+            },
+        },
+        "data": {"source": "builtin:digits"},
+    }
+
+
+def issues(data: dict[str, Any]) -> list[str]:
+    """Graph issues as `path: message`, straight from the rules (no schema step)."""
+    return [
+        f"{path}: {message}"
+        for path, message in find_graph_issues(PipelineSpec.model_validate(data))
+    ]
+
+
+def test_valid_pipeline_builds() -> None:
+    graph = PipelineGraph(PipelineSpec.model_validate(grpo()))
+    assert graph.name == "grpo"
+    # ref and reward both only need rollout; the tie keeps file order (ref is written first)
+    assert graph.topological_order() == ["rollout", "ref", "reward", "adv", "train"]
+    assert graph.producers("train") == ["rollout", "adv", "ref"]
+    assert graph.producers("rollout") == ["prompts"]
+    assert graph.producers("prompts") == []
+    assert graph.consumers("rollout") == ["ref", "reward", "train"]
+    assert graph.nodes_with_role("update") == ["train"]
+    assert graph.graph.nodes["prompts"]["role"] == "source"
+    assert graph.graph.nodes["adv"]["role"] == "advantage"
+    assert set(graph.graph.edges) == {
+        ("prompts", "rollout"),
+        ("rollout", "ref"),
+        ("rollout", "reward"),
+        ("rollout", "train"),
+        ("reward", "adv"),
+        ("adv", "train"),
+        ("ref", "train"),
+    }
+
+
+def test_order_follows_declaration_when_file_order_changes() -> None:
+    data = grpo()
+    nodes = data["nodes"]
+    data["nodes"] = {name: nodes[name] for name in ["train", "adv", "reward", "ref", "rollout"]}
+    graph = pipeline_from_dict(data)
+    # declared order is now train, adv, reward, ref, rollout. After rollout, ref and reward
+    # are ready and reward is declared first; then adv (ready) is declared before ref.
+    assert graph.topological_order() == ["rollout", "reward", "adv", "ref", "train"]
+
+
+def test_graph_is_immutable() -> None:
+    graph = pipeline_from_dict(grpo())
+    with pytest.raises(nx.NetworkXError):
+        graph.graph.add_node("extra")
+    with pytest.raises(AttributeError):
+        graph.extra = 1  # type: ignore[attr-defined]
+    order = graph.topological_order()
+    order.append("x")
+    assert "x" not in graph.topological_order()
+
+
+def test_equality_and_round_trip() -> None:
+    first = pipeline_from_dict(grpo())
+    again = pipeline_from_dict(first.to_dict())
+    assert again == first
+    changed = grpo()
+    changed["nodes"]["rollout"]["n"] = 4
+    assert pipeline_from_dict(changed) != first
+    assert first.to_dict()["nodes"]["train"]["betas"] == [0.9, 0.999]
+
+
+def test_constructor_raises_without_lines() -> None:
+    data = grpo()
+    data["nodes"]["train"]["inputs"] = ["adv", "ref"]
+    with pytest.raises(SpecError) as caught:
+        PipelineGraph(PipelineSpec.model_validate(data))
+    (issue,) = caught.value.issues
+    assert issue.line is None and issue.file is None
+    assert str(issue) == "nodes.train.inputs: update needs a rollout: add a generate node to inputs"
+
+
+def changed(edit: Any) -> dict[str, Any]:
+    data = copy.deepcopy(grpo())
+    edit(data)
+    return data
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (
+            lambda d: d["nodes"]["train"]["inputs"].remove("adv"),
+            ["nodes.train.inputs: update needs advantages: add an advantage node to inputs"],
+        ),
+        (
+            lambda d: d["nodes"]["adv"].update(inputs=["rollout"]),
+            ["nodes.adv.inputs: advantage needs scores: add a score node to inputs"],
+        ),
+        (
+            lambda d: d["nodes"]["rollout"].update(inputs=[]),
+            ["nodes.rollout.inputs: generate needs the prompts: add 'prompts' to inputs"],
+        ),
+        (
+            lambda d: d["nodes"]["reward"].update(inputs=["prompts"]),
+            ["nodes.reward.inputs: score needs a rollout: add a generate node to inputs"],
+        ),
+        (
+            lambda d: d["nodes"]["ref"].update(inputs=["prompts"]),
+            ["nodes.ref.inputs: reference_logprob needs a rollout: add a generate node to inputs"],
+        ),
+        (
+            lambda d: d["nodes"]["train"]["inputs"].remove("ref"),
+            [
+                "nodes.train.inputs: kl_coef is 0.02, so update needs reference log-probs: "
+                "add a reference_logprob node to inputs (or set kl_coef: 0)"
+            ],
+        ),
+        (
+            lambda d: d["nodes"]["train"].update(kl_coef=0),
+            [
+                "nodes.train.inputs: kl_coef is 0, so the reference is never used; "
+                "set kl_coef > 0 or drop 'ref' from inputs"
+            ],
+        ),
+        (
+            lambda d: d["nodes"]["train"].update(model="reference"),
+            [
+                "nodes.train.model: update trains 'reference' but its rollout 'rollout' comes "
+                "from 'actor'; a policy update trains the model that generated",
+            ],
+        ),
+        (
+            # rollout -> reward -> adv -> train -> rollout is a longer loop in the same group;
+            # only the shortest one is shown
+            lambda d: d["nodes"]["rollout"]["inputs"].append("train"),
+            [
+                "nodes.rollout.inputs: generate reads only 'prompts'; drop 'train'",
+                "nodes.rollout.inputs: cycle rollout -> train -> rollout; one iteration must "
+                "flow one way",
+            ],
+        ),
+        (
+            lambda d: d["nodes"]["adv"]["inputs"].append("adv"),
+            ["nodes.adv.inputs: 'adv' reads its own output; drop 'adv' from inputs"],
+        ),
+        (
+            lambda d: d["nodes"]["adv"]["inputs"].append("reward"),
+            ["nodes.adv.inputs: 'reward' is listed twice"],
+        ),
+        (
+            lambda d: d["nodes"]["adv"]["inputs"].append("rewards"),
+            [
+                "nodes.adv.inputs: no node 'rewards' (did you mean 'reward'?); inputs name other "
+                "nodes or 'prompts'"
+            ],
+        ),
+        (
+            lambda d: d["nodes"]["adv"].update(model="actor"),
+            ["nodes.adv.model: an advantage node runs no model; remove 'model'"],
+        ),
+        (
+            lambda d: d["nodes"]["adv"].update(device_group="big_box"),
+            ["nodes.adv.device_group: no device group 'big_box'; declared groups: actor_group"],
+        ),
+        (
+            lambda d: d["models"]["actor"].update(device_group="Actor_Group"),
+            [
+                "models.actor.device_group: no device group 'Actor_Group' (did you mean "
+                "'actor_group'?)",
+                "devices.actor_group: no model or node uses device group 'actor_group'; remove it",
+            ],
+        ),
+        (
+            lambda d: d.pop("devices"),
+            ["models.actor.device_group: no device group 'actor_group'; declare it under devices:"],
+        ),
+        (
+            lambda d: d["models"]["reference"].update(kind="reward"),
+            ["nodes.ref.model: reference_logprob needs a policy model; 'reference' is kind reward"],
+        ),
+        (
+            lambda d: d["nodes"]["ref"].update(model="referense"),
+            [
+                "nodes.ref.model: no model 'referense' (did you mean 'reference'?)",
+                "models.reference: no node uses model 'reference'; remove it or use it in a node",
+            ],
+        ),
+        (
+            lambda d: d["nodes"].update(Train2=d["nodes"].pop("train")),
+            [
+                "nodes.Train2: names are lower_snake_case (a-z, digits, _; starting with a "
+                "letter), "
+                "found 'Train2'; try 'train2'"
+            ],
+        ),
+        (
+            lambda d: (
+                d["nodes"].update(prompts=d["nodes"].pop("ref"))
+                # `prompts` in an input list always means the data source, never this node
+                or d["nodes"]["train"].update(inputs=["rollout", "adv", "prompts"], kl_coef=0)
+            ),
+            ["nodes.prompts: 'prompts' is the data source's output; give the node another name"],
+        ),
+    ],
+)
+def test_graph_rules(edit: Any, expected: list[str]) -> None:
+    assert issues(changed(edit)) == expected
+
+
+def ppo() -> dict[str, Any]:
+    return {
+        "name": "ppo",
+        "models": {
+            "actor": {"path": "builtin:tiny-llama"},
+            "critic": {"path": "builtin:tiny-llama", "kind": "value"},
+            "rm": {"path": "builtin:tiny-rm", "kind": "reward"},
+        },
+        "nodes": {
+            "rollout": {"role": "generate", "model": "actor", "inputs": ["prompts"]},
+            "reward": {"role": "score", "model": "rm", "inputs": ["rollout"]},
+            "values": {"role": "value", "model": "critic", "inputs": ["rollout"]},
+            "adv": {"role": "advantage", "estimator": "gae", "inputs": ["reward", "values"]},
+            "train_actor": {"role": "update", "model": "actor", "inputs": ["rollout", "adv"]},
+            "train_critic": {"role": "update", "model": "critic", "inputs": ["rollout", "adv"]},
+        },
+        "data": {"source": "builtin:digits"},
+    }
+
+
+def test_ppo_graph_is_valid() -> None:
+    graph = pipeline_from_dict(ppo())
+    assert graph.nodes_with_role("update") == ["train_actor", "train_critic"]
+    assert graph.topological_order()[-2:] == ["train_actor", "train_critic"]
+
+
+def test_ppo_rules() -> None:
+    data = ppo()
+    data["nodes"]["adv"]["inputs"] = ["reward"]
+    data["nodes"]["train_critic"]["inputs"] = ["adv"]
+    data["nodes"]["values"]["model"] = "actor"
+    data["nodes"]["reward"]["model"] = "critic"
+    assert issues(data) == [
+        "nodes.reward.model: score needs a reward model; 'critic' is kind value",
+        "nodes.values.model: value needs a value model; 'actor' is kind policy",
+        "nodes.adv.inputs: advantage needs values (gae): add a value node to inputs",
+        "nodes.train_critic.inputs: update needs a rollout: add a generate node to inputs",
+        "models.rm: no node uses model 'rm'; remove it or use it in a node",
+    ]
+
+
+def test_update_of_a_reward_model_is_refused() -> None:
+    data = ppo()
+    data["nodes"]["train_critic"]["model"] = "rm"
+    assert (
+        "nodes.train_critic.model: update trains a policy or value model; 'rm' is kind reward"
+        in issues(data)
+    )
+
+
+def test_pipeline_without_generate() -> None:
+    data = grpo()
+    data["nodes"] = {"adv": {"role": "advantage", "inputs": []}}
+    data["models"] = {}
+    data["devices"] = {}
+    assert issues(data) == [
+        "nodes.adv.inputs: advantage needs scores: add a score node to inputs",
+        "nodes: a pipeline needs a generate node to produce rollouts",
+    ]

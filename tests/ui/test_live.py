@@ -1,0 +1,123 @@
+"""The live view's text, rendered into a recording console with a fake clock."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pytest
+from rich.console import Console
+
+from flowrl.records import RunEvent
+from flowrl.ui.live import NUM_EVENTS_SHOWN, LiveView
+
+if TYPE_CHECKING:
+    from conftest import FakeClock, StepFactory
+
+
+@pytest.fixture
+def console() -> Console:
+    return Console(record=True, width=100, force_terminal=False, color_system=None)
+
+
+def rendered(view: LiveView, console: Console) -> str:
+    console.print(view.render())
+    return console.export_text()
+
+
+def row_cells(text: str, first_cell: str) -> list[str]:
+    """The whitespace-split cells of the table row that starts with ``first_cell``."""
+    rows = [line.split() for line in text.splitlines() if line.split()[:1] == [first_cell]]
+    assert len(rows) == 1, f"expected one row for {first_cell!r} in:\n{text}"
+    return rows[0]
+
+
+def test_before_the_first_step(console: Console, clock: FakeClock) -> None:
+    view = LiveView("grpo-digits", 120, console, clock=clock)
+    clock.advance(2.0)
+    text = rendered(view, console)
+    assert "grpo-digits" in text
+    assert "step 0/120" in text
+    assert "elapsed 2s" in text
+    assert "eta -" in text
+    assert "waiting for the first step" in text
+
+
+def test_header_tables_and_eta(
+    console: Console, clock: FakeClock, make_step: StepFactory
+) -> None:
+    view = LiveView("grpo-digits", 120, console, clock=clock)
+    view.on_step(make_step(11, elapsed_s=6.0, reward=0.0))
+    view.on_step(make_step(12, elapsed_s=6.084, reward=0.41))
+    text = rendered(view, console)
+
+    assert "step 12/120" in text
+    # steps 11 -> 12 took 0.084 s; 108 steps left -> 9.072 s
+    assert "eta 9s" in text
+    assert "elapsed 6s" in text
+    # two rewards: the lower at the lowest block, the higher at the top
+    assert "reward 0.41 ▁█" in text
+    assert "resp_len 16.0" in text
+    assert "step 0.084s" in text
+    assert "1,520 tok/s" in text
+
+    assert row_cells(text, "node") == ["node", "role", "device", "latency", "tok/s", "wait"]
+    assert row_cells(text, "gen") == ["gen", "generate", "cpu:0", "31ms", "12,387", "2ms"]
+    assert row_cells(text, "ref") == ["ref", "reference_logprob", "cpu:1", "9ms", "14,222", "4ms"]
+    assert row_cells(text, "score") == ["score", "score", "cpu:0", "1ms", "128,000", "0ms"]
+    assert row_cells(text, "update") == ["update", "update", "cpu:0", "40ms", "3,200", "0.5ms"]
+
+    assert row_cells(text, "device") == ["device", "kind", "util", "memory"]
+    assert row_cells(text, "cpu:0") == ["cpu:0", "cpu", "75%", "1.2", "GB"]
+    assert row_cells(text, "cuda:1") == ["cuda:1", "gpu", "50%", "10.0", "/", "80.0", "GB"]
+
+
+def test_elapsed_and_eta_move_between_steps(
+    console: Console, clock: FakeClock, make_step: StepFactory
+) -> None:
+    view = LiveView("grpo-digits", 10, console, clock=clock)
+    view.on_step(make_step(1, elapsed_s=5.0, num_steps=10))
+    clock.advance(20.0)
+    text = rendered(view, console)
+    # elapsed: 5 s at the step + 20 s since = 25 s
+    assert "elapsed 25s" in text
+    # 5 s/step * 9 left = 45 s, of which 20 s have passed -> 25 s
+    assert "eta 25s" in text
+
+
+def test_long_runs_format_minutes(
+    console: Console, clock: FakeClock, make_step: StepFactory
+) -> None:
+    view = LiveView("ppo", 300, console, clock=clock)
+    view.on_step(make_step(50, elapsed_s=65.0, num_steps=300))
+    text = rendered(view, console)
+    # 65 s / 50 steps = 1.3 s/step, 250 left -> 325 s
+    assert "step 50/300" in text
+    assert "elapsed 1m05s" in text
+    assert "eta 5m25s" in text
+
+
+def test_recent_events_only(console: Console, clock: FakeClock) -> None:
+    view = LiveView("grpo-digits", 120, console, clock=clock)
+    view.on_event(RunEvent("placement", "gen, score, update -> cpu:0; ref -> cpu:1", step=0))
+    for step in range(10, 10 * (NUM_EVENTS_SHOWN + 1), 10):
+        view.on_event(RunEvent("checkpoint", f"saved outputs/run/step-{step}", step=step))
+    view.on_event(RunEvent("warning", "cpu:1 under 40% busy for 30s"))
+    text = rendered(view, console)
+    # the placement and the first checkpoint fell out of the last NUM_EVENTS_SHOWN
+    assert "placement" not in text
+    assert "step-10" not in text
+    assert "step 20  checkpoint: saved outputs/run/step-20" in text
+    assert "step 50  checkpoint: saved outputs/run/step-50" in text
+    assert "warning: cpu:1 under 40% busy for 30s" in text
+
+
+def test_context_manager_leaves_final_state(
+    console: Console, clock: FakeClock, make_step: StepFactory
+) -> None:
+    with LiveView("grpo-digits", 120, console, clock=clock) as view:
+        view.on_step(make_step(120, elapsed_s=65.0))
+    # A non-terminal console gets the final frame once, when the view stops.
+    text = console.export_text()
+    assert "step 120/120" in text
+    assert "eta 0s" in text
+    assert "update" in text

@@ -1,0 +1,65 @@
+"""Exact lines of the plain log."""
+
+from __future__ import annotations
+
+import io
+from typing import TYPE_CHECKING
+
+from flowrl.records import RunEvent, StepRecord
+from flowrl.ui.plain import PlainLog
+
+if TYPE_CHECKING:
+    from conftest import FakeClock, StepFactory
+
+
+def test_step_line_matches_documented_format(clock: FakeClock, make_step: StepFactory) -> None:
+    stream = io.StringIO()
+    with PlainLog(stream, clock=clock) as log:
+        log.on_step(make_step(11, elapsed_s=6.0))
+        log.on_step(make_step(12, elapsed_s=6.084))
+    # step 11 alone: 6.0 s / 11 steps = 0.5454 s/step, 109 left -> 59.45 s -> "59s"
+    # steps 11 -> 12: 0.084 s/step, 108 left -> 9.072 s -> "9s"
+    assert stream.getvalue().splitlines() == [
+        "step 11/120 | reward 0.41 | resp_len 16.0 | step 0.084s | gen 31ms ref 9ms score 1ms "
+        "update 40ms | 1,520 tok/s | eta 59s",
+        "step 12/120 | reward 0.41 | resp_len 16.0 | step 0.084s | gen 31ms ref 9ms score 1ms "
+        "update 40ms | 1,520 tok/s | eta 9s",
+    ]
+
+
+def test_last_step_has_no_time_left(clock: FakeClock, make_step: StepFactory) -> None:
+    stream = io.StringIO()
+    log = PlainLog(stream, clock=clock)
+    log.on_step(make_step(120, elapsed_s=65.0, reward=0.9))
+    assert stream.getvalue().endswith("| 1,520 tok/s | eta 0s\n")
+
+
+def test_missing_metrics_are_left_out(clock: FakeClock) -> None:
+    stream = io.StringIO()
+    log = PlainLog(stream, clock=clock)
+    log.on_step(StepRecord(step=2, num_steps=10, metrics={"critic/score/mean": 0.125},
+                           elapsed_s=3.0))
+    # 3.0 s / 2 steps = 1.5 s/step, 8 left -> 12 s
+    assert stream.getvalue() == "step 2/10 | reward 0.12 | eta 12s\n"
+
+
+def test_clock_stands_in_for_missing_elapsed(clock: FakeClock) -> None:
+    stream = io.StringIO()
+    log = PlainLog(stream, clock=clock)
+    clock.advance(4.0)
+    log.on_step(StepRecord(step=1, num_steps=16, metrics={}))
+    # elapsed_s left at 0 -> 4 s by the clock; 4 s/step, 15 left -> 60 s
+    assert stream.getvalue() == "step 1/16 | eta 1m00s\n"
+
+
+def test_event_lines(clock: FakeClock) -> None:
+    stream = io.StringIO()
+    log = PlainLog(stream, clock=clock)
+    log.on_event(RunEvent("placement", "gen, score -> cpu:0; ref -> cpu:1", step=0))
+    log.on_event(RunEvent("checkpoint", "saved outputs/run/step-10", step=10))
+    log.on_event(RunEvent("warning", "cpu:1 under 40% busy for 30s"))
+    assert stream.getvalue().splitlines() == [
+        "[event] placement: gen, score -> cpu:0; ref -> cpu:1",
+        "[event] checkpoint: saved outputs/run/step-10",
+        "[event] warning: cpu:1 under 40% busy for 30s",
+    ]
