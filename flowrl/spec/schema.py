@@ -287,11 +287,12 @@ class RuntimeSpec(_Strict):
     scheduler_address: str | None = None
     """Existing Dask scheduler (``tcp://host:8786``); None starts a local cluster. Default None."""
     torch_threads: Annotated[int, Field(ge=1)] | None = None
-    """Torch threads per worker; None uses cores / workers, at least 1. Default None."""
+    """Torch threads per worker; None uses all cores of the host (a step's nodes mostly run
+    one after another). Default None."""
     node_timeout_s: float = Field(default=600.0, gt=0)
     """Longest one node may run before the step fails, in seconds. Default 600."""
     dashboard: bool = False
-    """Serve the Dask dashboard. Default false."""
+    """Serve the Dask dashboard on 127.0.0.1:8787 (local cluster only). Default false."""
 
 
 class PipelineSpec(_Strict):
