@@ -41,6 +41,11 @@ class RoleHost:
         register()
         from distributed import get_worker
 
+        from transformers.utils import logging as hf_logging
+
+        # Shard progress bars and info logs from workers only clutter the driver's view.
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
         torch.set_num_threads(max(1, torch_threads))
         self.device_name = device_name
         self.device = device

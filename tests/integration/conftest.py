@@ -1,0 +1,30 @@
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from flowrl.api.builder import Pipeline
+
+
+def tiny_grpo(output_dir: Path, steps: int, kl_coef: float = 0.02, checkpoint_every: int = 0) -> Pipeline:
+    """The default pipeline's shape, small enough for a test."""
+    p = Pipeline("test-grpo")
+    actor = p.model("actor", path="builtin:tiny-llama", group="actor_group")
+    reference = p.model("reference", path="builtin:tiny-llama", group="ref_group")
+    prompts = p.source("builtin:digits", batch_size=4)
+    rollout = p.generate(actor, prompts, n=8, max_new_tokens=16)
+    reward = p.score("digits", rollout)
+    inputs = [rollout]
+    if kl_coef > 0:
+        inputs.append(p.reference_logprob(reference, rollout))
+    advantage = p.advantage("grpo", reward)
+    p.update(actor, rollout, advantage, *inputs[1:], lr=5e-4, kl_coef=kl_coef)
+    p.trainer(steps=steps, output_dir=str(output_dir), seed=0, checkpoint_every=checkpoint_every, keep_checkpoints=2)
+    return p
+
+
+@pytest.fixture
+def make_pipeline() -> Callable[..., Pipeline]:
+    return tiny_grpo

@@ -1,0 +1,98 @@
+"""``--scheduler``: run on a separately started `dask scheduler` with two `dask worker` processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+BIN = Path(sys.executable).parent
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _wait_for_port(port: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"nothing listens on port {port} after {timeout_s} s")
+
+
+@pytest.fixture
+def dask_cluster(tmp_path: Path) -> Iterator[str]:
+    port = _free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    logs = [open(tmp_path / name, "w") for name in ("scheduler.log", "worker-a.log", "worker-b.log")]
+    processes = [
+        subprocess.Popen(
+            [str(BIN / "dask"), "scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard"],
+            stdout=logs[0], stderr=subprocess.STDOUT, env=env,
+        )
+    ]
+    try:
+        _wait_for_port(port, 30)
+        for name, log in (("node-a", logs[1]), ("node-b", logs[2])):
+            processes.append(
+                subprocess.Popen(
+                    [str(BIN / "dask"), "worker", address, "--name", name, "--nthreads", "1",
+                     "--memory-limit", "0", "--no-dashboard", "--host", "127.0.0.1"],
+                    stdout=log, stderr=subprocess.STDOUT, env=env,
+                )
+            )
+        yield address
+    finally:
+        for process in reversed(processes):
+            process.terminate()
+        for process in processes:
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        for log in logs:
+            log.close()
+
+
+def test_run_joins_an_existing_scheduler(tmp_path: Path, dask_cluster: str, make_pipeline) -> None:
+    from distributed import Client
+
+    # The run waits for at least one worker; wait for both so that placement is stable.
+    with Client(dask_cluster, timeout=30) as client:
+        client.wait_for_workers(2, timeout=60)
+
+    output = tmp_path / "out"
+    result = subprocess.run(
+        [str(BIN / "flowrl"), "run", str(_write(make_pipeline(output, steps=4), tmp_path)),
+         "--scheduler", dask_cluster, "--plain"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"Dask scheduler {dask_cluster}: 2 workers (node-a, node-b)" in result.stdout
+    plan = json.loads((output / "plan-0.json").read_text())
+    # The workers' own names are the device slots: actor and reference on different ones.
+    assert {plan["node_slots"]["rollout"], plan["node_slots"]["ref"]} == {"node-a", "node-b"}
+    steps = [json.loads(line)["step"] for line in (output / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
+    assert (output / "final" / "model.safetensors").exists()
+
+
+def _write(pipeline, folder: Path) -> Path:
+    path = folder / "pipeline.yaml"
+    path.write_text(pipeline.to_yaml())
+    return path
