@@ -15,11 +15,13 @@ from typing import Any, Protocol
 from flowrl.api.builder import Pipeline
 from flowrl.api.metrics import step_metrics
 from flowrl.api.outputs import RunFolder
+from flowrl.backends.hf import resolve_model_path
 from flowrl.data import PromptSource
 from flowrl.errors import FlowrlError
 from flowrl.graph import PipelineGraph
 from flowrl.planner.placement import plan_static
 from flowrl.records import RunEvent, StepRecord
+from flowrl.rewards import resolve_reward
 from flowrl.runtime.cluster import Cluster
 from flowrl.runtime.session import Session
 from flowrl.spec.dump import to_yaml
@@ -83,6 +85,7 @@ def run(
         prompt_field=spec.data.prompt_field,
         answer_field=spec.data.answer_field,
     )
+    preflight(graph, base_dir)
     address = spec.runtime.scheduler_address
     cluster = Cluster.join(address) if address else Cluster.start_local(spec.runtime.cpu_slots, spec.runtime.dashboard)
     try:
@@ -198,6 +201,19 @@ def check_runnable(graph: PipelineGraph) -> None:
         problems.append("scheduler.policy: 'dynamic' cannot run yet; use 'static'")
     if problems:
         raise FlowrlError("this pipeline is valid but cannot run in this version:\n" + "\n".join(f"  {p}" for p in problems))
+
+
+def preflight(graph: PipelineGraph, base_dir: Path | None) -> None:
+    """Catch missing models and reward functions here, before any worker starts.
+
+    Resolving a builtin model also builds it once, so that workers never race to build
+    the same cache directory.
+    """
+    for model in graph.spec.models.values():
+        resolve_model_path(model.path, base_dir)
+    for node in graph.spec.nodes.values():
+        if node.role == "score" and node.fn is not None:
+            resolve_reward(node.fn, base_dir)
 
 
 def _resolve(path: Path, base_dir: Path | None) -> Path:

@@ -61,7 +61,8 @@ class Cluster:
                 memory_limit=0,
                 host="127.0.0.1",
                 dashboard_address="127.0.0.1:8787" if dashboard else None,
-                silence_logs=logging.ERROR,
+                # Worker failures reach the driver as exceptions; their log echo is noise.
+                silence_logs=logging.CRITICAL,
             )
         except Exception as error:  # any start-up failure is an environment problem
             raise ClusterError(f"cannot start a local Dask cluster of {num_slots} workers: {error}") from error

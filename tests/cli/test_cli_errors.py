@@ -1,0 +1,91 @@
+"""User mistakes at the command line: one clear message, exit code 2, never a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+FLOWRL = str(Path(sys.executable).parent / "flowrl")
+
+
+def _flowrl(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([FLOWRL, *args], capture_output=True, text=True, cwd=cwd, timeout=120)
+
+
+def _assert_user_error(result: subprocess.CompletedProcess[str], *expected: str) -> None:
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert "Traceback" not in output, output
+    for text in expected:
+        assert text in output, (text, output)
+
+
+def test_validate_lists_every_error_with_its_line() -> None:
+    broken = ROOT / "tests" / "fixtures" / "broken" / "many_mistakes.yaml"
+    result = _flowrl("validate", str(broken))
+    _assert_user_error(result, f"{broken}:")
+    assert result.stderr.count(f"{broken}:") >= 10
+
+
+def test_validate_accepts_every_shipped_pipeline() -> None:
+    for path in sorted((ROOT / "pipelines").glob("*.yaml")):
+        result = _flowrl("validate", str(path))
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "valid pipeline" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (("validate", "no/such/file.yaml"), ("no/such/file.yaml",)),
+        (("run", "no/such/file.yaml"), ("no/such/file.yaml",)),
+        (("run", "pipelines/grpo_tiny.yaml", "--steps", "0"), ("--steps",)),
+        (("run", "pipelines/grpo_tiny.yaml", "--stpes", "3"), ("--stpes",)),
+        (("frobnicate",), ("frobnicate",)),
+    ],
+)
+def test_bad_command_lines(args: tuple[str, ...], expected: tuple[str, ...]) -> None:
+    _assert_user_error(_flowrl(*args), *expected)
+
+
+def test_run_refuses_a_valid_pipeline_it_cannot_run_yet_before_starting_anything() -> None:
+    result = _flowrl("run", "pipelines/ppo.yaml")
+    _assert_user_error(result, "cannot run")
+
+
+def test_missing_dataset_file_is_a_user_error(tmp_path: Path) -> None:
+    text = (ROOT / "pipelines" / "grpo_tiny.yaml").read_text().replace("builtin:digits", "prompts.jsonl")
+    pipeline = tmp_path / "p.yaml"
+    pipeline.write_text(text)
+    _assert_user_error(_flowrl("run", str(pipeline), "-o", str(tmp_path / "out")), "prompts.jsonl")
+
+
+def test_bad_dataset_line_is_reported_with_its_line(tmp_path: Path) -> None:
+    text = (ROOT / "pipelines" / "grpo_tiny.yaml").read_text().replace("builtin:digits", "prompts.jsonl")
+    (tmp_path / "p.yaml").write_text(text)
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "abc="}\n{"prompt": 3}\nnot json\n')
+    result = _flowrl("run", str(tmp_path / "p.yaml"), "-o", str(tmp_path / "out"))
+    _assert_user_error(result, "prompts.jsonl:2", "prompts.jsonl:3")
+
+
+def test_unknown_reward_function_is_a_user_error(tmp_path: Path) -> None:
+    text = (ROOT / "pipelines" / "grpo_tiny.yaml").read_text().replace("fn: digits", "fn: digitz")
+    (tmp_path / "p.yaml").write_text(text)
+    _assert_user_error(_flowrl("run", str(tmp_path / "p.yaml"), "-o", str(tmp_path / "out"), "--steps", "1"), "digitz")
+
+
+def test_strict_reward_failure_stops_the_run_with_a_clear_message(tmp_path: Path) -> None:
+    (tmp_path / "my_rewards.py").write_text(
+        "def picky(prompts, completions, answers, max_new_tokens):\n"
+        "    raise ValueError('picky cannot score this')\n"
+    )
+    text = (ROOT / "pipelines" / "grpo_tiny.yaml").read_text().replace(
+        "fn: digits,", "fn: 'my_rewards:picky', on_error: strict,"
+    )
+    (tmp_path / "p.yaml").write_text(text)
+    result = _flowrl("run", str(tmp_path / "p.yaml"), "-o", str(tmp_path / "out"), "--steps", "2", "--plain")
+    _assert_user_error(result, "picky", "on_error")
