@@ -82,7 +82,7 @@ def grpo_config(job: dict[str, Any], output_dir: str) -> Any:
 def run_trl(job: dict[str, Any]) -> dict[str, Any]:
     import datasets
     import torch
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer, PrinterCallback, TrainerCallback
     from trl import GRPOTrainer
 
     from flowrl.backends.builtin import builtin_model_dir
@@ -132,6 +132,8 @@ def run_trl(job: dict[str, Any]) -> dict[str, Any]:
         processing_class=tokenizer,
         callbacks=[clock],
     )
+    # disable_tqdm makes transformers print every log dict; StepClock keeps them instead.
+    trainer.remove_callback(PrinterCallback)
     # Generation time per step: wrap the policy's generate() (TRL calls it once per step).
     generate_s: list[float] = []
     original_generate = trainer.model.generate

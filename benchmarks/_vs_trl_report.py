@@ -66,6 +66,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "peak_rss_mib": max((run["memory"]["peak_rss_mib"] for run in runs), default=None),
         "peak_pss_mib": max((run["memory"]["peak_pss_mib"] for run in runs), default=None),
         "max_processes": max((run["memory"]["max_processes"] for run in runs), default=None),
+        "foreign_cpu_share_max": max((run["memory"]["foreign_cpu_share"] for run in runs), default=None),
         "startup_s": float(np.median([run["startup_s"] for run in runs])),
         "reward_curve": curve,
         "reward_first10": float(np.mean(curve[:CURVE_WINDOW])) if curve else None,
@@ -113,13 +114,13 @@ def print_tables(results: dict[str, Any]) -> None:
 
     table = Table(title=f"flowrl vs TRL GRPOTrainer ({results['steps']} steps, first {WARMUP_STEPS} left out of timings)")
     for column in ("config", "framework", "s/step median", "p10-p90", "IQR", "loop s/step",
-                   "compl. tok/s", "peak RSS MiB", "peak PSS MiB", "start-up s", "reward first10 -> last10"):
+                   "compl. tok/s", "peak RSS MiB", "peak PSS MiB", "start-up s", "reward first10 -> last10", "other load"):
         table.add_column(column, justify="left" if column in ("config", "framework") else "right")
     for config, entry in results["configs"].items():
         for framework in ("flowrl", "trl"):
             s = entry.get(framework, {}).get("summary")
             if s is None:
-                table.add_row(config, framework, "failed", *[""] * 8)
+                table.add_row(config, framework, "failed", *[""] * 10)
                 continue
             t = s["step_s"]
             table.add_row(
@@ -133,6 +134,7 @@ def print_tables(results: dict[str, Any]) -> None:
                 num(s["peak_pss_mib"], ",.0f"),
                 num(s["startup_s"], ".1f"),
                 f"{num(s['reward_first10'], '.3f')} -> {num(s['reward_last10'], '.3f')}",
+                num(s["foreign_cpu_share_max"], ".0%"),
             )
     ratios = Table(title="flowrl / TRL, median seconds per step (bootstrap over steps, 95 %)")
     for column in ("config", "ratio", "2.5 %", "97.5 %"):
@@ -143,7 +145,7 @@ def print_tables(results: dict[str, Any]) -> None:
             ratios.add_row(config, "-", "-", "-")
         else:
             ratios.add_row(config, f"{r['ratio']:.2f}", f"{r['ci95_low']:.2f}", f"{r['ci95_high']:.2f}")
-    console = Console()
+    console = Console(width=max(Console().width, 170))
     console.print(table)
     console.print(ratios)
     for note in results.get("notes", []):

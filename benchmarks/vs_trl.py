@@ -79,6 +79,12 @@ class TreeMemorySampler:
         self.peak_pss = 0
         self.max_processes = 0
         self.num_samples = 0
+        self._tree_cpu_s: dict[int, float] = {}
+        self._system_busy_start_s = self._system_busy_s()
+        self._started = time.perf_counter()
+        self._wall_s = 0.0
+        self._foreign_cpu_s = 0.0
+        self.load_average_before = os.getloadavg()[0]
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="memory-sampler", daemon=True)
 
@@ -89,6 +95,18 @@ class TreeMemorySampler:
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
         self._thread.join()
+        # CPU time that processes outside the measured tree took meanwhile: other people's
+        # work on a shared machine makes every number here slower.
+        self._wall_s = time.perf_counter() - self._started
+        system_busy_s = self._system_busy_s() - self._system_busy_start_s
+        self._foreign_cpu_s = max(0.0, system_busy_s - sum(self._tree_cpu_s.values()))
+
+    @staticmethod
+    def _system_busy_s() -> float:
+        import psutil
+
+        times = psutil.cpu_times()
+        return sum(times) - times.idle - getattr(times, "iowait", 0.0)
 
     def _loop(self) -> None:
         import psutil
@@ -110,6 +128,11 @@ class TreeMemorySampler:
                     continue
                 rss += info.rss
                 pss += getattr(info, "pss", info.rss)
+                try:
+                    cpu = process.cpu_times()
+                    self._tree_cpu_s[process.pid] = cpu.user + cpu.system
+                except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                    pass
             self.peak_rss = max(self.peak_rss, rss)
             self.peak_pss = max(self.peak_pss, pss)
             self.max_processes = max(self.max_processes, len(processes))
@@ -124,7 +147,21 @@ class TreeMemorySampler:
             "max_processes": self.max_processes,
             "num_samples": self.num_samples,
             "interval_s": self.interval_s,
+            "load_average_1min_before": self.load_average_before,
+            "foreign_cpu_s": self._foreign_cpu_s,
+            "foreign_cpu_share": self._foreign_cpu_s / max(self._wall_s * (os.cpu_count() or 1), 1e-9),
         }
+
+
+def wait_for_quiet(max_wait_s: float, busy_share: float = 0.25) -> float:
+    """Wait until the machine's CPUs are mostly idle (at most ``max_wait_s``); seconds waited."""
+    import psutil
+
+    started = time.perf_counter()
+    while time.perf_counter() - started < max_wait_s:
+        if psutil.cpu_percent(interval=1.0) / 100.0 < busy_share:
+            break
+    return time.perf_counter() - started
 
 
 def run_child(framework: str, job: dict[str, Any]) -> dict[str, Any]:
@@ -182,6 +219,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--configs", default="default,small-32tok", help=f"comma-separated, from: {', '.join(CONFIGS)}")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each framework and config (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="seed of both frameworks and of the bootstrap (default 0)")
+    parser.add_argument("--max-wait-idle", type=float, default=300.0,
+                        help="before each run, wait up to this many seconds for other work on the machine to stop (default 300)")
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="JSON file to write (default benchmarks/results/vs_trl.json)")
     args = parser.parse_args(argv)
     args.configs = [name.strip() for name in args.configs.split(",") if name.strip()]
@@ -216,7 +255,9 @@ def main(argv: list[str] | None = None) -> None:
             for framework in ("flowrl", "trl"):
                 done += 1
                 print(f"[{done}/{total}] {framework} {config} (repeat {repeat + 1}/{args.repeats}, {args.steps} steps) ...", flush=True)
+                waited_s = wait_for_quiet(args.max_wait_idle)
                 result = run_child(framework, job)
+                result["waited_for_idle_s"] = waited_s
                 if "error" in result:
                     print(f"    failed: {result['error']}", flush=True)
                     results["notes"].append(f"{framework} {config} repeat {repeat + 1}: {result['error']}")
@@ -252,6 +293,8 @@ NOTES = [
     "in the batch; with one process and gradient_accumulation_steps=1 that is flowrl's token_mean.",
     "KL: flowrl clamps the k3 log-ratio to [-20, 20]; TRL does not clamp. Sampling RNG streams differ, "
     "so the completions (and reward curves) are not identical draws.",
+    "other load: CPU time used by processes outside the measured ones during the run, as a share of "
+    "all CPUs' wall time; above a few percent the times are inflated by other work on the machine.",
     "peak RSS sums processes (shared library pages counted once per process); PSS splits shared pages.",
 ]
 

@@ -16,16 +16,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-ARCHITECTURES: tuple[str, ...] = (
-    "pascal",
-    "volta",
-    "turing",
-    "ampere",
-    "ada",
-    "hopper",
-    "blackwell",
-)
-"""Known GPU architectures, oldest first."""
+from flowrl.spec.inventory_file import ARCHITECTURES  # declared in the spec layer, which checks files
+
+__all__ = ["ARCHITECTURES", "GPU_FAMILIES", "GPU_TYPES", "GpuType", "estimate_gpu", "lookup_gpu"]
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ nanny would otherwise kill a worker that merely holds a model.
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,16 +55,20 @@ class Cluster:
             {"distributed.worker.profile.enabled": False, "distributed.nanny.pre-spawn-environ": environ}
         )
         try:
-            local = LocalCluster(
-                n_workers=num_slots,
-                threads_per_worker=1,
-                processes=True,
-                memory_limit=0,
-                host="127.0.0.1",
-                dashboard_address="127.0.0.1:8787" if dashboard else None,
-                # Worker failures reach the driver as exceptions; their log echo is noise.
-                silence_logs=logging.CRITICAL,
-            )
+            with warnings.catch_warnings():
+                # Without a dashboard the scheduler still serves its small HTTP endpoint
+                # (health, metrics) and warns when port 8787 is taken; any free port will do.
+                warnings.filterwarnings("ignore", message="Port 8787 is already in use")
+                local = LocalCluster(
+                    n_workers=num_slots,
+                    threads_per_worker=1,
+                    processes=True,
+                    memory_limit=0,
+                    host="127.0.0.1",
+                    dashboard_address="127.0.0.1:8787" if dashboard else None,
+                    # Worker failures reach the driver as exceptions; their log echo is noise.
+                    silence_logs=logging.CRITICAL,
+                )
         except Exception as error:  # any start-up failure is an environment problem
             raise ClusterError(f"cannot start a local Dask cluster of {num_slots} workers: {error}") from error
         client = Client(local, direct_to_workers=True)

@@ -117,16 +117,21 @@ class RoleHost:
             ref = by_role.get("reference_logprob", [None])[0]
             state = self.models[call.model]
             output = run_update(state, by_role["generate"][0], by_role["advantage"][0], ref, spec, self.seed)
-            self._push_weights(call.model, call.weight_peers)
+            output.metrics.update(self._push_weights(call.model, call.weight_peers))
             return output
         raise ValueError(f"role {call.role!r} cannot run on a host")
 
-    def _push_weights(self, model: str, peers: tuple[Any, ...]) -> None:
+    def _push_weights(self, model: str, peers: tuple[Any, ...]) -> dict[str, float]:
+        """Send updated weights straight to the other workers that generate with them."""
         if not peers:
-            return
+            return {}
+        started = time.perf_counter()
         weights = self.models[model].weights()
-        for peer in peers:
-            peer.receive_weights(model, weights).result()
+        calls = [peer.receive_weights(model, weights) for peer in peers]
+        for call in calls:
+            call.result()
+        num_bytes = sum(t.numel() * t.element_size() for t in weights.values()) * len(peers)
+        return {"perf/weight_sync_s": time.perf_counter() - started, "perf/weight_sync_mb": num_bytes / 1e6}
 
     def _reward(self, ref: str) -> Callable[..., list[float]]:
         if ref not in self._rewards:

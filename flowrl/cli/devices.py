@@ -1,0 +1,125 @@
+"""``flowrl devices``: the hardware here (or in an inventory file), and how groups match it.
+
+    flowrl devices                                     # this machine: NVML + CPU
+    flowrl devices --devices devices/h200-8x.yaml      # a machine described in a file
+    flowrl devices --pipeline pipelines/ppo.yaml [--devices devices/mixed-4gpu.yaml]
+    ... --json                                         # the same as JSON
+
+With a pipeline, a group that cannot be matched is shown with its reason and the command
+exits with code 2 (``PlacementError``) after printing the rest.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from flowrl.devices.explain import gb
+from flowrl.devices.files import load_inventory
+from flowrl.devices.inventory import Inventory, detect_local
+from flowrl.devices.matching import Match, match_groups
+from flowrl.devices.report import inventory_lines
+from flowrl.planner.placement import AUTO_GROUP_PREFIX
+from flowrl.spec.loader import load_pipeline
+from flowrl.spec.schema import DeviceGroupSpec, PipelineSpec, RuntimeSpec
+
+
+def devices_command(
+    pipeline: Path | None, devices_file: Path | None, as_json: bool, console: Console
+) -> None:
+    """Print the inventory, and with ``pipeline`` the match of its device groups."""
+    spec = load_pipeline(pipeline).spec if pipeline is not None else None
+    if devices_file is not None:
+        inventory = load_inventory(devices_file)
+    else:
+        slots = spec.runtime.cpu_slots if spec is not None else RuntimeSpec().cpu_slots
+        inventory = detect_local(num_cpu_slots=slots)
+    match = match_groups(pipeline_groups(spec), inventory) if spec is not None else None
+    if as_json:
+        data: dict[str, Any] = {"inventory": inventory.to_dict()}
+        if match is not None:
+            data["match"] = match.to_dict()
+        console.print(json.dumps(data, indent=2), markup=False, highlight=False, soft_wrap=True)
+    else:
+        _print_inventory(inventory, console)
+        if match is not None and spec is not None:
+            _print_match(spec, match, console)
+    if match is not None:
+        match.raise_if_unsatisfied()
+
+
+def pipeline_groups(spec: PipelineSpec) -> dict[str, DeviceGroupSpec]:
+    """The pipeline's device groups plus the one-CPU-slot group of each model that names none."""
+    groups = dict(spec.devices)
+    for model_name, model in spec.models.items():
+        if model.device_group is None:
+            groups[f"{AUTO_GROUP_PREFIX}{model_name}"] = DeviceGroupSpec()
+    return groups
+
+
+def offload_notes(spec: PipelineSpec) -> dict[str, str]:
+    """``offloaded: reference`` for groups whose models keep weights in host memory."""
+    notes: dict[str, list[str]] = {}
+    for model_name, model in spec.models.items():
+        if model.offload_to_cpu:
+            group = model.device_group or f"{AUTO_GROUP_PREFIX}{model_name}"
+            notes.setdefault(group, []).append(model_name)
+    return {group: f"offloaded: {', '.join(models)}" for group, models in notes.items()}
+
+
+def _print_inventory(inventory: Inventory, console: Console) -> None:
+    table = Table(title=f"Devices ({inventory.source})", title_justify="left")
+    for column in ("id", "host", "type", "arch", "memory", "free", "bf16 TFLOP/s", "GB/s", "PCIe", "NVLink"):
+        table.add_column(column, justify="right" if column in ("memory", "free", "bf16 TFLOP/s", "GB/s") else "left")
+    for device in inventory.devices:
+        pcie = f"gen{device.pcie_gen} x{device.pcie_width}" if device.pcie_gen else "-"
+        table.add_row(
+            device.id,
+            device.host,
+            device.name,
+            device.arch,
+            gb(device.memory_gb),
+            gb(device.memory_free_gb) if device.memory_free_gb is not None else "-",
+            f"{device.tflops_bf16:g}" if device.tflops_bf16 is not None else "-",
+            f"{device.bandwidth_gbs:g}" if device.bandwidth_gbs is not None else "-",
+            pcie,
+            _peers(device.nvlink_peers),
+        )
+    console.print(table)
+    for host in inventory.hosts:
+        free = f", {gb(host.memory_free_gb)} free" if host.memory_free_gb is not None else ""
+        console.print(f"host {host.name}: {host.cores} cores, {gb(host.memory_gb)} memory{free}", highlight=False)
+    for line in inventory_lines(inventory):
+        console.print(line, highlight=False, markup=False)
+
+
+def _peers(peers: tuple[str, ...]) -> str:
+    if not peers:
+        return "-"
+    return ", ".join(peers) if len(peers) <= 3 else f"{len(peers)} peers"
+
+
+def _print_match(spec: PipelineSpec, match: Match, console: Console) -> None:
+    table = Table(title=f"Device groups of '{spec.name}'", title_justify="left")
+    for column in ("group", "devices", "headroom", "why"):
+        table.add_column(column, overflow="fold")
+    for group, device_ids in match.assignment.items():
+        headroom = match.headroom_gb.get(group)
+        table.add_row(
+            group,
+            ", ".join(device_ids) if device_ids else "[red]unmatched[/]",
+            _headroom(headroom, match.min_memory_gb.get(group)),
+            escape(match.reasons.get(group, "")),
+        )
+    console.print(table)
+
+
+def _headroom(headroom_gb: float | None, min_memory_gb: float | None) -> str:
+    if headroom_gb is None:
+        return "-"
+    return f"+{gb(headroom_gb)}" if min_memory_gb is not None else "no minimum"

@@ -1,0 +1,139 @@
+"""Why a device group cannot be matched, which devices came closest, and what would fix it.
+
+Messages follow one shape so a user can act on them without reading code::
+
+    actor_group needs 2 gpus with >= 80 GB; closest: gpu-3 H100-80GB (80 GB),
+    gpu-0 A100-40GB (40 GB): lower min_memory_gb to 40 or set count: 1
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+from flowrl.devices.gpu_types import arch_matches
+from flowrl.devices.inventory import Device
+from flowrl.spec.schema import DeviceGroupSpec
+
+_MAX_CLOSEST = 4  # enough to see the pattern without flooding the line
+
+
+def gb(value: float) -> str:
+    """``40 GB``, ``79.6 GB``: memory the way the files write it."""
+    return f"{round(value, 1):g} GB"
+
+
+def plural(count: int, kind: str) -> str:
+    word = "cpu slot" if kind == "cpu" else "gpu"
+    return f"{count} {word}{'s' if count != 1 else ''}"
+
+
+def fits_arch(device: Device, spec: DeviceGroupSpec) -> bool:
+    return spec.arch is None or any(arch_matches(w, device.arch, device.family) for w in spec.arch)
+
+
+def fits_memory(device: Device, spec: DeviceGroupSpec) -> bool:
+    return spec.min_memory_gb is None or device.memory_gb >= spec.min_memory_gb
+
+
+def requirement(spec: DeviceGroupSpec, count: int) -> str:
+    """``2 gpus with >= 40 GB of arch v100 or a100``."""
+    text = plural(count, spec.type)
+    if spec.min_memory_gb is not None:
+        text += f" with >= {gb(spec.min_memory_gb)}"
+    if spec.arch is not None:
+        text += f" of arch {' or '.join(spec.arch)}"
+    return text
+
+
+def count_field(spec: DeviceGroupSpec) -> str:
+    return "min_count" if spec.min_count is not None else "count"
+
+
+def explain_alone(group: str, spec: DeviceGroupSpec, pool: Sequence[Device], count: int) -> str:
+    """Why ``group`` cannot get ``count`` devices of ``pool`` even with no other group."""
+    need = f"{group} needs {requirement(spec, count)}"
+    kind = plural(0, spec.type).split(" ", 1)[1]
+    if not pool:
+        if spec.type == "gpu":
+            return (
+                f"{need}; this inventory has no gpus: set type: cpu, or match against an "
+                "inventory with gpus (--devices devices/FILE.yaml)"
+            )
+        return f"{need}; this inventory has no cpu slots: raise runtime.cpu_slots"
+    if count > len(pool):
+        listed = ", ".join(device.id for device in pool[:_MAX_CLOSEST])
+        more = ", ..." if len(pool) > _MAX_CLOSEST else ""
+        fix = f"set {count_field(spec)}: {len(pool)}"
+        if spec.type == "cpu":
+            fix += f", or raise runtime.cpu_slots to {count}"
+        return f"{need}; the inventory has {len(pool)} {kind} ({listed}{more}): {fix}"
+    arch_ok = [device for device in pool if fits_arch(device, spec)]
+    memory_ok = [device for device in pool if fits_memory(device, spec)]
+    both = [device for device in arch_ok if fits_memory(device, spec)]
+    closest = sorted(
+        pool,
+        key=lambda d: (not fits_arch(d, spec), not fits_memory(d, spec), -d.memory_gb, d.number),
+    )[: max(1, min(count, _MAX_CLOSEST))]
+    shown = ", ".join(_describe(device, spec) for device in closest)
+    fixes: list[str] = []
+    if spec.min_memory_gb is not None and len(arch_ok) >= count:
+        enough = sorted((d.memory_gb for d in arch_ok), reverse=True)[count - 1]
+        fixes.append(f"lower min_memory_gb to {_floor_tenth(enough):g}")
+    if spec.arch is not None and len(memory_ok) >= count:
+        best = sorted(memory_ok, key=lambda d: (not fits_arch(d, spec), -d.memory_gb, d.number))
+        missing = _unique(d.family for d in best[:count] if not fits_arch(d, spec))
+        fixes.append(f"add {', '.join(missing)} to arch")
+    if both:
+        fixes.append(f"set {count_field(spec)}: {len(both)}")
+    if not fixes:  # both filters bite: relax both
+        best = sorted(pool, key=lambda d: (-d.memory_gb, d.number))[:count]
+        fixes.append(
+            f"lower min_memory_gb to {_floor_tenth(best[-1].memory_gb):g} and add "
+            f"{', '.join(_unique(d.family for d in best if not fits_arch(d, spec)))} to arch"
+        )
+    return f"{need}; closest: {shown}: {' or '.join(fixes)}"
+
+
+def explain_together(
+    groups: Sequence[str],
+    needs: dict[str, str],
+    total: int,
+    fitting: Sequence[Device],
+    kind: str,
+) -> str:
+    """Why ``groups`` fail together although each would fit alone."""
+    each = "; ".join(f"{group}: {needs[group]}" for group in groups)
+    listed = ", ".join(device.label for device in fitting[:8])
+    more = ", ..." if len(fitting) > 8 else ""
+    return (
+        f"{_and(groups)} together need {plural(total, kind)} ({each}), but only "
+        f"{len(fitting)} fit them: {listed}{more}; lower a count, relax min_memory_gb or arch "
+        "so more devices fit, or match against a larger inventory"
+    )
+
+
+def _describe(device: Device, spec: DeviceGroupSpec) -> str:
+    if device.kind == "cpu":
+        return f"{device.id} ({gb(device.memory_gb)})"
+    details = [gb(device.memory_gb)]
+    if spec.arch is not None:
+        details.append(device.family if device.family != device.arch else device.arch)
+    return f"{device.label} ({', '.join(details)})"
+
+
+def _floor_tenth(value: float) -> float:
+    # rounding down keeps the suggested value satisfiable by the device it came from
+    return math.floor(value * 10 + 1e-9) / 10
+
+
+def _unique(items: Iterable[str]) -> list[str]:
+    seen: list[str] = []
+    for item in items:
+        if item not in seen:
+            seen.append(item)
+    return seen
+
+
+def _and(names: Sequence[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"

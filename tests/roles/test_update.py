@@ -1,0 +1,102 @@
+"""The GRPO update role on a tiny real model: steps, old log-probs, and the direction it learns."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from flowrl.backends.tokenizer import build_char_tokenizer
+from flowrl.roles.batch import Rollout
+from flowrl.roles.forward import completion_logprobs
+from flowrl.roles.state import ModelState
+from flowrl.roles.update import run_update
+from flowrl.spec.schema import UpdateNode
+
+
+def _state(seed: int = 0) -> ModelState:
+    tokenizer = build_char_tokenizer()
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    module = LlamaForCausalLM(config)
+    return ModelState("actor", module, tokenizer, torch.device("cpu"), torch.Generator().manual_seed(seed))
+
+
+def _rollout(state: ModelState) -> Rollout:
+    tokenizer = state.tokenizer
+    prompts = ["ab=", "ab=", "cd=", "cd="]
+    completions = ["12", "xy", "34", "zw"]
+    encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    completion = tokenizer(completions, return_tensors="pt", padding=True, add_special_tokens=False)
+    return Rollout(
+        prompt_ids=encoded["input_ids"], prompt_mask=encoded["attention_mask"],
+        completion_ids=completion["input_ids"], completion_mask=completion["attention_mask"],
+        group_size=2, prompts=prompts, completions=completions, answers=[None] * 4,
+        max_new_tokens=2, temperature=1.0,
+    )
+
+
+def test_single_step_update_has_ratio_one_and_raises_the_favoured_completion() -> None:
+    state = _state()
+    rollout = _rollout(state)
+    # advantage +1 for the digit completions, -1 for the letters
+    advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    before = completion_logprobs(state.module, rollout, state.device).detach()
+    node = UpdateNode(model="actor", inputs=["rollout", "adv"], lr=1e-2)
+    output = run_update(state, rollout, advantages, None, node, seed=0)
+    after = completion_logprobs(state.module, rollout, state.device).detach()
+
+    # one epoch, one mini-batch: old log-probs are the new ones detached, so ratio == 1 exactly
+    assert output.metrics["actor/ratio_mean"] == 1.0
+    assert output.metrics["actor/clipfrac"] == 0.0
+    assert output.metrics["actor/num_optimizer_steps"] == 1.0
+    gain = (after - before).sum(dim=1)
+    assert gain[0] > 0 and gain[2] > 0      # favoured completions became likelier
+    assert gain[1] < 0 and gain[3] < 0      # disfavoured ones less likely
+    assert state.num_updates == 1
+
+
+def test_epochs_and_mini_batches_make_that_many_optimizer_steps_against_fixed_old_logprobs() -> None:
+    state = _state()
+    rollout = _rollout(state)
+    advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    node = UpdateNode(model="actor", inputs=["rollout", "adv"], lr=5e-2, ppo_epochs=3, mini_batch_size=2)
+    output = run_update(state, rollout, advantages, None, node, seed=0)
+    # 3 epochs x (4 sequences / 2 per mini-batch) = 6 optimizer steps
+    assert output.metrics["actor/num_optimizer_steps"] == 6.0
+    # After the first step the policy has moved away from the fixed old log-probs, so the
+    # mean ratio over all steps is no longer exactly 1.
+    assert output.metrics["actor/ratio_mean"] != 1.0
+
+
+def test_kl_term_is_reported_and_zero_against_itself() -> None:
+    state = _state()
+    rollout = _rollout(state)
+    reference = completion_logprobs(state.module, rollout, state.device).detach()
+    node = UpdateNode(model="actor", inputs=["rollout", "adv", "ref"], lr=1e-3, kl_coef=0.1, kl_estimator="k3")
+    output = run_update(state, rollout, torch.zeros(4), reference, node, seed=0)
+    # the reference equals the policy before the step, so k3 = exp(0) - 0 - 1 = 0
+    assert output.metrics["actor/kl"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_padding_columns_do_not_change_logprobs() -> None:
+    state = _state()
+    rollout = _rollout(state)
+    pad = state.tokenizer.pad_token_id
+    wider = Rollout(
+        prompt_ids=rollout.prompt_ids, prompt_mask=rollout.prompt_mask,
+        completion_ids=torch.cat([rollout.completion_ids, torch.full((4, 3), pad)], dim=1),
+        completion_mask=torch.cat([rollout.completion_mask, torch.zeros(4, 3, dtype=torch.long)], dim=1),
+        group_size=2, prompts=rollout.prompts, completions=rollout.completions, answers=rollout.answers,
+        max_new_tokens=5, temperature=1.0,
+    )
+    narrow = completion_logprobs(state.module, rollout, state.device)
+    padded = completion_logprobs(state.module, wider, state.device)
+    assert torch.allclose(padded[:, :2], narrow, atol=1e-6)
+    assert torch.equal(padded[:, 2:], torch.zeros(4, 3))
