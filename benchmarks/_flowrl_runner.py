@@ -54,9 +54,12 @@ class _Recorder:
     def __init__(self) -> None:
         self.step_end_s: list[float] = []
         self.events: list[dict[str, Any]] = []
+        self.first_step_start_unix: float | None = None
 
     def on_step(self, record: Any) -> None:
         self.step_end_s.append(time.perf_counter())
+        if len(self.step_end_s) == 1:
+            self.first_step_start_unix = time.time() - record.metrics["timing_s/step"]
 
     def on_event(self, event: Any) -> None:
         self.events.append({"t_s": time.perf_counter(), "kind": event.kind, "message": event.message})
@@ -95,6 +98,7 @@ def run_flowrl(job: dict[str, Any]) -> dict[str, Any]:
         "reward_mean": per_step["critic/score/mean"],
         "completion_tokens": [m * num_sequences for m in per_step["response_length/mean"]],
         "startup_s": first_step_start - started,
+        "first_step_start_unix": recorder.first_step_start_unix,
         "shutdown_s": finished - recorder.step_end_s[-1] if records else 0.0,
         "total_s": finished - started,
         "metrics": per_step,

@@ -109,9 +109,12 @@ def run_trl(job: dict[str, Any]) -> dict[str, Any]:
             self.begin_s: list[float] = []
             self.end_s: list[float] = []
             self.logs: list[dict[str, float]] = []
+            self.first_step_start_unix: float | None = None
 
         def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             self.begin_s.append(time.perf_counter())
+            if len(self.begin_s) == 1:
+                self.first_step_start_unix = time.time()
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             self.end_s.append(time.perf_counter())
@@ -189,6 +192,7 @@ def run_trl(job: dict[str, Any]) -> dict[str, Any]:
         "generate_s": generate_s,
         "startup_s": (clock.begin_s[0] if clock.begin_s else finished) - started,
         "trainer_init_s": built - started,
+        "first_step_start_unix": clock.first_step_start_unix,
         "shutdown_s": finished - (clock.end_s[-1] if clock.end_s else finished),
         "total_s": finished - started,
         "ru_maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,  # KiB on Linux

@@ -68,6 +68,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "max_processes": max((run["memory"]["max_processes"] for run in runs), default=None),
         "foreign_cpu_share_max": max((run["memory"]["foreign_cpu_share"] for run in runs), default=None),
         "startup_s": float(np.median([run["startup_s"] for run in runs])),
+        "launch_to_first_step_s": float(np.median([run.get("launch_to_first_step_s", np.nan) for run in runs])),
         "reward_curve": curve,
         "reward_first10": float(np.mean(curve[:CURVE_WINDOW])) if curve else None,
         "reward_last10": float(np.mean(curve[-CURVE_WINDOW:])) if curve else None,
@@ -79,6 +80,15 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             for name in sorted(runs[0]["metrics"])
             if name.startswith("timing_s/") and name != "timing_s/step"
         }
+        # The step's critical path is rollout -> max(ref, reward + adv) -> train; the rest of
+        # timing_s/step is dispatch: Dask actor calls, batch transfers between workers.
+        overhead = []
+        for run in runs:
+            m = run["metrics"]
+            for i in range(WARMUP_STEPS, len(m["timing_s/step"])):
+                path = m["timing_s/gen"][i] + max(m["timing_s/ref"][i], m["timing_s/reward"][i] + m["timing_s/adv"][i])
+                overhead.append(m["timing_s/step"][i] - path - m["timing_s/update_actor"][i])
+        summary["dispatch_overhead_s"] = timing_summary(overhead)
     if runs and runs[0]["framework"] == "trl":
         summary["generate_s_median"] = timing_summary(after_warmup(runs, "generate_s")).get("median")
         summary["ru_maxrss_mib"] = max(run["ru_maxrss_mib"] for run in runs)
@@ -113,14 +123,14 @@ def print_tables(results: dict[str, Any]) -> None:
         return "-" if value is None else format(value, fmt)
 
     table = Table(title=f"flowrl vs TRL GRPOTrainer ({results['steps']} steps, first {WARMUP_STEPS} left out of timings)")
-    for column in ("config", "framework", "s/step median", "p10-p90", "IQR", "loop s/step",
-                   "compl. tok/s", "peak RSS MiB", "peak PSS MiB", "start-up s", "reward first10 -> last10", "other load"):
+    for column in ("config", "framework", "s/step med", "p10-p90", "IQR", "loop s/step", "tok/s",
+                   "RSS MiB", "PSS MiB", "start s", "to 1st step s", "reward 1st10->last10", "other load"):
         table.add_column(column, justify="left" if column in ("config", "framework") else "right")
     for config, entry in results["configs"].items():
         for framework in ("flowrl", "trl"):
             s = entry.get(framework, {}).get("summary")
             if s is None:
-                table.add_row(config, framework, "failed", *[""] * 10)
+                table.add_row(config, framework, "failed", *[""] * 11)
                 continue
             t = s["step_s"]
             table.add_row(
@@ -133,6 +143,7 @@ def print_tables(results: dict[str, Any]) -> None:
                 num(s["peak_rss_mib"], ",.0f"),
                 num(s["peak_pss_mib"], ",.0f"),
                 num(s["startup_s"], ".1f"),
+                num(s["launch_to_first_step_s"], ".1f"),
                 f"{num(s['reward_first10'], '.3f')} -> {num(s['reward_last10'], '.3f')}",
                 num(s["foreign_cpu_share_max"], ".0%"),
             )
@@ -145,7 +156,7 @@ def print_tables(results: dict[str, Any]) -> None:
             ratios.add_row(config, "-", "-", "-")
         else:
             ratios.add_row(config, f"{r['ratio']:.2f}", f"{r['ci95_low']:.2f}", f"{r['ci95_high']:.2f}")
-    console = Console(width=max(Console().width, 170))
+    console = Console(width=max(Console().width, 180))
     console.print(table)
     console.print(ratios)
     for note in results.get("notes", []):

@@ -70,7 +70,14 @@ def job_for(config: str, steps: int, seed: int) -> dict[str, Any]:
 
 
 class TreeMemorySampler:
-    """Peak of the summed RSS / PSS of a process and all its descendants, sampled in a thread."""
+    """Peak of the summed RSS / PSS of a process and all its descendants, sampled in a thread.
+
+    Every sample reads each known process's RSS (/proc/PID/statm, cheap); every
+    ``REFRESH_EVERY`` samples it looks for new descendants and reads PSS (smaps_rollup), which
+    costs more: the sampler shares the machine with what it measures.
+    """
+
+    REFRESH_EVERY = 5
 
     def __init__(self, pid: int, interval_s: float = MEMORY_SAMPLE_S) -> None:
         self.pid = pid
@@ -79,12 +86,13 @@ class TreeMemorySampler:
         self.peak_pss = 0
         self.max_processes = 0
         self.num_samples = 0
-        self._tree_cpu_s: dict[int, float] = {}
-        self._system_busy_start_s = self._system_busy_s()
-        self._started = time.perf_counter()
-        self._wall_s = 0.0
-        self._foreign_cpu_s = 0.0
+        self.process_peak_rss: dict[int, int] = {}
+        self.process_names: dict[int, str] = {}
         self.load_average_before = os.getloadavg()[0]
+        self._system_busy_start_s = _system_busy_s()
+        self._own_cpu_start_s = _own_cpu_s()
+        self._started = time.perf_counter()
+        self._usage: dict[str, float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="memory-sampler", daemon=True)
 
@@ -95,44 +103,51 @@ class TreeMemorySampler:
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
         self._thread.join()
-        # CPU time that processes outside the measured tree took meanwhile: other people's
-        # work on a shared machine makes every number here slower.
-        self._wall_s = time.perf_counter() - self._started
-        system_busy_s = self._system_busy_s() - self._system_busy_start_s
-        self._foreign_cpu_s = max(0.0, system_busy_s - sum(self._tree_cpu_s.values()))
 
-    @staticmethod
-    def _system_busy_s() -> float:
-        import psutil
+    def finish(self, tree_cpu_s: float) -> None:
+        """Note the CPU time of the measured tree (from wait4) against the whole machine's.
 
-        times = psutil.cpu_times()
-        return sum(times) - times.idle - getattr(times, "iowait", 0.0)
+        The rest of the machine's busy time went to other processes: other people's work on
+        a shared machine, which makes every time measured here longer.
+        """
+        wall_s = time.perf_counter() - self._started
+        system_busy_s = _system_busy_s() - self._system_busy_start_s
+        sampler_cpu_s = _own_cpu_s() - self._own_cpu_start_s
+        foreign_cpu_s = max(0.0, system_busy_s - tree_cpu_s - sampler_cpu_s)
+        self._usage = {
+            "tree_cpu_s": tree_cpu_s,
+            "sampler_cpu_s": sampler_cpu_s,
+            "foreign_cpu_s": foreign_cpu_s,
+            "foreign_cpu_share": foreign_cpu_s / max(wall_s * (os.cpu_count() or 1), 1e-9),
+        }
 
     def _loop(self) -> None:
         import psutil
 
+        gone = (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess)
         try:
             root = psutil.Process(self.pid)
         except psutil.NoSuchProcess:
             return
+        processes = [root]
         while True:
-            try:
-                processes = [root, *root.children(recursive=True)]
-            except psutil.NoSuchProcess:
-                return
+            refresh = self.num_samples % self.REFRESH_EVERY == 0
+            if refresh:
+                try:
+                    processes = [root, *root.children(recursive=True)]
+                except psutil.NoSuchProcess:
+                    return
             rss = pss = 0
             for process in processes:
                 try:
-                    info = process.memory_full_info()  # smaps_rollup: rss and pss in one read
-                except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                    info = process.memory_full_info() if refresh else process.memory_info()
+                except gone:
                     continue
                 rss += info.rss
-                pss += getattr(info, "pss", info.rss)
-                try:
-                    cpu = process.cpu_times()
-                    self._tree_cpu_s[process.pid] = cpu.user + cpu.system
-                except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-                    pass
+                pss += getattr(info, "pss", 0)
+                self.process_peak_rss[process.pid] = max(self.process_peak_rss.get(process.pid, 0), info.rss)
+                if process.pid not in self.process_names:
+                    self.process_names[process.pid] = _describe(process, self.pid)
             self.peak_rss = max(self.peak_rss, rss)
             self.peak_pss = max(self.peak_pss, pss)
             self.max_processes = max(self.max_processes, len(processes))
@@ -148,9 +163,38 @@ class TreeMemorySampler:
             "num_samples": self.num_samples,
             "interval_s": self.interval_s,
             "load_average_1min_before": self.load_average_before,
-            "foreign_cpu_s": self._foreign_cpu_s,
-            "foreign_cpu_share": self._foreign_cpu_s / max(self._wall_s * (os.cpu_count() or 1), 1e-9),
+            **self._usage,
+            "per_process_peak_rss_mib": {
+                f"{pid} {self.process_names.get(pid, '?')}": peak / 2**20 for pid, peak in self.process_peak_rss.items()
+            },
         }
+
+
+def _system_busy_s() -> float:
+    import psutil
+
+    times = psutil.cpu_times()
+    return sum(times) - times.idle - getattr(times, "iowait", 0.0)
+
+
+def _own_cpu_s() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
+def _describe(process: Any, root_pid: int) -> str:
+    """A short role name for a process of the measured tree."""
+    try:
+        cmdline = " ".join(process.cmdline())
+    except Exception:  # the process may be gone; the name is only a label
+        return "?"
+    if process.pid == root_pid:
+        return "runner (driver)"
+    if "resource_tracker" in cmdline:
+        return "multiprocessing resource tracker"
+    if "spawn_main" in cmdline:
+        return "spawned worker"
+    return cmdline[:60]
 
 
 def wait_for_quiet(max_wait_s: float, busy_share: float = 0.25) -> float:
@@ -170,16 +214,24 @@ def run_child(framework: str, job: dict[str, Any]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="vs-trl-") as scratch:
         result_path = Path(scratch) / "result.json"
         started = time.perf_counter()
+        launched_unix = time.time()
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         process = subprocess.Popen([sys.executable, str(runner), json.dumps(job), str(result_path)], cwd=REPO, env=env)
         with TreeMemorySampler(process.pid) as sampler:
-            returncode = process.wait()
+            # wait4 (not wait) for the rusage: CPU time of the child and of every descendant
+            # it reaped (the Dask workers), the measured tree's share of the machine.
+            _, status, usage = os.wait4(process.pid, 0)
+            process.returncode = returncode = os.waitstatus_to_exitcode(status)
+        sampler.finish(usage.ru_utime + usage.ru_stime)
         wall_s = time.perf_counter() - started
         if returncode != 0 or not result_path.exists():
             return {"framework": framework, "error": f"{runner.name} exited with code {returncode}", "wall_s": wall_s}
         result = json.loads(result_path.read_text())
     result["memory"] = sampler.to_dict()
     result["process_wall_s"] = wall_s
+    # Launch of the child to its first step: interpreter, imports, models, cluster.
+    if result.get("first_step_start_unix"):
+        result["launch_to_first_step_s"] = result["first_step_start_unix"] - launched_unix
     return result
 
 

@@ -17,6 +17,9 @@ from flowrl.api.metrics import step_metrics
 from flowrl.api.outputs import RunFolder
 from flowrl.backends.hf import resolve_model_path
 from flowrl.data import PromptSource
+from flowrl.devices.groups import offload_notes, pipeline_groups
+from flowrl.devices.matching import match_groups
+from flowrl.devices.report import inventory_lines, match_lines
 from flowrl.errors import FlowrlError
 from flowrl.graph import PipelineGraph
 from flowrl.planner.placement import plan_static
@@ -101,10 +104,15 @@ def _train(
     slots = [slot.name for slot in cluster.slots]
     where = f"Dask scheduler {spec.runtime.scheduler_address}" if spec.runtime.scheduler_address else "local Dask cluster"
     watcher.event(RunEvent("cluster", f"{where}: {len(slots)} workers ({', '.join(slots)})", 0))
-    plan = plan_static(graph, slots)
+    inventory = cluster.inventory()
+    match = match_groups(pipeline_groups(spec), inventory)
+    for line in [*inventory_lines(inventory), *match_lines(match, inventory, offload_notes(spec))]:
+        watcher.event(RunEvent("devices", line, 0))
+    match.raise_if_unsatisfied()
+    plan = plan_static(graph, slots, assignment=match.assignment, assignment_reasons=match.reasons)
     folder.write_plan(0, plan.to_dict())
-    for group, group_slots in plan.group_slots.items():
-        watcher.event(RunEvent("placement", f"{group} -> {', '.join(group_slots)}", 0))
+    placed = ", ".join(f"{node} -> {slot}" for node, slot in plan.node_slots.items())
+    watcher.event(RunEvent("placement", placed, 0))
     session = Session(cluster, graph, plan, base_dir)
     try:
         for info in session.load_models():

@@ -21,10 +21,10 @@ from rich.table import Table
 
 from flowrl.devices.explain import gb
 from flowrl.devices.files import load_inventory
+from flowrl.devices.groups import offload_notes, pipeline_groups
 from flowrl.devices.inventory import Inventory, detect_local
 from flowrl.devices.matching import Match, match_groups
 from flowrl.devices.report import inventory_lines
-from flowrl.planner.placement import AUTO_GROUP_PREFIX
 from flowrl.spec.loader import load_pipeline
 from flowrl.spec.schema import DeviceGroupSpec, PipelineSpec, RuntimeSpec
 
@@ -53,29 +53,11 @@ def devices_command(
         match.raise_if_unsatisfied()
 
 
-def pipeline_groups(spec: PipelineSpec) -> dict[str, DeviceGroupSpec]:
-    """The pipeline's device groups plus the one-CPU-slot group of each model that names none."""
-    groups = dict(spec.devices)
-    for model_name, model in spec.models.items():
-        if model.device_group is None:
-            groups[f"{AUTO_GROUP_PREFIX}{model_name}"] = DeviceGroupSpec()
-    return groups
-
-
-def offload_notes(spec: PipelineSpec) -> dict[str, str]:
-    """``offloaded: reference`` for groups whose models keep weights in host memory."""
-    notes: dict[str, list[str]] = {}
-    for model_name, model in spec.models.items():
-        if model.offload_to_cpu:
-            group = model.device_group or f"{AUTO_GROUP_PREFIX}{model_name}"
-            notes.setdefault(group, []).append(model_name)
-    return {group: f"offloaded: {', '.join(models)}" for group, models in notes.items()}
-
-
 def _print_inventory(inventory: Inventory, console: Console) -> None:
     table = Table(title=f"Devices ({inventory.source})", title_justify="left")
-    for column in ("id", "host", "type", "arch", "memory", "free", "bf16 TFLOP/s", "GB/s", "PCIe", "NVLink"):
-        table.add_column(column, justify="right" if column in ("memory", "free", "bf16 TFLOP/s", "GB/s") else "left")
+    numbers = ("memory", "free", "bf16 TFLOP/s", "GB/s")
+    for column in ("id", "host", "type", "arch", *numbers, "PCIe", "NVLink"):
+        table.add_column(column, justify="right" if column in numbers else "left")
     for device in inventory.devices:
         pcie = f"gen{device.pcie_gen} x{device.pcie_width}" if device.pcie_gen else "-"
         table.add_row(
@@ -93,7 +75,8 @@ def _print_inventory(inventory: Inventory, console: Console) -> None:
     console.print(table)
     for host in inventory.hosts:
         free = f", {gb(host.memory_free_gb)} free" if host.memory_free_gb is not None else ""
-        console.print(f"host {host.name}: {host.cores} cores, {gb(host.memory_gb)} memory{free}", highlight=False)
+        line = f"host {host.name}: {host.cores} cores, {gb(host.memory_gb)} memory{free}"
+        console.print(line, highlight=False)
     for line in inventory_lines(inventory):
         console.print(line, highlight=False, markup=False)
 

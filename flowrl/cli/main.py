@@ -94,6 +94,23 @@ def run(
     console.print(f"outputs: {result.output_dir}")
 
 
+@app.command()
+@_friendly
+def devices(
+    pipeline: Optional[Path] = typer.Option(
+        None, "--pipeline", "-p", help="Match this pipeline's device groups against the devices."
+    ),
+    devices_file: Optional[Path] = typer.Option(
+        None, "--devices", help="Inventory file (devices/*.yaml) to use instead of this machine."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
+) -> None:
+    """Show the devices here (or in an inventory file) and how a pipeline's device groups match them."""
+    from flowrl.cli.devices import devices_command
+
+    devices_command(pipeline, devices_file, as_json, Console())
+
+
 def main() -> None:
     app()
 

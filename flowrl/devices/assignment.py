@@ -64,7 +64,9 @@ def _class_key(device: Device) -> tuple[str, float, str, str]:
     return (device.name, device.memory_gb, device.arch, device.family)
 
 
-def assign(demands: Sequence[Demand], devices: Sequence[Device]) -> dict[str, list[str]] | Unfeasible:
+def assign(
+    demands: Sequence[Demand], devices: Sequence[Device]
+) -> dict[str, list[str]] | Unfeasible:
     """Device ids per demand, exactly ``count`` each and disjoint; or who competes."""
     pool = sorted(devices, key=lambda device: device.number)
     classes: dict[tuple[str, float, str, str], list[Device]] = {}

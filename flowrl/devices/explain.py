@@ -53,7 +53,6 @@ def count_field(spec: DeviceGroupSpec) -> str:
 def explain_alone(group: str, spec: DeviceGroupSpec, pool: Sequence[Device], count: int) -> str:
     """Why ``group`` cannot get ``count`` devices of ``pool`` even with no other group."""
     need = f"{group} needs {requirement(spec, count)}"
-    kind = plural(0, spec.type).split(" ", 1)[1]
     if not pool:
         if spec.type == "gpu":
             return (
@@ -67,7 +66,7 @@ def explain_alone(group: str, spec: DeviceGroupSpec, pool: Sequence[Device], cou
         fix = f"set {count_field(spec)}: {len(pool)}"
         if spec.type == "cpu":
             fix += f", or raise runtime.cpu_slots to {count}"
-        return f"{need}; the inventory has {len(pool)} {kind} ({listed}{more}): {fix}"
+        return f"{need}; the inventory has {plural(len(pool), spec.type)} ({listed}{more}): {fix}"
     arch_ok = [device for device in pool if fits_arch(device, spec)]
     memory_ok = [device for device in pool if fits_memory(device, spec)]
     both = [device for device in arch_ok if fits_memory(device, spec)]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from flowrl.devices.gpu_types import GPU_TYPES
+from flowrl.devices.gpu_types import GPU_TYPES, GpuType
 from flowrl.devices.inventory import Device, Host, Inventory
 from flowrl.spec.inventory_file import GpuEntry, InventoryFileSpec, load_inventory_file
 
@@ -62,9 +62,9 @@ def _gpu(entry: GpuEntry, host_name: str, index: int, number: int) -> Device:
     row = GPU_TYPES.get(entry.type)
     memory_gb = entry.memory_gb if entry.memory_gb is not None else (row.memory_gb if row else 0.0)
     arch = entry.arch or (row.arch if row else _DEFAULT_ARCH)
-    tflops = entry.tflops_bf16 if entry.tflops_bf16 is not None else (row.tflops_bf16 if row else None)
+    tflops = entry.tflops_bf16 if entry.tflops_bf16 is not None else _from_row(row, "tflops_bf16")
     bandwidth = (
-        entry.bandwidth_gbs if entry.bandwidth_gbs is not None else (row.bandwidth_gbs if row else None)
+        entry.bandwidth_gbs if entry.bandwidth_gbs is not None else _from_row(row, "bandwidth_gbs")
     )
     return Device(
         id=f"gpu-{number}",
@@ -78,3 +78,7 @@ def _gpu(entry: GpuEntry, host_name: str, index: int, number: int) -> Device:
         tflops_bf16=tflops,
         bandwidth_gbs=bandwidth,
     )
+
+
+def _from_row(row: GpuType | None, name: str) -> float | None:
+    return float(getattr(row, name)) if row is not None else None

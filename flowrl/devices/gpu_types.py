@@ -16,7 +16,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from flowrl.spec.inventory_file import ARCHITECTURES  # declared in the spec layer, which checks files
+# declared in the spec layer, which checks inventory files and cannot import this one
+from flowrl.spec.inventory_file import ARCHITECTURES
 
 __all__ = ["ARCHITECTURES", "GPU_FAMILIES", "GPU_TYPES", "GpuType", "estimate_gpu", "lookup_gpu"]
 

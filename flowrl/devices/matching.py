@@ -173,7 +173,9 @@ class _Matcher:
                 )
                 continue
             taken = [
-                i for i in ids if spec.type == "gpu" and i in holder and not self._may_share(name, holder[i])
+                i
+                for i in ids
+                if spec.type == "gpu" and i in holder and not self._may_share(name, holder[i])
             ]
             if taken:
                 other = holder[taken[0]]
@@ -197,10 +199,9 @@ class _Matcher:
         candidates: list[str] = []
         for name in names:
             spec = self.groups[name]
-            pool = free
-            fitting = [d for d in pool if fits_memory(d, spec) and fits_arch(d, spec)]
+            fitting = [d for d in free if fits_memory(d, spec) and fits_arch(d, spec)]
             if len(fitting) < spec.effective_count:
-                self.unsatisfied[name] = explain_alone(name, spec, pool, spec.effective_count)
+                self.unsatisfied[name] = explain_alone(name, spec, free, spec.effective_count)
             else:
                 candidates.append(name)
         if kind == "cpu" and sum(self.groups[n].effective_count for n in candidates) > len(free):
@@ -210,7 +211,10 @@ class _Matcher:
             outcome = self._solve(candidates, free)
             if not isinstance(outcome, Unfeasible):
                 return
-            needs = {n: requirement(self.groups[n], self.groups[n].effective_count) for n in outcome.demands}
+            needs = {
+                n: requirement(self.groups[n], self.groups[n].effective_count)
+                for n in outcome.demands
+            }
             total = sum(self.groups[n].effective_count for n in outcome.demands)
             fitting = [self.devices[i] for i in outcome.devices]
             message = explain_together(outcome.demands, needs, total, fitting, kind)
@@ -222,7 +226,10 @@ class _Matcher:
         """Assign ``names`` without sharing, else with the fewest allowed sharings."""
         options = [item & set(names) for item in self.shared if len(item & set(names)) >= 2]
         first_failure: Unfeasible | None = None
-        for size in range(len(options) + 1):
+        # every subset of the allowed sharings is tried, fewest first; past 8 of them
+        # (256 solves) only "none" and "all" are, to keep matching well under a second
+        sizes = range(len(options) + 1) if len(options) <= 8 else (0, len(options))
+        for size in sizes:
             for chosen in itertools.combinations(options, size):
                 bundles = _bundles(names, chosen)
                 demands = [self._demand(bundle, free) for bundle in bundles]
@@ -241,9 +248,7 @@ class _Matcher:
         eligible = frozenset(
             d.id for d in free if all(fits_memory(d, s) and fits_arch(d, s) for s in specs)
         )
-        preference = {
-            d.id: sum(_preference_rank(d, s) for s in specs) for d in free
-        }
+        preference = {d.id: sum(_preference_rank(d, s) for s in specs) for d in free}
         needs = sorted({s.min_memory_gb or 0.0 for s in self.groups.values()})
         weight = 1 + max(needs.index(s.min_memory_gb or 0.0) for s in specs)
         count = max(s.effective_count for s in specs)
@@ -252,11 +257,11 @@ class _Matcher:
     def _accept(self, bundle: list[str], device_ids: list[str]) -> None:
         for name in bundle:
             spec = self.groups[name]
+            chosen = [self.devices[i] for i in device_ids]
             ranked = sorted(
-                device_ids,
-                key=lambda i: (_preference_rank(self.devices[i], spec), -self.devices[i].memory_gb, self.devices[i].number),
+                chosen, key=lambda d: (_preference_rank(d, spec), -d.memory_gb, d.number)
             )
-            self.assignment[name] = ranked[: spec.effective_count]
+            self.assignment[name] = [d.id for d in ranked[: spec.effective_count]]
             self.reasons[name] = self._reason(name, bundle)
 
     def _round_robin(self, names: list[str], slots: list[Device]) -> None:

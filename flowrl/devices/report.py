@@ -2,7 +2,7 @@
 
 Plain strings, so the same lines go to a terminal, a log file or ``events.jsonl``::
 
-    Detected 4 GPUs: gpu-0 A100-40GB (40 GB), gpu-1 A100-40GB (40 GB), ...; 2 CPU slots (64 cores, 512 GB)
+    Detected 4 GPUs: gpu-0 A100-40GB (40 GB), ...; 2 CPU slots (64 cores, 512 GB)
     actor_group -> [gpu-3 H100-80GB, gpu-0 A100-40GB] (matched 2/2, memory OK, +40 GB headroom)
     reference_group -> cpu-0 (cpu)
 """

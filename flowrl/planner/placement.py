@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from flowrl.devices.groups import AUTO_GROUP_PREFIX
 from flowrl.errors import PlacementError
 from flowrl.graph import PipelineGraph
 
-AUTO_GROUP_PREFIX = "auto:"
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,18 @@ def model_group(pipeline: PipelineGraph, model: str) -> str:
     return group if group is not None else f"{AUTO_GROUP_PREFIX}{model}"
 
 
-def plan_static(pipeline: PipelineGraph, slots: list[str], step: int = 0) -> Plan:
+def plan_static(
+    pipeline: PipelineGraph,
+    slots: list[str],
+    step: int = 0,
+    assignment: dict[str, list[str]] | None = None,
+    assignment_reasons: dict[str, str] | None = None,
+) -> Plan:
+    """Place the pipeline on ``slots``.
+
+    ``assignment`` (group -> devices, from device-group matching) decides the group's slot
+    where it is given; other groups take slots in declaration order.
+    """
     if not slots:
         raise PlacementError("no device slots: the cluster has no workers")
     spec = pipeline.spec
@@ -53,7 +64,12 @@ def plan_static(pipeline: PipelineGraph, slots: list[str], step: int = 0) -> Pla
     reasons: list[str] = []
     group_slots: dict[str, list[str]] = {}
     for index, group in enumerate(groups):
-        group_slots[group] = [_slot_for_group(pipeline, group, index, slots, reasons)]
+        if assignment and assignment.get(group):
+            group_slots[group] = [_matched_slot(group, assignment[group], slots, pipeline)]
+            why = (assignment_reasons or {}).get(group, "matched")
+            reasons.append(f"{group} -> {group_slots[group][0]}: {why}")
+        else:
+            group_slots[group] = [_slot_for_group(pipeline, group, index, slots, reasons)]
 
     node_slots: dict[str, str] = {}
     for node in pipeline.topological_order():
@@ -77,6 +93,21 @@ def plan_static(pipeline: PipelineGraph, slots: list[str], step: int = 0) -> Pla
         if model is not None and slot not in model_slots.setdefault(model, []):
             model_slots[model].append(slot)
     return Plan(step=step, group_slots=group_slots, model_slots=model_slots, node_slots=node_slots, reasons=reasons)
+
+
+def _matched_slot(group: str, devices: list[str], slots: list[str], pipeline: PipelineGraph) -> str:
+    if len(devices) > 1:
+        raise PlacementError(
+            f"devices.{group}: matched {len(devices)} devices; data-parallel device groups are not "
+            "available in this version. Set `count: 1`."
+        )
+    if devices[0] not in slots:
+        raise PlacementError(
+            f"devices.{group}: matched device {devices[0]}, but no Dask worker serves it "
+            f"(workers: {', '.join(slots)}). GPU workers are not started in this version: "
+            "set `type: cpu` for this group."
+        )
+    return devices[0]
 
 
 def _groups_in_use(pipeline: PipelineGraph) -> list[str]:

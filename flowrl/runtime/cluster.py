@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import logging
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import dask
 from distributed import Client, LocalCluster
 
+from flowrl.devices.inventory import Inventory, detect_local, inventory_from_dict, merge_inventories
 from flowrl.errors import ClusterError
 from flowrl.runtime.serialization import TorchSerializerPlugin, register
 
@@ -96,6 +97,28 @@ class Cluster:
         client.register_plugin(TorchSerializerPlugin())
         return cls(client, _slots(client, prefix=None), None)
 
+    def inventory(self) -> Inventory:
+        """The devices behind the workers, each CPU slot named after the slot it is.
+
+        Embedded mode reads this machine (NVML + CPU). Cluster mode asks every worker to
+        report its own host and devices, so the inventory spans machines.
+        """
+        if self._local is not None:
+            return detect_local(num_cpu_slots=len(self.slots))
+        reports = self.client.run(_report_devices)
+        parts = []
+        for slot in self.slots:
+            inventory = inventory_from_dict(reports[slot.address])
+            devices = tuple(
+                replace(device, id=slot.name, worker=slot.name) if device.kind == "cpu" else replace(device, worker=slot.name)
+                for device in inventory.devices
+            )
+            parts.append(replace(inventory, devices=devices))
+        merged = merge_inventories(parts)
+        # merge renumbers ids; CPU slots keep their worker's name, which is what placement uses
+        devices = tuple(replace(d, id=d.worker) if d.kind == "cpu" and d.worker else d for d in merged.devices)
+        return replace(merged, devices=devices, source=f"{len(self.slots)} Dask workers")
+
     @property
     def dashboard_link(self) -> str | None:
         return self.client.dashboard_link if self._local is not None and self._local.dashboard_link else None
@@ -106,6 +129,10 @@ class Cluster:
         self.client.close()
         if self._local is not None:
             self._local.close()
+
+
+def _report_devices() -> dict[str, Any]:
+    return detect_local(num_cpu_slots=1).to_dict()
 
 
 def _slots(client: Client, prefix: str | None) -> list[WorkerSlot]:

@@ -41,7 +41,9 @@ def fake_pynvml(names: list[str], totals_gib: list[float], nvlink: bool) -> type
             total=int(totals_gib[h] * GiB), free=int((totals_gib[h] - 1) * GiB)
         ),
         "nvmlDeviceGetCudaComputeCapability": lambda h: (9, 0),
-        "nvmlDeviceGetPciInfo": lambda h: types.SimpleNamespace(busId=f"00000000:{h + 16:02X}:00.0"),
+        "nvmlDeviceGetPciInfo": lambda h: types.SimpleNamespace(
+            busId=f"00000000:{h + 16:02X}:00.0"
+        ),
         "nvmlDeviceGetMaxPcieLinkGeneration": lambda h: 5,
         "nvmlDeviceGetMaxPcieLinkWidth": lambda h: 16,
         "nvmlDeviceGetP2PStatus": lambda a, b, caps: 0 if nvlink else 4,
@@ -51,7 +53,9 @@ def fake_pynvml(names: list[str], totals_gib: list[float], nvlink: bool) -> type
     return module
 
 
-def test_without_nvidia_ml_py_detection_gives_cpu_slots_only(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_nvidia_ml_py_detection_gives_cpu_slots_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setitem(sys.modules, "pynvml", None)  # makes `import pynvml` fail
     inventory = detect_local(num_cpu_slots=2)
     assert [device.id for device in inventory.devices] == ["cpu-0", "cpu-1"]
@@ -97,7 +101,8 @@ def test_cuda_visible_devices_limits_what_a_worker_reports() -> None:
         )
         for i in range(3)
     ]
-    inventory = detect_local(1, reader=lambda: readings, environ={"CUDA_VISIBLE_DEVICES": "2,GPU-0"})
+    environ = {"CUDA_VISIBLE_DEVICES": "2,GPU-0"}
+    inventory = detect_local(1, reader=lambda: readings, environ=environ)
     assert [gpu.id for gpu in inventory.gpus()] == ["gpu-0", "gpu-2"]
     # ids keep the physical index; peers that are not visible are dropped
     assert inventory.gpus()[1].nvlink_peers == ("gpu-0",)
@@ -111,7 +116,8 @@ def test_merging_worker_reports_renumbers_across_hosts() -> None:
             for i in range(gpus)
         ]
         local = detect_local(1, reader=lambda: readings, environ={})
-        return inventory_from_dict({**local.to_dict(), "hosts": [{"name": name, "cores": 8, "memory_gb": 64.0}]})
+        host = {"name": name, "cores": 8, "memory_gb": 64.0}
+        return inventory_from_dict({**local.to_dict(), "hosts": [host]})
 
     merged = merge_inventories([one_host("a", 2), one_host("b", 2)])
     assert [d.id for d in merged.gpus()] == ["gpu-0", "gpu-1", "gpu-2", "gpu-3"]

@@ -38,7 +38,8 @@ def test_two_node_cluster_numbers_across_hosts_and_keeps_nvlink_inside_a_node() 
     inventory = load_inventory(SHIPPED[0].parent / "cluster-2node.yaml")
     gpus = inventory.gpus()
     assert len(gpus) == 16
-    assert (gpus[8].id, gpus[8].host, gpus[8].index, gpus[8].name) == ("gpu-8", "node-1", 0, "A100-80GB")
+    first = gpus[8]
+    assert (first.id, first.host, first.index, first.name) == ("gpu-8", "node-1", 0, "A100-80GB")
     assert gpus[0].nvlink_peers == tuple(f"gpu-{i}" for i in range(1, 8))
     assert gpus[8].nvlink_peers == ()
     assert [d.id for d in inventory.cpus()] == ["cpu-0", "cpu-1", "cpu-2", "cpu-3"]
@@ -62,7 +63,8 @@ def test_a_card_not_in_the_table_is_described_by_its_memory(tmp_path: Path) -> N
         "      - {type: RTX-6000-Ada, memory_gb: 48, arch: ada}\n"
     )
     gpu = load_inventory(path).gpus()[0]
-    assert (gpu.name, gpu.memory_gb, gpu.arch, gpu.family) == ("RTX-6000-Ada", 48, "ada", "rtx-6000-ada")
+    expected = ("RTX-6000-Ada", 48, "ada", "rtx-6000-ada")
+    assert (gpu.name, gpu.memory_gb, gpu.arch, gpu.family) == expected
 
 
 BROKEN = """\
@@ -108,7 +110,8 @@ def test_every_mistake_is_reported_at_once_with_its_line(tmp_path: Path) -> None
 def test_duplicate_keys_and_syntax_errors_have_lines(tmp_path: Path) -> None:
     path = tmp_path / "dup.yaml"
     path.write_text("name: a\nname: b\nhosts:\n  h: {cpus: {cores: 1, memory_gb: 1}}\n")
-    with pytest.raises(InventoryFileError, match=r"dup.yaml:2: name: duplicate key 'name' \(first at line 1\)"):
+    duplicate = r"dup.yaml:2: name: duplicate key 'name' \(first at line 1\)"
+    with pytest.raises(InventoryFileError, match=duplicate):
         load_inventory(path)
     path.write_text("name: a\nhosts: [\n")
     with pytest.raises(InventoryFileError, match=r"dup.yaml:3: YAML syntax error"):
@@ -120,5 +123,6 @@ def test_missing_file_and_empty_file(tmp_path: Path) -> None:
         load_inventory(tmp_path / "nope.yaml")
     empty = tmp_path / "empty.yaml"
     empty.write_text("")
-    with pytest.raises(InventoryFileError, match=r"empty.yaml:1: expected a mapping with name and hosts; the file is empty"):
+    message = r"empty.yaml:1: expected a mapping with name and hosts; the file is empty"
+    with pytest.raises(InventoryFileError, match=message):
         load_inventory(empty)

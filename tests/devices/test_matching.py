@@ -15,7 +15,8 @@ from flowrl.spec.loader import load_pipeline
 from flowrl.spec.schema import DeviceGroupSpec
 
 ROOT = Path(__file__).parents[2]
-MIXED = load_inventory(ROOT / "devices" / "mixed-4gpu.yaml")  # gpu-0,1 A100-40GB; gpu-2 V100-32GB; gpu-3 H100-80GB
+# gpu-0, gpu-1 A100-40GB; gpu-2 V100-32GB; gpu-3 H100-80GB; cpu-0, cpu-1
+MIXED = load_inventory(ROOT / "devices" / "mixed-4gpu.yaml")
 CPU_MACHINE = load_inventory(ROOT / "devices" / "cpu-2core.yaml")
 PPO_GROUPS = load_pipeline(ROOT / "pipelines" / "ppo.yaml").spec.devices
 
@@ -24,7 +25,9 @@ def gpu(**fields: object) -> DeviceGroupSpec:
     return DeviceGroupSpec(type="gpu", **fields)  # type: ignore[arg-type]
 
 
-def first_fit(groups: dict[str, DeviceGroupSpec], inventory: Inventory) -> dict[str, list[str]] | None:
+def first_fit(
+    groups: dict[str, DeviceGroupSpec], inventory: Inventory
+) -> dict[str, list[str]] | None:
     """The greedy baseline: each group in file order takes the first devices that fit."""
     taken: set[str] = set()
     result: dict[str, list[str]] = {}
@@ -90,7 +93,8 @@ def test_pinned_group_keeps_its_devices_and_the_rest_match_around_it() -> None:
 
 
 def test_pin_to_a_missing_device_or_one_too_small_is_explained() -> None:
-    match = match_groups({"a": gpu(device_ids=[7]), "b": gpu(device_ids=[2], min_memory_gb=40)}, MIXED)
+    groups = {"a": gpu(device_ids=[7]), "b": gpu(device_ids=[2], min_memory_gb=40)}
+    match = match_groups(groups, MIXED)
     assert match.unsatisfied == {
         "a": "device_ids: no gpu-7 in this inventory (gpus: gpu-0 .. gpu-3); pin existing "
         "devices or drop device_ids to let flowrl choose",
@@ -108,7 +112,8 @@ def test_preferred_arch_falls_back_when_the_first_choice_is_taken() -> None:
     match = match_groups(groups, MIXED)
     assert match.assignment == {"fast": ["gpu-3"], "also_fast": ["gpu-0"]}
     assert match.reasons["also_fast"] == (
-        "needs 1 gpu; preferred h100 > a100: got gpu-0 a100 (fell back: too few preferred devices free)"
+        "needs 1 gpu; preferred h100 > a100: got gpu-0 a100 "
+        "(fell back: too few preferred devices free)"
     )
 
 
@@ -119,7 +124,8 @@ def test_unsatisfiable_group_says_what_failed_and_what_fixes_it() -> None:
         "actor_group needs 2 gpus with >= 80 GB; closest: gpu-3 H100-80GB (80 GB), "
         "gpu-0 A100-40GB (40 GB): lower min_memory_gb to 40 or set count: 1"
     )
-    with pytest.raises(PlacementError, match=r"1 device group cannot be matched:\n  devices.actor_group: "):
+    header = r"1 device group cannot be matched:\n  devices.actor_group: "
+    with pytest.raises(PlacementError, match=header):
         match.raise_if_unsatisfied()
 
 
@@ -141,7 +147,8 @@ def test_groups_that_fit_alone_but_not_together_are_named_together() -> None:
     message = (
         "a and b together need 4 gpus (a: 2 gpus with >= 40 GB; b: 2 gpus with >= 40 GB), "
         "but only 3 fit them: gpu-0 A100-40GB, gpu-1 A100-40GB, gpu-3 H100-80GB; lower a "
-        "count, relax min_memory_gb or arch so more devices fit, or match against a larger inventory"
+        "count, relax min_memory_gb or arch so more devices fit, or match against a larger "
+        "inventory"
     )
     assert match.unsatisfied == {"a": message, "b": message}
     assert match.assignment["c"] == ["gpu-3"]  # c is not to blame and still gets a card
@@ -176,6 +183,15 @@ def test_cpu_group_larger_than_the_machine() -> None:
     assert match.unsatisfied["actor"] == (
         "actor needs 3 cpu slots; the inventory has 2 cpu slots (cpu-0, cpu-1): "
         "set count: 2, or raise runtime.cpu_slots to 3"
+    )
+
+
+def test_too_many_gpus_for_the_inventory() -> None:
+    one_gpu = load_inventory(ROOT / "devices" / "mixed-4gpu.yaml")
+    one_gpu = replace(one_gpu, devices=(*one_gpu.gpus()[3:], *one_gpu.cpus()))
+    match = match_groups({"actor_group": gpu(count=2)}, one_gpu)
+    assert match.unsatisfied["actor_group"] == (
+        "actor_group needs 2 gpus; the inventory has 1 gpu (gpu-3): set count: 1"
     )
 
 
