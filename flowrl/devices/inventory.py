@@ -63,8 +63,12 @@ class Device:
 
     @property
     def number(self) -> int:
-        """The inventory-wide number in the id (3 for ``gpu-3``)."""
-        return int(self.id.rsplit("-", 1)[1])
+        """The inventory-wide number in the id (3 for ``gpu-3``); else its index.
+
+        Devices of a joined Dask cluster are named after their workers (``node-a``).
+        """
+        tail = self.id.rsplit("-", 1)[-1]
+        return int(tail) if tail.isdigit() else self.index
 
     @property
     def label(self) -> str:

@@ -107,10 +107,12 @@ class Cluster:
             return detect_local(num_cpu_slots=len(self.slots))
         reports = self.client.run(_report_devices)
         parts = []
-        for slot in self.slots:
+        for number, slot in enumerate(self.slots):
             inventory = inventory_from_dict(reports[slot.address])
             devices = tuple(
-                replace(device, id=slot.name, worker=slot.name) if device.kind == "cpu" else replace(device, worker=slot.name)
+                replace(device, id=slot.name, worker=slot.name, index=number)
+                if device.kind == "cpu"
+                else replace(device, worker=slot.name)
                 for device in inventory.devices
             )
             parts.append(replace(inventory, devices=devices))
