@@ -111,6 +111,24 @@ def devices(
     devices_command(pipeline, devices_file, as_json, Console())
 
 
+@app.command()
+@_friendly
+def plan(
+    pipeline_file: Path = typer.Argument(..., help="Pipeline YAML file."),
+    devices_file: Optional[Path] = typer.Option(
+        None, "--devices", help="Inventory file (devices/*.yaml) to plan for instead of this machine."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON instead of tables."),
+    output: Optional[Path] = typer.Option(
+        None, "--output", "-o", help="Write the timeline as a picture: .svg (or .png with matplotlib)."
+    ),
+) -> None:
+    """Place a pipeline's nodes on devices and predict one step: placement, memory, critical path, timeline."""
+    from flowrl.cli.plan import plan_command
+
+    plan_command(pipeline_file, devices_file, as_json, output, Console())
+
+
 def main() -> None:
     app()
 

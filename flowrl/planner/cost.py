@@ -1,0 +1,260 @@
+"""The analytic cost model: FLOPs, bytes and memory of each node from shapes and work.
+
+Everything here is arithmetic on plain numbers, so it can be checked by hand (the tests
+do) and it runs where the hardware does not exist. Notation used below:
+
+    P  parameters          M  parameters a token multiplies (all but the input embedding)
+    L  layers              h  hidden size          V  output size (vocab; 1 for a scalar head)
+    H  attention heads     kv key/value width per token and layer = kv_heads * (h / H)
+    b  bytes per parameter (fp32 4, bf16/fp16 2)   s  sequence length   T  tokens in a pass
+
+Forward FLOPs of T tokens in sequences of length s:  2*M*T + 4*L*h*s*T
+(the dense matmuls, plus QK^T and AV over the whole sequence: eager attention is dense).
+A backward pass costs twice the forward; gradient checkpointing adds one more forward.
+
+Generation is a prefill (one forward over the prompts, compute-bound) plus one decode step
+per new token. A decode step reads every weight and the KV cache once, so on a GPU it is
+bound by memory bandwidth: step = max(bytes / bandwidth, FLOPs / peak).
+
+Memory (bytes):
+    weights   P*b;  gradients P*b;  AdamW moments 2*P*b (torch keeps them in the
+              parameter dtype, as flowrl's update does)
+    KV cache  sequences * (prompt + response) * 2 * L * kv * b
+    training activations per micro-batch (Korthikanti et al. 2022, scaled from 16-bit):
+              L * T * (34*h + 5*H*s) * b/2, or with checkpointing L*T*h*b plus one layer's
+    logits    T * V * 8 (fp32 logits and their log-softmax)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from flowrl.errors import PlacementError
+
+DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
+"""Bytes per parameter of each dtype a model may declare."""
+
+BUILTIN_VOCAB_SIZE = 83
+"""Tokens of the character tokenizer the builtin models use (4 specials + 79 characters)."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers of a decoder-only transformer that its costs depend on."""
+
+    num_layers: int
+    """Decoder layers (L)."""
+    hidden_size: int
+    """Width of the residual stream (h)."""
+    num_heads: int
+    """Attention heads (H)."""
+    num_kv_heads: int
+    """Key/value heads (grouped-query attention when fewer than ``num_heads``)."""
+    intermediate_size: int
+    """Width of the gated MLP's hidden layer."""
+    vocab_size: int
+    """Tokenizer vocabulary (rows of the input embedding)."""
+    tie_embeddings: bool = False
+    """The output head reuses the input embedding (no separate parameters)."""
+
+    @property
+    def kv_width(self) -> int:
+        """Key (or value) numbers per token and layer: kv_heads * head size."""
+        return self.num_kv_heads * (self.hidden_size // self.num_heads)
+
+    def layer_parameters(self) -> int:
+        """One decoder layer: q, o (h*h each), k, v (h*kv each), gated MLP 3*h*I, 2 norms."""
+        h = self.hidden_size
+        attention = 2 * h * h + 2 * h * self.kv_width
+        return attention + 3 * h * self.intermediate_size + 2 * h
+
+    def output_size(self, kind: str) -> int:
+        """V: the vocabulary for a policy, 1 for a value or reward model's scalar head."""
+        return self.vocab_size if kind == "policy" else 1
+
+    def head_parameters(self, kind: str) -> int:
+        if kind == "policy" and self.tie_embeddings:
+            return 0
+        return self.hidden_size * self.output_size(kind)
+
+    def num_parameters(self, kind: str = "policy") -> int:
+        """P: embedding + layers + final norm + output head."""
+        h = self.hidden_size
+        body = self.num_layers * self.layer_parameters() + h
+        return self.vocab_size * h + body + self.head_parameters(kind)
+
+    def matmul_parameters(self, kind: str = "policy") -> int:
+        """M: the parameters each token multiplies (layers and head; a tied head still
+        multiplies, the embedding lookup does not)."""
+        head = self.hidden_size * self.output_size(kind)
+        return self.num_layers * self.layer_parameters() + head
+
+
+# Builtin shapes repeat flowrl.backends.builtin.BUILTIN_MODELS (a test keeps them equal)
+# because that module imports torch and the planner must not.
+_BUILTIN = {
+    "tiny-llama": ModelShape(2, 128, 4, 4, 512, BUILTIN_VOCAB_SIZE),
+    "small-llama": ModelShape(4, 256, 4, 4, 1024, BUILTIN_VOCAB_SIZE),
+    "tiny-rm": ModelShape(2, 128, 4, 4, 512, BUILTIN_VOCAB_SIZE),
+}
+
+KNOWN_SHAPES: dict[str, ModelShape] = {
+    **{f"builtin:{name}": shape for name, shape in _BUILTIN.items()},
+    # from each model's published config.json
+    "Qwen/Qwen2.5-0.5B": ModelShape(24, 896, 14, 2, 4864, 151936, tie_embeddings=True),
+    "Qwen/Qwen2.5-1.5B": ModelShape(28, 1536, 12, 2, 8960, 151936, tie_embeddings=True),
+    "Qwen/Qwen2.5-7B": ModelShape(28, 3584, 28, 4, 18944, 152064),
+    "meta-llama/Meta-Llama-3-8B": ModelShape(32, 4096, 32, 8, 14336, 128256),
+    "meta-llama/Llama-3.1-8B": ModelShape(32, 4096, 32, 8, 14336, 128256),
+}
+"""Shapes of models the planner knows by name (``path`` as a pipeline writes it)."""
+
+
+def resolve_shape(path: str, base_dir: Path | None = None) -> ModelShape:
+    """The shape of the model at ``path``: a known name, else a local dir's config.json."""
+    known = _known(path)
+    if known is not None:
+        return known
+    directory = Path(path) if base_dir is None else base_dir / path
+    config_file = directory / "config.json"
+    if config_file.is_file():
+        return shape_from_config(json.loads(config_file.read_text()), str(config_file))
+    names = ", ".join(sorted(KNOWN_SHAPES))
+    raise PlacementError(
+        f"cannot size model '{path}' for planning: it is not a local directory with a "
+        f"config.json (looked at {config_file}) and not a known shape ({names}); give a "
+        "local directory or one of the known names"
+    )
+
+
+def _known(path: str) -> ModelShape | None:
+    if path in KNOWN_SHAPES:
+        return KNOWN_SHAPES[path]
+    lowered = {name.lower(): shape for name, shape in KNOWN_SHAPES.items()}
+    # "Qwen2.5-7B-Instruct" has the base model's shape
+    for name, shape in lowered.items():
+        tail = name.rsplit("/", 1)[-1]
+        if path.lower().rstrip("/").rsplit("/", 1)[-1].removesuffix("-instruct") == tail:
+            return shape
+    return None
+
+
+def shape_from_config(config: dict[str, object], source: str = "config.json") -> ModelShape:
+    """A shape from a transformers config.json (Llama, Qwen2, Mistral, GPT-style keys)."""
+
+    def get(*keys: str, default: int | None = None) -> int:
+        for key in keys:
+            value = config.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return int(value)
+        if default is not None:
+            return default
+        raise PlacementError(f"{source}: no '{keys[0]}'; cannot size the model for planning")
+
+    hidden = get("hidden_size", "n_embd", "d_model")
+    heads = get("num_attention_heads", "n_head")
+    return ModelShape(
+        num_layers=get("num_hidden_layers", "n_layer"),
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=get("num_key_value_heads", default=heads),
+        intermediate_size=get("intermediate_size", "n_inner", default=4 * hidden),
+        vocab_size=get("vocab_size"),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+    )
+
+
+# ---- work -> FLOPs, bytes, memory -----------------------------------------------------
+
+
+def forward_flops(shape: ModelShape, kind: str, num_sequences: float, seq_len: int) -> float:
+    """2*M*T + 4*L*h*s*T for T = num_sequences * seq_len tokens."""
+    tokens = num_sequences * seq_len
+    dense = 2 * shape.matmul_parameters(kind) * tokens
+    attention = 4 * shape.num_layers * shape.hidden_size * seq_len * tokens
+    return float(dense + attention)
+
+
+def kv_cache_bytes(shape: ModelShape, dtype: str, num_sequences: float, seq_len: int) -> float:
+    """Keys and values of every layer for ``num_sequences`` sequences of ``seq_len``."""
+    per_token = 2 * shape.num_layers * shape.kv_width * DTYPE_BYTES[dtype]
+    return float(num_sequences * seq_len * per_token)
+
+
+def weight_bytes(shape: ModelShape, kind: str, dtype: str) -> float:
+    return float(shape.num_parameters(kind) * DTYPE_BYTES[dtype])
+
+
+def training_state_bytes(shape: ModelShape, kind: str, dtype: str) -> float:
+    """Gradients (P*b) plus AdamW's two moments (2*P*b)."""
+    return 3 * weight_bytes(shape, kind, dtype)
+
+
+def logits_bytes(shape: ModelShape, kind: str, tokens: float) -> float:
+    """fp32 logits and their log-softmax: T * V * 8."""
+    return float(tokens * shape.output_size(kind) * 8)
+
+
+def activation_bytes(
+    shape: ModelShape, dtype: str, num_sequences: float, seq_len: int, checkpointing: bool
+) -> float:
+    """Activations kept for backward in one micro-batch (see the module docstring)."""
+    tokens = num_sequences * seq_len
+    scale = DTYPE_BYTES[dtype] / 2
+    one_layer = tokens * (34 * shape.hidden_size + 5 * shape.num_heads * seq_len) * scale
+    if checkpointing:
+        return float(shape.num_layers * tokens * shape.hidden_size * DTYPE_BYTES[dtype] + one_layer)
+    return float(shape.num_layers * one_layer)
+
+
+def inference_bytes(shape: ModelShape, kind: str, dtype: str, num_sequences: float,
+                    seq_len: int) -> float:
+    """Transient memory of a no-grad forward: logits, a few hidden-sized buffers, and one
+    layer's attention scores (H * s * s per sequence)."""
+    tokens = num_sequences * seq_len
+    hidden = 4 * tokens * shape.hidden_size * DTYPE_BYTES[dtype]
+    scores = num_sequences * shape.num_heads * seq_len * seq_len * DTYPE_BYTES[dtype]
+    return logits_bytes(shape, kind, tokens) + hidden + scores
+
+
+# ---- CPU rates ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CpuRates:
+    """What one CPU slot achieves (measured rates, so no efficiency factor applies)."""
+
+    flops_per_s: float = 2.0e10
+    """Sustained fp32 matmul rate of one slot, FLOP/s. Default 2e10 (a few cores)."""
+    bandwidth_gbs: float = 10.0
+    """Sustained memory copy bandwidth of one slot, GB/s. Default 10."""
+    reward_s_per_sequence: float = 2.0e-5
+    """Python reward function time per completion, s. Default 2e-5."""
+
+
+def measure_cpu_rates(matrix_size: int = 256, repeats: int = 5) -> CpuRates:
+    """Time a small fp32 matmul and a memory copy on this machine (well under a second).
+
+    The best of ``repeats`` is kept: the planner wants what the slot can do, not what a
+    busy moment allowed.
+    """
+    import numpy  # only here: the planner itself is plain arithmetic
+
+    left = numpy.ones((matrix_size, matrix_size), dtype=numpy.float32)
+    right = numpy.ones((matrix_size, matrix_size), dtype=numpy.float32)
+    source = numpy.ones(8 * 2**20 // 4, dtype=numpy.float32)  # 8 MiB: past most caches
+    target = numpy.empty_like(source)
+    best_matmul_s = best_copy_s = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        numpy.matmul(left, right)
+        best_matmul_s = min(best_matmul_s, time.perf_counter() - start)
+        start = time.perf_counter()
+        numpy.copyto(target, source)
+        best_copy_s = min(best_copy_s, time.perf_counter() - start)
+    flops = 2 * matrix_size**3 / max(best_matmul_s, 1e-9)
+    bandwidth_gbs = 2 * source.nbytes / max(best_copy_s, 1e-9) / 1e9  # read + write
+    return CpuRates(flops_per_s=flops, bandwidth_gbs=bandwidth_gbs)

@@ -1,0 +1,289 @@
+"""Where the planner's numbers come from: one ``CostSource`` interface, two sources.
+
+``EstimatedCosts`` derives every number from the cost model (``flowrl.planner.cost``) and the
+hardware tables; ``MeasuredCosts`` replaces node times with what the profiler measured
+(an exponentially weighted moving average per node and device type) and falls back to
+its estimate for anything not measured yet. The search and the simulator only see the
+interface, so re-planning from measurements is the same code path as the first plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from flowrl.devices.inventory import Device
+from flowrl.graph import PipelineGraph
+from flowrl.planner.cost import (
+    CpuRates,
+    DTYPE_BYTES,
+    activation_bytes,
+    forward_flops,
+    inference_bytes,
+    kv_cache_bytes,
+    logits_bytes,
+    training_state_bytes,
+    weight_bytes,
+)
+from flowrl.planner.work import NodeWork, node_work
+
+GB = 1e9
+GPU_MATMUL_EFFICIENCY = 0.5
+"""Share of a GPU's peak tensor rate that dense training/prefill matmuls reach (MFU)."""
+GPU_BANDWIDTH_EFFICIENCY = 0.8
+"""Share of a GPU's data-sheet memory bandwidth that a decode step reaches."""
+FP32_SLOWDOWN = 12.0
+"""fp32 matmuls without TF32 run at 1/8 (V100) to 1/16 (A100/H100) of the bf16 tensor rate."""
+GPU_LAYER_OVERHEAD_S = 4e-5
+"""Kernel launches of one layer's forward in eager PyTorch (about ten kernels of ~4 us)."""
+CPU_LAYER_OVERHEAD_S = 2e-5
+"""Python and dispatch cost of one layer's forward on a CPU slot."""
+CALL_OVERHEAD_S = 1e-3
+"""One node call on a worker (a Dask actor call: scheduling, (de)serialising arguments)."""
+ADVANTAGE_S_PER_SEQUENCE = 1e-6
+"""Advantage estimation per completion (a few vector operations)."""
+DEFAULT_TFLOPS = 100.0
+DEFAULT_BANDWIDTH_GBS = 900.0
+
+
+@dataclass(frozen=True)
+class Link:
+    """How two devices exchange data."""
+
+    kind: str
+    """``same device``, ``nvlink``, ``pcie``, ``host`` (between CPU worker processes) or
+    ``network``."""
+    bandwidth_gbs: float
+    latency_s: float
+
+
+_SAME = Link("same device", float("inf"), 0.0)
+
+
+def link_between(source: Device, target: Device) -> Link:
+    """The link data takes from ``source`` to ``target`` (conservative sustained rates)."""
+    if source.id == target.id:
+        return _SAME
+    if source.host != target.host:
+        return Link("network", 12.5, 1e-3)  # 100 Gb/s Ethernet/InfiniBand, one Dask hop
+    if source.kind == "gpu" and target.id in source.nvlink_peers:
+        return Link("nvlink", 300.0, 5e-4)
+    if source.kind == "cpu" and target.kind == "cpu":
+        return Link("host", 5.0, 5e-4)  # pickling between worker processes
+    return Link("pcie", _pcie_gbs(source if source.kind == "gpu" else target), 5e-4)
+
+
+def _pcie_gbs(device: Device) -> float:
+    if device.pcie_gen and device.pcie_width:
+        # about 2 GB/s per gen-4 lane after encoding; each generation doubles it
+        return 2.0 * 2 ** (device.pcie_gen - 4) * device.pcie_width * 0.8
+    return 25.0  # a gen-4 x16 link, sustained
+
+
+def transfer_s(num_bytes: float, sources: Sequence[Device], targets: Sequence[Device]) -> float:
+    """Time to move ``num_bytes`` to every target: the slowest link any target needs."""
+    worst = 0.0
+    source_ids = {device.id for device in sources}
+    for target in targets:
+        if target.id in source_ids or not sources:
+            continue
+        best = min((link_between(s, target) for s in sources), key=lambda l: l.latency_s + num_bytes / (l.bandwidth_gbs * GB))
+        worst = max(worst, best.latency_s + num_bytes / (best.bandwidth_gbs * GB))
+    return worst
+
+
+@dataclass(frozen=True)
+class NodeMemory:
+    """Memory one node needs on each device it runs on, in GB."""
+
+    weights_gb: float
+    """The model's weights (0 for a node without a model)."""
+    state_gb: float
+    """Gradients and optimizer state (update nodes only); resident like the weights."""
+    transient_gb: float
+    """Activations, KV cache and logits while the node runs."""
+
+
+class CostSource(Protocol):
+    """Numbers the search and the simulator need; estimates and measurements alike."""
+
+    def compute_s(self, node: str, devices: Sequence[Device], offloaded: bool) -> float:
+        """Seconds ``node`` runs on ``devices`` (data-parallel over all of them)."""
+        ...
+
+    def memory(self, node: str, width: int) -> NodeMemory:
+        """Memory per device when ``node`` runs ``width`` ways data-parallel."""
+        ...
+
+    def output_bytes(self, node: str) -> float:
+        """Bytes of the node's result that its consumers read."""
+        ...
+
+    def work(self, node: str) -> NodeWork:
+        """The node's work (model, shape, sequences, lengths)."""
+        ...
+
+
+class EstimatedCosts:
+    """Every number from the analytic cost model; nothing measured except ``cpu_rates``."""
+
+    def __init__(
+        self,
+        pipeline: PipelineGraph,
+        cpu_rates: CpuRates | None = None,
+        base_dir: Path | None = None,
+        prompt_tokens: int | None = None,
+    ) -> None:
+        self.pipeline = pipeline
+        self.cpu_rates = cpu_rates or CpuRates()
+        self._work = {
+            node: node_work(pipeline, node, base_dir, prompt_tokens)
+            for node in pipeline.topological_order()
+        }
+
+    def work(self, node: str) -> NodeWork:
+        return self._work[node]
+
+    def compute_s(self, node: str, devices: Sequence[Device], offloaded: bool) -> float:
+        work = self._work[node]
+        width = max(1, len(devices))
+        slowest = max((self._on_device(work, device, width) for device in devices), default=0.0)
+        if work.shape is not None and width > 1 and work.role == "update":
+            # data-parallel update: a ring all-reduce of the gradients per optimizer step
+            grads = weight_bytes(work.shape, work.kind, work.dtype)
+            ring = transfer_s(2 * (width - 1) / width * grads, devices[:1], devices[1:])
+            slowest += ring * work.num_mini_batches * work.ppo_epochs
+        if offloaded and work.shape is not None:
+            weights = weight_bytes(work.shape, work.kind, work.dtype)
+            slowest += max(weights / (_pcie_gbs(d) * GB) for d in devices if d.kind == "gpu") if any(
+                d.kind == "gpu" for d in devices
+            ) else 0.0
+        return CALL_OVERHEAD_S + slowest
+
+    def _on_device(self, work: NodeWork, device: Device, width: int) -> float:
+        if work.role == "score" and work.shape is None:
+            return work.num_sequences * self.cpu_rates.reward_s_per_sequence
+        if work.role == "advantage":
+            return work.num_sequences * ADVANTAGE_S_PER_SEQUENCE
+        assert work.shape is not None, f"{work.role} node without a model shape"
+        flops_per_s, bytes_per_s, layer_s = self._rates(device, work.dtype)
+        shape, kind, dtype = work.shape, work.kind, work.dtype
+        share = work.num_sequences / width
+        prompt, response = work.prompt_tokens, work.response_tokens
+        weights = weight_bytes(shape, kind, dtype)
+        layers = shape.num_layers
+        if work.role == "generate":
+            prefill = forward_flops(shape, kind, share, prompt) / flops_per_s + layers * layer_s
+            context = prompt + (response + 1) / 2  # mean context over the decode steps
+            step_bytes = weights + kv_cache_bytes(shape, dtype, share, 1) * context
+            step_flops = forward_flops(shape, kind, share, 1) + (
+                4 * layers * shape.hidden_size * context * share
+            )
+            step = max(step_bytes / bytes_per_s, step_flops / flops_per_s) + layers * layer_s
+            return prefill + response * step
+        seq_len = prompt + response
+        if work.role == "update":
+            passes = 4 if work.checkpointing else 3  # forward + backward (+ recompute)
+            compute = passes * forward_flops(shape, kind, share, seq_len) / flops_per_s
+            optimizer = 7 * weights / bytes_per_s  # read p, g, m, v; write p, m, v
+            launches = passes * layers * layer_s
+            return work.ppo_epochs * (compute + work.num_mini_batches * (optimizer + launches))
+        # score with a reward model, reference_logprob, value: one no-grad forward
+        forward = forward_flops(shape, kind, share, seq_len) / flops_per_s
+        return forward + weights / bytes_per_s + layers * layer_s
+
+    def _rates(self, device: Device, dtype: str) -> tuple[float, float, float]:
+        """(FLOP/s, bytes/s, per-layer overhead s) that ``device`` achieves for ``dtype``."""
+        if device.kind == "cpu":
+            slow = 1.0 if dtype == "fp32" else 4.0  # CPUs lack fast 16-bit matmuls
+            rates = self.cpu_rates
+            return rates.flops_per_s / slow, rates.bandwidth_gbs * GB, CPU_LAYER_OVERHEAD_S
+        tflops = device.tflops_bf16 or DEFAULT_TFLOPS
+        flops = tflops * 1e12 * GPU_MATMUL_EFFICIENCY
+        if dtype == "fp32":
+            flops /= FP32_SLOWDOWN
+        bandwidth = (device.bandwidth_gbs or DEFAULT_BANDWIDTH_GBS) * GB * GPU_BANDWIDTH_EFFICIENCY
+        return flops, bandwidth, GPU_LAYER_OVERHEAD_S
+
+    def memory(self, node: str, width: int) -> NodeMemory:
+        work = self._work[node]
+        if work.shape is None:
+            return NodeMemory(0.0, 0.0, 0.0)
+        shape, kind, dtype = work.shape, work.kind, work.dtype
+        share = work.num_sequences / max(1, width)
+        seq_len = work.prompt_tokens + work.response_tokens
+        weights = weight_bytes(shape, kind, dtype)
+        if work.role == "generate":
+            transient = kv_cache_bytes(shape, dtype, share, seq_len) + logits_bytes(shape, kind, share)
+            return NodeMemory(weights / GB, 0.0, transient / GB)
+        if work.role == "update":
+            micro = min(share, work.mini_batch_sequences / max(1, width))
+            transient = activation_bytes(shape, dtype, micro, seq_len, work.checkpointing)
+            transient += logits_bytes(shape, kind, micro * seq_len)
+            return NodeMemory(weights / GB, training_state_bytes(shape, kind, dtype) / GB, transient / GB)
+        transient = inference_bytes(shape, kind, dtype, share, seq_len)
+        return NodeMemory(weights / GB, 0.0, transient / GB)
+
+    def output_bytes(self, node: str) -> float:
+        work = self._work[node]
+        sequences, response = work.num_sequences, work.response_tokens
+        if work.role == "generate":
+            # token ids and attention mask (int64) of prompt + completion, fp32 logprobs
+            return sequences * (work.prompt_tokens + response) * 16 + sequences * response * 4
+        if work.role == "score":
+            return sequences * 4.0
+        if work.role in ("reference_logprob", "value", "advantage"):
+            return sequences * response * 4.0
+        return 0.0  # update: metrics only
+
+
+@dataclass
+class MeasuredCosts:
+    """Measured node times where the profiler has them, ``fallback`` everywhere else.
+
+    Times are kept per (node, device type, width) as an exponentially weighted moving
+    average, so one slow step moves the estimate by ``alpha`` of the difference.
+    """
+
+    fallback: CostSource
+    alpha: float = 0.3
+    """Weight of the newest measurement in the moving average (0..1). Default 0.3."""
+    times_s: dict[tuple[str, str, int], float] = field(default_factory=dict)
+
+    def observe(self, node: str, devices: Sequence[Device], seconds: float) -> None:
+        key = (node, _device_type(devices), len(devices))
+        old = self.times_s.get(key)
+        self.times_s[key] = seconds if old is None else old + self.alpha * (seconds - old)
+
+    def compute_s(self, node: str, devices: Sequence[Device], offloaded: bool) -> float:
+        key = (node, _device_type(devices), len(devices))
+        if key in self.times_s:
+            return self.times_s[key]
+        return self.fallback.compute_s(node, devices, offloaded)
+
+    def memory(self, node: str, width: int) -> NodeMemory:
+        return self.fallback.memory(node, width)
+
+    def output_bytes(self, node: str) -> float:
+        return self.fallback.output_bytes(node)
+
+    def work(self, node: str) -> NodeWork:
+        return self.fallback.work(node)
+
+
+def _device_type(devices: Sequence[Device]) -> str:
+    return "+".join(sorted({device.name for device in devices}))
+
+
+__all__ = [
+    "CostSource",
+    "DTYPE_BYTES",
+    "EstimatedCosts",
+    "Link",
+    "MeasuredCosts",
+    "NodeMemory",
+    "link_between",
+    "transfer_s",
+]

@@ -1,0 +1,274 @@
+"""Choose where every node runs: the option set per node, and the search over it.
+
+Options per node (``candidates``), in a fixed order, the natural one first:
+
+- a node of a declared device group (the node's ``device_group`` or its model's) stays
+  inside the devices matched to that group: generate and update use all of them
+  (data-parallel); score with a reward model, reference_logprob and value may use the
+  first 1, 2, 4, ... of them (data-parallel width);
+- a model with ``offload_to_cpu`` keeps its weights in host memory, so its inference
+  nodes may also be paged onto a GPU the pipeline already uses (time-shared with the
+  models there) or, from a GPU group, run on a CPU slot of the same host (CPU offload);
+- a node of a model that names no group, and a node without a model (a reward function,
+  an advantage), may run next to any placed node (colocation), on a CPU slot, or on one
+  free GPU of each type (free GPUs of one type differ only in their links, which matter
+  little next to the compute a whole model brings).
+
+Objective: the simulated iteration time; ties go to the larger memory headroom (the
+smallest share of a device left free), then to the earlier options. A choice is feasible
+when every device's predicted peak plus a 10 % reserve fits its memory.
+
+Search: with few combinations every one is tried (exact); otherwise a greedy pass in
+topological order followed by local search (change one node at a time, keep any
+improvement, until a round changes nothing). Both are deterministic.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from flowrl.devices.inventory import Device, Inventory
+from flowrl.devices.matching import Match
+from flowrl.errors import PlacementError
+from flowrl.graph import PipelineGraph
+from flowrl.planner.costs import CostSource
+from flowrl.planner.placement import model_group
+from flowrl.planner.simulate import Placement, Schedule, device_memory_gb, simulate
+
+INFERENCE_ROLES = ("score", "reference_logprob", "value")
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    """How hard to search."""
+
+    memory_reserve: float = 0.10
+    """Share of each device's memory kept free on top of the predicted peak. Default 0.10."""
+    exact_limit: int = 4096
+    """Try every combination when there are at most this many. Default 4096."""
+    max_rounds: int = 6
+    """Local-search rounds at most (each tries every option of every node). Default 6."""
+    move_offloaded: bool = True
+    """Let offload_to_cpu models' inference nodes leave their group (see module docs)."""
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    placement: dict[str, Placement]
+    schedule: Schedule
+    memory_gb: dict[str, float]
+    feasible: bool
+    headroom: float
+    """Smallest share of any used device's memory left free (after nothing is reserved)."""
+
+    @property
+    def key(self) -> tuple[bool, float, float]:
+        # round so that float noise never decides between equal schedules
+        return (not self.feasible, round(self.schedule.iteration_s, 12), -round(self.headroom, 9))
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    best: Evaluation
+    options: dict[str, list[Placement]]
+    choice: dict[str, int]
+    """Node -> index of the chosen option."""
+    method: str
+    """``exact`` or ``greedy+local``."""
+    num_evaluated: int
+
+
+def candidates(
+    pipeline: PipelineGraph, inventory: Inventory, match: Match, options: SearchOptions
+) -> dict[str, list[Placement]]:
+    """Every node's options, natural first, without duplicates."""
+    spec = pipeline.spec
+    cpus = inventory.cpus()
+    pinned_devices: list[str] = []  # devices of declared groups, in node order
+    result: dict[str, list[Placement]] = {}
+    for node in pipeline.topological_order():
+        group = _group_of(pipeline, node)
+        if group is not None and group in spec.devices:
+            for device_id in match.assignment.get(group, [])[:1]:
+                if device_id not in pinned_devices:
+                    pinned_devices.append(device_id)
+    by_id = {device.id: device for device in inventory.devices}
+    free_gpus = _free_gpu_representatives(inventory, match)
+    for node in pipeline.topological_order():
+        node_spec = spec.nodes[node]
+        group = _group_of(pipeline, node)
+        model = spec.models[node_spec.model] if node_spec.model is not None else None
+        offload = bool(model and model.offload_to_cpu)
+        found: list[Placement] = []
+
+        def add(device_ids: Sequence[str], note: str) -> None:
+            paged = offload and any(by_id[i].kind == "gpu" for i in device_ids)
+            item = Placement(tuple(device_ids), paged, note)
+            if all(existing.devices != item.devices for existing in found):
+                found.append(item)
+
+        if group is not None and group in spec.devices:
+            devices = match.assignment.get(group, [])
+            if node_spec.role in INFERENCE_ROLES and node_spec.model is not None:
+                for width in _widths(len(devices)):
+                    add(devices[:width], f"{group}, width {width} of {len(devices)}")
+            elif node_spec.model is None:
+                add(devices[:1], f"its device_group {group}")
+            else:
+                add(devices, f"{group}")
+            if offload and options.move_offloaded and node_spec.role in INFERENCE_ROLES:
+                host = by_id[devices[0]].host if devices else None
+                for device_id in pinned_devices:
+                    add([device_id], f"offloaded model paged onto {device_id}")
+                for cpu in cpus:
+                    if cpu.host == host:
+                        add([cpu.id], "cpu offload")
+                        break
+        else:
+            home = match.assignment.get(group, []) if group is not None else []
+            for device_id in home[:1]:
+                add([device_id], f"its slot ({group})")
+            for device_id in pinned_devices:
+                add([device_id], f"next to the nodes on {device_id}")
+            for cpu in cpus[:1]:
+                add([cpu.id], "cpu slot")
+            if model is not None:  # a reward function or advantage gains nothing from a GPU
+                for device in free_gpus:
+                    add([device.id], f"a free {device.name}")
+        if not found:
+            raise PlacementError(
+                f"nodes.{node}: no device can run it (group {group} matched no device); "
+                "run `flowrl devices --pipeline FILE` to see why"
+            )
+        result[node] = found
+    return result
+
+
+def _group_of(pipeline: PipelineGraph, node: str) -> str | None:
+    node_spec = pipeline.spec.nodes[node]
+    if node_spec.device_group is not None:
+        return node_spec.device_group
+    if node_spec.model is not None:
+        return model_group(pipeline, node_spec.model)
+    return None
+
+
+def _widths(count: int) -> list[int]:
+    """1, 2, 4, ... up to ``count``, and ``count`` itself: widths worth trying."""
+    widths = [2**power for power in range(int(math.log2(count)) + 1)] if count else []
+    if count and count not in widths:
+        widths.append(count)
+    return widths
+
+
+def _free_gpu_representatives(inventory: Inventory, match: Match) -> list[Device]:
+    taken = {device_id for ids in match.assignment.values() for device_id in ids}
+    seen: set[str] = set()
+    representatives: list[Device] = []
+    for device in inventory.gpus():
+        key = device.name
+        if device.id not in taken and key not in seen:
+            seen.add(key)
+            representatives.append(device)
+    return representatives
+
+
+def evaluate(
+    pipeline: PipelineGraph,
+    placement: dict[str, Placement],
+    inventory: Inventory,
+    costs: CostSource,
+    reserve: float,
+) -> Evaluation:
+    schedule = simulate(pipeline, placement, inventory, costs)
+    memory = device_memory_gb(pipeline, placement, inventory, costs)
+    feasible, headroom = _fits(memory, inventory, reserve)
+    return Evaluation(placement, schedule, memory, feasible, headroom)
+
+
+def _fits(memory: Mapping[str, float], inventory: Inventory, reserve: float) -> tuple[bool, float]:
+    """CPU slots of one host share its memory, so they are checked together."""
+    used: dict[str, tuple[float, float]] = {}
+    by_id = {device.id: device for device in inventory.devices}
+    for device_id, peak in memory.items():
+        device = by_id[device_id]
+        key = f"host:{device.host}" if device.kind == "cpu" else device.id
+        total, capacity = used.get(key, (0.0, device.memory_gb))
+        used[key] = (total + peak, capacity)
+    feasible = all(total * (1 + reserve) <= capacity for total, capacity in used.values())
+    headroom = min(((capacity - total) / capacity for total, capacity in used.values()), default=1.0)
+    return feasible, headroom
+
+
+def search(
+    pipeline: PipelineGraph,
+    inventory: Inventory,
+    match: Match,
+    costs: CostSource,
+    options: SearchOptions | None = None,
+) -> SearchResult:
+    options = options or SearchOptions()
+    option_sets = candidates(pipeline, inventory, match, options)
+    nodes = list(option_sets)
+    counter = [0]
+
+    def score(choice: Mapping[str, int]) -> Evaluation:
+        counter[0] += 1
+        placement = {node: option_sets[node][choice[node]] for node in nodes}
+        return evaluate(pipeline, placement, inventory, costs, options.memory_reserve)
+
+    def rank(evaluation: Evaluation, choice: Mapping[str, int]) -> tuple[object, ...]:
+        return (*evaluation.key, tuple(choice[node] for node in nodes))
+
+    total = math.prod(len(option_sets[node]) for node in nodes)
+    if total <= options.exact_limit:
+        method = "exact"
+        best_choice: dict[str, int] = {}
+        best: Evaluation | None = None
+        for indices in itertools.product(*(range(len(option_sets[n])) for n in nodes)):
+            choice = dict(zip(nodes, indices))
+            current = score(choice)
+            if best is None or rank(current, choice) < rank(best, best_choice):
+                best, best_choice = current, choice
+        assert best is not None
+    else:
+        method = "greedy+local"
+        best_choice = {node: 0 for node in nodes}
+        best = score(best_choice)
+        for _ in range(options.max_rounds):
+            improved = False
+            for node in nodes:  # topological order: the first round is the greedy pass
+                for index in range(len(option_sets[node])):
+                    if index == best_choice[node]:
+                        continue
+                    choice = {**best_choice, node: index}
+                    current = score(choice)
+                    if rank(current, choice) < rank(best, best_choice):
+                        best, best_choice, improved = current, choice, True
+            if not improved:
+                break
+    if not best.feasible:
+        raise PlacementError(_memory_message(best, inventory, options.memory_reserve))
+    return SearchResult(best, option_sets, best_choice, method, counter[0])
+
+
+def _memory_message(best: Evaluation, inventory: Inventory, reserve: float) -> str:
+    over = []
+    for device_id, peak in sorted(best.memory_gb.items()):
+        device = inventory.by_id(device_id)
+        assert device is not None
+        if peak * (1 + reserve) > device.memory_gb:
+            models = sorted({n for n, p in best.placement.items() if device_id in p.devices})
+            over.append(
+                f"{device.label} needs {peak:.1f} GB + {reserve:.0%} reserve of "
+                f"{device.memory_gb:g} GB (runs {', '.join(models)})"
+            )
+    return (
+        "no placement fits in memory; the closest one still overflows: "
+        + "; ".join(over)
+        + ". Use bf16, gradient_checkpointing, a smaller mini_batch_size or batch, "
+        "offload_to_cpu for inference-only models, or larger devices"
+    )

@@ -1,0 +1,118 @@
+"""What each node has to do in one iteration: model, shape, sequences and lengths.
+
+Every node but the generator works on the rollout it descends from, so its sequence
+count and lengths are the generator's: ``data.batch_size * n`` completions of at most
+``max_new_tokens`` after a prompt. Prompt length is estimated from the data source
+(builtin prompts are 9 characters, one token each; a .jsonl file's prompts are read and
+averaged) unless a ``prompt_tokens`` hint is given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import networkx as nx
+
+from flowrl.data.builtin import PROMPT_LETTERS
+from flowrl.data.jsonl import load_jsonl
+from flowrl.errors import DataError
+from flowrl.graph import PipelineGraph
+from flowrl.planner.cost import ModelShape, resolve_shape
+from flowrl.spec.schema import GenerateNode, UpdateNode
+
+CHARS_PER_TOKEN = 4.0
+"""Characters per token of a subword tokenizer (English text); the builtin one uses 1."""
+DEFAULT_PROMPT_TOKENS = 128
+"""Prompt length assumed when the data cannot be read."""
+
+
+@dataclass(frozen=True)
+class NodeWork:
+    """One node's work per iteration."""
+
+    role: str
+    model: str | None
+    """Model name, None for a function score or an advantage."""
+    kind: str
+    """Model kind (policy, value, reward); ``policy`` when there is no model."""
+    dtype: str
+    shape: ModelShape | None
+    num_sequences: int
+    """Completions processed: data.batch_size * n of the rollout."""
+    prompt_tokens: int
+    response_tokens: int
+    """The rollout's max_new_tokens (completions are costed at full length)."""
+    offload_to_cpu: bool = False
+    checkpointing: bool = False
+    ppo_epochs: int = 1
+    num_mini_batches: int = 1
+    """Optimizer steps per epoch (update nodes)."""
+    mini_batch_sequences: int = 1
+    """Sequences per optimizer step (update nodes)."""
+
+
+def node_work(
+    pipeline: PipelineGraph, node: str, base_dir: Path | None = None,
+    prompt_tokens: int | None = None,
+) -> NodeWork:
+    spec = pipeline.spec
+    node_spec = spec.nodes[node]
+    rollout = _rollout_of(pipeline, node)
+    rollout_spec = spec.nodes[rollout]
+    assert isinstance(rollout_spec, GenerateNode)
+    sequences = spec.data.batch_size * rollout_spec.n
+    prompt = prompt_tokens if prompt_tokens is not None else estimate_prompt_tokens(pipeline, base_dir)
+    model_name = node_spec.model
+    model = spec.models[model_name] if model_name is not None else None
+    shape = resolve_shape(model.path, base_dir) if model is not None else None
+    mini_batches, mini_sequences = 1, sequences
+    epochs = 1
+    if isinstance(node_spec, UpdateNode):
+        mini_sequences = min(node_spec.mini_batch_size or sequences, sequences)
+        mini_batches = -(-sequences // mini_sequences)  # ceiling division
+        epochs = node_spec.ppo_epochs
+    return NodeWork(
+        role=node_spec.role,
+        model=model_name,
+        kind=model.kind if model is not None else "policy",
+        dtype=model.dtype if model is not None else "fp32",
+        shape=shape,
+        num_sequences=sequences,
+        prompt_tokens=prompt,
+        response_tokens=rollout_spec.max_new_tokens,
+        offload_to_cpu=bool(model and model.offload_to_cpu),
+        checkpointing=bool(model and model.gradient_checkpointing),
+        ppo_epochs=epochs,
+        num_mini_batches=mini_batches,
+        mini_batch_sequences=mini_sequences,
+    )
+
+
+def _rollout_of(pipeline: PipelineGraph, node: str) -> str:
+    """The generate node ``node`` is (or descends from); the first in file order."""
+    if pipeline.spec.nodes[node].role == "generate":
+        return node
+    ancestors = nx.ancestors(pipeline.graph, node)
+    for name in pipeline.topological_order():
+        if name in ancestors and pipeline.spec.nodes[name].role == "generate":
+            return name
+    return pipeline.nodes_with_role("generate")[0]  # validation guarantees one exists
+
+
+def estimate_prompt_tokens(pipeline: PipelineGraph, base_dir: Path | None = None) -> int:
+    """Mean prompt length in tokens, from the data source."""
+    spec = pipeline.spec
+    source = spec.data.source
+    character_level = all(model.path.startswith("builtin:") for model in spec.models.values())
+    if source.startswith("builtin:"):
+        return PROMPT_LETTERS + 1  # letters and "=", one token each
+    path = (base_dir / source) if base_dir is not None else Path(source)
+    try:
+        examples = load_jsonl(path, source, spec.data.prompt_field, spec.data.answer_field)
+    except DataError:  # planning goes on with a default; a run reports the file's problem
+        return DEFAULT_PROMPT_TOKENS
+    sample = examples[:1000]
+    chars = sum(len(example.prompt) for example in sample) / max(1, len(sample))
+    per_token = 1.0 if character_level else CHARS_PER_TOKEN
+    return max(1, round(chars / per_token))

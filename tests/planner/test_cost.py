@@ -1,0 +1,93 @@
+"""The cost model against hand computations on a toy shape and on published model sizes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from flowrl.errors import PlacementError
+from flowrl.planner.cost import (
+    KNOWN_SHAPES,
+    ModelShape,
+    activation_bytes,
+    forward_flops,
+    kv_cache_bytes,
+    measure_cpu_rates,
+    resolve_shape,
+    training_state_bytes,
+    weight_bytes,
+)
+
+# L=2 layers, h=8, H=2 heads (head size 4), 2 kv heads, I=16, V=10, untied head
+TOY = ModelShape(num_layers=2, hidden_size=8, num_heads=2, num_kv_heads=2,
+                 intermediate_size=16, vocab_size=10)
+
+
+def test_parameters_of_the_toy_shape() -> None:
+    # kv width = 2 heads * 4 = 8
+    # one layer: q,o 2*8*8=128; k,v 2*8*8=128; MLP 3*8*16=384; two norms 2*8=16 -> 656
+    assert TOY.layer_parameters() == 656
+    # embedding 10*8=80 + layers 2*656=1312 + final norm 8 + head 8*10=80 = 1480
+    assert TOY.num_parameters("policy") == 1480
+    # a value model has a scalar head: 80 + 1312 + 8 + 8*1 = 1408
+    assert TOY.num_parameters("value") == 1408
+    # M (what a token multiplies): layers 1312 + head 80 = 1392
+    assert TOY.matmul_parameters("policy") == 1392
+
+
+def test_flops_and_memory_of_the_toy_shape() -> None:
+    # 3 sequences of 5 tokens: T = 15
+    # dense 2*M*T = 2*1392*15 = 41760; attention 4*L*h*s*T = 4*2*8*5*15 = 4800
+    assert forward_flops(TOY, "policy", 3, 5) == 41760 + 4800
+    # weights fp32: 1480*4 = 5920 bytes; bf16 1480*2 = 2960
+    assert weight_bytes(TOY, "policy", "fp32") == 5920
+    assert weight_bytes(TOY, "policy", "bf16") == 2960
+    # gradients + two AdamW moments = 3 * weights = 17760
+    assert training_state_bytes(TOY, "policy", "fp32") == 17760
+    # KV cache: per token 2 (k,v) * L 2 * kv 8 * 4 bytes = 128; 15 tokens -> 1920
+    assert kv_cache_bytes(TOY, "fp32", 3, 5) == 1920
+    # activations (fp32: scale 4/2 = 2): one layer 15*(34*8 + 5*2*5)*2 = 15*322*2 = 9660
+    assert activation_bytes(TOY, "fp32", 3, 5, checkpointing=False) == 2 * 9660
+    # checkpointing keeps layer inputs L*T*h*b = 2*15*8*4 = 960, plus one layer recomputed
+    assert activation_bytes(TOY, "fp32", 3, 5, checkpointing=True) == 960 + 9660
+
+
+@pytest.mark.parametrize(
+    ("name", "published"),
+    [
+        ("Qwen/Qwen2.5-0.5B", 494_032_768),  # model card; includes q/k/v biases we skip
+        ("meta-llama/Meta-Llama-3-8B", 8_030_261_248),
+    ],
+)
+def test_known_shapes_match_published_sizes(name: str, published: int) -> None:
+    assert KNOWN_SHAPES[name].num_parameters() == pytest.approx(published, rel=0.001)
+
+
+def test_builtin_shapes_repeat_the_backend_table() -> None:
+    from flowrl.backends.builtin import BUILTIN_MODELS
+    from flowrl.backends.tokenizer import char_vocab
+
+    for name, model in BUILTIN_MODELS.items():
+        shape = KNOWN_SHAPES[f"builtin:{name}"]
+        assert (shape.num_layers, shape.hidden_size, shape.num_heads, shape.num_kv_heads,
+                shape.intermediate_size, shape.vocab_size) == (
+            model.num_layers, model.hidden_size, model.num_heads, model.num_kv_heads,
+            model.intermediate_size, len(char_vocab()))
+
+
+def test_shape_from_a_local_config_and_instruct_names(tmp_path: Path) -> None:
+    config = {"num_hidden_layers": 2, "hidden_size": 8, "num_attention_heads": 2,
+              "intermediate_size": 16, "vocab_size": 10}
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(config))
+    assert resolve_shape("model", tmp_path) == TOY
+    assert resolve_shape("Qwen/Qwen2.5-7B-Instruct") == KNOWN_SHAPES["Qwen/Qwen2.5-7B"]
+    with pytest.raises(PlacementError, match="cannot size model 'org/unknown'"):
+        resolve_shape("org/unknown", tmp_path)
+
+
+def test_cpu_probe_returns_positive_rates() -> None:
+    rates = measure_cpu_rates(matrix_size=32, repeats=1)
+    assert rates.flops_per_s > 0 and rates.bandwidth_gbs > 0

@@ -1,0 +1,60 @@
+"""``plan_command``: the rendered table and timeline, JSON, and the picture outputs."""
+
+from __future__ import annotations
+
+import builtins
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+
+from flowrl.cli.plan import plan_command
+from flowrl.errors import FlowrlError
+
+ROOT = Path(__file__).resolve().parents[2]
+PPO = ROOT / "pipelines" / "ppo.yaml"
+MIXED = ROOT / "devices" / "mixed-4gpu.yaml"
+
+
+def _console() -> Console:
+    return Console(record=True, width=200, color_system=None)
+
+
+def test_tables_timeline_and_svg(tmp_path: Path) -> None:
+    console = _console()
+    svg = tmp_path / "timeline.svg"
+    plan = plan_command(PPO, MIXED, as_json=False, output=svg, console=console)
+    text = console.export_text()
+    assert "Plan of 'ppo-style'" in text and "Memory per device" in text
+    assert "predicted step time:" in text and "critical path: rollout -> " in text
+    assert "gpu-3 |" in text  # a Gantt row per device
+    picture = svg.read_text()
+    assert picture.startswith("<svg") and picture.count("<rect") == 1 + len(plan.timeline)  # background + bars
+
+
+def test_json_is_the_plan(tmp_path: Path) -> None:
+    console = _console()
+    plan = plan_command(PPO, MIXED, as_json=True, output=None, console=console)
+    data = json.loads(console.export_text())
+    assert data == json.loads(json.dumps(plan.to_dict()))
+    assert data["nodes"][0]["node"] == "rollout"
+
+
+def test_png_without_matplotlib_says_to_use_svg(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_import = builtins.__import__
+
+    def no_matplotlib(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name.startswith("matplotlib"):
+            raise ImportError("no matplotlib")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    with pytest.raises(FlowrlError, match=r"needs matplotlib.*--output timeline.svg"):
+        plan_command(PPO, MIXED, as_json=False, output=tmp_path / "t.png", console=_console())
+
+
+def test_unknown_picture_format(tmp_path: Path) -> None:
+    with pytest.raises(FlowrlError, match=r"\.svg"):
+        plan_command(PPO, MIXED, as_json=False, output=tmp_path / "t.pdf", console=_console())

@@ -1,0 +1,123 @@
+"""Search: obvious colocation and offload, memory, pinned groups, determinism, mixed GPUs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from flowrl.devices.files import load_inventory
+from flowrl.devices.groups import pipeline_groups
+from flowrl.devices.matching import match_groups
+from flowrl.errors import PlacementError
+from flowrl.planner.compiled import CompiledPlan, compile_plan
+from flowrl.planner.costs import EstimatedCosts
+from flowrl.planner.search import SearchOptions
+from flowrl.spec.loader import load_pipeline, pipeline_from_dict
+
+from tests.planner.conftest import cpu, gpu, grpo, inventory
+
+ROOT = Path(__file__).resolve().parents[2]
+QWEN = "Qwen/Qwen2.5-0.5B"
+
+
+def _fits(plan: CompiledPlan, reserve: float = 0.10) -> None:
+    hosts: dict[str, float] = {}
+    for device in plan.devices:
+        if device.kind == "cpu":
+            hosts[device.label] = device.peak_gb
+        else:
+            assert device.peak_gb * (1 + reserve) <= device.capacity_gb, device
+
+
+def test_ppo_on_the_mixed_inventory() -> None:
+    pipeline = load_pipeline(ROOT / "pipelines" / "ppo.yaml")
+    plan = compile_plan(pipeline, load_inventory(ROOT / "devices" / "mixed-4gpu.yaml"))
+    where = plan.node_devices
+    # matched groups: actor H100 first then an A100; reward the V100 (arch v100/a100)
+    assert where["rollout"] == ["gpu-3", "gpu-0"] and where["train_actor"] == ["gpu-3", "gpu-0"]
+    assert where["reward"] == ["gpu-2"]
+    assert where["values"] == where["train_critic"] == ["gpu-1"]
+    # the offloaded reference is paged onto a GPU: far faster than the CPU slot
+    assert plan.offloaded == ["ref"] and where["ref"][0].startswith("gpu")
+    assert plan.critical_path[0] == "rollout" and plan.iteration_s > 0
+    assert len(plan.reasons) == len(pipeline.spec.nodes)
+    _fits(plan)
+
+
+def test_unpinned_inference_model_is_colocated_on_the_gpu() -> None:
+    data = grpo({"path": "builtin:small-llama", "device_group": "actor_group"},
+                {"path": "builtin:small-llama"},  # no group: the planner may put it anywhere
+                {"actor_group": {"type": "gpu"}}, batch_size=16, n=8, max_new_tokens=64)
+    plan = compile_plan(pipeline_from_dict(data),
+                        inventory(gpu(0, "A100-40GB", 40, 312, 1555), cpu(0)))
+    assert plan.node_devices["ref"] == ["gpu-0"]
+    assert plan.colocations == {"gpu-0": ["actor", "reference"]}
+
+
+def test_cpu_offload_when_the_gpu_is_full() -> None:
+    data = grpo({"path": QWEN, "device_group": "actor_group", "dtype": "bf16"},
+                {"path": QWEN, "device_group": "actor_group", "dtype": "bf16",
+                 "offload_to_cpu": True},
+                {"actor_group": {"type": "gpu"}}, batch_size=8, n=4, max_new_tokens=64,
+                mini_batch_size=2)
+    pipeline = pipeline_from_dict(data)
+    costs = EstimatedCosts(pipeline)
+    # size the card so the actor alone fits but paging the reference in does not
+    actor = costs.memory("train", 1)
+    generate = costs.memory("rollout", 1)
+    ref = costs.memory("ref", 1)
+    resident = actor.weights_gb + actor.state_gb + 0.5  # 0.5 GB CUDA context
+    alone = resident + max(actor.transient_gb, generate.transient_gb)
+    paged = resident + ref.weights_gb + ref.transient_gb
+    assert paged > alone
+    memory_gb = (alone * 1.1 + paged * 1.1) / 2
+    plan = compile_plan(pipeline, inventory(gpu(0, "SMALL", memory_gb, 312, 1555), cpu(0, 256)))
+    assert plan.node_devices["ref"] == ["cpu-0"]
+    assert "cpu offload" in next(p.reason for p in plan.nodes if p.node == "ref")
+    _fits(plan)
+
+
+def test_no_placement_fits_raises_with_the_numbers() -> None:
+    data = grpo({"path": "Qwen/Qwen2.5-7B", "device_group": "actor_group"},
+                {"path": "Qwen/Qwen2.5-7B", "device_group": "ref_group"},
+                {"actor_group": {"type": "gpu"}, "ref_group": {"type": "cpu"}})
+    with pytest.raises(PlacementError, match=r"gpu-0 SMALL needs .* GB \+ 10% reserve of 40 GB"):
+        compile_plan(pipeline_from_dict(data), inventory(gpu(0, "SMALL", 40, 312, 1555), cpu(0, 512)))
+
+
+@pytest.mark.parametrize("inventory_file", ["mixed-4gpu", "a100-4x40gb", "h200-8x", "cluster-2node"])
+def test_pinned_groups_respected_and_memory_never_exceeded(inventory_file: str) -> None:
+    pipeline = load_pipeline(ROOT / "pipelines" / "ppo.yaml")
+    devices = load_inventory(ROOT / "devices" / f"{inventory_file}.yaml")
+    match = match_groups(pipeline_groups(pipeline.spec), devices)
+    if not match.ok:
+        pytest.skip("the pipeline's groups do not match this inventory")
+    plan = compile_plan(pipeline, devices, match)
+    _fits(plan)
+    groups = {"rollout": "actor_group", "train_actor": "actor_group", "reward": "reward_group",
+              "values": "critic_group", "train_critic": "critic_group"}
+    for node, group in groups.items():
+        assert set(plan.node_devices[node]) <= set(match.assignment[group])
+
+
+def test_plans_are_deterministic_and_greedy_agrees_with_exact() -> None:
+    pipeline = load_pipeline(ROOT / "pipelines" / "ppo.yaml")
+    devices = load_inventory(ROOT / "devices" / "mixed-4gpu.yaml")
+    first = compile_plan(pipeline, devices)
+    assert first.to_dict() == compile_plan(pipeline, devices).to_dict()
+    greedy = compile_plan(pipeline, devices, options=SearchOptions(exact_limit=0))
+    assert greedy.method == "greedy+local" and first.method == "exact"
+    assert greedy.iteration_s == pytest.approx(first.iteration_s)
+
+
+def test_data_parallel_width_of_an_inference_node() -> None:
+    data = grpo({"path": "Qwen/Qwen2.5-1.5B", "device_group": "actor_group", "dtype": "bf16"},
+                {"path": "Qwen/Qwen2.5-1.5B", "device_group": "ref_group", "dtype": "bf16"},
+                {"actor_group": {"type": "gpu", "count": 2}, "ref_group": {"type": "gpu", "count": 2}},
+                batch_size=32, n=8, max_new_tokens=256, mini_batch_size=4)
+    devices = inventory(*(gpu(i, "H100-80GB", 80, 989, 3350) for i in range(4)), cpu(0, 512))
+    plan = compile_plan(pipeline_from_dict(data), devices)
+    # a large reference pass: splitting it over both of its GPUs halves its time
+    assert len(plan.node_devices["ref"]) == 2
+    assert "width 2 of 2" in next(p.reason for p in plan.nodes if p.node == "ref")
