@@ -18,7 +18,7 @@ LAYERS = [
     {"profiler"},
     {"planner"},
     {"runtime"},
-    {"scheduler"},
+    {"scheduler", "simulator"},
     {"api"},
     {"ui", "cli", "__init__"},
 ]

@@ -22,7 +22,9 @@ from flowrl.devices.matching import match_groups
 from flowrl.devices.report import inventory_lines, match_lines
 from flowrl.errors import FlowrlError
 from flowrl.graph import PipelineGraph
-from flowrl.planner.placement import plan_static
+from flowrl.planner.compiled import compile_plan
+from flowrl.planner.cost import measure_cpu_rates
+from flowrl.planner.placement import plan_from_compiled
 from flowrl.records import RunEvent, StepRecord
 from flowrl.rewards import resolve_reward
 from flowrl.runtime.cluster import Cluster
@@ -109,8 +111,12 @@ def _train(
     for line in [*inventory_lines(inventory), *match_lines(match, inventory, offload_notes(spec))]:
         watcher.event(RunEvent("devices", line, 0))
     match.raise_if_unsatisfied()
-    plan = plan_static(graph, slots, assignment=match.assignment, assignment_reasons=match.reasons)
-    folder.write_plan(0, plan.to_dict())
+    compiled = compile_plan(graph, inventory, match, base_dir=base_dir, cpu_rates=measure_cpu_rates())
+    plan = plan_from_compiled(graph, compiled, slots)
+    folder.write_plan(0, {**compiled.to_dict(), "runtime": plan.to_dict()})
+    watcher.event(
+        RunEvent("plan", f"predicted step {compiled.iteration_s * 1000:.0f} ms; critical path {' -> '.join(compiled.critical_path)}", 0)
+    )
     placed = ", ".join(f"{node} -> {slot}" for node, slot in plan.node_slots.items())
     watcher.event(RunEvent("placement", placed, 0))
     session = Session(cluster, graph, plan, base_dir)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from flowrl.graph import PipelineGraph
 from flowrl.spec.schema import DeviceGroupSpec, PipelineSpec
 
 AUTO_GROUP_PREFIX = "auto:"
@@ -25,3 +26,8 @@ def offload_notes(spec: PipelineSpec) -> dict[str, str]:
             group = model.device_group or f"{AUTO_GROUP_PREFIX}{model_name}"
             notes.setdefault(group, []).append(model_name)
     return {group: f"offloaded: {', '.join(models)}" for group, models in notes.items()}
+
+
+def model_group(pipeline: PipelineGraph, model: str) -> str:
+    group = pipeline.spec.models[model].device_group
+    return group if group is not None else f"{AUTO_GROUP_PREFIX}{model}"

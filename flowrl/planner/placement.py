@@ -11,9 +11,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from flowrl.devices.groups import AUTO_GROUP_PREFIX
+from flowrl.devices.groups import AUTO_GROUP_PREFIX, model_group
 from flowrl.errors import PlacementError
 from flowrl.graph import PipelineGraph
+from flowrl.planner.compiled import CompiledPlan
 
 
 
@@ -38,11 +39,6 @@ class Plan:
         """Slots other than the node's own that hold ``model`` and must get its new weights."""
         own = self.node_slots[node]
         return [slot for slot in self.model_slots.get(model, []) if slot != own]
-
-
-def model_group(pipeline: PipelineGraph, model: str) -> str:
-    group = pipeline.spec.models[model].device_group
-    return group if group is not None else f"{AUTO_GROUP_PREFIX}{model}"
 
 
 def plan_static(
@@ -87,12 +83,44 @@ def plan_static(
             source = producers[0] if producers else "the data source"
             reasons.append(f"{node} -> {node_slots[node]}: no model; next to its input {source} (no transfer)")
 
+    return Plan(step, group_slots, _model_slots(pipeline, node_slots), node_slots, reasons)
+
+
+def plan_from_compiled(pipeline: PipelineGraph, compiled: CompiledPlan, slots: list[str]) -> Plan:
+    """The runtime's placement from the planner's: each node on the first of its devices.
+
+    A node the planner widened over several devices (data-parallel inference) runs on the
+    first of them; the reason says so, and the plan file keeps the planner's full answer.
+    """
+    node_slots: dict[str, str] = {}
+    reasons: list[str] = []
+    for node in compiled.nodes:
+        missing = [device for device in node.devices if device not in slots]
+        if missing:
+            raise PlacementError(
+                f"nodes.{node.node}: planned on {', '.join(missing)}, but no Dask worker serves it "
+                f"(workers: {', '.join(slots)}). GPU workers are not started in this version: "
+                "set `type: cpu` for its device group."
+            )
+        node_slots[node.node] = node.devices[0]
+        note = f" (planned over {len(node.devices)} devices; runs on the first)" if len(node.devices) > 1 else ""
+        reasons.append(f"{node.node} -> {node.devices[0]}: {node.reason}{note}")
+    group_slots: dict[str, list[str]] = {}
+    for node, slot in node_slots.items():
+        spec = pipeline.spec.nodes[node]
+        group = spec.device_group or (model_group(pipeline, spec.model) if spec.model else None)
+        if group is not None and slot not in group_slots.setdefault(group, []):
+            group_slots[group].append(slot)
+    return Plan(compiled.step, group_slots, _model_slots(pipeline, node_slots), node_slots, reasons)
+
+
+def _model_slots(pipeline: PipelineGraph, node_slots: dict[str, str]) -> dict[str, list[str]]:
     model_slots: dict[str, list[str]] = {}
     for node, slot in node_slots.items():
-        model = spec.nodes[node].model
+        model = pipeline.spec.nodes[node].model
         if model is not None and slot not in model_slots.setdefault(model, []):
             model_slots[model].append(slot)
-    return Plan(step=step, group_slots=group_slots, model_slots=model_slots, node_slots=node_slots, reasons=reasons)
+    return model_slots
 
 
 def _matched_slot(group: str, devices: list[str], slots: list[str], pipeline: PipelineGraph) -> str:

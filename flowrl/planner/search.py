@@ -35,7 +35,7 @@ from flowrl.devices.matching import Match
 from flowrl.errors import PlacementError
 from flowrl.graph import PipelineGraph
 from flowrl.planner.costs import CostSource
-from flowrl.planner.placement import model_group
+from flowrl.devices.groups import model_group
 from flowrl.planner.simulate import Placement, Schedule, device_memory_gb, simulate
 
 INFERENCE_ROLES = ("score", "reference_logprob", "value")

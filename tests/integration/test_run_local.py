@@ -35,10 +35,11 @@ def test_grpo_on_local_cluster_learns_and_writes_outputs(tmp_path: Path, make_pi
     # config.yaml is the resolved pipeline: it loads back to an equal one
     assert load_pipeline(output / "config.yaml") == pipeline.build()
 
-    # the plan puts actor and reference on different workers
+    # the plan puts actor and reference on different workers, and predicts the step
     plan = json.loads((output / "plan-0.json").read_text())
-    assert plan["node_slots"]["rollout"] != plan["node_slots"]["ref"]
-    assert plan["node_slots"]["rollout"] == plan["node_slots"]["train"]
+    assert plan["iteration_s"] > 0 and plan["critical_path"][0] == "rollout"
+    assert plan["runtime"]["node_slots"]["rollout"] != plan["runtime"]["node_slots"]["ref"]
+    assert plan["runtime"]["node_slots"]["rollout"] == plan["runtime"]["node_slots"]["train"]
 
     # checkpoints every 10 steps, the last 2 kept, each complete; none at the final step
     kept = sorted(p.name for p in (output / "checkpoints").iterdir())

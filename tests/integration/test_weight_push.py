@@ -25,8 +25,8 @@ def test_generator_on_another_worker_learns_through_pushed_weights(tmp_path: Pat
 
     result = run(pipeline_from_dict(spec))
     plan = json.loads((tmp_path / "out" / "plan-0.json").read_text())
-    assert plan["node_slots"]["rollout"] != plan["node_slots"]["train"]
-    assert sorted(plan["model_slots"]["actor"]) == ["cpu-0", "cpu-1"]
+    assert plan["runtime"]["node_slots"]["rollout"] != plan["runtime"]["node_slots"]["train"]
+    assert sorted(plan["runtime"]["model_slots"]["actor"]) == ["cpu-0", "cpu-1"]
 
     # tiny-llama in fp32: 546,176 parameters x 4 bytes to one peer
     assert result.metric("perf/weight_sync_mb") == [pytest.approx(546_176 * 4 / 1e6)] * 30
