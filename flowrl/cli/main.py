@@ -129,6 +129,27 @@ def plan(
     plan_command(pipeline_file, devices_file, as_json, output, Console())
 
 
+@app.command()
+@_friendly
+def simulate(
+    pipeline_file: Path = typer.Argument(..., help="Pipeline YAML file."),
+    devices_file: Path = typer.Option(
+        ..., "--devices", help="Inventory file (devices/*.yaml) of the cluster to simulate."
+    ),
+    steps: int = typer.Option(200, min=1, help="Steps to simulate."),
+    scenario: Optional[str] = typer.Option(
+        None, help="Scenario name (scenarios/NAME.yaml) or path; default: steady (noise only)."
+    ),
+    policy: str = typer.Option("both", help="Scheduler policy: static, dynamic, or both side by side."),
+    seed: Optional[int] = typer.Option(None, help="Noise seed; default: the scenario's seed."),
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of tables."),
+) -> None:
+    """Run scheduler policies on a simulated cluster with noise and device events, and compare them."""
+    from flowrl.cli.simulate import simulate_command
+
+    simulate_command(pipeline_file, devices_file, steps, scenario, policy, seed, as_json, Console())
+
+
 def main() -> None:
     app()
 

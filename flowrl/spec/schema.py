@@ -277,6 +277,11 @@ class SchedulerSpec(_Strict):
     """How long a device must stay under-used before acting, in seconds. Default 30."""
     high_memory: float = Field(default=0.9, gt=0, le=1)
     """Memory share (0..1) above which a device counts as full. Default 0.9."""
+    min_gain: float = Field(default=0.1, ge=0)
+    """A move's predicted gain over the next every_steps steps must exceed its cost by this
+    share (hysteresis). Default 0.1."""
+    max_moves_per_replan: int = Field(default=4, ge=1)
+    """Most models one re-plan may move (a lost device ignores it). Default 4."""
 
 
 class RuntimeSpec(_Strict):

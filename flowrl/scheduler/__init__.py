@@ -1,0 +1,35 @@
+"""The scheduler: when to re-plan and whether a move pays (pure: events in, decisions out)."""
+
+from flowrl.scheduler.calibration import DeviceCalibration
+from flowrl.scheduler.events import (
+    Decision,
+    DeviceAdded,
+    DeviceEvent,
+    DeviceLost,
+    DeviceThrottled,
+    Move,
+)
+from flowrl.scheduler.policy import (
+    DynamicPolicy,
+    PolicySettings,
+    SchedulerPolicy,
+    StaticPolicy,
+    make_policy,
+    settings_from_spec,
+)
+
+__all__ = [
+    "Decision",
+    "DeviceAdded",
+    "DeviceCalibration",
+    "DeviceEvent",
+    "DeviceLost",
+    "DeviceThrottled",
+    "DynamicPolicy",
+    "Move",
+    "PolicySettings",
+    "SchedulerPolicy",
+    "StaticPolicy",
+    "make_policy",
+    "settings_from_spec",
+]

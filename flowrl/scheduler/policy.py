@@ -1,0 +1,404 @@
+"""Scheduler policies: when to re-plan and whether a move pays. Events in, decisions out.
+
+A policy never touches a cluster. Whoever runs the pipeline (the Dask runtime or the
+simulator) feeds it, between two steps::
+
+    observe(step, node timings, device samples)   measured step -> device speeds, triggers
+    decide(step, device events)  -> [Decision]    before the next step; accepted ones
+                                                  carry the new plan to carry out
+
+``StaticPolicy`` plans once and never changes its mind (a lost device then fails every
+step that needs it). ``DynamicPolicy`` re-plans when something triggers it:
+
+- every ``every_steps`` steps;
+- a device measured ``slow_ratio`` times slower than predicted, or one that reports
+  throttling; a device under ``low_util`` for ``low_util_window_s`` seconds; a device
+  above ``high_memory`` of its memory (each once when it starts, not every step);
+- a device added (re-match around it) or lost (forced: re-plan onto the others).
+
+A re-plan searches the current device match and the matches one substitution or swap
+away around the suspect devices, each with the planner and the measured device speeds
+(``DeviceCalibration``). With ``H`` the steps to the next regular re-plan, it keeps the
+candidate with the least ``after_s * H + move_s * (1 + min_gain)`` and accepts it when
+that beats ``before_s * H``: the predicted gain over the next interval must exceed the
+moves' cost by ``min_gain``. That margin is the hysteresis: measurements that wobble
+around a break-even point do not move work back and forth. A forced re-plan is accepted
+whatever it costs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Protocol
+
+from flowrl.devices.groups import pipeline_groups
+from flowrl.devices.inventory import Inventory
+from flowrl.devices.matching import Match, match_groups
+from flowrl.errors import PlacementError
+from flowrl.graph import PipelineGraph
+from flowrl.planner.compiled import CompiledPlan, compile_plan
+from flowrl.planner.costs import CostSource, EstimatedCosts
+from flowrl.planner.search import evaluate
+from flowrl.records import DeviceSample, NodeTiming
+from flowrl.scheduler.calibration import DeviceCalibration
+from flowrl.scheduler.candidates import neighbour_matches, repair_matches
+from flowrl.scheduler.events import (
+    Decision,
+    DeviceAdded,
+    DeviceEvent,
+    DeviceLost,
+    DeviceThrottled,
+    Move,
+)
+from flowrl.scheduler.moves import plan_moves
+from flowrl.scheduler.replan import placement_of, prune_moves
+from flowrl.spec.schema import SchedulerSpec
+
+MEMORY_RESERVE = 0.10
+"""Share of each device's memory the planner keeps free (as ``SearchOptions``)."""
+RECORD_GAIN = 0.01
+"""A re-plan that is not accepted is recorded when it would have gained this share per step."""
+
+
+@dataclass(frozen=True)
+class PolicySettings:
+    """How eagerly the dynamic policy re-plans, and what a move must gain."""
+
+    every_steps: int = 10
+    """Re-plan every this many steps; also the interval a move's gain is counted over. Default 10."""
+    min_gain: float = 0.10
+    """A move's predicted gain over the interval must exceed its cost by this share. Default 0.10."""
+    max_moves_per_replan: int = 4
+    """Most moves (models changing devices) one re-plan may make; a lost device ignores it. Default 4."""
+    restart_s: float = 0.05
+    """Predicted seconds to restart a moved role on its new device, beyond sending its
+    weights; replaced by measured move times when there are some. Default 0.05."""
+    slow_ratio: float = 1.25
+    """A device whose measured node times exceed the predicted ones by this ratio is slow
+    (a trigger); it counts as recovered below half that excess. Default 1.25."""
+    low_util: float = 0.4
+    """Utilisation (0..1) below which a used device counts as under-used. Default 0.4."""
+    low_util_window_s: float = 30.0
+    """Seconds a device must stay under-used before it triggers a re-plan. Default 30."""
+    high_memory: float = 0.9
+    """Memory share (0..1) above which a device triggers a re-plan. Default 0.9."""
+    alpha: float = 0.3
+    """Weight of the newest step in the measured device speeds (EWMA). Default 0.3."""
+    horizon_steps: int | None = None
+    """Steps a move's predicted gain is counted over; None = ``every_steps`` (the next
+    interval). Longer horizons accept moves that pay back later. Default None."""
+
+
+def settings_from_spec(spec: SchedulerSpec, restart_s: float | None = None) -> PolicySettings:
+    """Settings from a pipeline's ``scheduler:`` section (fields it lacks keep defaults)."""
+    defaults = PolicySettings()
+    return PolicySettings(
+        every_steps=spec.every_steps,
+        min_gain=float(getattr(spec, "min_gain", defaults.min_gain)),
+        max_moves_per_replan=int(getattr(spec, "max_moves_per_replan", defaults.max_moves_per_replan)),
+        restart_s=defaults.restart_s if restart_s is None else restart_s,
+        low_util=spec.low_util,
+        low_util_window_s=spec.low_util_window_s,
+        high_memory=spec.high_memory,
+    )
+
+
+class SchedulerPolicy(Protocol):
+    """What a runner needs from a policy."""
+
+    name: str
+
+    @property
+    def plan(self) -> CompiledPlan: ...
+
+    def observe(self, step: int, timings: Sequence[NodeTiming],
+                devices: Sequence[DeviceSample], step_s: float) -> None: ...
+
+    def decide(self, step: int, events: Sequence[DeviceEvent]) -> list[Decision]: ...
+
+
+def initial_plan(
+    pipeline: PipelineGraph, inventory: Inventory, costs: CostSource
+) -> tuple[Match, CompiledPlan]:
+    match = match_groups(pipeline_groups(pipeline.spec), inventory)
+    return match, compile_plan(pipeline, inventory, match=match, costs=costs)
+
+
+class StaticPolicy:
+    """Plan once, before the first step; never re-plan."""
+
+    name = "static"
+
+    def __init__(self, pipeline: PipelineGraph, inventory: Inventory,
+                 costs: CostSource | None = None, base_dir: Path | None = None) -> None:
+        costs = costs or EstimatedCosts(pipeline, base_dir=base_dir)
+        self._match, self._plan = initial_plan(pipeline, inventory, costs)
+
+    @property
+    def plan(self) -> CompiledPlan:
+        return self._plan
+
+    def observe(self, step: int, timings: Sequence[NodeTiming],
+                devices: Sequence[DeviceSample], step_s: float) -> None:
+        return None
+
+    def decide(self, step: int, events: Sequence[DeviceEvent]) -> list[Decision]:
+        return []
+
+
+@dataclass(frozen=True)
+class _Option:
+    """A candidate re-plan: ``score`` = after_s * horizon + move_s * (1 + min_gain)."""
+
+    score: float
+    index: int
+    match: Match
+    plan: CompiledPlan
+    moves: tuple[Move, ...]
+    cost_s: float
+
+
+@dataclass
+class _Flags:
+    """Per-device conditions that trigger once when they start."""
+
+    slow: set[str] = field(default_factory=set)
+    low_util_s: dict[str, float] = field(default_factory=dict)
+    low_util: set[str] = field(default_factory=set)
+    high_memory: set[str] = field(default_factory=set)
+    pending: list[str] = field(default_factory=list)
+    """Triggers raised by ``observe`` since the last ``decide``."""
+    suspects: list[str] = field(default_factory=list)
+
+
+class DynamicPolicy:
+    """Re-plan from measurements; move only what pays for itself (see the module docs)."""
+
+    name = "dynamic"
+
+    def __init__(
+        self,
+        pipeline: PipelineGraph,
+        inventory: Inventory,
+        settings: PolicySettings | None = None,
+        costs: CostSource | None = None,
+        base_dir: Path | None = None,
+        num_steps: int | None = None,
+    ) -> None:
+        self.pipeline = pipeline
+        self.settings = settings or PolicySettings()
+        self.inventory = inventory
+        self.num_steps = num_steps
+        """Steps in the run; a move near the end counts its gain only up to the end."""
+        self.calibration = DeviceCalibration(
+            costs or EstimatedCosts(pipeline, base_dir=base_dir), alpha=self.settings.alpha
+        )
+        self.groups = pipeline_groups(pipeline.spec)
+        self._match, self._plan = initial_plan(pipeline, inventory, self.calibration.base)
+        self._flags = _Flags()
+        self._restart_s = self.settings.restart_s
+
+    @property
+    def plan(self) -> CompiledPlan:
+        return self._plan
+
+    # ---- measurements in -------------------------------------------------------------
+
+    def observe(self, step: int, timings: Sequence[NodeTiming],
+                devices: Sequence[DeviceSample], step_s: float) -> None:
+        by_id = {device.id: device for device in self.inventory.devices}
+        node_devices = {
+            item.node: [by_id[d] for d in item.devices if d in by_id] for item in self._plan.nodes
+        }
+        offloaded = {item.node: item.offloaded for item in self._plan.nodes}
+        self.calibration.observe_step(timings, node_devices, offloaded)
+        flags, settings = self._flags, self.settings
+        recovered = 1 + (settings.slow_ratio - 1) / 2
+        for device_id, ratio in sorted(self.calibration.ratios.items()):
+            if ratio >= settings.slow_ratio and device_id not in flags.slow:
+                flags.slow.add(device_id)
+                self._raise(f"{device_id} slow ({1 / ratio:.0%} of predicted speed)", device_id)
+            elif ratio < recovered and device_id in flags.slow:
+                flags.slow.discard(device_id)
+        used = {d for item in self._plan.nodes for d in item.devices}
+        for sample in devices:
+            if sample.device not in used:
+                continue
+            if sample.utilization < settings.low_util:
+                total = flags.low_util_s.get(sample.device, 0.0) + step_s
+                flags.low_util_s[sample.device] = total
+                if total >= settings.low_util_window_s and sample.device not in flags.low_util:
+                    flags.low_util.add(sample.device)
+                    self._raise(f"{sample.device} under-used ({sample.utilization:.0%})", sample.device)
+            else:
+                flags.low_util_s.pop(sample.device, None)
+                flags.low_util.discard(sample.device)
+            share = sample.memory_gb / sample.memory_total_gb if sample.memory_total_gb else 0.0
+            if share > settings.high_memory and sample.device not in flags.high_memory:
+                flags.high_memory.add(sample.device)
+                self._raise(f"{sample.device} memory at {share:.0%}", sample.device)
+            elif share <= settings.high_memory:
+                flags.high_memory.discard(sample.device)
+
+    def observe_move(self, predicted_s: float, measured_s: float) -> None:
+        """A carried-out re-plan's measured cost corrects the restart estimate."""
+        if predicted_s > 0:
+            self._restart_s *= measured_s / predicted_s
+
+    def _raise(self, trigger: str, device_id: str) -> None:
+        self._flags.pending.append(trigger)
+        if device_id not in self._flags.suspects:
+            self._flags.suspects.append(device_id)
+
+    # ---- decisions out ---------------------------------------------------------------
+
+    def decide(self, step: int, events: Sequence[DeviceEvent]) -> list[Decision]:
+        flags = self._flags
+        triggers, lost, added = list(flags.pending), [], []
+        for event in events:
+            if isinstance(event, DeviceLost):
+                lost.append(event.device)
+                triggers.append(f"{event.device} lost")
+            elif isinstance(event, DeviceAdded):
+                added.append(event.device.id)
+                triggers.append(f"{event.device.id} added ({event.device.name})")
+            elif isinstance(event, DeviceThrottled):
+                triggers.append(f"{event.device} reports throttling")
+        self._apply_inventory(events)
+        every = self.settings.every_steps
+        if step > 1 and (step - 1) % every == 0:
+            triggers.append(f"every {every} steps")
+        suspects = [*flags.suspects, *added, *sorted(flags.slow)]
+        flags.pending, flags.suspects = [], []
+        if not triggers:
+            return []
+        decision = self._replan(step, tuple(triggers), list(dict.fromkeys(suspects)), lost, added)
+        if decision is None:
+            return []
+        if decision.accepted and decision.plan is not None:
+            self._plan = decision.plan
+        return [decision]
+
+    def _apply_inventory(self, events: Sequence[DeviceEvent]) -> None:
+        devices = list(self.inventory.devices)
+        for event in events:
+            if isinstance(event, DeviceLost):
+                devices = [d for d in devices if d.id != event.device]
+                self.calibration.forget(event.device)
+                self._flags.slow.discard(event.device)
+            elif isinstance(event, DeviceAdded) and all(d.id != event.device.id for d in devices):
+                devices.append(event.device)
+        order = {"gpu": 0, "cpu": 1}
+        devices.sort(key=lambda d: (order[d.kind], d.number))
+        self.inventory = replace(self.inventory, devices=tuple(devices))
+
+    def _replan(self, step: int, triggers: tuple[str, ...], suspects: list[str],
+                lost: list[str], added: list[str]) -> Decision | None:
+        settings = self.settings
+        horizon = settings.horizon_steps or settings.every_steps
+        if self.num_steps is not None:
+            horizon = max(1, min(horizon, self.num_steps - step + 1))
+        before = self._current_s()
+        forced = before == float("inf")
+        if forced:
+            matches: list[Match] = []
+            for device_id in lost or self._missing():
+                base = matches[0] if matches else self._match
+                matches = repair_matches(base, self.groups, self.inventory, device_id)
+        else:
+            matches = neighbour_matches(self._match, self.groups, self.inventory, suspects)
+        speeds = {d: 1 / self.calibration.ratio(d) for d in self._flags.slow}
+        best: _Option | None = None
+        for index, match in enumerate(matches):
+            try:
+                plan = compile_plan(self.pipeline, self.inventory, match=match,
+                                    costs=self.calibration, step=step)
+            except PlacementError:
+                continue
+            moves = self._moves(plan, speeds, lost, added)
+            pruned = prune_moves(self.pipeline, self._plan, plan, moves, self.inventory,
+                                 self.calibration, horizon, settings.min_gain, MEMORY_RESERVE)
+            variants = [(plan, moves)]
+            if pruned is not plan:  # both: undoing moves one by one can miss a pair that pays
+                variants.append((pruned, self._moves(pruned, speeds, lost, added)))
+            for variant, variant_moves in variants:
+                if not variant_moves:
+                    continue
+                if not forced and len(variant_moves) > settings.max_moves_per_replan:
+                    continue
+                cost = sum(move.cost_s for move in variant_moves)
+                option = _Option(variant.iteration_s * horizon + cost * (1 + settings.min_gain),
+                                 index, match, variant, tuple(variant_moves), cost)
+                if best is None or (option.score, option.index) < (best.score, best.index):
+                    best = option
+        if best is None:
+            if not forced:
+                return None
+            return Decision(step, triggers, False, True, (), before, float("inf"), 0.0, horizon,
+                            "no placement fits on the remaining devices; steps fail until one does")
+        accepted = forced or best.score < before * horizon
+        gain_s = (before - best.plan.iteration_s) * horizon
+        if not accepted and gain_s < RECORD_GAIN * before * horizon:
+            return None  # nothing clearly better exists: not worth a record
+        factor = f"{1 + settings.min_gain:g}"
+        if forced:
+            reason = "forced: the current plan uses a lost device"
+        elif accepted:
+            reason = (f"gain {gain_s * 1e3:.1f} ms over {horizon} steps beats move cost "
+                      f"{best.cost_s * 1e3:.1f} ms x {factor}")
+        else:
+            reason = (f"kept: gain {gain_s * 1e3:.1f} ms over {horizon} steps does not beat "
+                      f"move cost {best.cost_s * 1e3:.1f} ms x {factor}")
+        if accepted:
+            self._match = best.match
+        return Decision(step, triggers, accepted, forced, best.moves, before,
+                        best.plan.iteration_s, best.cost_s, horizon, reason,
+                        best.plan if accepted else None)
+
+    def _moves(self, plan: CompiledPlan, speeds: Mapping[str, float], lost: list[str],
+               added: list[str]) -> list[Move]:
+        return plan_moves(self._plan, plan, self.inventory, self.calibration.base,
+                          self._restart_s, speeds, lost, added)
+
+    def _current_s(self) -> float:
+        """The current plan's predicted step time now; infinite when it lost a device."""
+        if self._missing():
+            return float("inf")
+        result = evaluate(self.pipeline, placement_of(self._plan), self.inventory,
+                          self.calibration, MEMORY_RESERVE)
+        return result.schedule.iteration_s
+
+    def _missing(self) -> list[str]:
+        present = {device.id for device in self.inventory.devices}
+        used = [d for item in self._plan.nodes for d in item.devices]
+        return sorted({d for d in used if d not in present})
+
+
+def make_policy(
+    name: str,
+    pipeline: PipelineGraph,
+    inventory: Inventory,
+    settings: PolicySettings | None = None,
+    costs: CostSource | None = None,
+    base_dir: Path | None = None,
+    num_steps: int | None = None,
+) -> StaticPolicy | DynamicPolicy:
+    """``static`` or ``dynamic`` by name."""
+    if name == "static":
+        return StaticPolicy(pipeline, inventory, costs, base_dir)
+    if name == "dynamic":
+        return DynamicPolicy(pipeline, inventory, settings, costs, base_dir, num_steps)
+    raise ValueError(f"unknown policy {name!r}")
+
+
+__all__ = [
+    "DynamicPolicy",
+    "PolicySettings",
+    "SchedulerPolicy",
+    "StaticPolicy",
+    "initial_plan",
+    "make_policy",
+    "settings_from_spec",
+]

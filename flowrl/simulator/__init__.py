@@ -1,0 +1,1 @@
+"""A simulated cluster for comparing scheduler policies at scale on a laptop."""
