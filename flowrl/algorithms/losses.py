@@ -1,4 +1,4 @@
-"""Policy-gradient losses over masked token tensors.
+"""Policy-gradient and value (critic) losses over masked token tensors.
 
 Shapes: ``[N, T]`` = N sequences (completions) of T token positions; ``mask`` is 1 (or True)
 on the completion tokens that count and 0 on padding. Padding positions may hold anything,
@@ -110,5 +110,69 @@ def policy_loss(
             "clipfrac": float(masked_mean((clipped < unclipped).to(logprobs.dtype), selected)),
             "ratio_mean": float(masked_mean(ratio, selected)),
             "pg_loss": float(loss),
+        }
+    return loss, stats
+
+
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    clip_range_value: float | None,
+    loss_agg: LossAggregation = "token_mean",
+) -> tuple[Tensor, dict[str, float]]:
+    """Clipped value (critic) loss, as in PPO2's baselines, TRL's PPO and OpenRLHF.
+
+    Per token: ``0.5 * max((v - R)^2, (clip(v, v_old - c, v_old + c) - R)^2)`` with
+    ``c = clip_range_value``; then reduced by :func:`aggregate`. Taking the max makes the loss
+    pessimistic: a value that moved more than ``c`` away from ``v_old`` stops getting gradient
+    when that move went past the return. ``clip_range_value=None`` gives the plain
+    ``0.5 * (v - R)^2``. ``c`` is in reward units, so it must suit the scale of the rewards.
+
+    Args:
+        values: ``[N, T]`` critic values being trained (carries the gradient).
+        old_values: ``[N, T]`` values from the critic that scored the rollout (data).
+        returns: ``[N, T]`` value targets, e.g. GAE's ``advantages + values`` (data).
+        mask: ``[N, T]``, non-zero on the tokens that count.
+        clip_range_value: ``c`` above, > 0; None turns clipping off.
+        loss_agg: ``"token_mean"`` or ``"seq_mean"``, see :func:`aggregate`.
+
+    Returns:
+        ``(loss, stats)``: the scalar loss and floats ``vf_loss`` (the loss value),
+        ``vf_clipfrac`` (share of unmasked tokens where the clipped error is the larger one,
+        so the token gives no gradient) and ``values_mean`` (token mean of ``values``).
+    """
+    if not (values.shape == old_values.shape == returns.shape == mask.shape):
+        raise ValueError(
+            f"values {tuple(values.shape)}, old_values {tuple(old_values.shape)}, returns "
+            f"{tuple(returns.shape)} and mask {tuple(mask.shape)} must have the same [N, T] shape"
+        )
+    if clip_range_value is not None and clip_range_value <= 0:
+        raise ValueError(
+            f"clip_range_value must be > 0 or None (no clipping), got {clip_range_value}"
+        )
+    selected = mask.bool()
+    zeros = torch.zeros_like(values)
+    values = torch.where(selected, values, zeros)
+    old_values = torch.where(selected, old_values.detach().to(values.dtype), zeros)
+    returns = torch.where(selected, returns.detach().to(values.dtype), zeros)
+    unclipped = (values - returns) ** 2
+    if clip_range_value is None:
+        per_token = 0.5 * unclipped
+        clipped_is_larger = torch.zeros_like(selected)
+    else:
+        clipped_values = old_values + torch.clamp(
+            values - old_values, -clip_range_value, clip_range_value
+        )
+        clipped = (clipped_values - returns) ** 2
+        per_token = 0.5 * torch.max(unclipped, clipped)
+        clipped_is_larger = clipped > unclipped
+    loss = aggregate(per_token, selected, loss_agg)
+    with torch.no_grad():
+        stats = {
+            "vf_loss": float(loss),
+            "vf_clipfrac": float(masked_mean(clipped_is_larger.to(values.dtype), selected)),
+            "values_mean": float(masked_mean(values, selected)),
         }
     return loss, stats

@@ -1,16 +1,16 @@
-"""Runs one step of the pipeline on the hosts, in dependency order.
+"""Runs one step of the pipeline on the hosts.
 
-The driver keeps one thread per node of the step. A node's thread waits until every
-producer's call has returned, then sends its own call to its host and waits for the
-report. Batches never come back here: the consumer's host fetches them from the
-producer's host. Independent nodes on different hosts therefore run at the same time.
+The driver sends every node call of the step at once, in dependency order, and then
+collects the reports. Each host waits for a call's inputs itself (see ``host.py``), so
+the step costs one round trip from the driver, not one per dependency level, and
+independent nodes on different hosts run at the same time. Batches never come back
+here: the consumer's host fetches them from the producer's host.
 
-    node thread: wait(producers' futures) -> host.run_node(call) -> NodeReport
+    driver: run_node(call) for every node -> [host actors compute as data arrives] -> reports
 """
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Sequence
 
 from flowrl.errors import ClusterError
@@ -28,28 +28,21 @@ class StepExecutor:
         self.hosts = hosts
         self.node_timeout_s = node_timeout_s
         self._order = pipeline.topological_order()
-        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self._order)), thread_name_prefix="flowrl-node")
         self._group_size = {node: _group_size(pipeline, node) for node in self._order}
 
     def run_step(self, step: int, prompts: Sequence[Any]) -> dict[str, NodeReport]:
-        futures: dict[str, Future[NodeReport]] = {}
-        for node in self._order:
-            producers = [p for p in self.pipeline.producers(node) if p != PROMPTS]
-            futures[node] = self._pool.submit(self._run_node, step, node, [futures[p] for p in producers], prompts)
-        return {node: future.result() for node, future in futures.items()}
-
-    def _run_node(self, step: int, node: str, waits: list[Future[NodeReport]], prompts: Sequence[Any]) -> NodeReport:
-        for future in waits:
-            future.result()
-        call = self._call(step, node, prompts)
-        slot = self.plan.node_slots[node]
-        try:
-            return self.hosts[slot].run_node(call).result(timeout=self.node_timeout_s)
-        except TimeoutError as error:
-            raise ClusterError(
-                f"node '{node}' on {slot} did not finish within {self.node_timeout_s:.0f} s "
-                "(runtime.node_timeout_s)"
-            ) from error
+        calls = {node: self.hosts[self.plan.node_slots[node]].run_node(self._call(step, node, prompts)) for node in self._order}
+        reports: dict[str, NodeReport] = {}
+        # In dependency order: the first failure met is the one that caused the others.
+        for node, future in calls.items():
+            try:
+                reports[node] = future.result(timeout=self.node_timeout_s)
+            except TimeoutError as error:
+                raise ClusterError(
+                    f"node '{node}' on {self.plan.node_slots[node]} did not finish within "
+                    f"{self.node_timeout_s:.0f} s (runtime.node_timeout_s)"
+                ) from error
+        return reports
 
     def _call(self, step: int, node: str, prompts: Sequence[Any]) -> NodeCall:
         spec = self.pipeline.spec.nodes[node]
@@ -78,7 +71,7 @@ class StepExecutor:
         )
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Nothing to release: calls live in the hosts."""
 
 
 def _group_size(pipeline: PipelineGraph, node: str) -> int:

@@ -1,20 +1,23 @@
 """The Dask actor that owns one device slot's models and runs their node calls.
 
-One ``RoleHost`` lives on each worker for the whole run. Dask runs an actor's plain
-methods one at a time on a single thread, so node calls on one device never overlap.
-``fetch`` is a coroutine and runs on the worker's event loop instead: another worker
-can pull a finished batch even while this host is busy computing, and a fetch that
-arrives before the batch exists waits for it rather than blocking the actor thread.
+One ``RoleHost`` lives on each worker for the whole run. The driver sends every node call
+of a step at once; each call waits here, on the worker's event loop, until its inputs
+exist (in this host's store, or fetched from another host), then computes on the host's
+single compute thread, so node calls on one device never overlap and their order follows
+the data. Waiting never holds the compute thread, so no arrival order can deadlock, and
+another worker can fetch a finished batch while this host computes.
 
-    driver --run_node(call)--> host B --fetch(key)--> host A (event loop, never blocked)
-                                 |  computes, stores its output under "step:node"
-                                 '--> NodeReport (numbers only) --> driver
+    driver --run_node(call) x all nodes--> host B
+        host B (event loop): await inputs: local event, or host A.fetch(key) (A's event loop)
+        host B (compute thread): role function -> output stored under "step:node", event set
+        host B --NodeReport (numbers only)--> driver
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+from concurrent.futures import ThreadPoolExecutor
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -39,8 +42,6 @@ from flowrl.runtime.serialization import register
 class RoleHost:
     def __init__(self, device_name: str, device: str, torch_threads: int, seed: int, base_dir: str | None) -> None:
         register()
-        from distributed import get_worker
-
         from transformers.utils import logging as hf_logging
 
         # Shard progress bars and info logs from workers only clutter the driver's view.
@@ -54,11 +55,11 @@ class RoleHost:
         self.models: dict[str, ModelState] = {}
         self.store: dict[str, Any] = {}
         self._ready: dict[str, asyncio.Event] = {}
-        self._loop = get_worker().loop.asyncio_loop
         self._rewards: dict[str, Callable[..., list[float]]] = {}
         self._process = psutil.Process(os.getpid())
         self._process.cpu_percent(None)
         self._torch_threads = max(1, torch_threads)
+        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flowrl-compute")
 
     # ---- models -------------------------------------------------------------------
     def load_model(self, name: str, spec: Any, seed: int) -> dict[str, Any]:
@@ -79,27 +80,41 @@ class RoleHost:
         self.models[model].load_weights(weights)
 
     # ---- node calls ---------------------------------------------------------------
-    def run_node(self, call: NodeCall) -> NodeReport:
-        started = time.perf_counter()
+    async def run_node(self, call: NodeCall) -> NodeReport:
+        arrived = time.perf_counter()
         self._forget_before(call.step)
-        inputs: dict[str, Any] = {}
-        for ref in call.inputs:
-            inputs[ref.name] = self.store[ref.key] if ref.host is None else ref.host.fetch(ref.key).result()
-        wait_s = time.perf_counter() - started
-        output = self._dispatch(call, inputs)
         key = store_key(call.step, call.node)
+        try:
+            inputs: dict[str, Any] = {}
+            for ref in call.inputs:
+                inputs[ref.name] = await (self.fetch(ref.key) if ref.host is None else ref.host.fetch(ref.key))
+            for name, value in inputs.items():
+                if isinstance(value, _Failed):
+                    raise UpstreamFailed(f"node '{call.node}' did not run: its input '{name}' failed ({value.message})")
+            loop = asyncio.get_running_loop()
+            output, compute_s, waited_s = await loop.run_in_executor(self._compute, self._timed, call, inputs, arrived)
+        except BaseException as error:
+            # Consumers waiting for this output must not wait forever.
+            self.store[key] = _Failed(f"{type(error).__name__}: {error}")
+            self._event(key).set()
+            raise
         self.store[key] = output.value
-        self._loop.call_soon_threadsafe(self._event(key).set)
+        self._event(key).set()
         return NodeReport(
             node=call.node,
             role=call.role,
             device=self.device_name,
             key=key,
-            latency_s=time.perf_counter() - started,
-            wait_s=wait_s,
+            latency_s=compute_s,
+            wait_s=waited_s,
             tokens=output.tokens,
             metrics=output.metrics,
         )
+
+    def _timed(self, call: NodeCall, inputs: dict[str, Any], arrived: float) -> tuple[NodeOutput, float, float]:
+        started = time.perf_counter()
+        output = self._dispatch(call, inputs)
+        return output, time.perf_counter() - started, started - arrived
 
     def _dispatch(self, call: NodeCall, inputs: dict[str, Any]) -> NodeOutput:
         spec = call.spec
@@ -154,7 +169,7 @@ class RoleHost:
         # worker can still want an older batch.
         for key in [k for k in self.store if key_step(k) < step]:
             del self.store[key]
-            self._loop.call_soon_threadsafe(self._ready.pop, key, None)
+            self._ready.pop(key, None)
 
     # ---- measuring ----------------------------------------------------------------
     def sample_device(self) -> DeviceSample:
@@ -171,6 +186,17 @@ class RoleHost:
     def load_models(self, directory: str, names: list[str]) -> None:
         for name in names:
             checkpoint.load_model_state(self.models[name], Path(directory) / name)
+
+
+class UpstreamFailed(RuntimeError):
+    """A node's input failed; the input's own error is the one the driver reports."""
+
+
+class _Failed:
+    """Stored in place of an output whose node raised."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
 
 
 def _inputs_by_role(call: NodeCall, inputs: dict[str, Any]) -> dict[str, list[Any]]:

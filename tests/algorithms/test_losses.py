@@ -1,4 +1,8 @@
-"""Clipped policy loss, masking and aggregation on hand-computed tensors."""
+"""Clipped policy and value losses, masking and aggregation on hand-computed tensors.
+
+TRL 1.16 ships no PPO trainer, so there is no TRL value loss to compare with; the clipped
+value loss below is checked by hand only.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ import math
 import pytest
 import torch
 
-from flowrl.algorithms.losses import aggregate, masked_mean, policy_loss
+from flowrl.algorithms.losses import aggregate, masked_mean, policy_loss, value_loss
 
 NAN = float("nan")
 
@@ -135,3 +139,62 @@ def test_errors() -> None:
         policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(3), torch.ones(2, 3), 0.2)
     with pytest.raises(ValueError, match="unknown loss_agg 'sum'"):
         aggregate(torch.zeros(2, 3), torch.ones(2, 3), "sum")  # type: ignore[arg-type]
+
+
+def _value_case() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows [a, b, pad] and [c, pad, pad]; padding holds NaN. clip_range_value = 0.2.
+
+    a: v = 1.0, v_old = 0.5, R = 1.2 (moved 0.5 toward R, past the 0.2 allowed)
+    b: v = 0.6, v_old = 0.5, R = 0.0 (moved 0.1: inside the range)
+    c: v = 0.0, v_old = 0.5, R = 1.0 (moved 0.5 away from R)
+    """
+    values = torch.tensor([[1.0, 0.6, NAN], [0.0, NAN, NAN]], requires_grad=True)
+    old_values = torch.tensor([[0.5, 0.5, NAN], [0.5, NAN, NAN]])
+    returns = torch.tensor([[1.2, 0.0, NAN], [1.0, NAN, NAN]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    return values, old_values, returns, mask
+
+
+def test_clipped_value_loss_hand_computed() -> None:
+    # per token 0.5 * max((v - R)^2, (clip(v, v_old - 0.2, v_old + 0.2) - R)^2):
+    #   a: (1.0 - 1.2)^2 = 0.04 vs (0.7 - 1.2)^2 = 0.25 -> clipped is larger: 0.125, no gradient
+    #   b: (0.6 - 0.0)^2 = 0.36 vs (0.6 - 0.0)^2 = 0.36 -> same (inside the range): 0.18
+    #   c: (0.0 - 1.0)^2 = 1.0  vs (0.3 - 1.0)^2 = 0.49 -> unclipped is larger:     0.5
+    # token_mean = (0.125 + 0.18 + 0.5) / 3 = 0.268333; vf_clipfrac = 1/3 (token a)
+    values, old_values, returns, mask = _value_case()
+    loss, stats = value_loss(values, old_values, returns, mask, clip_range_value=0.2)
+    assert loss.item() == pytest.approx(0.805 / 3)
+    assert stats["vf_loss"] == pytest.approx(0.805 / 3)
+    assert stats["vf_clipfrac"] == pytest.approx(1 / 3)
+    assert stats["values_mean"] == pytest.approx((1.0 + 0.6 + 0.0) / 3)
+    loss.backward()
+    # d/dv 0.5 * (v - R)^2 = v - R, over 3 tokens: a: 0 (clipped), b: 0.6 / 3, c: -1 / 3
+    assert values.grad is not None
+    torch.testing.assert_close(values.grad, torch.tensor([[0.0, 0.2, 0.0], [-1 / 3, 0.0, 0.0]]))
+
+
+def test_value_loss_without_clipping_and_with_seq_mean() -> None:
+    # No clipping: a: 0.5 * 0.04 = 0.02, b: 0.18, c: 0.5 -> token_mean = 0.7 / 3
+    values, old_values, returns, mask = _value_case()
+    loss, stats = value_loss(values, old_values, returns, mask, clip_range_value=None)
+    assert loss.item() == pytest.approx(0.7 / 3)
+    assert stats["vf_clipfrac"] == 0.0
+    # Clipped, seq_mean: row 0 = (0.125 + 0.18) / 2 = 0.1525, row 1 = 0.5 -> 0.32625
+    loss, _ = value_loss(values, old_values, returns, mask, 0.2, loss_agg="seq_mean")
+    assert loss.item() == pytest.approx(0.32625)
+
+
+def test_value_loss_wide_clip_range_is_plain_mse() -> None:
+    # Every move is within 10 of v_old: the clipped value is v itself, loss = 0.5 * MSE.
+    values, old_values, returns, mask = _value_case()
+    loss, stats = value_loss(values, old_values, returns, mask, clip_range_value=10.0)
+    assert loss.item() == pytest.approx(0.7 / 3)
+    assert stats["vf_clipfrac"] == 0.0
+
+
+def test_value_loss_errors() -> None:
+    values, old_values, returns, mask = _value_case()
+    with pytest.raises(ValueError, match="clip_range_value must be > 0"):
+        value_loss(values, old_values, returns, mask, clip_range_value=0.0)
+    with pytest.raises(ValueError, match="same"):
+        value_loss(values, old_values, returns[:, :2], mask, clip_range_value=0.2)
