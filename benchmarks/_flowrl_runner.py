@@ -25,9 +25,13 @@ def build_pipeline(job: dict[str, Any], output_dir: str) -> Any:
     model_path = f"builtin:{job['model']}"
     p = Pipeline(f"vs-trl-{job['config']}")
     actor = p.model("actor", path=model_path, group="actor_group", dtype="fp32")
-    reference = p.model("reference", path=model_path, group="ref_group", dtype="fp32")
+    # "separate": the reference on its own worker (the default pipeline's layout);
+    # "colocated": actor and reference share one worker and its cores.
+    colocated = job.get("layout", "separate") == "colocated"
+    reference = p.model("reference", path=model_path, group="actor_group" if colocated else "ref_group", dtype="fp32")
     p.devices("actor_group", type="cpu")
-    p.devices("ref_group", type="cpu")
+    if not colocated:
+        p.devices("ref_group", type="cpu")
     prompts = p.source("builtin:digits", batch_size=job["prompts_per_step"])
     rollout = p.generate(
         actor, prompts, n=job["num_generations"], max_new_tokens=job["max_new_tokens"],

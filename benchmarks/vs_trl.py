@@ -28,7 +28,6 @@ import platform
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from importlib import metadata
 from pathlib import Path
@@ -44,10 +43,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 """Config name -> builtin model (``builtin_model_dir`` name) and completion length in tokens."""
 
-MEMORY_SAMPLE_S = 0.2
 
-
-def job_for(config: str, steps: int, seed: int) -> dict[str, Any]:
+def job_for(config: str, steps: int, seed: int, layout: str = "separate") -> dict[str, Any]:
     """Everything both runners need to run the same job."""
     return {
         "config": config,
@@ -66,150 +63,14 @@ def job_for(config: str, steps: int, seed: int) -> dict[str, Any]:
         "beta": 0.02,
         "advantage_epsilon": 1e-4,
         "cpu_slots": 2,
+        "layout": layout,
     }
-
-
-class TreeMemorySampler:
-    """Peak of the summed RSS / PSS of a process and all its descendants, sampled in a thread.
-
-    Every sample reads each known process's RSS (/proc/PID/statm, cheap); every
-    ``REFRESH_EVERY`` samples it looks for new descendants and reads PSS (smaps_rollup), which
-    costs more: the sampler shares the machine with what it measures.
-    """
-
-    REFRESH_EVERY = 5
-
-    def __init__(self, pid: int, interval_s: float = MEMORY_SAMPLE_S) -> None:
-        self.pid = pid
-        self.interval_s = interval_s
-        self.peak_rss = 0
-        self.peak_pss = 0
-        self.max_processes = 0
-        self.num_samples = 0
-        self.process_peak_rss: dict[int, int] = {}
-        self.process_names: dict[int, str] = {}
-        self.load_average_before = os.getloadavg()[0]
-        self._system_busy_start_s = _system_busy_s()
-        self._own_cpu_start_s = _own_cpu_s()
-        self._started = time.perf_counter()
-        self._usage: dict[str, float] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="memory-sampler", daemon=True)
-
-    def __enter__(self) -> "TreeMemorySampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def finish(self, tree_cpu_s: float) -> None:
-        """Note the CPU time of the measured tree (from wait4) against the whole machine's.
-
-        The rest of the machine's busy time went to other processes: other people's work on
-        a shared machine, which makes every time measured here longer.
-        """
-        wall_s = time.perf_counter() - self._started
-        system_busy_s = _system_busy_s() - self._system_busy_start_s
-        sampler_cpu_s = _own_cpu_s() - self._own_cpu_start_s
-        foreign_cpu_s = max(0.0, system_busy_s - tree_cpu_s - sampler_cpu_s)
-        self._usage = {
-            "tree_cpu_s": tree_cpu_s,
-            "sampler_cpu_s": sampler_cpu_s,
-            "foreign_cpu_s": foreign_cpu_s,
-            "foreign_cpu_share": foreign_cpu_s / max(wall_s * (os.cpu_count() or 1), 1e-9),
-        }
-
-    def _loop(self) -> None:
-        import psutil
-
-        gone = (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess)
-        try:
-            root = psutil.Process(self.pid)
-        except psutil.NoSuchProcess:
-            return
-        processes = [root]
-        while True:
-            refresh = self.num_samples % self.REFRESH_EVERY == 0
-            if refresh:
-                try:
-                    processes = [root, *root.children(recursive=True)]
-                except psutil.NoSuchProcess:
-                    return
-            rss = pss = 0
-            for process in processes:
-                try:
-                    info = process.memory_full_info() if refresh else process.memory_info()
-                except gone:
-                    continue
-                rss += info.rss
-                pss += getattr(info, "pss", 0)
-                self.process_peak_rss[process.pid] = max(self.process_peak_rss.get(process.pid, 0), info.rss)
-                if process.pid not in self.process_names:
-                    self.process_names[process.pid] = _describe(process, self.pid)
-            self.peak_rss = max(self.peak_rss, rss)
-            self.peak_pss = max(self.peak_pss, pss)
-            self.max_processes = max(self.max_processes, len(processes))
-            self.num_samples += 1
-            if self._stop.wait(self.interval_s):
-                return
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "peak_rss_mib": self.peak_rss / 2**20,
-            "peak_pss_mib": self.peak_pss / 2**20,
-            "max_processes": self.max_processes,
-            "num_samples": self.num_samples,
-            "interval_s": self.interval_s,
-            "load_average_1min_before": self.load_average_before,
-            **self._usage,
-            "per_process_peak_rss_mib": {
-                f"{pid} {self.process_names.get(pid, '?')}": peak / 2**20 for pid, peak in self.process_peak_rss.items()
-            },
-        }
-
-
-def _system_busy_s() -> float:
-    import psutil
-
-    times = psutil.cpu_times()
-    return sum(times) - times.idle - getattr(times, "iowait", 0.0)
-
-
-def _own_cpu_s() -> float:
-    times = os.times()
-    return times.user + times.system
-
-
-def _describe(process: Any, root_pid: int) -> str:
-    """A short role name for a process of the measured tree."""
-    try:
-        cmdline = " ".join(process.cmdline())
-    except Exception:  # the process may be gone; the name is only a label
-        return "?"
-    if process.pid == root_pid:
-        return "runner (driver)"
-    if "resource_tracker" in cmdline:
-        return "multiprocessing resource tracker"
-    if "spawn_main" in cmdline:
-        return "spawned worker"
-    return cmdline[:60]
-
-
-def wait_for_quiet(max_wait_s: float, busy_share: float = 0.25) -> float:
-    """Wait until the machine's CPUs are mostly idle (at most ``max_wait_s``); seconds waited."""
-    import psutil
-
-    started = time.perf_counter()
-    while time.perf_counter() - started < max_wait_s:
-        if psutil.cpu_percent(interval=1.0) / 100.0 < busy_share:
-            break
-    return time.perf_counter() - started
 
 
 def run_child(framework: str, job: dict[str, Any]) -> dict[str, Any]:
     """Run one job in a child process; its result dict, or one with an ``error``."""
+    from _process_tree import TreeMemorySampler
+
     runner = HERE / f"_{framework}_runner.py"
     with tempfile.TemporaryDirectory(prefix="vs-trl-") as scratch:
         result_path = Path(scratch) / "result.json"
@@ -227,7 +88,7 @@ def run_child(framework: str, job: dict[str, Any]) -> dict[str, Any]:
         if returncode != 0 or not result_path.exists():
             return {"framework": framework, "error": f"{runner.name} exited with code {returncode}", "wall_s": wall_s}
         result = json.loads(result_path.read_text())
-    result["memory"] = sampler.to_dict()
+    result["process_tree"] = sampler.to_dict()
     result["process_wall_s"] = wall_s
     # Launch of the child to its first step: interpreter, imports, models, cluster.
     if result.get("first_step_start_unix"):
@@ -252,6 +113,10 @@ def machine() -> dict[str, Any]:
                 cpu_model = line.split(":", 1)[1].strip()
                 break
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    # Uncommitted changes to flowrl itself: the numbers belong to the working tree, not the commit.
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--", "flowrl"], cwd=REPO, capture_output=True, text=True
+    ).stdout.splitlines()
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "platform": platform.platform(),
@@ -262,6 +127,7 @@ def machine() -> dict[str, Any]:
         "memory_total_gib": psutil.virtual_memory().total / 2**30,
         "versions": {name: version(name) for name in ("flowrl", "torch", "transformers", "trl", "accelerate", "datasets", "dask", "distributed")},
         "flowrl_commit": commit or None,
+        "flowrl_uncommitted_files": [line[3:] for line in dirty],
     }
 
 
@@ -270,6 +136,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=60, help="training steps per run (default 60)")
     parser.add_argument("--configs", default="default,small-32tok", help=f"comma-separated, from: {', '.join(CONFIGS)}")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each framework and config (default 1)")
+    parser.add_argument("--flowrl-layout", choices=["separate", "colocated"], default="separate",
+                        help="flowrl's placement: reference on its own worker (default) or on the actor's")
     parser.add_argument("--seed", type=int, default=0, help="seed of both frameworks and of the bootstrap (default 0)")
     parser.add_argument("--max-wait-idle", type=float, default=300.0,
                         help="before each run, wait up to this many seconds for other work on the machine to stop (default 300)")
@@ -285,6 +153,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from _process_tree import wait_for_quiet
     from _vs_trl_report import WARMUP_STEPS, after_warmup, print_tables, ratio_of_medians, summarize
 
     args = parse_args(argv)
@@ -301,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     total = len(args.configs) * args.repeats * 2
     done = 0
     for config in args.configs:
-        job = job_for(config, args.steps, args.seed)
+        job = job_for(config, args.steps, args.seed, args.flowrl_layout)
         runs: dict[str, list[dict[str, Any]]] = {"flowrl": [], "trl": []}
         for repeat in range(args.repeats):
             for framework in ("flowrl", "trl"):
@@ -343,6 +212,9 @@ NOTES = [
     "loop s/step: end of one step to the end of the next (adds flowrl's device sampling and metric files, TRL's logging).",
     "TRL loss_type='bnpo' = sum of per-token loss (policy + beta*k3) over the batch / number of completion tokens "
     "in the batch; with one process and gradient_accumulation_steps=1 that is flowrl's token_mean.",
+    "KL: TRL runs with use_bias_correction_kl=False (its 1.16 default True multiplies k3 by the importance ratio, "
+    "which changes the KL gradient even on-policy); with it off, both apply plain k3 (on one batch the two "
+    "gradients agree to 1e-7 relative).",
     "KL: flowrl clamps the k3 log-ratio to [-20, 20]; TRL does not clamp. Sampling RNG streams differ, "
     "so the completions (and reward curves) are not identical draws.",
     "other load: CPU time used by processes outside the measured ones during the run, as a share of "
