@@ -171,6 +171,13 @@ class _Checker:
             need("score", "scores")
             if getattr(node, "estimator", None) == "gae" and self.reliable(f"{path}.estimator"):
                 need("value", "values (gae)")
+            kl_coef = getattr(node, "kl_coef", 0.0)
+            if kl_coef > 0 and self.reliable(f"{path}.kl_coef") and not self._inputs_with_role(name, "reference_logprob"):
+                self.add(
+                    f"{path}.inputs",
+                    f"kl_coef is {kl_coef}, so the KL reward penalty needs reference log-probs: add a "
+                    "reference_logprob node to inputs (or set kl_coef: 0)",
+                )
         elif node.role == "update":
             self._check_update(name, kind, rollouts)
 

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Any, Protocol
 
 from flowrl.api.builder import Pipeline
 from flowrl.api.metrics import step_metrics
+from flowrl.algorithms.kl_control import AdaptiveKLController, FixedKLController
 from flowrl.api.outputs import RunFolder
 from flowrl.backends.hf import resolve_model_path
 from flowrl.data import PromptSource
@@ -31,8 +33,7 @@ from flowrl.runtime.cluster import Cluster
 from flowrl.runtime.session import Session
 from flowrl.spec.dump import to_yaml
 
-SUPPORTED_ESTIMATORS = ("grpo",)
-SUPPORTED_ROLES = ("generate", "score", "reference_logprob", "advantage", "update")
+SUPPORTED_ROLES = ("generate", "score", "reference_logprob", "value", "advantage", "update")
 
 
 class Observer(Protocol):
@@ -125,51 +126,53 @@ def _train(
             watcher.event(
                 RunEvent("model", f"{info['model']} on {info['device']}: {info['num_parameters']:,} parameters", 0)
             )
+        kl = RewardKL(graph)
         result = RunResult(folder.path)
         started = time.perf_counter()
         num_steps = spec.trainer.steps
         for step in range(1, num_steps + 1):
             step_started = time.perf_counter()
-            reports = session.run_step(step, source.next_batch(step - 1))
+            reports = session.run_step(step, source.next_batch(step - 1), kl.coefs())
             step_s = time.perf_counter() - step_started
             devices = session.sample_devices()
             metrics, nodes = step_metrics(graph, reports, step_s, num_devices=len(session.hosts))
+            kl.update(reports)
             record = StepRecord(step, num_steps, metrics, nodes, devices, time.perf_counter() - started)
             result.records.append(record)
             watcher.step(record)
             every = spec.trainer.checkpoint_every
             if every and step % every == 0 and step < num_steps:
-                _checkpoint(session, folder, step, spec.trainer.keep_checkpoints, watcher)
+                _checkpoint(session, folder, step, spec.trainer.keep_checkpoints, watcher, kl)
         _save_final(session, folder, watcher, num_steps)
         return result
     finally:
         session.close()
 
 
-def _checkpoint(session: Session, folder: RunFolder, step: int, keep: int, watcher: "_Watchers") -> None:
+def _checkpoint(session: Session, folder: RunFolder, step: int, keep: int, watcher: "_Watchers", kl: "RewardKL") -> None:
     staging = folder.checkpoint_staging(step)
     session.save_models(staging, with_state=True)
-    final = folder.commit_checkpoint(staging, step, {"step": step}, keep)
+    final = folder.commit_checkpoint(staging, step, {"step": step, "kl": kl.state_dict()}, keep)
     watcher.event(RunEvent("checkpoint", f"saved {final}", step))
 
 
 def _save_final(session: Session, folder: RunFolder, watcher: "_Watchers", step: int) -> None:
+    """final/ is the trained policy's directory (ready for from_pretrained); any other
+    trained model (a critic) goes to final/<name>/ inside it."""
     staging = folder.path / ".final.tmp"
-    if staging.exists():
-        import shutil
-
-        shutil.rmtree(staging)
-    session.save_models(staging, with_state=False)
-    trained = sorted(session.trained_models())
     final = folder.path / "final"
-    if final.exists():
-        import shutil
-
-        shutil.rmtree(final)
-    if len(trained) == 1:
-        # One trained policy: final/ is that model's directory, ready for from_pretrained.
-        (staging / trained[0]).rename(final)
-        staging.rmdir()
+    for path in (staging, final):
+        if path.exists():
+            shutil.rmtree(path)
+    session.save_models(staging, with_state=False)
+    kinds = {name: session.pipeline.spec.models[name].kind for name in session.trained_models()}
+    policies = sorted(name for name, kind in kinds.items() if kind == "policy")
+    if len(policies) == 1:
+        (staging / policies[0]).rename(final)
+        for name in sorted(kinds):
+            if name != policies[0]:
+                (staging / name).rename(final / name)
+        shutil.rmtree(staging)
     else:
         staging.rename(final)
     watcher.event(RunEvent("final", f"saved {final}", step))
@@ -205,12 +208,6 @@ def check_runnable(graph: PipelineGraph) -> None:
     for name, node in graph.spec.nodes.items():
         if node.role not in SUPPORTED_ROLES:
             problems.append(f"nodes.{name}.role: '{node.role}' nodes cannot run yet (runnable: {', '.join(SUPPORTED_ROLES)})")
-        if node.role == "advantage" and node.estimator not in SUPPORTED_ESTIMATORS:
-            problems.append(f"nodes.{name}.estimator: '{node.estimator}' cannot run yet; use 'grpo'")
-        if node.role == "score" and getattr(node, "model", None) is not None:
-            problems.append(f"nodes.{name}.model: model-based scores cannot run yet; use fn:")
-        if node.role == "update" and node.model is not None and graph.spec.models[node.model].kind != "policy":
-            problems.append(f"nodes.{name}: only policy models can be updated in this version")
     if graph.spec.scheduler.policy != "static":
         problems.append("scheduler.policy: 'dynamic' cannot run yet; use 'static'")
     if problems:
@@ -233,6 +230,36 @@ def preflight(graph: PipelineGraph, base_dir: Path | None) -> None:
 def _resolve(path: Path, base_dir: Path | None) -> Path:
     # Output folders are relative to where flowrl runs, as users expect of a CLI.
     return path if path.is_absolute() else Path.cwd() / path
+
+
+class RewardKL:
+    """The KL reward-penalty coefficient of each advantage node: fixed, or adapted each step
+    towards ``kl_target`` from the measured per-sequence KL (Ziegler et al.)."""
+
+    def __init__(self, graph: PipelineGraph) -> None:
+        self.controllers: dict[str, FixedKLController | AdaptiveKLController] = {}
+        self.samples_per_step = graph.spec.data.batch_size * max(
+            (node.n for node in graph.spec.nodes.values() if node.role == "generate"), default=1
+        )
+        for name, node in graph.spec.nodes.items():
+            if node.role == "advantage" and node.kl_coef > 0:
+                self.controllers[name] = (
+                    AdaptiveKLController(node.kl_coef, node.kl_target, node.kl_horizon)
+                    if node.kl_target is not None
+                    else FixedKLController(node.kl_coef)
+                )
+
+    def coefs(self) -> dict[str, float]:
+        return {name: controller.coef for name, controller in self.controllers.items()}
+
+    def update(self, reports: dict[str, Any]) -> None:
+        for name, controller in self.controllers.items():
+            measured = reports[name].metrics.get("critic/kl/sequence_mean")
+            if measured is not None:
+                controller.update(measured, self.samples_per_step)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: controller.state_dict() for name, controller in self.controllers.items()}
 
 
 class _Watchers:

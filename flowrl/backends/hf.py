@@ -57,7 +57,13 @@ def resolve_model_path(path: str, base_dir: Path | None = None) -> Path | str:
     like a hub name is returned as the name; anything else is a missing local directory.
     """
     if path.startswith(BUILTIN_PREFIX):
-        return builtin_model_dir(path[len(BUILTIN_PREFIX):])
+        name = path[len(BUILTIN_PREFIX):]
+        # Imported here: tiny_rm -> value_model -> this module.
+        from flowrl.backends.tiny_rm import BUILTIN_SCALAR_MODELS
+
+        if name in BUILTIN_SCALAR_MODELS:
+            return BUILTIN_SCALAR_MODELS[name](None)
+        return builtin_model_dir(name)
     candidates = [Path(path).expanduser()]
     if base_dir is not None and not candidates[0].is_absolute():
         candidates.insert(0, Path(base_dir) / candidates[0])
@@ -99,6 +105,10 @@ def load_causal_lm(
             raise ModelLoadError(
                 f"model directory {location} has no config.json; pass a directory written by "
                 "save_pretrained (config.json, weights and tokenizer files)"
+            )
+        if (location / "scalar_head.json").is_file():
+            raise ModelLoadError(
+                f"model '{path}' is a value/reward model (scalar head); give it kind: value or kind: reward"
             )
         model, tokenizer = _from_pretrained(str(location), dtype, path, local_files_only=True)
     else:

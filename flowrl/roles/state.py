@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from flowrl.backends.hf import load_causal_lm
+from flowrl.backends.value_model import load_scalar_model
 
 @dataclass
 class ModelState:
@@ -34,8 +35,15 @@ class ModelState:
         seed: int,
         base_dir: Path | None,
         gradient_checkpointing: bool = False,
+        kind: str = "policy",
     ) -> "ModelState":
-        module, tokenizer = load_causal_lm(path, dtype=dtype, device=device, base_dir=base_dir)
+        if kind == "policy":
+            module, tokenizer = load_causal_lm(path, dtype=dtype, device=device, base_dir=base_dir)
+        else:
+            # A reward model must come with a trained head; a critic may start from a fresh one.
+            module, tokenizer = load_scalar_model(
+                path, dtype=dtype, device=device, base_dir=base_dir, require_trained_head=(kind == "reward")
+            )
         if gradient_checkpointing:
             module.gradient_checkpointing_enable()
         generator = torch.Generator(device=device)

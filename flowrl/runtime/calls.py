@@ -31,6 +31,8 @@ class NodeCall:
     group_size: int = 1
     weight_peers: tuple[Any, ...] = ()
     """Hosts that keep a copy of ``model`` for generation: updated weights go to them."""
+    kl_coef: float = 0.0
+    """Advantage nodes: this step's KL reward-penalty coefficient (fixed or adaptive)."""
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from flowrl.backends.value_model import ScalarHeadModel, scalar_model_weights
 from flowrl.errors import CheckpointError
 from flowrl.roles.state import ModelState
 
@@ -42,7 +43,11 @@ def load_model_state(state: ModelState, directory: Path) -> None:
     weights_file = directory / "model.safetensors"
     if not weights_file.exists():
         raise CheckpointError(f"checkpoint of '{state.name}' has no {weights_file.name} in {directory}")
-    state.load_weights(load_file(str(weights_file)))
+    # A value/reward model's backbone file has no "backbone." prefix: read it as a whole.
+    weights = (
+        scalar_model_weights(directory) if isinstance(state.module, ScalarHeadModel) else load_file(str(weights_file))
+    )
+    state.load_weights(weights)
     state_file = directory / STATE_FILE
     if state_file.exists():
         saved = torch.load(state_file, weights_only=True)

@@ -29,9 +29,17 @@ class StepExecutor:
         self.node_timeout_s = node_timeout_s
         self._order = pipeline.topological_order()
         self._group_size = {node: _group_size(pipeline, node) for node in self._order}
+        self._inputs = {node: _inputs(pipeline, node) for node in self._order}
 
-    def run_step(self, step: int, prompts: Sequence[Any]) -> dict[str, NodeReport]:
-        calls = {node: self.hosts[self.plan.node_slots[node]].run_node(self._call(step, node, prompts)) for node in self._order}
+    def run_step(
+        self, step: int, prompts: Sequence[Any], kl_coefs: dict[str, float] | None = None
+    ) -> dict[str, NodeReport]:
+        """Run every node of ``step``; ``kl_coefs`` gives advantage nodes their KL penalty."""
+        kl_coefs = kl_coefs or {}
+        calls = {
+            node: self.hosts[self.plan.node_slots[node]].run_node(self._call(step, node, prompts, kl_coefs.get(node, 0.0)))
+            for node in self._order
+        }
         reports: dict[str, NodeReport] = {}
         # In dependency order: the first failure met is the one that caused the others.
         for node, future in calls.items():
@@ -44,11 +52,11 @@ class StepExecutor:
                 ) from error
         return reports
 
-    def _call(self, step: int, node: str, prompts: Sequence[Any]) -> NodeCall:
+    def _call(self, step: int, node: str, prompts: Sequence[Any], kl_coef: float) -> NodeCall:
         spec = self.pipeline.spec.nodes[node]
         slot = self.plan.node_slots[node]
         inputs = []
-        for producer in self.pipeline.producers(node):
+        for producer in self._inputs[node]:
             if producer == PROMPTS:
                 continue
             producer_slot = self.plan.node_slots[producer]
@@ -68,10 +76,37 @@ class StepExecutor:
             prompts=tuple(prompts) if spec.role == "generate" else (),
             group_size=self._group_size[node],
             weight_peers=peers,
+            kl_coef=kl_coef,
         )
 
     def close(self) -> None:
         """Nothing to release: calls live in the hosts."""
+
+
+def _inputs(pipeline: PipelineGraph, node: str) -> list[str]:
+    """A node's producers; an advantage node also reads its rollout (the completion mask and
+    sampling log-probs that token-level estimators and the KL penalty need), even when the
+    file lists only scores, values and reference."""
+    producers = list(pipeline.producers(node))
+    if pipeline.spec.nodes[node].role == "advantage":
+        rollout = _upstream_generate(pipeline, node)
+        if rollout is not None and rollout not in producers:
+            producers.append(rollout)
+    return producers
+
+
+def _upstream_generate(pipeline: PipelineGraph, node: str) -> str | None:
+    seen: set[str] = set()
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if current in seen or current == PROMPTS:
+            continue
+        seen.add(current)
+        if pipeline.spec.nodes[current].role == "generate":
+            return current
+        stack.extend(pipeline.producers(current))
+    return None
 
 
 def _group_size(pipeline: PipelineGraph, node: str) -> int:

@@ -25,15 +25,21 @@ from typing import Any, Callable
 import psutil
 import torch
 
+from flowrl.backends.value_model import ScalarHeadModel
 from flowrl.records import DeviceSample
 from flowrl.rewards import resolve_reward
 from flowrl.roles.advantage import run_advantage
 from flowrl.roles.batch import NodeOutput
+from flowrl.roles.critic_update import run_critic_update
 from flowrl.roles.generate import run_generate
+from flowrl.roles.ppo_advantage import run_ppo_advantage
+from flowrl.roles.ppo_batch import PPOAdvantages
 from flowrl.roles.reference import run_reference_logprob
+from flowrl.roles.reward_model import run_reward_model
 from flowrl.roles.score import run_score
 from flowrl.roles.state import ModelState
 from flowrl.roles.update import run_update
+from flowrl.roles.value import run_value
 from flowrl.runtime import checkpoint
 from flowrl.runtime.calls import NodeCall, NodeReport, key_step, store_key
 from flowrl.runtime.serialization import register
@@ -71,6 +77,7 @@ class RoleHost:
             seed=seed,
             base_dir=self.base_dir,
             gradient_checkpointing=spec.gradient_checkpointing,
+            kind=spec.kind,
         )
         self.models[name] = state
         num_parameters = sum(p.numel() for p in state.module.parameters())
@@ -122,18 +129,48 @@ class RoleHost:
         if call.role == "generate":
             return run_generate(self.models[call.model], call.prompts, spec)
         if call.role == "score":
+            if spec.model is not None:
+                return run_reward_model(self.models[spec.model], by_role["generate"][0], spec.weight)
             reward_fn = self._reward(spec.fn)
             return run_score(by_role["generate"][0], reward_fn, spec.weight, spec.on_error, name=spec.fn)
         if call.role == "reference_logprob":
             return run_reference_logprob(self.models[call.model], by_role["generate"][0])
+        if call.role == "value":
+            return run_value(self.models[call.model], by_role["generate"][0])
         if call.role == "advantage":
-            return run_advantage(by_role["score"], call.group_size, spec)
+            return self._advantage(call, by_role)
         if call.role == "update":
-            ref = by_role.get("reference_logprob", [None])[0]
-            state = self.models[call.model]
-            output = run_update(state, by_role["generate"][0], by_role["advantage"][0], ref, spec, self.seed)
-            output.metrics.update(self._push_weights(call.model, call.weight_peers))
-            return output
+            return self._update(call, by_role)
+        raise ValueError(f"role {call.role!r} cannot run on a host")
+
+    def _advantage(self, call: NodeCall, by_role: dict[str, list[Any]]) -> NodeOutput:
+        spec = call.spec
+        if spec.estimator == "grpo" and call.kl_coef == 0:
+            return run_advantage(by_role["score"], call.group_size, spec)
+        rollout = by_role["generate"][0]
+        return run_ppo_advantage(
+            by_role["score"],
+            by_role.get("value", [None])[0],
+            by_role.get("reference_logprob", [None])[0],
+            rollout.sampled_logprobs,
+            rollout.completion_mask,
+            call.group_size,
+            spec,
+            kl_coef_for_reward=call.kl_coef,
+        )
+
+    def _update(self, call: NodeCall, by_role: dict[str, list[Any]]) -> NodeOutput:
+        state, rollout, advantage = self.models[call.model], by_role["generate"][0], by_role["advantage"][0]
+        if isinstance(state.module, ScalarHeadModel):
+            if not isinstance(advantage, PPOAdvantages) or advantage.returns is None:
+                raise ValueError(f"critic update '{call.node}' needs returns: its advantage node must use estimator gae")
+            old_values = by_role.get("value", [None])[0]
+            return run_critic_update(state, rollout, advantage.returns, old_values, call.spec, self.seed)
+        advantages = advantage.advantages if isinstance(advantage, PPOAdvantages) else advantage
+        ref = by_role.get("reference_logprob", [None])[0]
+        output = run_update(state, rollout, advantages, ref, call.spec, self.seed)
+        output.metrics.update(self._push_weights(call.model, call.weight_peers))
+        return output
         raise ValueError(f"role {call.role!r} cannot run on a host")
 
     def _push_weights(self, model: str, peers: tuple[Any, ...]) -> dict[str, float]:

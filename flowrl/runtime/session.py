@@ -60,8 +60,10 @@ class Session:
                 calls.append(self.hosts[slot].load_model(model, spec, seed))
         return [call.result() for call in calls]
 
-    def run_step(self, step: int, prompts: Sequence[Any]) -> dict[str, NodeReport]:
-        return self.executor.run_step(step, prompts)
+    def run_step(
+        self, step: int, prompts: Sequence[Any], kl_coefs: dict[str, float] | None = None
+    ) -> dict[str, NodeReport]:
+        return self.executor.run_step(step, prompts, kl_coefs)
 
     def sample_devices(self) -> list[DeviceSample]:
         calls = [host.sample_device() for host in self.hosts.values()]

@@ -180,6 +180,21 @@ class AdvantageNode(_NodeBase):
     """Divide group-centred scores by the group's standard deviation (grpo). Default true."""
     epsilon: float = Field(default=1e-6, gt=0)
     """Added to the standard deviation before dividing, to avoid division by zero. Default 1e-6."""
+    gamma: float = Field(default=1.0, ge=0, le=1)
+    """Discount per token (gae, reinforce_pp). Default 1.0."""
+    lam: float = Field(default=0.95, ge=0, le=1)
+    """GAE lambda. Default 0.95."""
+    whiten: bool = True
+    """Whiten advantages over the batch's tokens (gae). Default true."""
+    kl_coef: float = Field(default=0.0, ge=0)
+    """KL to the reference as a per-token reward penalty with this coefficient (needs a
+    reference_logprob input); 0 turns it off. Put KL either here or in the update, not both.
+    Default 0.0."""
+    kl_target: float | None = Field(default=None, gt=0)
+    """With a target, the coefficient adapts (Ziegler et al.) to keep the per-sequence KL near
+    it; None keeps kl_coef fixed. Default None."""
+    kl_horizon: int = Field(default=10000, ge=1)
+    """Adaptive KL horizon, in samples. Default 10000."""
 
 
 class UpdateNode(_NodeBase):
@@ -197,6 +212,8 @@ class UpdateNode(_NodeBase):
     """KL estimator (Schulman's k1 or k3). Default k3."""
     clip_eps: float = Field(default=0.2, gt=0)
     """PPO ratio clipping range epsilon. Default 0.2."""
+    clip_range_value: float | None = Field(default=0.2, gt=0)
+    """Value-update clipping around the old values (critics only); None turns it off. Default 0.2."""
     loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
     """Average the loss over all tokens, or per sequence then over sequences. Default token_mean."""
     ppo_epochs: int = Field(default=1, ge=1)

@@ -168,7 +168,7 @@ def test_unknown_field_without_close_match_lists_allowed_and_owner(tmp_path: Pat
         f"{tmp_path / 'pipeline.yaml'}:7: nodes.rollout.kl_coef: unknown field"
     )
     assert "allowed: inputs, model, device_group, role, n, max_new_tokens" in problem
-    assert "('kl_coef' belongs to update nodes, not generate)" in problem
+    assert "('kl_coef' belongs to advantage / update nodes, not generate)" in problem
 
 
 def test_unknown_section_suggests_nearest(tmp_path: Path) -> None:

@@ -1,0 +1,150 @@
+"""Scalar-head models: fresh heads on causal-LM backbones, save/load, classifier checkpoints."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+
+from flowrl.backends.builtin import CACHE_ENV_VAR
+from flowrl.backends.tokenizer import build_char_tokenizer
+from flowrl.backends.value_model import (
+    MARKER_FILE,
+    ScalarHeadModel,
+    load_scalar_model,
+    save_scalar_model,
+)
+from flowrl.errors import ModelLoadError
+from flowrl.roles.state import ModelState
+
+
+def _config() -> LlamaConfig:
+    tokenizer = build_char_tokenizer()
+    return LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+
+
+@pytest.fixture()
+def causal_lm_dir(tmp_path: Path) -> Path:
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(_config())
+    model.save_pretrained(tmp_path / "lm")
+    build_char_tokenizer().save_pretrained(tmp_path / "lm")
+    return tmp_path / "lm"
+
+
+def _inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    tokenizer = build_char_tokenizer()
+    encoded = tokenizer(
+        ["abc=12", "q=7"],
+        return_tensors="pt",
+        padding=True,
+        padding_side="left",
+        add_special_tokens=False,
+    )
+    mask = encoded["attention_mask"]
+    return encoded["input_ids"], mask, (mask.cumsum(dim=1) - 1).clamp(min=0)
+
+
+def test_causal_lm_directory_gives_its_backbone_and_a_zero_head(causal_lm_dir: Path) -> None:
+    model, tokenizer = load_scalar_model(str(causal_lm_dir))
+    assert isinstance(model, ScalarHeadModel) and tokenizer.padding_side == "left"
+    source = LlamaForCausalLM.from_pretrained(causal_lm_dir)
+    for name, tensor in source.model.state_dict().items():
+        assert torch.equal(model.backbone.state_dict()[name], tensor), name
+    scalars = model(*_inputs())
+    assert scalars.shape == (2, 6) and scalars.dtype == torch.float32
+    assert torch.equal(scalars, torch.zeros(2, 6))
+
+
+def test_save_and_load_round_trip(causal_lm_dir: Path, tmp_path: Path) -> None:
+    model, tokenizer = load_scalar_model(str(causal_lm_dir))
+    with torch.no_grad():
+        model.head.weight.normal_(generator=torch.Generator().manual_seed(1))
+        model.head.bias.fill_(0.25)
+    save_scalar_model(model, tokenizer, tmp_path / "critic", trained_by="test")
+    marker = json.loads((tmp_path / "critic" / MARKER_FILE).read_text())
+    assert marker["hidden_size"] == 32 and marker["trained_by"] == "test"
+    loaded, _ = load_scalar_model(str(tmp_path / "critic"), require_trained_head=True)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(*_inputs()), model(*_inputs()))
+
+
+def test_reward_model_without_a_trained_head_is_refused(causal_lm_dir: Path) -> None:
+    with pytest.raises(ModelLoadError, match="no trained scalar head"):
+        load_scalar_model(str(causal_lm_dir), require_trained_head=True)
+
+
+def test_single_label_sequence_classifier_keeps_its_score_layer(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    config = _config()
+    config.num_labels = 1
+    classifier = LlamaForSequenceClassification(config)
+    classifier.save_pretrained(tmp_path / "rm")
+    build_char_tokenizer().save_pretrained(tmp_path / "rm")
+    model, _ = load_scalar_model(str(tmp_path / "rm"), require_trained_head=True)
+    input_ids = build_char_tokenizer()(["abc=12"], return_tensors="pt", add_special_tokens=False)[
+        "input_ids"
+    ]
+    with torch.no_grad():
+        expected = classifier(input_ids=input_ids).logits[:, 0]  # pooled at the last token
+        ours = model(input_ids=input_ids)[:, -1]
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_inputs_are_model_load_errors(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="dtype"):
+        load_scalar_model("builtin:tiny-llama", dtype="fp8")  # type: ignore[arg-type]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="config.json"):
+        load_scalar_model(str(tmp_path / "empty"))
+
+
+def test_builtin_policy_backbone_and_the_optimizer_of_a_model_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(CACHE_ENV_VAR, str(tmp_path / "cache"))
+    model, tokenizer = load_scalar_model("builtin:tiny-llama")
+    assert model.config.hidden_size == 128
+    state = ModelState(
+        "critic", model, tokenizer, torch.device("cpu"), torch.Generator().manual_seed(0)
+    )
+    optimizer = state.ensure_optimizer(1e-3, (0.9, 0.999), 0.0)
+    trained = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    assert id(model.head.weight) in trained and id(model.head.bias) in trained
+    assert len(trained) == len(list(model.parameters()))
+
+
+def test_checkpoint_style_save_pretrained_and_weights_restore_a_model_state(
+    causal_lm_dir: Path, tmp_path: Path
+) -> None:
+    from flowrl.backends.value_model import scalar_model_weights
+
+    trained, tokenizer = load_scalar_model(str(causal_lm_dir))
+    with torch.no_grad():
+        trained.head.weight.fill_(0.1)
+        trained.backbone.norm.weight.mul_(2.0)
+    # As flowrl.runtime.checkpoint writes a model: module, then tokenizer.
+    trained.save_pretrained(tmp_path / "step-1", safe_serialization=True)
+    tokenizer.save_pretrained(tmp_path / "step-1")
+    fresh, _ = load_scalar_model(str(causal_lm_dir))
+    state = ModelState("critic", fresh, tokenizer, torch.device("cpu"), torch.Generator())
+    state.load_weights(scalar_model_weights(tmp_path / "step-1"))
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(*_inputs()), trained(*_inputs()))
+    # The checkpoint directory is itself a loadable scalar model.
+    reloaded, _ = load_scalar_model(str(tmp_path / "step-1"), require_trained_head=True)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(*_inputs()), trained(*_inputs()))

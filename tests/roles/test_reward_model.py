@@ -1,0 +1,121 @@
+"""The reward-model score role: the scalar at the last real token, whatever the padding."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaModel
+
+from flowrl.backends.tokenizer import build_char_tokenizer
+from flowrl.backends.value_model import ScalarHeadModel
+from flowrl.roles.batch import Rollout, Scores
+from flowrl.roles.reward_model import last_token_index, run_reward_model
+from flowrl.roles.state import ModelState
+
+
+class ProbeModel(torch.nn.Module):
+    """Scalar at each position = the token id there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
+        return input_ids.float()
+
+
+def _state(module: torch.nn.Module) -> ModelState:
+    return ModelState(
+        "reward",
+        module,
+        build_char_tokenizer(),
+        torch.device("cpu"),
+        torch.Generator().manual_seed(0),
+    )
+
+
+def _rollout(prompts: list[str], completions: list[list[int]]) -> Rollout:
+    tokenizer = build_char_tokenizer()
+    encoded = tokenizer(
+        prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False
+    )
+    width = max(max(len(row) for row in completions), 1)
+    completion_ids = torch.zeros((len(completions), width), dtype=torch.long)
+    completion_mask = torch.zeros((len(completions), width), dtype=torch.long)
+    for i, row in enumerate(completions):
+        completion_ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+        completion_mask[i, : len(row)] = 1
+    return Rollout(
+        prompt_ids=encoded["input_ids"],
+        prompt_mask=encoded["attention_mask"],
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        group_size=1,
+        prompts=prompts,
+        completions=[tokenizer.decode(row, skip_special_tokens=True) for row in completions],
+        answers=[None] * len(prompts),
+        max_new_tokens=width,
+        temperature=1.0,
+    )
+
+
+def test_last_token_index_of_left_and_right_padded_rows() -> None:
+    mask = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 1, 1, 1], [0, 0, 1, 0, 0]])
+    assert last_token_index(mask).tolist() == [3, 4, 2]
+
+
+def test_score_is_read_at_the_last_real_token_of_prompt_plus_completion() -> None:
+    tokenizer = build_char_tokenizer()
+    ids = tokenizer.convert_tokens_to_ids
+    eos = tokenizer.eos_token_id
+    rollout = _rollout(
+        ["abcd=", "a=", "ab="],
+        [
+            [ids("1"), ids("2"), ids("3")],  # full width: last token "3"
+            [ids("x"), eos],  # stopped: last token <eos>
+            [],
+        ],  # empty completion: last token is the prompt's "="
+    )
+    output = run_reward_model(_state(ProbeModel()), rollout, weight=1.0)
+    assert isinstance(output.value, Scores)
+    assert output.value.values.tolist() == [float(ids("3")), float(eos), float(ids("="))]
+    weighted = run_reward_model(_state(ProbeModel()), rollout, weight=0.5).value.values
+    assert weighted.tolist() == [0.5 * ids("3"), 0.5 * eos, 0.5 * ids("=")]
+
+
+def test_padding_does_not_change_a_real_models_score() -> None:
+    tokenizer = build_char_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    model = ScalarHeadModel(LlamaModel(config))
+    torch.nn.init.normal_(model.head.weight, std=0.3)
+    ids = tokenizer.convert_tokens_to_ids
+    prompts = ["abcdef=", "q=", "xyz="]
+    completions = [
+        [ids("5")],
+        [ids("1"), ids("2"), ids("3"), tokenizer.eos_token_id],
+        [ids("k"), ids("9")],
+    ]
+    batched = run_reward_model(
+        _state(model), _rollout(prompts, completions), weight=1.0
+    ).value.values
+    # Each row alone has neither left nor right padding.
+    alone = torch.cat(
+        [
+            run_reward_model(_state(model), _rollout([p], [c]), weight=1.0).value.values
+            for p, c in zip(prompts, completions)
+        ]
+    )
+    torch.testing.assert_close(batched, alone, atol=1e-5, rtol=1e-5)
+    assert batched.dtype == torch.float32 and batched.shape == (3,)
