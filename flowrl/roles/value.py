@@ -14,6 +14,7 @@ import torch
 
 from flowrl.algorithms.losses import masked_mean
 from flowrl.roles.batch import NodeOutput, Rollout
+from flowrl.roles.forward import completion_window, in_micro_batches
 from flowrl.roles.state import ModelState
 
 
@@ -28,32 +29,15 @@ def completion_values(
     ``module`` is a :class:`~flowrl.backends.value_model.ScalarHeadModel` (per-position
     scalars). Gradients flow when called outside ``no_grad``, so the critic update uses it too.
     """
-    num_rows = rollout.num_sequences
-    step = micro_batch_size or num_rows
-    parts = []
-    for start in range(0, num_rows, step):
-        rows = torch.arange(start, min(start + step, num_rows))
-        parts.append(_forward(module, rollout.select(rows) if step < num_rows else rollout, device))
-    return torch.cat(parts, dim=0)
+    return in_micro_batches(rollout, micro_batch_size, lambda part: _values(module, part, device))
 
 
-def _forward(module: torch.nn.Module, rollout: Rollout, device: torch.device) -> torch.Tensor:
-    input_ids, attention_mask, position_ids = rollout.joined()
-    prompt_length = rollout.prompt_ids.shape[1]
-    num_columns = rollout.completion_ids.shape[1]
-    # As for log-probs: trailing columns that are padding in every row are not computed and
-    # come back as zeros.
-    width = max(int(rollout.completion_mask.sum(dim=1).max()), 1)
-    end = prompt_length + width
+def _values(module: torch.nn.Module, rollout: Rollout, device: torch.device) -> torch.Tensor:
+    window = completion_window(rollout, device)
     scalars = module(
-        input_ids=input_ids[:, :end].to(device),
-        attention_mask=attention_mask[:, :end].to(device),
-        position_ids=position_ids[:, :end].to(device),
+        input_ids=window.input_ids, attention_mask=window.attention_mask, position_ids=window.position_ids
     )
-    values = scalars[:, prompt_length - 1 : end - 1].float()
-    if width < num_columns:
-        values = torch.nn.functional.pad(values, (0, num_columns - width))
-    return values
+    return window.pad(window.completion_positions(scalars).float())
 
 
 def run_value(
