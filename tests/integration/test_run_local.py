@@ -45,7 +45,7 @@ def test_grpo_on_local_cluster_learns_and_writes_outputs(tmp_path: Path, make_pi
     kept = sorted(p.name for p in (output / "checkpoints").iterdir())
     assert kept == ["step-20", "step-30"]
     assert (output / "checkpoints" / "step-30" / "actor" / "state.pt").exists()
-    assert json.loads((output / "checkpoints" / "step-30" / "trainer_state.json").read_text()) == {"step": 30}
+    assert json.loads((output / "checkpoints" / "step-30" / "trainer_state.json").read_text()) == {"step": 30, "kl": {}}
 
     # final/ is the trained actor, loadable with from_pretrained, and it differs from the start
     model = AutoModelForCausalLM.from_pretrained(output / "final")
