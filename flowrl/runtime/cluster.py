@@ -71,7 +71,11 @@ class Cluster:
                     silence_logs=logging.CRITICAL,
                 )
         except Exception as error:  # any start-up failure is an environment problem
-            raise ClusterError(f"cannot start a local Dask cluster of {num_slots} workers: {error}") from error
+            raise ClusterError(
+                f"cannot start a local Dask cluster of {num_slots} workers: {error}. Worker processes "
+                "import the main script again: when a script calls flowrl.run, put that call under "
+                "`if __name__ == \"__main__\":`."
+            ) from error
         client = Client(local, direct_to_workers=True)
         client.register_plugin(TorchSerializerPlugin())
         return cls(client, _slots(client, prefix="cpu-"), local)
