@@ -9,12 +9,15 @@ nanny would otherwise kill a worker that merely holds a model.
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 import warnings
 from dataclasses import dataclass, replace
 from typing import Any
 
 import dask
 from distributed import Client, LocalCluster
+from distributed.diagnostics.plugin import WorkerPlugin
 
 from flowrl.devices.inventory import Inventory, detect_local, inventory_from_dict, merge_inventories
 from flowrl.errors import ClusterError
@@ -78,6 +81,7 @@ class Cluster:
             ) from error
         client = Client(local, direct_to_workers=True)
         client.register_plugin(TorchSerializerPlugin())
+        client.register_plugin(IgnoreInterruptPlugin())
         return cls(client, _slots(client, prefix="cpu-"), local)
 
     @classmethod
@@ -135,6 +139,18 @@ class Cluster:
         self.client.close()
         if self._local is not None:
             self._local.close()
+
+
+class IgnoreInterruptPlugin(WorkerPlugin):
+    """Embedded workers ignore Ctrl-C: the terminal sends it to the whole process group, and
+    the driver already stops them in order. Workers joined with --scheduler are the user's
+    and keep their own signal handling."""
+
+    name = "flowrl-ignore-interrupt"
+
+    def setup(self, worker: Any) -> None:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _report_devices() -> dict[str, Any]:

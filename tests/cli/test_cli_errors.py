@@ -89,3 +89,28 @@ def test_strict_reward_failure_stops_the_run_with_a_clear_message(tmp_path: Path
     (tmp_path / "p.yaml").write_text(text)
     result = _flowrl("run", str(tmp_path / "p.yaml"), "-o", str(tmp_path / "out"), "--steps", "2", "--plain")
     _assert_user_error(result, "picky", "on_error")
+
+
+def test_ctrl_c_to_the_whole_process_group_stops_cleanly(tmp_path: Path) -> None:
+    import os
+    import signal
+    import time
+
+    process = subprocess.Popen(
+        [FLOWRL, "run", str(ROOT / "pipelines" / "grpo_tiny.yaml"), "--plain", "-o", str(tmp_path / "out")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    # wait until training has started, then interrupt driver and workers together, as a terminal does
+    deadline = time.monotonic() + 120
+    assert process.stdout is not None
+    lines = []
+    for line in process.stdout:
+        lines.append(line)
+        if line.startswith("step 2/") or time.monotonic() > deadline:
+            break
+    os.killpg(process.pid, signal.SIGINT)
+    rest, _ = process.communicate(timeout=60)
+    output = "".join(lines) + rest
+    assert process.returncode == 130, output
+    assert "interrupted" in output
+    assert "Traceback" not in output, output
