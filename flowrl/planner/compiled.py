@@ -19,7 +19,7 @@ from flowrl.devices.matching import Match, match_groups
 from flowrl.graph import PipelineGraph
 from flowrl.planner.cost import CpuRates
 from flowrl.planner.costs import CostSource, EstimatedCosts
-from flowrl.planner.search import SearchOptions, SearchResult, evaluate, search
+from flowrl.planner.search import Evaluation, SearchOptions, SearchResult, evaluate, search
 
 
 @dataclass(frozen=True)
@@ -122,11 +122,29 @@ def _compiled(
     options: SearchOptions,
     step: int,
 ) -> CompiledPlan:
-    best = result.best
-    schedule = best.schedule
+    reasons = {
+        node: _reason(pipeline, inventory, costs, result, options, node) for node in pipeline.topological_order()
+    }
+    return plan_from_evaluation(
+        pipeline, inventory, costs, result.best, reasons, step, result.method, result.num_evaluated
+    )
+
+
+def plan_from_evaluation(
+    pipeline: PipelineGraph,
+    inventory: Inventory,
+    costs: CostSource,
+    evaluation: Evaluation,
+    reasons: dict[str, str],
+    step: int,
+    method: str,
+    num_evaluated: int,
+) -> CompiledPlan:
+    """The plain-data plan of one evaluated placement, with one reason line per node."""
+    schedule = evaluation.schedule
     nodes: list[NodePlan] = []
     for node in pipeline.topological_order():
-        chosen = best.placement[node]
+        chosen = evaluation.placement[node]
         task = schedule.task(node)
         memory = costs.memory(node, len(chosen.devices))
         nodes.append(
@@ -139,18 +157,18 @@ def _compiled(
                 start_s=task.start_s,
                 end_s=task.end_s,
                 memory_gb=memory.weights_gb + memory.state_gb + memory.transient_gb,
-                reason=_reason(pipeline, inventory, costs, result, options, node),
+                reason=reasons.get(node, ""),
             )
         )
     devices: list[DevicePlan] = []
     for device in inventory.devices:
-        if device.id not in best.memory_gb:
+        if device.id not in evaluation.memory_gb:
             continue
         here = [item for item in nodes if device.id in item.devices]
         models = sorted({item.model for item in here if item.model is not None and not item.offloaded})
         devices.append(
             DevicePlan(device.id, device.label, device.kind, device.memory_gb,
-                       round(best.memory_gb[device.id], 6), models, [item.node for item in here])
+                       round(evaluation.memory_gb[device.id], 6), models, [item.node for item in here])
         )
     timeline = [
         TimelineEntry(device_id, task.name, task.kind, task.start_s, task.end_s)
@@ -159,8 +177,6 @@ def _compiled(
     ]
     rank = {device.id: index for index, device in enumerate(inventory.devices)}
     timeline.sort(key=lambda entry: (rank[entry.device], entry.start_s))
-    colocations = {item.device: item.models for item in devices if len(item.models) > 1}
-    reasons = [f"{item.node} -> {', '.join(item.devices)}: {item.reason}" for item in nodes]
     return CompiledPlan(
         pipeline=pipeline.name,
         step=step,
@@ -169,11 +185,11 @@ def _compiled(
         devices=devices,
         critical_path=list(schedule.critical_path),
         timeline=timeline,
-        colocations=colocations,
+        colocations={item.device: item.models for item in devices if len(item.models) > 1},
         offloaded=[item.node for item in nodes if item.offloaded],
-        method=result.method,
-        num_evaluated=result.num_evaluated,
-        reasons=reasons,
+        method=method,
+        num_evaluated=num_evaluated,
+        reasons=[f"{item.node} -> {', '.join(item.devices)}: {item.reason}" for item in nodes],
     )
 
 

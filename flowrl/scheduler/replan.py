@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from flowrl.devices.inventory import Inventory
 from flowrl.graph import PipelineGraph
-from flowrl.planner.compiled import CompiledPlan, DevicePlan, NodePlan, TimelineEntry
+from flowrl.planner.compiled import CompiledPlan, plan_from_evaluation
 from flowrl.planner.costs import CostSource
 from flowrl.planner.search import Evaluation, evaluate
 from flowrl.planner.simulate import Placement
@@ -70,49 +70,12 @@ def compiled_from(
     stayed: set[str],
 ) -> CompiledPlan:
     """A ``CompiledPlan`` for ``evaluation``'s placement; reasons from ``template``."""
-    schedule = evaluation.schedule
     reasons = {item.node: item.reason for item in template.nodes}
-    nodes: list[NodePlan] = []
-    for node in pipeline.topological_order():
-        chosen = evaluation.placement[node]
-        task = schedule.task(node)
-        memory = costs.memory(node, len(chosen.devices))
-        reason = STAY_REASON if node in stayed and chosen.devices != _devices(template, node) \
-            else reasons.get(node, "")
-        nodes.append(NodePlan(
-            node=node, role=pipeline.spec.nodes[node].role, model=pipeline.spec.nodes[node].model,
-            devices=list(chosen.devices), offloaded=chosen.offloaded, start_s=task.start_s,
-            end_s=task.end_s, memory_gb=memory.weights_gb + memory.state_gb + memory.transient_gb,
-            reason=reason,
-        ))
-    devices: list[DevicePlan] = []
-    for device in inventory.devices:
-        if device.id not in evaluation.memory_gb:
-            continue
-        here = [item for item in nodes if device.id in item.devices]
-        models = sorted({i.model for i in here if i.model is not None and not i.offloaded})
-        devices.append(DevicePlan(device.id, device.label, device.kind, device.memory_gb,
-                                  round(evaluation.memory_gb[device.id], 6), models,
-                                  [item.node for item in here]))
-    rank = {device.id: index for index, device in enumerate(inventory.devices)}
-    timeline = sorted(
-        (TimelineEntry(d, task.name, task.kind, task.start_s, task.end_s)
-         for task in schedule.tasks for d in task.devices),
-        key=lambda entry: (rank[entry.device], entry.start_s),
-    )
-    return CompiledPlan(
-        pipeline=pipeline.name,
-        step=template.step,
-        iteration_s=schedule.iteration_s,
-        nodes=nodes,
-        devices=devices,
-        critical_path=list(schedule.critical_path),
-        timeline=timeline,
-        colocations={item.device: item.models for item in devices if len(item.models) > 1},
-        offloaded=[item.node for item in nodes if item.offloaded],
-        method=template.method,
-        num_evaluated=template.num_evaluated,
-        reasons=[f"{item.node} -> {', '.join(item.devices)}: {item.reason}" for item in nodes],
+    for node in stayed:
+        if evaluation.placement[node].devices != _devices(template, node):
+            reasons[node] = STAY_REASON
+    return plan_from_evaluation(
+        pipeline, inventory, costs, evaluation, reasons, template.step, template.method, template.num_evaluated
     )
 
 
