@@ -72,7 +72,8 @@ def compiled_from(
     """A ``CompiledPlan`` for ``evaluation``'s placement; reasons from ``template``."""
     reasons = {item.node: item.reason for item in template.nodes}
     for node in stayed:
-        if evaluation.placement[node].devices != _devices(template, node):
+        # Placement devices are a tuple, a plan's a list: compare them as tuples.
+        if evaluation.placement[node].devices != tuple(_devices(template, node)):
             reasons[node] = STAY_REASON
     return plan_from_evaluation(
         pipeline, inventory, costs, evaluation, reasons, template.step, template.method, template.num_evaluated
