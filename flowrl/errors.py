@@ -38,12 +38,15 @@ class SpecIssue:
 
 
 class SpecError(FlowrlError):
-    """A pipeline description with one or more problems; all of them are listed."""
+    """A description (pipeline, inventory, scenario) with one or more problems; all listed."""
+
+    subject = "the pipeline"
+    """What the issues are in, for the message's first line; subclasses name their file kind."""
 
     def __init__(self, issues: list[SpecIssue]) -> None:
         self.issues = list(issues)
         count = len(self.issues)
-        header = f"{count} problem{'s' if count != 1 else ''} in the pipeline:"
+        header = f"{count} problem{'s' if count != 1 else ''} in {self.subject}:"
         super().__init__("\n".join([header, *(f"  {issue}" for issue in self.issues)]))
 
 

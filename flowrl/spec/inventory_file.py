@@ -28,7 +28,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from flowrl.errors import SpecError, SpecIssue
-from flowrl.spec.lines import LineMap, line_of, parse_yaml
+from flowrl.spec.lines import LineMap, line_of, read_yaml_file
 from flowrl.spec.messages import did_you_mean, issues_from_validation, show
 
 ARCHITECTURES: tuple[str, ...] = (
@@ -103,12 +103,7 @@ class InventoryFileSpec(_Strict):
 class InventoryFileError(SpecError):
     """An inventory file with one or more problems; all of them are listed."""
 
-    def __init__(self, issues: list[SpecIssue]) -> None:
-        super().__init__(issues)
-        count = len(self.issues)
-        header = f"{count} problem{'s' if count != 1 else ''} in the device inventory:"
-        # SpecError's text speaks of a pipeline; this one is about an inventory file
-        self.args = ("\n".join([header, *(f"  {issue}" for issue in self.issues)]),)
+    subject = "the device inventory"
 
 
 def load_inventory_file(
@@ -120,18 +115,7 @@ def load_inventory_file(
     when empty, type names are not checked.
     """
     source = str(path)
-    file = Path(path)
-    if not file.is_file():
-        what = "is a directory, not an inventory file" if file.is_dir() else "no such file"
-        raise InventoryFileError([SpecIssue("", f"{what}; check the path", source)])
-    try:
-        text = file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        raise InventoryFileError([SpecIssue("", f"cannot be read: {error}", source)]) from None
-    try:
-        data, line_map, duplicates = parse_yaml(text, source)
-    except SpecError as error:
-        raise InventoryFileError(error.issues) from None
+    data, line_map, duplicates = read_yaml_file(path, "inventory", InventoryFileError)
     return inventory_spec_from_dict(data, source, line_map, duplicates, known_gpu_types)
 
 

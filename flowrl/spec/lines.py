@@ -8,6 +8,7 @@ to the last one.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -16,6 +17,35 @@ from flowrl.errors import SpecError, SpecIssue
 
 LineMap = dict[str, int]
 """Dotted path -> 1-based line of the key (or of the list item)."""
+
+
+def read_yaml_file(
+    path: str | Path, kind: str, error: type[SpecError] = SpecError
+) -> tuple[Any, LineMap, list[SpecIssue]]:
+    """Read and parse the ``kind`` file (``pipeline``, ``scenario``...) at ``path``.
+
+    A missing, unreadable or unparsable file raises ``error`` naming the file.
+    """
+    source = str(path)
+    file = Path(path)
+    if not file.is_file():
+        if file.is_dir():
+            what = f"is a directory, not {_article(kind)} {kind} file"
+        else:
+            what = "no such file; check the path"
+        raise error([SpecIssue("", what, source)])
+    try:
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as failure:
+        raise error([SpecIssue("", f"cannot be read: {failure}", source)]) from None
+    try:
+        return parse_yaml(text, source)
+    except SpecError as failure:
+        raise error(failure.issues) from None
+
+
+def _article(word: str) -> str:
+    return "an" if word[:1] in "aeiou" else "a"
 
 
 def parse_yaml(text: str, source_name: str) -> tuple[Any, LineMap, list[SpecIssue]]:

@@ -15,7 +15,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from flowrl.errors import SpecError, SpecIssue
 from flowrl.graph import PipelineGraph, find_graph_issues
-from flowrl.spec.lines import LineMap, file_order, line_of, parse_yaml
+from flowrl.spec.lines import LineMap, file_order, line_of, read_yaml_file
 from flowrl.spec.messages import Issue, issues_from_validation, show
 from flowrl.spec.schema import SECTION_CLASSES, NodeSpec, PipelineSpec
 
@@ -28,16 +28,7 @@ def load_pipeline(path: str | Path) -> PipelineGraph:
     Raises ``SpecError`` listing every problem as ``file:line: path: message``.
     """
     source_name = str(path)
-    file = Path(path)
-    if not file.exists():
-        raise SpecError([SpecIssue("", "no such file; check the path", source_name)])
-    if not file.is_file():
-        raise SpecError([SpecIssue("", "is a directory, not a pipeline file", source_name)])
-    try:
-        text = file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        raise SpecError([SpecIssue("", f"cannot be read: {error}", source_name)]) from None
-    data, line_map, duplicates = parse_yaml(text, source_name)
+    data, line_map, duplicates = read_yaml_file(path, "pipeline")
     return _validate(data, source_name, line_map, duplicates)
 
 

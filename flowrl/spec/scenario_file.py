@@ -28,7 +28,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from flowrl.errors import SpecError, SpecIssue
-from flowrl.spec.lines import LineMap, line_of, parse_yaml
+from flowrl.spec.lines import LineMap, line_of, read_yaml_file
 from flowrl.spec.messages import did_you_mean, issues_from_validation, show
 
 
@@ -119,29 +119,13 @@ class ScenarioDocument:
 class ScenarioFileError(SpecError):
     """A scenario file with one or more problems; all of them are listed."""
 
-    def __init__(self, issues: list[SpecIssue]) -> None:
-        super().__init__(issues)
-        count = len(self.issues)
-        header = f"{count} problem{'s' if count != 1 else ''} in the scenario:"
-        # SpecError's text speaks of a pipeline; this one is about a scenario file
-        self.args = ("\n".join([header, *(f"  {issue}" for issue in self.issues)]),)
+    subject = "the scenario"
 
 
 def load_scenario_file(path: str | Path) -> ScenarioDocument:
     """Read and validate a scenario file; raise ``ScenarioFileError`` listing every issue."""
     source = str(path)
-    file = Path(path)
-    if not file.is_file():
-        what = "is a directory, not a scenario file" if file.is_dir() else "no such file"
-        raise ScenarioFileError([SpecIssue("", f"{what}; check the path", source)])
-    try:
-        text = file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        raise ScenarioFileError([SpecIssue("", f"cannot be read: {error}", source)]) from None
-    try:
-        data, line_map, duplicates = parse_yaml(text, source)
-    except SpecError as error:
-        raise ScenarioFileError(error.issues) from None
+    data, line_map, duplicates = read_yaml_file(path, "scenario", ScenarioFileError)
     return scenario_from_dict(data, source, line_map, duplicates)
 
 
