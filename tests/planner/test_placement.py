@@ -1,16 +1,21 @@
-"""Static placement: a pure function of the pipeline and the slots."""
+"""The runtime's placement, read off the planner's plan: pure, no cluster."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 
 from flowrl.errors import PlacementError
-from flowrl.planner.placement import plan_static
+from flowrl.planner.compiled import compile_plan
+from flowrl.planner.placement import Plan, plan_from_compiled
 from flowrl.spec.loader import pipeline_from_dict
 
+from tests.planner.conftest import cpu, gpu, inventory
 
-def _pipeline(**overrides):
-    data = {
+
+def _data(**overrides: Any) -> dict[str, Any]:
+    data: dict[str, Any] = {
         "name": "p",
         "models": {
             "actor": {"path": "builtin:tiny-llama", "device_group": "actor_group"},
@@ -26,45 +31,49 @@ def _pipeline(**overrides):
         },
         "data": {"source": "builtin:digits"},
     }
-    for key, value in overrides.items():
-        data[key] = value
-    return pipeline_from_dict(data)
+    data.update(overrides)
+    return data
+
+
+def _place(data: dict[str, Any], *devices: Any) -> Plan:
+    pipeline = pipeline_from_dict(data)
+    slots = [device.id for device in devices if device.kind == "cpu"]
+    return plan_from_compiled(pipeline, compile_plan(pipeline, inventory(*devices)), slots)
 
 
 def test_one_group_per_slot_and_modelless_nodes_next_to_their_input() -> None:
-    plan = plan_static(_pipeline(), ["cpu-0", "cpu-1"])
+    plan = _place(_data(), cpu(0), cpu(1))
     assert plan.group_slots == {"actor_group": ["cpu-0"], "ref_group": ["cpu-1"]}
     assert plan.node_slots == {"rollout": "cpu-0", "reward": "cpu-0", "ref": "cpu-1", "adv": "cpu-0", "train": "cpu-0"}
     assert plan.model_slots == {"actor": ["cpu-0"], "reference": ["cpu-1"]}
     assert plan.weight_peers("train", "actor") == []
 
 
-def test_more_groups_than_slots_share_round_robin() -> None:
-    plan = plan_static(_pipeline(), ["cpu-0"])
+def test_more_groups_than_slots_share_a_slot() -> None:
+    plan = _place(_data(), cpu(0))
     assert plan.group_slots == {"actor_group": ["cpu-0"], "ref_group": ["cpu-0"]}
-    assert any("shared" in reason for reason in plan.reasons)
 
 
-def test_a_matched_assignment_decides_the_slot() -> None:
-    plan = plan_static(_pipeline(), ["cpu-0", "cpu-1"], assignment={"actor_group": ["cpu-1"], "ref_group": ["cpu-0"]})
-    assert plan.node_slots["rollout"] == "cpu-1" and plan.node_slots["ref"] == "cpu-0"
+def test_a_pinned_group_gets_its_device() -> None:
+    data = _data(devices={"actor_group": {"type": "cpu", "device_ids": [1]}, "ref_group": {"type": "cpu"}})
+    plan = _place(data, cpu(0), cpu(1))
+    assert plan.node_slots["rollout"] == "cpu-1" and plan.node_slots["train"] == "cpu-1"
 
 
 def test_a_node_on_another_group_gets_a_copy_of_its_model_and_pushed_weights() -> None:
-    pipeline = _pipeline()
-    data = pipeline.to_dict()
+    data = _data()
     data["devices"]["gen_group"] = {"type": "cpu"}
     data["nodes"]["rollout"]["device_group"] = "gen_group"
-    plan = plan_static(pipeline_from_dict(data), ["cpu-0", "cpu-1", "cpu-2"])
-    assert plan.node_slots["rollout"] == "cpu-2"
-    assert plan.model_slots["actor"] == ["cpu-2", "cpu-0"]
-    assert plan.weight_peers("train", "actor") == ["cpu-2"]
+    plan = _place(data, cpu(0), cpu(1), cpu(2))
+    assert plan.node_slots["rollout"] != plan.node_slots["train"]
+    assert plan.model_slots["actor"] == [plan.node_slots["rollout"], plan.node_slots["train"]]
+    assert plan.weight_peers("train", "actor") == [plan.node_slots["rollout"]]
 
 
 def test_gpu_group_on_cpu_workers_and_multi_device_groups_are_refused_with_a_fix() -> None:
-    gpu = _pipeline(devices={"actor_group": {"type": "gpu"}, "ref_group": {"type": "cpu"}})
+    gpu_data = _data(devices={"actor_group": {"type": "gpu"}, "ref_group": {"type": "cpu"}})
     with pytest.raises(PlacementError, match="type: cpu"):
-        plan_static(gpu, ["cpu-0", "cpu-1"])
-    wide = _pipeline(devices={"actor_group": {"type": "cpu", "count": 2}, "ref_group": {"type": "cpu"}})
+        _place(gpu_data, gpu(0, "A100-40GB", 40, 312, 1555), cpu(0), cpu(1))
+    wide = _data(devices={"actor_group": {"type": "cpu", "count": 2}, "ref_group": {"type": "cpu"}})
     with pytest.raises(PlacementError, match="count: 1"):
-        plan_static(wide, ["cpu-0", "cpu-1"])
+        _place(wide, cpu(0), cpu(1))
