@@ -21,12 +21,12 @@ from rich.table import Table
 
 from flowrl.devices.explain import gb
 from flowrl.devices.files import load_inventory
-from flowrl.devices.groups import offload_notes, pipeline_groups
+from flowrl.devices.groups import pipeline_groups
 from flowrl.devices.inventory import Inventory, detect_local
 from flowrl.devices.matching import Match, match_groups
 from flowrl.devices.report import inventory_lines
 from flowrl.spec.loader import load_pipeline
-from flowrl.spec.schema import DeviceGroupSpec, PipelineSpec, RuntimeSpec
+from flowrl.spec.schema import PipelineSpec, RuntimeSpec
 
 
 def devices_command(

@@ -137,7 +137,7 @@ def timeline_svg(plan: CompiledPlan) -> str:
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + chart + right}" '
         f'height="{height}" font-family="sans-serif" font-size="12">',
-        f'<rect width="100%" height="100%" fill="white"/>',
+        '<rect width="100%" height="100%" fill="white"/>',
         f'<text x="{left}" y="20" font-size="14">{xml_escape(plan.pipeline)}: predicted step '
         f'{_ms(plan.iteration_s)}; critical path {xml_escape(" → ".join(plan.critical_path))}</text>',
     ]

@@ -6,7 +6,6 @@ A ``Session`` executes a ``Plan``; it does not decide one.
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -81,10 +80,10 @@ class Session:
         by_slot: dict[str, list[str]] = {}
         for model, slot in self.trained_models().items():
             by_slot.setdefault(slot, []).append(model)
-        with ThreadPoolExecutor(max_workers=max(1, len(by_slot))) as pool:
-            calls = [self.hosts[slot].save_models(str(directory), models, with_state) for slot, models in by_slot.items()]
-            for call in calls:
-                call.result(timeout=600)
+        # Actor calls run concurrently on their workers; wait for all of them.
+        calls = [self.hosts[slot].save_models(str(directory), models, with_state) for slot, models in by_slot.items()]
+        for call in calls:
+            call.result(timeout=600)
 
     def close(self) -> None:
         self.executor.close()

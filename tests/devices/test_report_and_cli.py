@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from flowrl.cli.devices import devices_command, offload_notes, pipeline_groups
+from flowrl.cli.devices import devices_command
+from flowrl.devices.groups import offload_notes, pipeline_groups
 from flowrl.devices.files import load_inventory
 from flowrl.devices.matching import match_groups
 from flowrl.devices.report import inventory_lines, match_lines

@@ -2,30 +2,20 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from flowrl.backends.tokenizer import build_char_tokenizer
 from flowrl.roles.batch import Rollout
 from flowrl.roles.forward import completion_logprobs
 from flowrl.roles.state import ModelState
 from flowrl.roles.update import run_update
 from flowrl.spec.schema import UpdateNode
+from tiny_models import model_state, tiny_policy
 
 
 def _state(seed: int = 0) -> ModelState:
-    tokenizer = build_char_tokenizer()
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-    )
-    module = LlamaForCausalLM(config)
-    return ModelState("actor", module, tokenizer, torch.device("cpu"), torch.Generator().manual_seed(seed))
+    return model_state("actor", tiny_policy(seed), seed)
 
 
 def _rollout(state: ModelState) -> Rollout:
