@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+from transformers import LlamaForCausalLM, LlamaForSequenceClassification
 
 from flowrl.backends.builtin import CACHE_ENV_VAR
 from flowrl.backends.tokenizer import build_char_tokenizer
@@ -19,27 +19,13 @@ from flowrl.backends.value_model import (
 )
 from flowrl.errors import ModelLoadError
 from flowrl.roles.state import ModelState
-
-
-def _config() -> LlamaConfig:
-    tokenizer = build_char_tokenizer()
-    return LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
+from tiny_models import tiny_llama_config
 
 
 @pytest.fixture()
 def causal_lm_dir(tmp_path: Path) -> Path:
     torch.manual_seed(0)
-    model = LlamaForCausalLM(_config())
+    model = LlamaForCausalLM(tiny_llama_config())
     model.save_pretrained(tmp_path / "lm")
     build_char_tokenizer().save_pretrained(tmp_path / "lm")
     return tmp_path / "lm"
@@ -89,7 +75,7 @@ def test_reward_model_without_a_trained_head_is_refused(causal_lm_dir: Path) -> 
 
 def test_single_label_sequence_classifier_keeps_its_score_layer(tmp_path: Path) -> None:
     torch.manual_seed(0)
-    config = _config()
+    config = tiny_llama_config()
     config.num_labels = 1
     classifier = LlamaForSequenceClassification(config)
     classifier.save_pretrained(tmp_path / "rm")

@@ -6,35 +6,17 @@ import itertools
 from types import SimpleNamespace
 
 import torch
-from transformers import LlamaConfig, LlamaModel
 
-from flowrl.backends.tokenizer import build_char_tokenizer
-from flowrl.backends.value_model import ScalarHeadModel
 from flowrl.roles.batch import Rollout
 from flowrl.roles.critic_update import run_critic_update
 from flowrl.roles.state import ModelState
 from flowrl.roles.value import run_value
 from flowrl.spec.schema import UpdateNode
+from tiny_models import model_state, tiny_scalar_model
 
 
 def _state(seed: int = 0) -> ModelState:
-    tokenizer = build_char_tokenizer()
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    model = ScalarHeadModel(LlamaModel(config))
-    return ModelState(
-        "critic", model, tokenizer, torch.device("cpu"), torch.Generator().manual_seed(seed)
-    )
+    return model_state("critic", tiny_scalar_model(seed), seed)
 
 
 def _rollout(tokenizer: object) -> Rollout:

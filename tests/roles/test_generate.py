@@ -2,25 +2,15 @@
 
 from __future__ import annotations
 
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-
-from flowrl.backends.tokenizer import build_char_tokenizer
 from flowrl.data import PromptExample
 from flowrl.roles.generate import run_generate
-from flowrl.roles.state import ModelState
 from flowrl.spec.schema import GenerateNode
+from tiny_models import model_state, tiny_policy
 
 
 def test_rollout_is_grouped_by_prompt_and_decodes_its_own_tokens() -> None:
-    tokenizer = build_char_tokenizer()
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-    )
-    state = ModelState("actor", LlamaForCausalLM(config), tokenizer, torch.device("cpu"), torch.Generator().manual_seed(0))
+    state = model_state("actor", tiny_policy(0))
+    tokenizer = state.tokenizer
     prompts = [PromptExample("ab=", "a"), PromptExample("xyzw=", "x")]
     node = GenerateNode(model="actor", inputs=["prompts"], n=3, max_new_tokens=5)
     output = run_generate(state, prompts, node)

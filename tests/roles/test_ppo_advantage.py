@@ -6,17 +6,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from flowrl.algorithms.advantages import grpo_advantages
-from flowrl.backends.tokenizer import build_char_tokenizer
 from flowrl.roles.batch import Rollout, Scores
 from flowrl.roles.forward import completion_logprobs
 from flowrl.roles.ppo_advantage import run_ppo_advantage
 from flowrl.roles.ppo_batch import PPOAdvantages
-from flowrl.roles.state import ModelState
 from flowrl.roles.update import run_update
 from flowrl.spec.schema import AdvantageNode, UpdateNode
+from tiny_models import model_state, tiny_policy
 
 
 def _node(estimator: str, **settings: object) -> SimpleNamespace:
@@ -112,26 +110,8 @@ def test_missing_inputs_are_named() -> None:
 
 
 def test_policy_update_takes_token_level_advantages() -> None:
-    tokenizer = build_char_tokenizer()
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    state = ModelState(
-        "actor",
-        LlamaForCausalLM(config),
-        tokenizer,
-        torch.device("cpu"),
-        torch.Generator().manual_seed(0),
-    )
+    state = model_state("actor", tiny_policy(0))
+    tokenizer = state.tokenizer
     prompts, completions = ["ab=", "ab=", "cd=", "cd="], ["12", "x", "34", "zw"]
     encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     completion = tokenizer(

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, LlamaModel
 
 from flowrl.backends.tokenizer import build_char_tokenizer
-from flowrl.backends.value_model import ScalarHeadModel
 from flowrl.roles.batch import Rollout, Scores
 from flowrl.roles.reward_model import last_token_index, run_reward_model
-from flowrl.roles.state import ModelState
+from tiny_models import model_state, tiny_scalar_model
 
 
 class ProbeModel(torch.nn.Module):
@@ -23,16 +21,6 @@ class ProbeModel(torch.nn.Module):
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
     ) -> torch.Tensor:
         return input_ids.float()
-
-
-def _state(module: torch.nn.Module) -> ModelState:
-    return ModelState(
-        "reward",
-        module,
-        build_char_tokenizer(),
-        torch.device("cpu"),
-        torch.Generator().manual_seed(0),
-    )
 
 
 def _rollout(prompts: list[str], completions: list[list[int]]) -> Rollout:
@@ -77,28 +65,16 @@ def test_score_is_read_at_the_last_real_token_of_prompt_plus_completion() -> Non
             [],
         ],  # empty completion: last token is the prompt's "="
     )
-    output = run_reward_model(_state(ProbeModel()), rollout, weight=1.0)
+    output = run_reward_model(model_state("reward", ProbeModel()), rollout, weight=1.0)
     assert isinstance(output.value, Scores)
     assert output.value.values.tolist() == [float(ids("3")), float(eos), float(ids("="))]
-    weighted = run_reward_model(_state(ProbeModel()), rollout, weight=0.5).value.values
+    weighted = run_reward_model(model_state("reward", ProbeModel()), rollout, weight=0.5).value.values
     assert weighted.tolist() == [0.5 * ids("3"), 0.5 * eos, 0.5 * ids("=")]
 
 
 def test_padding_does_not_change_a_real_models_score() -> None:
     tokenizer = build_char_tokenizer()
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    model = ScalarHeadModel(LlamaModel(config))
+    model = tiny_scalar_model()
     torch.nn.init.normal_(model.head.weight, std=0.3)
     ids = tokenizer.convert_tokens_to_ids
     prompts = ["abcdef=", "q=", "xyz="]
@@ -108,12 +84,12 @@ def test_padding_does_not_change_a_real_models_score() -> None:
         [ids("k"), ids("9")],
     ]
     batched = run_reward_model(
-        _state(model), _rollout(prompts, completions), weight=1.0
+        model_state("reward", model), _rollout(prompts, completions), weight=1.0
     ).value.values
     # Each row alone has neither left nor right padding.
     alone = torch.cat(
         [
-            run_reward_model(_state(model), _rollout([p], [c]), weight=1.0).value.values
+            run_reward_model(model_state("reward", model), _rollout([p], [c]), weight=1.0).value.values
             for p, c in zip(prompts, completions)
         ]
     )

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, LlamaModel
 
 from flowrl.backends.tokenizer import build_char_tokenizer
-from flowrl.backends.value_model import ScalarHeadModel
 from flowrl.roles.batch import Rollout
-from flowrl.roles.state import ModelState
 from flowrl.roles.value import completion_values, run_value
+from tiny_models import model_state, tiny_scalar_model
 
 
 class ProbeModel(torch.nn.Module):
@@ -23,16 +21,6 @@ class ProbeModel(torch.nn.Module):
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
     ) -> torch.Tensor:
         return input_ids.float()
-
-
-def _state(module: torch.nn.Module) -> ModelState:
-    return ModelState(
-        "critic",
-        module,
-        build_char_tokenizer(),
-        torch.device("cpu"),
-        torch.Generator().manual_seed(0),
-    )
 
 
 def _rollout(prompts: list[str], completions: list[str], eos_rows: tuple[int, ...] = ()) -> Rollout:
@@ -65,29 +53,10 @@ def _rollout(prompts: list[str], completions: list[str], eos_rows: tuple[int, ..
     )
 
 
-def tiny_scalar_model(seed: int = 0) -> ScalarHeadModel:
-    tokenizer = build_char_tokenizer()
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    model = ScalarHeadModel(LlamaModel(config))
-    torch.nn.init.normal_(model.head.weight, std=0.3)
-    return model
-
-
 def test_value_of_each_completion_token_is_read_at_the_position_that_predicts_it() -> None:
     tokenizer = build_char_tokenizer()
     rollout = _rollout(["ab=", "c="], ["12", "x"], eos_rows=(1,))
-    output = run_value(_state(ProbeModel()), rollout)
+    output = run_value(model_state("critic", ProbeModel()), rollout)
     ids = tokenizer.convert_tokens_to_ids
     # Row 0: joined "ab=" + "12"; completion token "1" is predicted at "=", "2" at "1".
     # Row 1: joined <pad> "c=" + "x" <eos>; "x" predicted at "=", <eos> at "x".
@@ -102,7 +71,7 @@ def test_padding_is_zero_and_all_padding_columns_are_not_computed() -> None:
     # Two trailing padding columns in every row (as when all samples stopped early).
     rollout.completion_ids = torch.nn.functional.pad(rollout.completion_ids, (0, 2))
     rollout.completion_mask = torch.nn.functional.pad(rollout.completion_mask, (0, 2))
-    values = run_value(_state(ProbeModel()), rollout).value
+    values = run_value(model_state("critic", ProbeModel()), rollout).value
     ids = tokenizer.convert_tokens_to_ids
     assert values.shape == (2, 5)
     assert values[0].tolist() == [ids("="), ids("1"), ids("2"), 0, 0]
@@ -111,8 +80,9 @@ def test_padding_is_zero_and_all_padding_columns_are_not_computed() -> None:
 
 def test_real_model_values_match_the_full_forward_and_micro_batches() -> None:
     model = tiny_scalar_model()
+    torch.nn.init.normal_(model.head.weight, std=0.3)
     rollout = _rollout(["abc=", "d=", "ef="], ["12", "xyz", "7"], eos_rows=(0,))
-    output = run_value(_state(model), rollout)
+    output = run_value(model_state("critic", model), rollout)
     input_ids, attention_mask, position_ids = rollout.joined()
     with torch.no_grad():
         full = model(input_ids, attention_mask, position_ids)

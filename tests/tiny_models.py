@@ -1,0 +1,41 @@
+"""Tiny models that tests build for themselves: a 1-layer Llama of hidden size 32 over the
+character tokenizer, as a policy or with a scalar head, wrapped in a ``ModelState``."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
+
+from flowrl.backends.tokenizer import build_char_tokenizer
+from flowrl.backends.value_model import ScalarHeadModel
+from flowrl.roles.state import ModelState
+
+
+def tiny_llama_config() -> LlamaConfig:
+    tokenizer = build_char_tokenizer()
+    return LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+
+
+def tiny_policy(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(tiny_llama_config())
+
+
+def tiny_scalar_model(seed: int = 0) -> ScalarHeadModel:
+    """A backbone with a fresh (zero) scalar head."""
+    torch.manual_seed(seed)
+    return ScalarHeadModel(LlamaModel(tiny_llama_config()))
+
+
+def model_state(name: str, module: torch.nn.Module, seed: int = 0) -> ModelState:
+    return ModelState(name, module, build_char_tokenizer(), torch.device("cpu"), torch.Generator().manual_seed(seed))
