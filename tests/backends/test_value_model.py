@@ -19,7 +19,7 @@ from flowrl.backends.value_model import (
 )
 from flowrl.errors import ModelLoadError
 from flowrl.roles.state import ModelState
-from tiny_models import tiny_llama_config
+from tests.tiny_models import tiny_llama_config
 
 
 @pytest.fixture()

@@ -12,7 +12,7 @@ from flowrl.roles.critic_update import run_critic_update
 from flowrl.roles.state import ModelState
 from flowrl.roles.value import run_value
 from flowrl.spec.schema import UpdateNode
-from tiny_models import model_state, tiny_scalar_model
+from tests.tiny_models import model_state, tiny_scalar_model
 
 
 def _state(seed: int = 0) -> ModelState:

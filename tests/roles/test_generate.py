@@ -5,7 +5,7 @@ from __future__ import annotations
 from flowrl.data import PromptExample
 from flowrl.roles.generate import run_generate
 from flowrl.spec.schema import GenerateNode
-from tiny_models import model_state, tiny_policy
+from tests.tiny_models import model_state, tiny_policy
 
 
 def test_rollout_is_grouped_by_prompt_and_decodes_its_own_tokens() -> None:

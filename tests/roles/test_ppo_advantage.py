@@ -14,7 +14,7 @@ from flowrl.roles.ppo_advantage import run_ppo_advantage
 from flowrl.roles.ppo_batch import PPOAdvantages
 from flowrl.roles.update import run_update
 from flowrl.spec.schema import AdvantageNode, UpdateNode
-from tiny_models import model_state, tiny_policy
+from tests.tiny_models import model_state, tiny_policy
 
 
 def _node(estimator: str, **settings: object) -> SimpleNamespace:

@@ -7,7 +7,7 @@ import torch
 from flowrl.backends.tokenizer import build_char_tokenizer
 from flowrl.roles.batch import Rollout, Scores
 from flowrl.roles.reward_model import last_token_index, run_reward_model
-from tiny_models import model_state, tiny_scalar_model
+from tests.tiny_models import model_state, tiny_scalar_model
 
 
 class ProbeModel(torch.nn.Module):

@@ -11,7 +11,7 @@ from flowrl.roles.forward import completion_logprobs
 from flowrl.roles.state import ModelState
 from flowrl.roles.update import run_update
 from flowrl.spec.schema import UpdateNode
-from tiny_models import model_state, tiny_policy
+from tests.tiny_models import model_state, tiny_policy
 
 
 def _state(seed: int = 0) -> ModelState:

@@ -7,7 +7,7 @@ import torch
 from flowrl.backends.tokenizer import build_char_tokenizer
 from flowrl.roles.batch import Rollout
 from flowrl.roles.value import completion_values, run_value
-from tiny_models import model_state, tiny_scalar_model
+from tests.tiny_models import model_state, tiny_scalar_model
 
 
 class ProbeModel(torch.nn.Module):
