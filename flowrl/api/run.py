@@ -77,7 +77,7 @@ def run(
     graph = apply_options(graph, options)
     check_runnable(graph)
     spec = graph.spec
-    folder = RunFolder(_resolve(Path(spec.trainer.output_dir), base_dir))
+    folder = RunFolder(_resolve(Path(spec.trainer.output_dir)))
     folder.write_config(to_yaml(graph))
     folder.reset_logs()
     watcher = _Watchers(folder, observer)
@@ -227,7 +227,7 @@ def preflight(graph: PipelineGraph, base_dir: Path | None) -> None:
             resolve_reward(node.fn, base_dir)
 
 
-def _resolve(path: Path, base_dir: Path | None) -> Path:
+def _resolve(path: Path) -> Path:
     # Output folders are relative to where flowrl runs, as users expect of a CLI.
     return path if path.is_absolute() else Path.cwd() / path
 

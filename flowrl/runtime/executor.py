@@ -111,15 +111,5 @@ def _upstream_generate(pipeline: PipelineGraph, node: str) -> str | None:
 
 def _group_size(pipeline: PipelineGraph, node: str) -> int:
     """Samples per prompt of the generate node upstream of ``node`` (1 if none)."""
-    seen: set[str] = set()
-    stack = [node]
-    while stack:
-        current = stack.pop()
-        if current in seen or current == PROMPTS:
-            continue
-        seen.add(current)
-        spec = pipeline.spec.nodes[current]
-        if spec.role == "generate":
-            return int(spec.n)
-        stack.extend(pipeline.producers(current))
-    return 1
+    rollout = _upstream_generate(pipeline, node)
+    return int(pipeline.spec.nodes[rollout].n) if rollout is not None else 1
