@@ -16,13 +16,25 @@ class NodeTiming:
     node: str
     role: str
     device: str
-    latency_s: float
-    """Wall time of the call on the worker, fetching inputs included."""
+    wall_s: float
+    """From the call's arrival on the worker to its result: waiting and computing."""
+    compute_s: float
+    """Time on the worker's compute thread (what the device's speed decides)."""
     wait_s: float
-    """Part of ``latency_s`` spent fetching inputs from other workers."""
-    tokens: int
-    """Tokens the node processed (prompt + completion for generate, completion elsewhere)."""
-    tokens_per_s: float
+    """Time waiting for inputs: upstream nodes still running, and transfers from other workers."""
+    tokens_in: int
+    """Tokens the node read (prompt for generate; prompt + completion elsewhere)."""
+    tokens_out: int
+    """Tokens the node produced (completions for generate; per-token outputs elsewhere)."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens/s for generate, tokens read/s for every other role."""
+        tokens = self.tokens_out if self.role == "generate" else self.tokens_in
+        return tokens / self.compute_s if self.compute_s > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "tokens_per_s": self.tokens_per_s}
 
 
 @dataclass(frozen=True)

@@ -33,12 +33,20 @@ def step_metrics(
         for key, value in report.metrics.items():
             metrics[key] = value
         key = f"timing_s/{timing_name(graph, name)}"
-        metrics[key] = metrics.get(key, 0.0) + report.latency_s
+        metrics[key] = metrics.get(key, 0.0) + report.compute_s
         if report.role == "generate":
-            generated_tokens += report.tokens
-        compute_s = max(report.latency_s - report.wait_s, 1e-9)
+            generated_tokens += report.tokens_in + report.tokens_out
         nodes.append(
-            NodeTiming(name, report.role, report.device, report.latency_s, report.wait_s, report.tokens, report.tokens / compute_s)
+            NodeTiming(
+                name,
+                report.role,
+                report.device,
+                report.wall_s,
+                report.compute_s,
+                report.wait_s,
+                report.tokens_in,
+                report.tokens_out,
+            )
         )
     metrics["timing_s/step"] = step_s
     # verl's perf/throughput: prompt + response tokens per second per device.

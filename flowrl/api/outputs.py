@@ -4,7 +4,7 @@
       config.yaml          the resolved pipeline
       plan-<step>.json     every placement decision
       metrics.jsonl        one line per step
-      profile.jsonl        one line per node call and per device sample
+      profile.jsonl        one line per node call, per device sample, per smoothed estimate
       events.jsonl         placement, checkpoints, warnings
       checkpoints/step-<n>/  written under a temporary name, then renamed
       final/               the trained policy, loadable with from_pretrained
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from flowrl.errors import CheckpointError, FlowrlError
+from flowrl.profiler import NodeSummary
 from flowrl.records import RunEvent, StepRecord
 
 
@@ -49,9 +50,14 @@ class RunFolder:
         line = {"step": record.step, "elapsed_s": round(record.elapsed_s, 4), **_finite(record.metrics)}
         self._append("metrics.jsonl", line)
         for node in record.nodes:
-            self._append("profile.jsonl", {"step": record.step, "type": "node", **vars(node)})
+            self._append("profile.jsonl", {"step": record.step, "type": "node", **node.to_dict()})
         for device in record.devices:
             self._append("profile.jsonl", {"step": record.step, "type": "device", **vars(device)})
+
+    def append_smoothed(self, step: int, summaries: list[NodeSummary]) -> None:
+        """The profiler's smoothed per-node estimates (EWMA), as the planner sees them."""
+        for summary in summaries:
+            self._append("profile.jsonl", {"step": step, "type": "smoothed", **vars(summary)})
 
     def append_event(self, event: RunEvent) -> None:
         self._append("events.jsonl", {"time": time.time(), **vars(event)})

@@ -17,6 +17,7 @@ from flowrl.api.builder import Pipeline
 from flowrl.api.metrics import step_metrics
 from flowrl.algorithms.kl_control import AdaptiveKLController, FixedKLController
 from flowrl.api.outputs import RunFolder
+from flowrl.api.replanning import Replanner
 from flowrl.backends.hf import resolve_model_path
 from flowrl.data import PromptSource
 from flowrl.devices.groups import offload_notes, pipeline_groups
@@ -24,15 +25,19 @@ from flowrl.devices.matching import match_groups
 from flowrl.devices.report import inventory_lines, match_lines
 from flowrl.errors import FlowrlError
 from flowrl.graph import PipelineGraph
-from flowrl.planner.compiled import compile_plan
 from flowrl.planner.cost import measure_cpu_rates
+from flowrl.planner.costs import EstimatedCosts
 from flowrl.planner.placement import plan_from_compiled
 from flowrl.records import RunEvent, StepRecord
 from flowrl.rewards import resolve_reward
 from flowrl.runtime.cluster import Cluster
 from flowrl.runtime.session import Session
+from flowrl.scheduler import make_policy, settings_from_spec
 from flowrl.spec.dump import to_yaml
 
+CALIBRATION_STEPS = 2
+"""Steps after the first that learn how far the cost model is off per node, before device
+speeds are judged (see ``flowrl.scheduler.calibration``)."""
 SUPPORTED_ROLES = ("generate", "score", "reference_logprob", "value", "advantage", "update")
 
 
@@ -93,7 +98,11 @@ def run(
     )
     preflight(graph, base_dir)
     address = spec.runtime.scheduler_address
-    cluster = Cluster.join(address) if address else Cluster.start_local(spec.runtime.cpu_slots, spec.runtime.dashboard)
+    cluster = (
+        Cluster.join(address)
+        if address
+        else Cluster.start_local(spec.runtime.cpu_slots, spec.runtime.dashboard, spec.runtime.pin_cpus)
+    )
     try:
         return _train(graph, cluster, folder, source, watcher, base_dir)
     finally:
@@ -112,7 +121,10 @@ def _train(
     for line in [*inventory_lines(inventory), *match_lines(match, inventory, offload_notes(spec))]:
         watcher.event(RunEvent("devices", line, 0))
     match.raise_if_unsatisfied()
-    compiled = compile_plan(graph, inventory, match, base_dir=base_dir, cpu_rates=measure_cpu_rates())
+    costs = EstimatedCosts(graph, cpu_rates=measure_cpu_rates(), base_dir=base_dir)
+    settings = settings_from_spec(spec.scheduler, calibration_steps=CALIBRATION_STEPS)
+    policy = make_policy(spec.scheduler.policy, graph, inventory, settings, costs, base_dir, spec.trainer.steps)
+    compiled = policy.plan
     plan = plan_from_compiled(graph, compiled, slots)
     folder.write_plan(0, {**compiled.to_dict(), "runtime": plan.to_dict()})
     watcher.event(
@@ -127,10 +139,12 @@ def _train(
                 RunEvent("model", f"{info['model']} on {info['device']}: {info['num_parameters']:,} parameters", 0)
             )
         kl = RewardKL(graph)
+        replanner = Replanner(graph, policy, session, folder, watcher.event)
         result = RunResult(folder.path)
         started = time.perf_counter()
         num_steps = spec.trainer.steps
         for step in range(1, num_steps + 1):
+            replanner.before_step(step)
             step_started = time.perf_counter()
             reports = session.run_step(step, source.next_batch(step - 1), kl.coefs())
             step_s = time.perf_counter() - step_started
@@ -140,6 +154,7 @@ def _train(
             record = StepRecord(step, num_steps, metrics, nodes, devices, time.perf_counter() - started)
             result.records.append(record)
             watcher.step(record)
+            replanner.after_step(record, step_s)
             every = spec.trainer.checkpoint_every
             if every and step % every == 0 and step < num_steps:
                 _checkpoint(session, folder, step, spec.trainer.keep_checkpoints, watcher, kl)
@@ -208,8 +223,6 @@ def check_runnable(graph: PipelineGraph) -> None:
     for name, node in graph.spec.nodes.items():
         if node.role not in SUPPORTED_ROLES:
             problems.append(f"nodes.{name}.role: '{node.role}' nodes cannot run yet (runnable: {', '.join(SUPPORTED_ROLES)})")
-    if graph.spec.scheduler.policy != "static":
-        problems.append("scheduler.policy: 'dynamic' cannot run yet; use 'static'")
     if problems:
         raise FlowrlError("this pipeline is valid but cannot run in this version:\n" + "\n".join(f"  {p}" for p in problems))
 

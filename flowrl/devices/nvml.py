@@ -143,3 +143,26 @@ def _normal_bus_id(bus_id: str) -> str:
     bus_id = bus_id.strip().lower()
     domain, _, rest = bus_id.partition(":")
     return f"{domain[-4:]}:{rest}" if rest else bus_id
+
+
+class GpuMeter:
+    """Utilisation and memory of one GPU, read repeatedly (for the profiler's sampler)."""
+
+    def __init__(self, index: int) -> None:
+        try:
+            import pynvml
+        except ImportError as error:
+            raise NvmlUnavailable(f"nvidia-ml-py is not installed ({error})") from None
+        try:
+            pynvml.nvmlInit()
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        except pynvml.NVMLError as error:
+            raise NvmlUnavailable(f"NVML cannot open GPU {index} ({error})") from None
+        self._pynvml = pynvml
+
+    def read(self) -> tuple[float, float, float]:
+        """(utilisation 0..1 over NVML's last sample period, memory used GB, memory total GB)."""
+        pynvml = self._pynvml
+        rates = pynvml.nvmlDeviceGetUtilizationRates(self._handle)
+        memory = pynvml.nvmlDeviceGetMemoryInfo(self._handle)
+        return rates.gpu / 100.0, memory.used / 1e9, memory.total / 1e9

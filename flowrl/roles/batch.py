@@ -90,4 +90,8 @@ class NodeOutput:
 
     value: Any
     metrics: dict[str, float] = field(default_factory=dict)
-    tokens: int = 0
+    tokens_in: int = 0
+    """Tokens read: the prompt for generate, prompt + completion for the others."""
+    tokens_out: int = 0
+    """Tokens produced: completions for generate, one number per completion token for
+    reference_logprob and value, 0 for the rest."""

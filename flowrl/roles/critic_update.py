@@ -71,7 +71,7 @@ def run_critic_update(
     return NodeOutput(
         value=None,
         metrics=metrics,
-        tokens=rollout.num_prompt_tokens + rollout.num_completion_tokens,
+        tokens_in=rollout.num_prompt_tokens + rollout.num_completion_tokens,
     )
 
 

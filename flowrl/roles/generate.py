@@ -59,8 +59,9 @@ def run_generate(state: ModelState, prompts: Sequence[Any], node: Any) -> NodeOu
         "response_length/clip_ratio": float((lengths >= node.max_new_tokens).float().mean()),
         "prompt_length/mean": float(attention_mask.sum(dim=1).float().mean()),
     }
-    tokens = rollout.num_prompt_tokens + rollout.num_completion_tokens
-    return NodeOutput(value=rollout, metrics=metrics, tokens=tokens)
+    return NodeOutput(
+        value=rollout, metrics=metrics, tokens_in=rollout.num_prompt_tokens, tokens_out=rollout.num_completion_tokens
+    )
 
 
 def _decode(tokenizer: Any, completion_ids: torch.Tensor, completion_mask: torch.Tensor) -> list[str]:

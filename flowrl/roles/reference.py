@@ -13,4 +13,8 @@ def run_reference_logprob(state: ModelState, rollout: Rollout, micro_batch_size:
     state.module.eval()
     with torch.inference_mode():
         logprobs = completion_logprobs(state.module, rollout, state.device, micro_batch_size)
-    return NodeOutput(value=logprobs.cpu(), tokens=rollout.num_prompt_tokens + rollout.num_completion_tokens)
+    return NodeOutput(
+        value=logprobs.cpu(),
+        tokens_in=rollout.num_prompt_tokens + rollout.num_completion_tokens,
+        tokens_out=rollout.num_completion_tokens,
+    )

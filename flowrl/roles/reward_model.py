@@ -63,5 +63,5 @@ def run_reward_model(
     return NodeOutput(
         value=Scores(values=tensor, num_failed=0),
         metrics=metrics,
-        tokens=rollout.num_prompt_tokens + rollout.num_completion_tokens,
+        tokens_in=rollout.num_prompt_tokens + rollout.num_completion_tokens,
     )

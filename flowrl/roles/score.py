@@ -29,4 +29,4 @@ def run_score(
         "critic/score/min": float(tensor.min()),
         "reward/num_failed": float(num_failed),
     }
-    return NodeOutput(value=Scores(values=tensor, num_failed=num_failed), metrics=metrics, tokens=rollout.num_completion_tokens)
+    return NodeOutput(value=Scores(values=tensor, num_failed=num_failed), metrics=metrics, tokens_in=rollout.num_completion_tokens)

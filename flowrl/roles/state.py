@@ -62,6 +62,23 @@ class ModelState:
     def weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
 
+    def restore(self, saved: dict[str, Any]) -> None:
+        """Take over the parts of another copy's state that ``saved`` holds: ``weights``,
+        ``optimizer`` with ``num_updates``, ``generator``. Used by checkpoint loading and by
+        migration alike, so a moved role and a resumed one continue the same way."""
+        if "weights" in saved:
+            self.load_weights(saved["weights"])
+        if saved.get("optimizer") is not None:
+            if self.optimizer is None:
+                # Hyper-parameters come with the state dict's param_groups.
+                params = [p for p in self.module.parameters() if p.requires_grad]
+                self.optimizer = torch.optim.AdamW(params, foreach=True)
+            self.optimizer.load_state_dict(saved["optimizer"])
+        if "num_updates" in saved:
+            self.num_updates = int(saved["num_updates"])
+        if saved.get("generator") is not None:
+            self.generator.set_state(saved["generator"])
+
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
             own = self.module.state_dict()

@@ -59,7 +59,7 @@ def run_update(
     metrics = {key: value / num_steps for key, value in totals.items()}
     metrics["actor/lr"] = node.lr
     metrics["actor/num_optimizer_steps"] = float(num_steps)
-    return NodeOutput(value=None, metrics=metrics, tokens=rollout.num_prompt_tokens + rollout.num_completion_tokens)
+    return NodeOutput(value=None, metrics=metrics, tokens_in=rollout.num_prompt_tokens + rollout.num_completion_tokens)
 
 
 def _step(

@@ -53,5 +53,6 @@ def run_value(
     return NodeOutput(
         value=values,
         metrics=metrics,
-        tokens=rollout.num_prompt_tokens + rollout.num_completion_tokens,
+        tokens_in=rollout.num_prompt_tokens + rollout.num_completion_tokens,
+        tokens_out=rollout.num_completion_tokens,
     )

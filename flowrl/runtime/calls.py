@@ -43,9 +43,13 @@ class NodeReport:
     role: str
     device: str
     key: str
-    latency_s: float
+    wall_s: float
+    """Arrival on the worker to result stored: waiting for inputs and computing."""
+    compute_s: float
     wait_s: float
-    tokens: int
+    """Waiting for inputs: upstream nodes still running, and fetching from other workers."""
+    tokens_in: int
+    tokens_out: int
     metrics: dict[str, float] = field(default_factory=dict)
 
 

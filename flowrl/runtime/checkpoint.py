@@ -47,14 +47,6 @@ def load_model_state(state: ModelState, directory: Path) -> None:
     weights = (
         scalar_model_weights(directory) if isinstance(state.module, ScalarHeadModel) else load_file(str(weights_file))
     )
-    state.load_weights(weights)
     state_file = directory / STATE_FILE
-    if state_file.exists():
-        saved = torch.load(state_file, weights_only=True)
-        if saved["optimizer"] is not None:
-            optimizer = state.optimizer
-            if optimizer is None:
-                raise CheckpointError(f"'{state.name}' has optimizer state but no optimizer was created yet")
-            optimizer.load_state_dict(saved["optimizer"])
-        state.generator.set_state(saved["generator"])
-        state.num_updates = int(saved["num_updates"])
+    saved = torch.load(state_file, weights_only=True) if state_file.exists() else {}
+    state.restore({**saved, "weights": weights})

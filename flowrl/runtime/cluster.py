@@ -9,6 +9,7 @@ nanny would otherwise kill a worker that merely holds a model.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import warnings
@@ -35,6 +36,8 @@ class WorkerSlot:
     address: str
     host: str
     kind: str = "cpu"
+    cores: tuple[int, ...] | None = None
+    """CPU cores the slot's worker is pinned to; None: not pinned (any core of its host)."""
 
 
 class Cluster:
@@ -44,7 +47,7 @@ class Cluster:
         self._local = local
 
     @classmethod
-    def start_local(cls, num_slots: int, dashboard: bool = False) -> "Cluster":
+    def start_local(cls, num_slots: int, dashboard: bool = False, pin_cpus: bool = False) -> "Cluster":
         register()
         # Worker config travels with the nanny to each worker process. The statistical
         # profiler samples every thread's stack every 10 ms while holding the GIL, which
@@ -82,7 +85,11 @@ class Cluster:
         client = Client(local, direct_to_workers=True)
         client.register_plugin(TorchSerializerPlugin())
         client.register_plugin(IgnoreInterruptPlugin())
-        return cls(client, _slots(client, prefix="cpu-"), local)
+        slots = _slots(client, prefix="cpu-")
+        if pin_cpus:
+            shares = split_cores(sorted(os.sched_getaffinity(0)), len(slots))
+            slots = [replace(slot, cores=share) for slot, share in zip(slots, shares)]
+        return cls(client, slots, local)
 
     @classmethod
     def join(cls, address: str, timeout_s: float = 30.0) -> "Cluster":
@@ -151,6 +158,23 @@ class IgnoreInterruptPlugin(WorkerPlugin):
     def setup(self, worker: Any) -> None:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def split_cores(cores: list[int], num_slots: int) -> list[tuple[int, ...]]:
+    """Consecutive, equal shares of ``cores`` for ``num_slots`` slots (the first ones get
+    one more when they do not divide); every slot gets at least one core."""
+    if num_slots > len(cores):
+        raise ClusterError(
+            f"runtime.pin_cpus: {num_slots} CPU slots cannot each have their own core on "
+            f"{len(cores)} cores. Lower runtime.cpu_slots or set pin_cpus: false."
+        )
+    size, extra = divmod(len(cores), num_slots)
+    shares, start = [], 0
+    for number in range(num_slots):
+        end = start + size + (1 if number < extra else 0)
+        shares.append(tuple(cores[start:end]))
+        start = end
+    return shares
 
 
 def _report_devices() -> dict[str, Any]:

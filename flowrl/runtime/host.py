@@ -26,6 +26,7 @@ import psutil
 import torch
 
 from flowrl.backends.value_model import ScalarHeadModel
+from flowrl.profiler import DeviceSampler
 from flowrl.records import DeviceSample
 from flowrl.rewards import resolve_reward
 from flowrl.roles.advantage import run_advantage
@@ -46,8 +47,19 @@ from flowrl.runtime.serialization import register
 
 
 class RoleHost:
-    def __init__(self, device_name: str, device: str, torch_threads: int, seed: int, base_dir: str | None) -> None:
+    def __init__(
+        self,
+        device_name: str,
+        device: str,
+        torch_threads: int,
+        seed: int,
+        base_dir: str | None,
+        cores: tuple[int, ...] | None = None,
+        sample_interval_s: float = 0.5,
+    ) -> None:
         register()
+        if cores:
+            _pin_process(cores)
         from transformers.utils import logging as hf_logging
 
         # Shard progress bars and info logs from workers only clutter the driver's view.
@@ -62,10 +74,9 @@ class RoleHost:
         self.store: dict[str, Any] = {}
         self._ready: dict[str, asyncio.Event] = {}
         self._rewards: dict[str, Callable[..., list[float]]] = {}
-        self._process = psutil.Process(os.getpid())
-        self._process.cpu_percent(None)
-        self._torch_threads = max(1, torch_threads)
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flowrl-compute")
+        usable = len(cores) if cores else (os.cpu_count() or 1)
+        self._sampler = DeviceSampler(device_name, min(max(1, torch_threads), usable), sample_interval_s)
 
     # ---- models -------------------------------------------------------------------
     def load_model(self, name: str, spec: Any, seed: int) -> dict[str, Any]:
@@ -85,6 +96,43 @@ class RoleHost:
 
     def receive_weights(self, model: str, weights: dict[str, torch.Tensor]) -> None:
         self.models[model].load_weights(weights)
+
+    # ---- migration ----------------------------------------------------------------
+    def export_state(self, model: str, parts: tuple[str, ...]) -> dict[str, Any]:
+        """Parts of a model's state for another host: ``weights``, ``optimizer`` (with the
+        update count) and ``generator`` (the sampling RNG)."""
+        state = self.models[model]
+        exported: dict[str, Any] = {}
+        if "weights" in parts:
+            exported["weights"] = state.weights()
+        if "optimizer" in parts:
+            exported["optimizer"] = state.optimizer.state_dict() if state.optimizer is not None else None
+            exported["num_updates"] = state.num_updates
+        if "generator" in parts:
+            exported["generator"] = state.generator.get_state()
+        return exported
+
+    async def adopt_model(self, name: str, spec: Any, seed: int, sources: tuple[tuple[Any, tuple[str, ...]], ...]) -> dict[str, float]:
+        """Take over (part of) a model's state from other hosts: load the model here if this
+        host lacks it, then pull each listed part straight from the host that has it.
+
+        Async, so that two hosts adopting from each other (a swap) never wait on each other:
+        the pulls are awaited on the event loop, the loading runs on the compute thread.
+        """
+        started = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        if name not in self.models:
+            await loop.run_in_executor(self._compute, self.load_model, name, spec, seed)
+        num_bytes = 0
+        for source, parts in sources:
+            exported = await source.export_state(name, parts)
+            num_bytes += _state_bytes(exported)
+            await loop.run_in_executor(self._compute, self.models[name].restore, exported)
+        return {"seconds": time.perf_counter() - started, "bytes": float(num_bytes)}
+
+    def drop_model(self, name: str) -> None:
+        """Forget a model whose nodes all moved away (its memory goes back to the worker)."""
+        self.models.pop(name, None)
 
     # ---- node calls ---------------------------------------------------------------
     async def run_node(self, call: NodeCall) -> NodeReport:
@@ -112,9 +160,11 @@ class RoleHost:
             role=call.role,
             device=self.device_name,
             key=key,
-            latency_s=compute_s,
+            wall_s=time.perf_counter() - arrived,
+            compute_s=compute_s,
             wait_s=waited_s,
-            tokens=output.tokens,
+            tokens_in=output.tokens_in,
+            tokens_out=output.tokens_out,
             metrics=output.metrics,
         )
 
@@ -171,7 +221,6 @@ class RoleHost:
         output = run_update(state, rollout, advantages, ref, call.spec, self.seed)
         output.metrics.update(self._push_weights(call.model, call.weight_peers))
         return output
-        raise ValueError(f"role {call.role!r} cannot run on a host")
 
     def _push_weights(self, model: str, peers: tuple[Any, ...]) -> dict[str, float]:
         """Send updated weights straight to the other workers that generate with them."""
@@ -210,10 +259,9 @@ class RoleHost:
 
     # ---- measuring ----------------------------------------------------------------
     def sample_device(self) -> DeviceSample:
-        busy = self._process.cpu_percent(None) / (100.0 * self._torch_threads)
-        rss_gb = self._process.memory_info().rss / 1e9
-        total_gb = psutil.virtual_memory().total / 1e9
-        return DeviceSample(self.device_name, "cpu", min(busy, 1.0), rss_gb, total_gb)
+        """Mean utilisation and peak memory since the previous call (the sampler's thread
+        samples every ``sample_interval_s``)."""
+        return self._sampler.read()
 
     # ---- checkpoints --------------------------------------------------------------
     def save_models(self, directory: str, names: list[str], with_state: bool) -> None:
@@ -234,6 +282,33 @@ class _Failed:
 
     def __init__(self, message: str) -> None:
         self.message = message
+
+
+def _pin_process(cores: tuple[int, ...]) -> None:
+    """Run every thread of this worker on ``cores`` only; threads started later inherit it.
+
+    A CPU device slot is then a real share of the machine: another process busy on those
+    cores slows this slot and not its neighbours, which is what the scheduler measures.
+    """
+    for thread in psutil.Process(os.getpid()).threads():
+        try:
+            os.sched_setaffinity(thread.id, cores)
+        except OSError:  # a thread that ended meanwhile
+            continue
+
+
+def _state_bytes(exported: dict[str, Any]) -> int:
+    total = 0
+    stack: list[Any] = [exported]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            total += item.numel() * item.element_size()
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return total
 
 
 def _inputs_by_role(call: NodeCall, inputs: dict[str, Any]) -> dict[str, list[Any]]:

@@ -1,11 +1,14 @@
 """The live side of a run: hosts on workers, their models, and one call per node.
 
-A ``Session`` executes a ``Plan``; it does not decide one.
+A ``Session`` executes a ``Plan``; it does not decide one. When the scheduler accepts a
+new plan, ``apply_plan`` carries it out between two steps (see ``migration.py``).
 """
 
 from __future__ import annotations
 
 import os
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -13,9 +16,21 @@ from flowrl.graph import PipelineGraph
 from flowrl.planner.placement import Plan
 from flowrl.records import DeviceSample
 from flowrl.runtime.calls import NodeReport
-from flowrl.runtime.cluster import Cluster
+from flowrl.runtime.cluster import Cluster, WorkerSlot
 from flowrl.runtime.executor import StepExecutor
 from flowrl.runtime.host import RoleHost
+from flowrl.runtime.migration import Transfer, plan_transfers
+
+
+@dataclass(frozen=True)
+class MigrationResult:
+    """What carrying out a new plan cost."""
+
+    seconds: float
+    """Driver wall time from the first transfer to the new executor being ready."""
+    num_bytes: float
+    """State bytes sent worker to worker."""
+    transfers: tuple[Transfer, ...]
 
 
 class Session:
@@ -23,31 +38,41 @@ class Session:
         self.cluster = cluster
         self.pipeline = pipeline
         self.plan = plan
-        runtime = pipeline.spec.runtime
-        slots_in_use = sorted(set(plan.node_slots.values()))
-        by_name = {slot.name: slot for slot in cluster.slots}
-        # Nodes of one step mostly run one after another (rollout -> ref -> update), so each
-        # worker may use every core of its host; measured on 2 cores: 0.105 s/step with one
-        # thread per worker, 0.085 s with two.
-        threads = runtime.torch_threads or max(1, os.cpu_count() or 1)
-        seed = pipeline.spec.trainer.seed
-        futures = {
-            name: cluster.client.submit(
+        self.base_dir = base_dir
+        self._slots: dict[str, WorkerSlot] = {slot.name: slot for slot in cluster.slots}
+        self.hosts: dict[str, Any] = {}
+        self._ensure_hosts(sorted(set(plan.node_slots.values())))
+        self.executor = StepExecutor(pipeline, plan, self.hosts, pipeline.spec.runtime.node_timeout_s)
+
+    def _ensure_hosts(self, names: list[str]) -> None:
+        """Start a ``RoleHost`` on every slot in ``names`` that has none yet, all at once."""
+        runtime = self.pipeline.spec.runtime
+        seed = self.pipeline.spec.trainer.seed
+        futures = {}
+        for name in names:
+            if name in self.hosts:
+                continue
+            slot = self._slots[name]
+            # Nodes of one step mostly run one after another (rollout -> ref -> update), so each
+            # worker may use every core it has; measured on 2 cores: 0.105 s/step with one
+            # thread per worker, 0.085 s with two.
+            threads = runtime.torch_threads or (len(slot.cores) if slot.cores else max(1, os.cpu_count() or 1))
+            futures[name] = self.cluster.client.submit(
                 RoleHost,
                 name,
                 "cpu",
                 threads,
                 seed,
-                str(base_dir) if base_dir else None,
+                str(self.base_dir) if self.base_dir else None,
+                slot.cores,
+                self.pipeline.spec.profiler.sample_interval_s,
                 actor=True,
-                workers=[by_name[name].worker],
+                workers=[slot.worker],
                 allow_other_workers=False,
                 pure=False,
             )
-            for name in slots_in_use
-        }
-        self.hosts: dict[str, Any] = {name: future.result() for name, future in futures.items()}
-        self.executor = StepExecutor(pipeline, plan, self.hosts, runtime.node_timeout_s)
+        for name, future in futures.items():
+            self.hosts[name] = future.result()
 
     def load_models(self) -> list[dict[str, Any]]:
         """Load every model on every slot that holds it, all slots at once."""
@@ -63,6 +88,37 @@ class Session:
         self, step: int, prompts: Sequence[Any], kl_coefs: dict[str, float] | None = None
     ) -> dict[str, NodeReport]:
         return self.executor.run_step(step, prompts, kl_coefs)
+
+    def apply_plan(self, plan: Plan) -> MigrationResult:
+        """Move roles to ``plan``'s slots: every host that gains a model pulls its state
+        (weights, optimizer, RNG) straight from the host that has it, all hosts at once;
+        then hosts that lost a model drop it. Batches of finished steps are not needed
+        again, so nothing else moves."""
+        started = time.perf_counter()
+        transfers = plan_transfers(self.pipeline, self.plan, plan)
+        self._ensure_hosts(sorted(set(plan.node_slots.values())))
+        seed = self.pipeline.spec.trainer.seed
+        calls = [
+            self.hosts[t.slot].adopt_model(
+                t.model,
+                self.pipeline.spec.models[t.model],
+                seed,
+                tuple((self.hosts[source], parts) for source, parts in t.sources),
+            )
+            for t in transfers
+        ]
+        num_bytes = sum(call.result(timeout=self.executor.node_timeout_s)["bytes"] for call in calls)
+        drops = [
+            self.hosts[slot].drop_model(model)
+            for model, slots in self.plan.model_slots.items()
+            for slot in slots
+            if slot not in plan.model_slots.get(model, [])
+        ]
+        for call in drops:
+            call.result(timeout=60)
+        self.plan = plan
+        self.executor = StepExecutor(self.pipeline, plan, self.hosts, self.executor.node_timeout_s)
+        return MigrationResult(time.perf_counter() - started, num_bytes, tuple(transfers))
 
     def sample_devices(self) -> list[DeviceSample]:
         calls = [host.sample_device() for host in self.hosts.values()]

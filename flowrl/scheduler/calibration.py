@@ -15,7 +15,21 @@ time on any devices, measured there or not, is then predicted as
 (data-parallel: the slowest shard sets the node's time). One ratio per device, not per
 (node, device type): two A100s of which one is throttled must not look alike, and a move
 is judged by the node's time on a device it has never run on, which only a per-device
-speed can predict. Per-node errors of the cost model are folded into the device's ratio.
+speed can predict.
+
+The analytic model errs per node too (on a CPU it may predict generation 3x too slow and a
+reference forward only 1.2x). Folded into the device ratios, such errors would make the
+device that runs generation look fastest, whatever its real speed. So with
+``calibration_steps`` > 0 the first measured steps (after one warm-up step, which pays
+for lazy initialisation) learn a factor per node instead, assuming the devices run at
+their nominal speed then:
+
+    factor(node) = mean over the calibration steps of measured / predicted
+    compute_s(node, devices) = base.compute_s(node, devices) * factor(node) * max ratio(d)
+
+and device ratios are measured against the calibrated prediction from then on: a device
+is slow relative to how it ran at the start. A device that is already slow at the start
+is taken as it is.
 """
 
 from __future__ import annotations
@@ -37,8 +51,18 @@ class DeviceCalibration:
     """Where predictions come from (the planner's ``EstimatedCosts``)."""
     alpha: float = 0.3
     """Weight of the newest step in the moving average (0..1). Default 0.3."""
+    calibration_steps: int = 0
+    """Measured steps (after one warm-up step) that learn per-node factors; 0 = none: the
+    base prediction is taken as right per node. Default 0."""
     ratios: dict[str, float] = field(default_factory=dict)
     """Device id -> measured / predicted time (1.0 until measured)."""
+    node_factors: dict[str, float] = field(default_factory=dict)
+    """Node -> measured / predicted time at the start (1.0 when not calibrated)."""
+    _steps_seen: int = 0
+
+    @property
+    def calibrating(self) -> bool:
+        return self.calibration_steps > 0 and self._steps_seen <= self.calibration_steps
 
     def ratio(self, device_id: str) -> float:
         return self.ratios.get(device_id, 1.0)
@@ -56,14 +80,24 @@ class DeviceCalibration:
         """
         measured: dict[str, float] = {}
         predicted: dict[str, float] = {}
+        calibrating = self.calibrating
+        if calibrating and self._steps_seen == 0:
+            self._steps_seen += 1  # the warm-up step: lazy initialisation, not speed
+            return
         for timing in timings:
             devices = node_devices.get(timing.node)
             if not devices:
                 continue
             expected = self.base.compute_s(timing.node, devices, offloaded.get(timing.node, False))
-            compute = max(0.0, timing.latency_s - timing.wait_s)
-            measured[timing.device] = measured.get(timing.device, 0.0) + compute
-            predicted[timing.device] = predicted.get(timing.device, 0.0) + expected
+            if calibrating and expected > 0:
+                # running mean over the calibration steps
+                old = self.node_factors.get(timing.node, 0.0)
+                self.node_factors[timing.node] = old + (timing.compute_s / expected - old) / self._steps_seen
+                continue
+            measured[timing.device] = measured.get(timing.device, 0.0) + timing.compute_s
+            predicted[timing.device] = predicted.get(timing.device, 0.0) + expected * self.factor(timing.node)
+        if self.calibration_steps:
+            self._steps_seen += 1
         for device_id in sorted(measured):
             if predicted[device_id] <= 0:
                 continue
@@ -74,11 +108,14 @@ class DeviceCalibration:
     def forget(self, device_id: str) -> None:
         self.ratios.pop(device_id, None)
 
+    def factor(self, node: str) -> float:
+        return self.node_factors.get(node, 1.0)
+
     # ---- CostSource ------------------------------------------------------------------
 
     def compute_s(self, node: str, devices: Sequence[Device], offloaded: bool) -> float:
-        factor = max((self.ratio(device.id) for device in devices), default=1.0)
-        return self.base.compute_s(node, devices, offloaded) * factor
+        slowest = max((self.ratio(device.id) for device in devices), default=1.0)
+        return self.base.compute_s(node, devices, offloaded) * self.factor(node) * slowest
 
     def memory(self, node: str, width: int) -> NodeMemory:
         return self.base.memory(node, width)

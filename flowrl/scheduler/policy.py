@@ -89,19 +89,26 @@ class PolicySettings:
     horizon_steps: int | None = None
     """Steps a move's predicted gain is counted over; None = ``every_steps`` (the next
     interval). Longer horizons accept moves that pay back later. Default None."""
+    calibration_steps: int = 0
+    """Measured steps (after a warm-up step) that learn how far the cost model is off per
+    node, before device speeds are judged (``DeviceCalibration``). Real runs need it; the
+    simulator, whose node times are the cost model's, does not. Default 0."""
 
 
-def settings_from_spec(spec: SchedulerSpec, restart_s: float | None = None) -> PolicySettings:
+def settings_from_spec(
+    spec: SchedulerSpec, restart_s: float | None = None, calibration_steps: int = 0
+) -> PolicySettings:
     """Settings from a pipeline's ``scheduler:`` section (fields it lacks keep defaults)."""
     defaults = PolicySettings()
     return PolicySettings(
         every_steps=spec.every_steps,
-        min_gain=float(getattr(spec, "min_gain", defaults.min_gain)),
-        max_moves_per_replan=int(getattr(spec, "max_moves_per_replan", defaults.max_moves_per_replan)),
+        min_gain=spec.min_gain,
+        max_moves_per_replan=spec.max_moves_per_replan,
         restart_s=defaults.restart_s if restart_s is None else restart_s,
         low_util=spec.low_util,
         low_util_window_s=spec.low_util_window_s,
         high_memory=spec.high_memory,
+        calibration_steps=calibration_steps,
     )
 
 
@@ -117,6 +124,8 @@ class SchedulerPolicy(Protocol):
                 devices: Sequence[DeviceSample], step_s: float) -> None: ...
 
     def decide(self, step: int, events: Sequence[DeviceEvent]) -> list[Decision]: ...
+
+    def observe_move(self, predicted_s: float, measured_s: float) -> None: ...
 
 
 def initial_plan(
@@ -146,6 +155,9 @@ class StaticPolicy:
 
     def decide(self, step: int, events: Sequence[DeviceEvent]) -> list[Decision]:
         return []
+
+    def observe_move(self, predicted_s: float, measured_s: float) -> None:
+        return None
 
 
 @dataclass(frozen=True)
@@ -193,7 +205,9 @@ class DynamicPolicy:
         self.num_steps = num_steps
         """Steps in the run; a move near the end counts its gain only up to the end."""
         self.calibration = DeviceCalibration(
-            costs or EstimatedCosts(pipeline, base_dir=base_dir), alpha=self.settings.alpha
+            costs or EstimatedCosts(pipeline, base_dir=base_dir),
+            alpha=self.settings.alpha,
+            calibration_steps=self.settings.calibration_steps,
         )
         self.groups = pipeline_groups(pipeline.spec)
         self._match, self._plan = initial_plan(pipeline, inventory, self.calibration.base)

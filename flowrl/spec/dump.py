@@ -34,7 +34,7 @@ def to_yaml(pipeline: PipelineGraph | PipelineSpec) -> str:
     nodes = {name: _fields(node, leading=_NODE_LEADING) for name, node in spec.nodes.items()}
     lines += _section("nodes", nodes)
     lines.append(f"data: {_flow(_fields(spec.data))}")
-    for section in ("trainer", "scheduler", "runtime"):
+    for section in ("trainer", "scheduler", "runtime", "profiler"):
         fields = _fields(getattr(spec, section))
         if fields:
             lines.append(f"{section}: {_flow(fields)}")

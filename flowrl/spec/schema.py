@@ -315,6 +315,19 @@ class RuntimeSpec(_Strict):
     """Longest one node may run before the step fails, in seconds. Default 600."""
     dashboard: bool = False
     """Serve the Dask dashboard on 127.0.0.1:8787 (local cluster only). Default false."""
+    pin_cpus: bool = False
+    """Pin each local CPU slot's worker to its own equal share of the cores, so that a slot
+    is a fixed part of the machine (another busy process then slows one slot, not all).
+    Default false: every worker may use every core."""
+
+
+class ProfilerSpec(_Strict):
+    """How node calls and devices are measured while running."""
+
+    ewma_window: int = Field(default=10, ge=1)
+    """Steps the smoothed estimates average over (EWMA weight 2 / (window + 1)). Default 10."""
+    sample_interval_s: float = Field(default=0.5, gt=0)
+    """Seconds between two samples of a device's utilisation and memory. Default 0.5."""
 
 
 class PipelineSpec(_Strict):
@@ -336,6 +349,8 @@ class PipelineSpec(_Strict):
     """Re-planning policy. Default SchedulerSpec()."""
     runtime: RuntimeSpec = Field(default_factory=RuntimeSpec)
     """Cluster settings. Default RuntimeSpec()."""
+    profiler: ProfilerSpec = Field(default_factory=ProfilerSpec)
+    """Measuring settings. Default ProfilerSpec()."""
 
 
 SECTION_CLASSES: dict[str, type[BaseModel]] = {
@@ -345,5 +360,6 @@ SECTION_CLASSES: dict[str, type[BaseModel]] = {
     "trainer": TrainerSpec,
     "scheduler": SchedulerSpec,
     "runtime": RuntimeSpec,
+    "profiler": ProfilerSpec,
 }
 """Schema class of each top-level section (for models/devices: of each entry)."""

@@ -168,17 +168,19 @@ class LiveView:
         table.add_column("node", style="bold")
         table.add_column("role")
         table.add_column("device")
-        table.add_column("latency", justify="right")
-        table.add_column("tok/s", justify="right")
+        table.add_column("wall", justify="right")
+        table.add_column("compute", justify="right")
         table.add_column("wait", justify="right")
+        table.add_column("tok/s", justify="right")
         for node in record.nodes:
             table.add_row(
                 node.node,
                 node.role,
                 node.device,
-                format_ms(node.latency_s),
-                f"{node.tokens_per_s:,.0f}",
+                format_ms(node.wall_s),
+                format_ms(node.compute_s),
                 format_ms(node.wait_s),
+                f"{node.tokens_per_s:,.0f}",
             )
         return table
 

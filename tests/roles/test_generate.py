@@ -25,6 +25,7 @@ def test_rollout_is_grouped_by_prompt_and_decodes_its_own_tokens() -> None:
     for row, text in enumerate(rollout.completions):
         kept = [t for t, m in zip(rollout.completion_ids[row].tolist(), rollout.completion_mask[row].tolist()) if m]
         assert tokenizer.decode(kept, skip_special_tokens=True) == text
-    assert output.tokens == int(rollout.prompt_mask.sum() + rollout.completion_mask.sum())
+    assert output.tokens_in == int(rollout.prompt_mask.sum())
+    assert output.tokens_out == int(rollout.completion_mask.sum())
     # tensors leave inference mode, so a training step on the same worker can use them
     assert not rollout.completion_ids.is_inference()

@@ -88,12 +88,11 @@ def policy(restart_s: float, *gpus: Device, **settings: float) -> DynamicPolicy:
 
 def measure(target: DynamicPolicy, ratios: dict[str, float], step: int = 1) -> None:
     """One measured step: every node on device d took ratio(d) x its table time."""
-    timings = [
-        NodeTiming(item.node, item.role, device, TIMES_S[item.node] * ratios.get(device, 1.0),
-                   0.0, 0, 0.0)
-        for item in target.plan.nodes
-        for device in item.devices
-    ]
+    timings = []
+    for item in target.plan.nodes:
+        for device in item.devices:
+            seconds = TIMES_S[item.node] * ratios.get(device, 1.0)
+            timings.append(NodeTiming(item.node, item.role, device, seconds, seconds, 0.0, 0, 0))
     target.observe(step, timings, [], 1.0)
 
 

@@ -50,14 +50,16 @@ def _make_step(
             "perf/throughput": 1520.4,
         },
         nodes=[
-            NodeTiming("gen", "generate", "cpu:0", latency_s=0.031, wait_s=0.002, tokens=384,
-                       tokens_per_s=12387.0),
-            NodeTiming("ref", "reference_logprob", "cpu:1", latency_s=0.009, wait_s=0.004,
-                       tokens=128, tokens_per_s=14222.2),
-            NodeTiming("score", "score", "cpu:0", latency_s=0.001, wait_s=0.0, tokens=128,
-                       tokens_per_s=128000.0),
-            NodeTiming("update", "update", "cpu:0", latency_s=0.040, wait_s=0.0005, tokens=128,
-                       tokens_per_s=3200.0),
+            # tok/s: generated tokens / compute for gen (128 / 0.029 s = 4,414), tokens
+            # read / compute elsewhere (384 / 0.005 = 76,800; 128 / 0.001; 384 / 0.038 = 10,105)
+            NodeTiming("gen", "generate", "cpu:0", wall_s=0.031, compute_s=0.029, wait_s=0.002,
+                       tokens_in=256, tokens_out=128),
+            NodeTiming("ref", "reference_logprob", "cpu:1", wall_s=0.009, compute_s=0.005,
+                       wait_s=0.004, tokens_in=384, tokens_out=128),
+            NodeTiming("score", "score", "cpu:0", wall_s=0.001, compute_s=0.001, wait_s=0.0,
+                       tokens_in=128, tokens_out=0),
+            NodeTiming("update", "update", "cpu:0", wall_s=0.040, compute_s=0.038, wait_s=0.0005,
+                       tokens_in=384, tokens_out=0),
         ],
         devices=[
             DeviceSample("cpu:0", "cpu", utilization=0.75, memory_gb=1.234),

@@ -60,11 +60,11 @@ def test_header_tables_and_eta(
     assert "step 0.084s" in text
     assert "1,520 tok/s" in text
 
-    assert row_cells(text, "node") == ["node", "role", "device", "latency", "tok/s", "wait"]
-    assert row_cells(text, "gen") == ["gen", "generate", "cpu:0", "31ms", "12,387", "2ms"]
-    assert row_cells(text, "ref") == ["ref", "reference_logprob", "cpu:1", "9ms", "14,222", "4ms"]
-    assert row_cells(text, "score") == ["score", "score", "cpu:0", "1ms", "128,000", "0ms"]
-    assert row_cells(text, "update") == ["update", "update", "cpu:0", "40ms", "3,200", "0.5ms"]
+    assert row_cells(text, "node") == ["node", "role", "device", "wall", "compute", "wait", "tok/s"]
+    assert row_cells(text, "gen") == ["gen", "generate", "cpu:0", "31ms", "29ms", "2ms", "4,414"]
+    assert row_cells(text, "ref") == ["ref", "reference_logprob", "cpu:1", "9ms", "5ms", "4ms", "76,800"]
+    assert row_cells(text, "score") == ["score", "score", "cpu:0", "1ms", "1ms", "0ms", "128,000"]
+    assert row_cells(text, "update") == ["update", "update", "cpu:0", "40ms", "38ms", "0.5ms", "10,105"]
 
     assert row_cells(text, "device") == ["device", "kind", "util", "memory"]
     assert row_cells(text, "cpu:0") == ["cpu:0", "cpu", "75%", "1.2", "GB"]

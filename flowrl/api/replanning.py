@@ -1,0 +1,90 @@
+"""Between two steps: measure, let the scheduler decide, carry out what it accepts.
+
+    after step k:   node timings + device samples -> profiler (EWMA, status line)
+                                                  -> policy.observe
+    before step k:  policy.decide -> accepted: runtime plan -> session.apply_plan
+                                   (roles move worker to worker) -> measured move cost
+                                   -> policy.observe_move; every decision is an event
+
+The runtime executes plans and the policy decides them; this module only connects the two
+and tells the user what happened and why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from flowrl.api.metrics import timing_name
+from flowrl.api.outputs import RunFolder
+from flowrl.graph import PipelineGraph
+from flowrl.planner.placement import plan_from_compiled
+from flowrl.profiler import NodeProfile, alpha_for_window
+from flowrl.records import RunEvent, StepRecord
+from flowrl.runtime.session import Session
+from flowrl.scheduler import Decision, SchedulerPolicy
+
+
+class Replanner:
+    def __init__(
+        self,
+        graph: PipelineGraph,
+        policy: SchedulerPolicy,
+        session: Session,
+        folder: RunFolder,
+        emit: Callable[[RunEvent], None],
+    ) -> None:
+        self.graph = graph
+        self.policy = policy
+        self.session = session
+        self.folder = folder
+        self.emit = emit
+        self.slots = [slot.name for slot in session.cluster.slots]
+        self.profile = NodeProfile(alpha_for_window(graph.spec.profiler.ewma_window))
+        self.labels = {node: timing_name(graph, node) for node in graph.topological_order()}
+        self.num_moves = 0
+        self.move_s = 0.0
+
+    def before_step(self, step: int) -> None:
+        for decision in self.policy.decide(step, []):
+            self._carry_out(step, decision)
+
+    def after_step(self, record: StepRecord, step_s: float) -> None:
+        self.profile.observe(record.nodes)
+        self.policy.observe(record.step, record.nodes, record.devices, step_s)
+        every = self.graph.spec.scheduler.every_steps
+        if record.step % every == 0 or record.step == record.num_steps:
+            self.folder.append_smoothed(record.step, list(self.profile.summary().values()))
+            self.emit(RunEvent("status", self.profile.status_line(record.step, self.labels), record.step))
+
+    def _carry_out(self, step: int, decision: Decision) -> None:
+        data = decision.to_dict()
+        triggers = ", ".join(decision.triggers)
+        if not decision.accepted or decision.plan is None:
+            self.emit(RunEvent("replan", f"stays ({triggers}): {decision.reason}", step, data))
+            return
+        for move in decision.moves:
+            self.emit(
+                RunEvent(
+                    "move",
+                    f"moving {move.subject}: {'+'.join(move.from_devices)} -> {'+'.join(move.to_devices)} "
+                    f"({move.why}, predicted gain {decision.gain_share:.0%}/step, move cost {move.cost_s:.2f} s)",
+                    step,
+                )
+            )
+        plan = plan_from_compiled(self.graph, decision.plan, self.slots)
+        result = self.session.apply_plan(plan)
+        self.policy.observe_move(decision.move_cost_s, result.seconds)
+        self.num_moves += len(decision.moves)
+        self.move_s += result.seconds
+        self.folder.write_plan(step, {**decision.plan.to_dict(), "runtime": plan.to_dict(), "decision": data})
+        data = {**data, "measured_move_s": result.seconds, "moved_bytes": result.num_bytes}
+        self.emit(
+            RunEvent(
+                "replan",
+                f"re-planned before step {step} ({triggers}): {decision.reason}; moved in {result.seconds:.2f} s "
+                f"(predicted {decision.move_cost_s:.2f} s, {result.num_bytes / 1e6:.1f} MB worker to worker); "
+                f"predicted step {decision.predicted_before_s * 1e3:.0f} -> {decision.predicted_after_s * 1e3:.0f} ms",
+                step,
+                data,
+            )
+        )
