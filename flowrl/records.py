@@ -48,6 +48,9 @@ class DeviceSample:
     memory_gb: float
     """Memory in use: GPU memory, or the worker process's resident set on CPU."""
     memory_total_gb: float | None = None
+    external_load: float | None = None
+    """Share (0..1) of the slot's cores kept busy by other processes over the same span
+    (CPU slots); None where it is not measured (GPUs, the simulator)."""
 
 
 @dataclass(frozen=True)

@@ -62,12 +62,18 @@ def plan_from_compiled(pipeline: PipelineGraph, compiled: CompiledPlan, slots: l
             )
         node_slots[node.node] = node.devices[0]
         reasons.append(f"{node.node} -> {node.devices[0]}: {node.reason}")
+    return plan_for(pipeline, node_slots, compiled.step, reasons)
+
+
+def plan_for(pipeline: PipelineGraph, node_slots: dict[str, str], step: int = 0, reasons: list[str] | None = None) -> Plan:
+    """The plan that runs each node on its slot in ``node_slots``; groups and model copies
+    follow from it."""
     group_slots: dict[str, list[str]] = {}
     for node, slot in node_slots.items():
         group = _node_group(pipeline, node)
         if group is not None and slot not in group_slots.setdefault(group, []):
             group_slots[group].append(slot)
-    return Plan(compiled.step, group_slots, _model_slots(pipeline, node_slots), node_slots, reasons)
+    return Plan(step, group_slots, _model_slots(pipeline, node_slots), dict(node_slots), list(reasons or []))
 
 
 def _model_slots(pipeline: PipelineGraph, node_slots: dict[str, str]) -> dict[str, list[str]]:

@@ -33,7 +33,10 @@ class DeviceSampler:
         self._span_s = 0.0
         self._peak_gb = 0.0
         self._total_gb = 0.0
+        self._core_ids = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
         self._last_cpu_s = self._cpu_s()
+        self._last_busy_s = self._cores_busy_s()
+        self._external_s = 0.0
         self._last_at = time.perf_counter()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"flowrl-sampler-{device_name}", daemon=True)
@@ -43,24 +46,41 @@ class DeviceSampler:
         times = self._process.cpu_times()
         return times.user + times.system
 
+    def _cores_busy_s(self) -> float:
+        """CPU seconds spent busy, by any process, on the cores this worker may use."""
+        per_cpu = psutil.cpu_times(percpu=True)
+        ids = self._core_ids if self._core_ids is not None else range(len(per_cpu))
+        busy = 0.0
+        for index in ids:
+            if index < len(per_cpu):
+                times = per_cpu[index]
+                busy += sum(times) - times.idle - getattr(times, "iowait", 0.0)
+        return busy
+
     def sample(self) -> None:
         """Take one sample now (the thread calls this every ``interval_s``)."""
         now = time.perf_counter()
         elapsed = now - self._last_at
         if elapsed < MIN_SPAN_S:
             return  # too short to say anything; the next sample covers it
+        external = 0.0
         if self._gpu is not None:
             utilization, used_gb, total_gb = self._gpu.read()
         else:
-            cpu_s = self._cpu_s()
+            cpu_s, busy_s = self._cpu_s(), self._cores_busy_s()
             utilization = min(1.0, (cpu_s - self._last_cpu_s) / (elapsed * self._cores))
-            self._last_cpu_s = cpu_s
+            # What others ran on these cores: all busy time there minus this worker's own.
+            cores = len(self._core_ids) if self._core_ids is not None else (os.cpu_count() or 1)
+            others = (busy_s - self._last_busy_s) - (cpu_s - self._last_cpu_s)
+            external = min(1.0, max(0.0, others / (elapsed * cores)))
+            self._last_cpu_s, self._last_busy_s = cpu_s, busy_s
             used_gb = self._process.memory_info().rss / 1e9
             total_gb = psutil.virtual_memory().total / 1e9
         self._last_at = now
         with self._lock:
             # Weighted by the time each sample covers, so a short one does not count as much.
             self._busy_s += utilization * elapsed
+            self._external_s += external * elapsed
             self._span_s += elapsed
             self._peak_gb = max(self._peak_gb, used_gb)
             self._total_gb = total_gb
@@ -73,11 +93,14 @@ class DeviceSampler:
         """Mean utilisation and peak memory since the previous read."""
         self.sample()
         with self._lock:
-            utilization = self._busy_s / self._span_s if self._span_s > 0 else 0.0
+            span = self._span_s
+            utilization = self._busy_s / span if span > 0 else 0.0
+            external = self._external_s / span if span > 0 else 0.0
             peak, total = self._peak_gb, self._total_gb
-            self._busy_s, self._span_s, self._peak_gb = 0.0, 0.0, 0.0
-        kind = "gpu" if self._gpu is not None else "cpu"
-        return DeviceSample(self.device_name, kind, utilization, peak, total)
+            self._busy_s, self._external_s, self._span_s, self._peak_gb = 0.0, 0.0, 0.0, 0.0
+        if self._gpu is not None:
+            return DeviceSample(self.device_name, "gpu", utilization, peak, total)
+        return DeviceSample(self.device_name, "cpu", utilization, peak, total, external)
 
     def close(self) -> None:
         self._stop.set()

@@ -101,9 +101,21 @@ class DeviceCalibration:
         for device_id in sorted(measured):
             if predicted[device_id] <= 0:
                 continue
-            now = measured[device_id] / predicted[device_id]
-            old = self.ratios.get(device_id)
-            self.ratios[device_id] = now if old is None else old + self.alpha * (now - old)
+            self._blend(device_id, measured[device_id] / predicted[device_id])
+
+    def observe_idle(self, device_id: str, expected_ratio: float) -> None:
+        """A device that ran nothing this step: its ratio drifts towards what its load from
+        other processes predicts (on a CPU core shared with one busy process, a node gets
+        half the core: ratio 1 + load). Otherwise a device left because it was slow would
+        look slow for ever, and never get its work back once it recovers."""
+        if not self.calibrating:
+            self._blend(device_id, expected_ratio)
+
+    def _blend(self, device_id: str, now: float) -> None:
+        # After calibration a device starts at its nominal speed (1.0), so that one noisy
+        # step moves it by alpha only; without calibration the first measurement is taken.
+        old = self.ratios.get(device_id, 1.0 if self.calibration_steps else None)
+        self.ratios[device_id] = now if old is None else old + self.alpha * (now - old)
 
     def forget(self, device_id: str) -> None:
         self.ratios.pop(device_id, None)

@@ -239,6 +239,8 @@ class DynamicPolicy:
         used = {d for item in self._plan.nodes for d in item.devices}
         for sample in devices:
             if sample.device not in used:
+                if sample.external_load is not None:
+                    self.calibration.observe_idle(sample.device, 1.0 + sample.external_load)
                 continue
             if sample.utilization < settings.low_util:
                 total = flags.low_util_s.get(sample.device, 0.0) + step_s
