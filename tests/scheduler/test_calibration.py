@@ -1,0 +1,93 @@
+"""Per-node calibration, per-device speed and idle devices: numbers worked out by hand.
+
+The base model predicts rollout 1 s and train 1 s on any device. On the "real" machine the
+rollout takes 0.3 s and the train 0.9 s: the model is off per node, not per device.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from flowrl.records import NodeTiming
+from flowrl.scheduler import DynamicPolicy, PolicySettings
+from flowrl.scheduler.calibration import DeviceCalibration
+from tests.scheduler.test_policy import PIPELINE, TIMES_S, TableCosts, gpu, inventory
+
+REAL_S = {"rollout": 0.3, "reward": 0.0, "adv": 0.0, "train": 0.9}
+
+
+def timings(node_devices: dict[str, str], slowdown: dict[str, float]) -> list[NodeTiming]:
+    out = []
+    for node, device in node_devices.items():
+        seconds = REAL_S[node] * slowdown.get(device, 1.0)
+        out.append(NodeTiming(node, "x", device, seconds, seconds, 0.0, 0, 0))
+    return out
+
+
+ACTOR_ON_0 = {"rollout": "gpu-0", "train": "gpu-0"}
+DEVICES = {"rollout": [gpu(0)], "train": [gpu(0)]}
+
+
+def calibrated(steps: int = 2) -> DeviceCalibration:
+    calibration = DeviceCalibration(TableCosts(), alpha=0.5, calibration_steps=steps)
+    # warm-up step: whatever it measures (here 10x) is ignored
+    calibration.observe_step(timings(ACTOR_ON_0, {"gpu-0": 10.0}), DEVICES, {})
+    calibration.observe_step(timings(ACTOR_ON_0, {}), DEVICES, {})
+    calibration.observe_step(timings(ACTOR_ON_0, {"gpu-0": 1.2}), DEVICES, {})
+    return calibration
+
+
+def test_calibration_steps_learn_a_factor_per_node_and_leave_device_speeds_alone() -> None:
+    calibration = calibrated()
+    # mean of 0.3 and 0.36 over a predicted 1 s; mean of 0.9 and 1.08
+    assert calibration.node_factors == {"rollout": pytest.approx(0.33), "train": pytest.approx(0.99)}
+    assert calibration.ratios == {}
+    assert not calibration.calibrating
+    assert calibration.compute_s("rollout", [gpu(1)], False) == pytest.approx(0.33)
+
+
+def test_after_calibration_a_device_starts_at_nominal_speed_and_moves_by_alpha() -> None:
+    calibration = calibrated()
+    # twice as slow: measured 0.6 + 1.8 = 2.4 s against 0.33 + 0.99 = 1.32 s calibrated
+    calibration.observe_step(timings(ACTOR_ON_0, {"gpu-0": 2.0}), DEVICES, {})
+    now = 2.4 / 1.32
+    assert calibration.ratio("gpu-0") == pytest.approx(1.0 + 0.5 * (now - 1.0))
+    # the node's time on the slow device: base 1 s x factor 0.33 x ratio
+    assert calibration.compute_s("rollout", [gpu(0)], False) == pytest.approx(0.33 * calibration.ratio("gpu-0"))
+    assert calibration.compute_s("rollout", [gpu(1)], False) == pytest.approx(0.33)
+
+
+def test_an_idle_device_drifts_towards_what_its_external_load_predicts() -> None:
+    calibration = calibrated()
+    calibration.ratios["gpu-0"] = 2.0
+    calibration.observe_idle("gpu-0", 1.0)  # the other process is gone
+    assert calibration.ratio("gpu-0") == pytest.approx(1.5)
+    calibration.observe_idle("gpu-1", 1.8)  # never measured: starts from nominal
+    assert calibration.ratio("gpu-1") == pytest.approx(1.4)
+
+
+def test_without_calibration_the_first_measurement_is_taken_as_it_is() -> None:
+    calibration = DeviceCalibration(TableCosts(), alpha=0.5)
+    calibration.observe_step(timings(ACTOR_ON_0, {}), DEVICES, {})
+    assert calibration.ratio("gpu-0") == pytest.approx((0.3 + 0.9) / 2.0)
+    assert calibration.node_factors == {}
+
+
+def run_policy(slowdown_from_step_4: dict[str, float], steps: int = 12) -> DynamicPolicy:
+    settings = PolicySettings(every_steps=5, min_gain=0.1, restart_s=0.1, alpha=0.5, calibration_steps=2)
+    target = DynamicPolicy(PIPELINE, inventory(gpu(0), gpu(1)), settings, TableCosts())
+    for step in range(1, steps + 1):
+        target.decide(step, [])
+        placed = {item.node: item.devices[0] for item in target.plan.nodes if item.node in REAL_S and TIMES_S[item.node]}
+        target.observe(step, timings(placed, slowdown_from_step_4 if step >= 4 else {}), [], 1.0)
+    return target
+
+
+def test_per_node_model_errors_alone_move_nothing() -> None:
+    target = run_policy({})
+    assert next(item.devices for item in target.plan.nodes if item.node == "rollout") == ["gpu-0"]
+
+
+def test_a_device_that_slows_after_calibration_loses_the_actor() -> None:
+    target = run_policy({"gpu-0": 2.0})
+    assert next(item.devices for item in target.plan.nodes if item.node == "rollout") == ["gpu-1"]
