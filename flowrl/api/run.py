@@ -35,7 +35,7 @@ from flowrl.runtime.session import Session
 from flowrl.scheduler import make_policy, settings_from_spec
 from flowrl.spec.dump import to_yaml
 
-CALIBRATION_STEPS = 2
+CALIBRATION_STEPS = 4
 """Steps after the first that learn how far the cost model is off per node, before device
 speeds are judged (see ``flowrl.scheduler.calibration``)."""
 SUPPORTED_ROLES = ("generate", "score", "reference_logprob", "value", "advantage", "update")
@@ -223,6 +223,11 @@ def check_runnable(graph: PipelineGraph) -> None:
     for name, node in graph.spec.nodes.items():
         if node.role not in SUPPORTED_ROLES:
             problems.append(f"nodes.{name}.role: '{node.role}' nodes cannot run yet (runnable: {', '.join(SUPPORTED_ROLES)})")
+    for name, group in graph.spec.devices.items():
+        if (group.count or group.min_count or 1) > 1:
+            problems.append(f"devices.{name}.count: a group of several devices (data-parallel) cannot run yet; set count: 1")
+        if group.type == "gpu":
+            problems.append(f"devices.{name}.type: GPU workers are not started in this version; set type: cpu")
     if problems:
         raise FlowrlError("this pipeline is valid but cannot run in this version:\n" + "\n".join(f"  {p}" for p in problems))
 

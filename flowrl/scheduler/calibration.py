@@ -24,7 +24,7 @@ device that runs generation look fastest, whatever its real speed. So with
 for lazy initialisation) learn a factor per node instead, assuming the devices run at
 their nominal speed then:
 
-    factor(node) = mean over the calibration steps of measured / predicted
+    factor(node) = median over the calibration steps of measured / predicted
     compute_s(node, devices) = base.compute_s(node, devices) * factor(node) * max ratio(d)
 
 and device ratios are measured against the calibrated prediction from then on: a device
@@ -34,6 +34,7 @@ is taken as it is.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -59,6 +60,7 @@ class DeviceCalibration:
     node_factors: dict[str, float] = field(default_factory=dict)
     """Node -> measured / predicted time at the start (1.0 when not calibrated)."""
     _steps_seen: int = 0
+    _samples: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def calibrating(self) -> bool:
@@ -90,9 +92,11 @@ class DeviceCalibration:
                 continue
             expected = self.base.compute_s(timing.node, devices, offloaded.get(timing.node, False))
             if calibrating and expected > 0:
-                # running mean over the calibration steps
-                old = self.node_factors.get(timing.node, 0.0)
-                self.node_factors[timing.node] = old + (timing.compute_s / expected - old) / self._steps_seen
+                # the median: one step disturbed by something else on the machine must not
+                # set the baseline every later step is judged against
+                samples = self._samples.setdefault(timing.node, [])
+                samples.append(timing.compute_s / expected)
+                self.node_factors[timing.node] = statistics.median(samples)
                 continue
             measured[timing.device] = measured.get(timing.device, 0.0) + timing.compute_s
             predicted[timing.device] = predicted.get(timing.device, 0.0) + expected * self.factor(timing.node)

@@ -39,7 +39,7 @@ def calibrated(steps: int = 2) -> DeviceCalibration:
 
 def test_calibration_steps_learn_a_factor_per_node_and_leave_device_speeds_alone() -> None:
     calibration = calibrated()
-    # mean of 0.3 and 0.36 over a predicted 1 s; mean of 0.9 and 1.08
+    # median (of two: the mean) of 0.3 and 0.36 over a predicted 1 s; of 0.9 and 1.08
     assert calibration.node_factors == {"rollout": pytest.approx(0.33), "train": pytest.approx(0.99)}
     assert calibration.ratios == {}
     assert not calibration.calibrating
@@ -91,3 +91,10 @@ def test_per_node_model_errors_alone_move_nothing() -> None:
 def test_a_device_that_slows_after_calibration_loses_the_actor() -> None:
     target = run_policy({"gpu-0": 2.0})
     assert next(item.devices for item in target.plan.nodes if item.node == "rollout") == ["gpu-1"]
+
+
+def test_one_disturbed_calibration_step_does_not_set_the_baseline() -> None:
+    calibration = DeviceCalibration(TableCosts(), alpha=0.5, calibration_steps=3)
+    for slowdown in (10.0, 1.0, 3.0, 1.0):  # warm-up, then one step 3x slower
+        calibration.observe_step(timings(ACTOR_ON_0, {"gpu-0": slowdown}), DEVICES, {})
+    assert calibration.node_factors == {"rollout": pytest.approx(0.3), "train": pytest.approx(0.9)}

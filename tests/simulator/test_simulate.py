@@ -28,9 +28,19 @@ def setup():  # type: ignore[no-untyped-def]
 def test_every_shipped_scenario_resolves_on_the_mixed_inventory(setup) -> None:  # type: ignore[no-untyped-def]
     _, inventory = setup
     names = sorted(path.stem for path in SHIPPED_DIR.glob("*.yaml"))
-    assert names == ["device_added", "device_lost", "steady", "throttle"]
+    assert names == ["device_added", "device_lost", "steady", "throttle", "unbalanced"]
     for name in names:
         assert load_scenario(name, inventory).name == name
+
+
+def test_unbalanced_from_the_start_dynamic_finds_the_slow_card_and_leaves_it(setup) -> None:  # type: ignore[no-untyped-def]
+    pipeline, inventory = setup
+    scenario = load_scenario("unbalanced", inventory)
+    results = compare_policies(pipeline, inventory, scenario, ["static", "dynamic"], 60)
+    slow = scenario.events[0].device.id
+    assert slow in {d for item in results["static"].last_plan.nodes for d in item.devices}
+    assert slow not in {d for item in results["dynamic"].last_plan.nodes for d in item.devices}
+    assert results["dynamic"].mean_step_s_from(20) < results["static"].mean_step_s_from(20)
 
 
 def test_throttle_dynamic_is_faster_than_static_after_the_throttle(setup) -> None:  # type: ignore[no-untyped-def]
