@@ -32,22 +32,25 @@ def step_metrics(
     for name, report in reports.items():
         for key, value in report.metrics.items():
             metrics[key] = value
+        parts = (report, *report.shards)
         key = f"timing_s/{timing_name(graph, name)}"
-        metrics[key] = metrics.get(key, 0.0) + report.compute_s
+        # a node split over devices takes as long as its slowest part
+        metrics[key] = metrics.get(key, 0.0) + max(part.compute_s for part in parts)
         if report.role == "generate":
             generated_tokens += report.tokens_in + report.tokens_out
-        nodes.append(
-            NodeTiming(
-                name,
-                report.role,
-                report.device,
-                report.wall_s,
-                report.compute_s,
-                report.wait_s,
-                report.tokens_in,
-                report.tokens_out,
+        for part in parts:
+            nodes.append(
+                NodeTiming(
+                    name,
+                    part.role,
+                    part.device,
+                    part.wall_s,
+                    part.compute_s,
+                    part.wait_s,
+                    part.tokens_in,
+                    part.tokens_out,
+                )
             )
-        )
     metrics["timing_s/step"] = step_s
     # verl's perf/throughput: prompt + response tokens per second per device.
     metrics["perf/throughput"] = generated_tokens / step_s / max(1, num_devices)

@@ -20,7 +20,7 @@ from flowrl.api.outputs import RunFolder
 from flowrl.api.replanning import Replanner
 from flowrl.backends.hf import resolve_model_path
 from flowrl.data import PromptSource
-from flowrl.devices.groups import offload_notes, pipeline_groups
+from flowrl.devices.groups import model_group, offload_notes, pipeline_groups
 from flowrl.devices.matching import match_groups
 from flowrl.devices.report import inventory_lines, match_lines
 from flowrl.errors import FlowrlError
@@ -34,6 +34,7 @@ from flowrl.runtime.cluster import Cluster
 from flowrl.runtime.session import Session
 from flowrl.scheduler import make_policy, settings_from_spec
 from flowrl.spec.dump import to_yaml
+from flowrl.spec.schema import SHARDABLE_ROLES
 
 CALIBRATION_STEPS = 4
 """Steps after the first that learn how far the cost model is off per node, before device
@@ -224,8 +225,17 @@ def check_runnable(graph: PipelineGraph) -> None:
         if node.role not in SUPPORTED_ROLES:
             problems.append(f"nodes.{name}.role: '{node.role}' nodes cannot run yet (runnable: {', '.join(SUPPORTED_ROLES)})")
     for name, group in graph.spec.devices.items():
-        if (group.count or group.min_count or 1) > 1:
-            problems.append(f"devices.{name}.count: a group of several devices (data-parallel) cannot run yet; set count: 1")
+        unsplittable = sorted(
+            node
+            for node, spec in graph.spec.nodes.items()
+            if (spec.device_group or (model_group(graph, spec.model) if spec.model else None)) == name
+            and spec.role not in SHARDABLE_ROLES
+        )
+        if (group.count or group.min_count or 1) > 1 and unsplittable:
+            problems.append(
+                f"devices.{name}.count: several devices can split only {', '.join(SHARDABLE_ROLES)} nodes in "
+                f"this version, and this group runs {', '.join(unsplittable)}; set count: 1"
+            )
         if group.type == "gpu":
             problems.append(f"devices.{name}.type: GPU workers are not started in this version; set type: cpu")
     if problems:

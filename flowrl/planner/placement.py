@@ -13,6 +13,7 @@ from flowrl.devices.groups import model_group
 from flowrl.errors import PlacementError
 from flowrl.graph import PipelineGraph
 from flowrl.planner.compiled import CompiledPlan
+from flowrl.spec.schema import SHARDABLE_ROLES
 
 
 @dataclass(frozen=True)
@@ -25,9 +26,17 @@ class Plan:
     model_slots: dict[str, list[str]]
     """Model -> the slots that hold a copy (every slot where one of its nodes runs)."""
     node_slots: dict[str, str]
-    """Node -> the slot that runs it."""
+    """Node -> the slot that runs it (a split node: the slot of its first shard, which
+    joins the parts and serves the result)."""
     reasons: list[str] = field(default_factory=list)
     """One line per decision."""
+    node_shards: dict[str, list[str]] = field(default_factory=dict)
+    """Nodes split by rows over several slots (data-parallel inference) -> those slots, in
+    shard order."""
+
+    def slots_of(self, node: str) -> list[str]:
+        """Every slot that runs a part of ``node``."""
+        return self.node_shards.get(node) or [self.node_slots[node]]
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -41,18 +50,22 @@ class Plan:
 def plan_from_compiled(pipeline: PipelineGraph, compiled: CompiledPlan, slots: list[str]) -> Plan:
     """The runtime's placement from the planner's: every node on its one device.
 
-    The runtime runs each node on one worker; a node planned over several devices belongs
-    to a multi-device group, which is refused with the fix rather than silently narrowed.
+    A score, reference_logprob or value node planned over several devices is split by rows
+    over their workers. Generate and update nodes run on one worker in this version: one
+    planned over several devices is refused with the fix rather than silently narrowed.
     """
     node_slots: dict[str, str] = {}
+    node_shards: dict[str, list[str]] = {}
     reasons: list[str] = []
     for node in compiled.nodes:
         if len(node.devices) > 1:
-            group = _node_group(pipeline, node.node) or node.node
-            raise PlacementError(
-                f"devices.{group}: node '{node.node}' is planned over {len(node.devices)} devices; "
-                "data-parallel device groups are not available in this version. Set `count: 1`."
-            )
+            if pipeline.spec.nodes[node.node].role not in SHARDABLE_ROLES:
+                group = _node_group(pipeline, node.node) or node.node
+                raise PlacementError(
+                    f"devices.{group}: node '{node.node}' is planned over {len(node.devices)} devices; "
+                    "data-parallel training and generation are not available in this version. Set `count: 1`."
+                )
+            node_shards[node.node] = list(node.devices)
         missing = [device for device in node.devices if device not in slots]
         if missing:
             raise PlacementError(
@@ -61,28 +74,33 @@ def plan_from_compiled(pipeline: PipelineGraph, compiled: CompiledPlan, slots: l
                 "set `type: cpu` for its device group."
             )
         node_slots[node.node] = node.devices[0]
-        reasons.append(f"{node.node} -> {node.devices[0]}: {node.reason}")
-    return plan_for(pipeline, node_slots, compiled.step, reasons)
+        reasons.append(f"{node.node} -> {', '.join(node.devices)}: {node.reason}")
+    return plan_for(pipeline, node_slots, compiled.step, reasons, node_shards)
 
 
-def plan_for(pipeline: PipelineGraph, node_slots: dict[str, str], step: int = 0, reasons: list[str] | None = None) -> Plan:
-    """The plan that runs each node on its slot in ``node_slots``; groups and model copies
-    follow from it."""
+def plan_for(
+    pipeline: PipelineGraph,
+    node_slots: dict[str, str],
+    step: int = 0,
+    reasons: list[str] | None = None,
+    node_shards: dict[str, list[str]] | None = None,
+) -> Plan:
+    """The plan that runs each node on its slot in ``node_slots`` (and each split node on
+    its ``node_shards``); groups and model copies follow from it."""
+    shards = {node: list(slots) for node, slots in (node_shards or {}).items() if len(slots) > 1}
+    node_slots = {**node_slots, **{node: slots[0] for node, slots in shards.items()}}
+    every = {node: shards.get(node, [slot]) for node, slot in node_slots.items()}
     group_slots: dict[str, list[str]] = {}
-    for node, slot in node_slots.items():
-        group = _node_group(pipeline, node)
-        if group is not None and slot not in group_slots.setdefault(group, []):
-            group_slots[group].append(slot)
-    return Plan(step, group_slots, _model_slots(pipeline, node_slots), dict(node_slots), list(reasons or []))
-
-
-def _model_slots(pipeline: PipelineGraph, node_slots: dict[str, str]) -> dict[str, list[str]]:
     model_slots: dict[str, list[str]] = {}
-    for node, slot in node_slots.items():
+    for node, slots in every.items():
+        group = _node_group(pipeline, node)
         model = pipeline.spec.nodes[node].model
-        if model is not None and slot not in model_slots.setdefault(model, []):
-            model_slots[model].append(slot)
-    return model_slots
+        for slot in slots:
+            if group is not None and slot not in group_slots.setdefault(group, []):
+                group_slots[group].append(slot)
+            if model is not None and slot not in model_slots.setdefault(model, []):
+                model_slots[model].append(slot)
+    return Plan(step, group_slots, model_slots, dict(node_slots), list(reasons or []), shards)
 
 
 def _node_group(pipeline: PipelineGraph, node: str) -> str | None:

@@ -49,18 +49,27 @@ class NodeProfile:
     """EWMA of every node's measurements over the run (``alpha`` from the window)."""
 
     alpha: float
-    _nodes: dict[str, _NodeAverages] = field(default_factory=dict)
+    _nodes: dict[tuple[str, str], _NodeAverages] = field(default_factory=dict)
     _shown: dict[str, NodeSummary] = field(default_factory=dict)
 
     def observe(self, timings: Sequence[NodeTiming]) -> None:
+        # Averages are per (node, device): a node split over devices has one per part. A node
+        # whose devices changed starts afresh: a move, or a new split (a part's times are
+        # not comparable with the whole batch's), makes its old numbers say nothing.
+        where: dict[str, set[str]] = {}
         for timing in timings:
-            averages = self._nodes.get(timing.node)
-            if averages is None or averages.device != timing.device:
-                # A node that moved starts afresh: its old device's times say nothing here.
+            where.setdefault(timing.node, set()).add(timing.device)
+        for node, devices in where.items():
+            if {device for name, device in self._nodes if name == node} != devices:
+                for key in [key for key in self._nodes if key[0] == node]:
+                    del self._nodes[key]
+        for timing in timings:
+            averages = self._nodes.get((timing.node, timing.device))
+            if averages is None:
                 averages = _NodeAverages(
                     timing.role, timing.device, Ewma(self.alpha), Ewma(self.alpha), Ewma(self.alpha), Ewma(self.alpha)
                 )
-                self._nodes[timing.node] = averages
+                self._nodes[(timing.node, timing.device)] = averages
             averages.wall.update(timing.wall_s)
             averages.compute.update(timing.compute_s)
             averages.wait.update(timing.wait_s)
@@ -68,8 +77,12 @@ class NodeProfile:
             averages.calls += 1
 
     def summary(self) -> dict[str, NodeSummary]:
+        """By node; a node split over devices by ``node@device``, one entry per part."""
+        parts: dict[str, int] = {}
+        for node, _ in self._nodes:
+            parts[node] = parts.get(node, 0) + 1
         return {
-            node: NodeSummary(
+            (node if parts[node] == 1 else f"{node}@{device}"): NodeSummary(
                 node,
                 item.role,
                 item.device,
@@ -79,7 +92,7 @@ class NodeProfile:
                 item.rate.value or 0.0,
                 item.calls,
             )
-            for node, item in self._nodes.items()
+            for (node, device), item in self._nodes.items()
         }
 
     def status_line(self, step: int, labels: Mapping[str, str]) -> str:
@@ -88,9 +101,9 @@ class NodeProfile:
         now = self.summary()
         parts = []
         rates = []
-        for node, item in now.items():
-            label = labels.get(node, node)
-            before = self._shown.get(node)
+        for name, item in now.items():
+            label = labels.get(item.node, item.node) + name[len(item.node):]
+            before = self._shown.get(name)
             same_place = before is not None and before.device == item.device
             parts.append(f"{label} {_ms(item.compute_s)}{_change(item.compute_s, before.compute_s if same_place else None)}")
             if item.role == "generate":

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from flowrl.roles.batch import NodeOutput, Rollout, Scores
+from flowrl.roles.score import score_metrics
 from flowrl.roles.state import ModelState
 
 
@@ -54,14 +55,9 @@ def run_reward_model(
     state.module.eval()
     with torch.inference_mode():
         values = sequence_scores(state.module, rollout, state.device, micro_batch_size)
-    tensor = values.clone() * weight
-    metrics = {
-        "critic/score/mean": float(tensor.mean()),
-        "critic/score/max": float(tensor.max()),
-        "critic/score/min": float(tensor.min()),
-    }
+    scores = Scores(values=values.clone() * weight, num_failed=0)
     return NodeOutput(
-        value=Scores(values=tensor, num_failed=0),
-        metrics=metrics,
+        value=scores,
+        metrics=score_metrics(scores, with_failures=False),
         tokens_in=rollout.num_prompt_tokens + rollout.num_completion_tokens,
     )

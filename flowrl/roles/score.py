@@ -22,11 +22,18 @@ def run_score(
         on_error=on_error,
         name=name,
     )
-    tensor = torch.tensor(values, dtype=torch.float32) * weight
+    scores = Scores(values=torch.tensor(values, dtype=torch.float32) * weight, num_failed=num_failed)
+    return NodeOutput(value=scores, metrics=score_metrics(scores, with_failures=True), tokens_in=rollout.num_completion_tokens)
+
+
+def score_metrics(scores: Scores, with_failures: bool) -> dict[str, float]:
+    """``critic/score/*`` of a batch; ``reward/num_failed`` for rule-based functions."""
+    tensor = scores.values
     metrics = {
         "critic/score/mean": float(tensor.mean()),
         "critic/score/max": float(tensor.max()),
         "critic/score/min": float(tensor.min()),
-        "reward/num_failed": float(num_failed),
     }
-    return NodeOutput(value=Scores(values=tensor, num_failed=num_failed), metrics=metrics, tokens_in=rollout.num_completion_tokens)
+    if with_failures:
+        metrics["reward/num_failed"] = float(scores.num_failed)
+    return metrics

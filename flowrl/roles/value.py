@@ -40,6 +40,10 @@ def _values(module: torch.nn.Module, rollout: Rollout, device: torch.device) -> 
     return window.pad(window.completion_positions(scalars).float())
 
 
+def value_metrics(values: torch.Tensor, rollout: Rollout) -> dict[str, float]:
+    return {"critic/values/mean": float(masked_mean(values, rollout.completion_mask.bool()))}
+
+
 def run_value(
     state: ModelState, rollout: Rollout, micro_batch_size: int | None = None
 ) -> NodeOutput:
@@ -49,10 +53,9 @@ def run_value(
         values = completion_values(state.module, rollout, state.device, micro_batch_size).cpu()
     mask = rollout.completion_mask.bool()
     values = torch.where(mask, values, torch.zeros_like(values))
-    metrics = {"critic/values/mean": float(masked_mean(values, mask))}
     return NodeOutput(
         value=values,
-        metrics=metrics,
+        metrics=value_metrics(values, rollout),
         tokens_in=rollout.num_prompt_tokens + rollout.num_completion_tokens,
         tokens_out=rollout.num_completion_tokens,
     )

@@ -33,6 +33,10 @@ class NodeCall:
     """Hosts that keep a copy of ``model`` for generation: updated weights go to them."""
     kl_coef: float = 0.0
     """Advantage nodes: this step's KL reward-penalty coefficient (fixed or adaptive)."""
+    shard: tuple[int, int] = (0, 1)
+    """(index, count): this call computes rows ``shard_rows(N, index, count)`` of its batch."""
+    shard_peers: tuple[Any, ...] = ()
+    """Shard 0 only: the hosts of shards 1..count-1, whose parts it joins."""
 
 
 @dataclass(frozen=True)
@@ -51,10 +55,13 @@ class NodeReport:
     tokens_in: int
     tokens_out: int
     metrics: dict[str, float] = field(default_factory=dict)
+    shards: tuple["NodeReport", ...] = ()
+    """A node split over devices: the reports of shards 1.. (this one is shard 0's)."""
 
 
-def store_key(step: int, node: str) -> str:
-    return f"{step}:{node}"
+def store_key(step: int, node: str, shard: int = 0) -> str:
+    """Where a node's output waits on its host; a shard > 0 keeps its part under its own key."""
+    return f"{step}:{node}" if shard == 0 else f"{step}:{node}#{shard}"
 
 
 def key_step(key: str) -> int:

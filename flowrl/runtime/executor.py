@@ -11,6 +11,7 @@ here: the consumer's host fetches them from the producer's host.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Sequence
 
 from flowrl.errors import ClusterError
@@ -36,25 +37,41 @@ class StepExecutor:
     ) -> dict[str, NodeReport]:
         """Run every node of ``step``; ``kl_coefs`` gives advantage nodes their KL penalty."""
         kl_coefs = kl_coefs or {}
-        calls = {
-            node: self.hosts[self.plan.node_slots[node]].run_node(self._call(step, node, prompts, kl_coefs.get(node, 0.0)))
-            for node in self._order
-        }
+        calls: dict[str, list[Any]] = {}
+        for node in self._order:
+            slots = self.plan.slots_of(node)
+            kl_coef = kl_coefs.get(node, 0.0)
+            if len(slots) == 1:
+                calls[node] = [self.hosts[slots[0]].run_node(self._call(step, node, prompts, kl_coef, slots[0]))]
+                continue
+            # Split by rows: shard 0 joins the others' parts and serves the whole result.
+            peers = tuple(self.hosts[slot] for slot in slots[1:])
+            calls[node] = [
+                self.hosts[slot].run_node(
+                    replace(
+                        self._call(step, node, prompts, kl_coef, slot),
+                        shard=(index, len(slots)),
+                        shard_peers=peers if index == 0 else (),
+                    )
+                )
+                for index, slot in enumerate(slots)
+            ]
         reports: dict[str, NodeReport] = {}
         # In dependency order: the first failure met is the one that caused the others.
-        for node, future in calls.items():
+        for node, futures in calls.items():
             try:
-                reports[node] = future.result(timeout=self.node_timeout_s)
+                first, *others = [future.result(timeout=self.node_timeout_s) for future in futures]
             except TimeoutError as error:
                 raise ClusterError(
-                    f"node '{node}' on {self.plan.node_slots[node]} did not finish within "
+                    f"node '{node}' on {', '.join(self.plan.slots_of(node))} did not finish within "
                     f"{self.node_timeout_s:.0f} s (runtime.node_timeout_s)"
                 ) from error
+            reports[node] = replace(first, shards=tuple(others)) if others else first
         return reports
 
-    def _call(self, step: int, node: str, prompts: Sequence[Any], kl_coef: float) -> NodeCall:
+    def _call(self, step: int, node: str, prompts: Sequence[Any], kl_coef: float, slot: str) -> NodeCall:
+        """The call of ``node`` as the host on ``slot`` runs it (inputs held there are local)."""
         spec = self.pipeline.spec.nodes[node]
-        slot = self.plan.node_slots[node]
         inputs = []
         for producer in self._inputs[node]:
             if producer == PROMPTS:

@@ -38,6 +38,7 @@ from flowrl.roles.ppo_batch import PPOAdvantages
 from flowrl.roles.reference import run_reference_logprob
 from flowrl.roles.reward_model import run_reward_model
 from flowrl.roles.score import run_score
+from flowrl.roles.shards import join_shards, shard_of
 from flowrl.roles.state import ModelState
 from flowrl.roles.update import run_update
 from flowrl.roles.value import run_value
@@ -138,7 +139,8 @@ class RoleHost:
     async def run_node(self, call: NodeCall) -> NodeReport:
         arrived = time.perf_counter()
         self._forget_before(call.step)
-        key = store_key(call.step, call.node)
+        index, count = call.shard
+        key = store_key(call.step, call.node, index)
         try:
             inputs: dict[str, Any] = {}
             for ref in call.inputs:
@@ -146,8 +148,13 @@ class RoleHost:
             for name, value in inputs.items():
                 if isinstance(value, _Failed):
                     raise UpstreamFailed(f"node '{call.node}' did not run: its input '{name}' failed ({value.message})")
+            whole = _rollout_input(call, inputs)
+            if count > 1 and whole is not None:
+                inputs = {**inputs, whole[0]: shard_of(whole[1], index, count)}
             loop = asyncio.get_running_loop()
             output, compute_s, waited_s = await loop.run_in_executor(self._compute, self._timed, call, inputs, arrived)
+            if count > 1 and index == 0 and whole is not None:
+                output = await self._join(call, output, whole[1])
         except BaseException as error:
             # Consumers waiting for this output must not wait forever.
             self.store[key] = _Failed(f"{type(error).__name__}: {error}")
@@ -167,6 +174,18 @@ class RoleHost:
             tokens_out=output.tokens_out,
             metrics=output.metrics,
         )
+
+    async def _join(self, call: NodeCall, own: NodeOutput, rollout: Any) -> NodeOutput:
+        """Shard 0 of a split node: wait for the other shards' parts, join them in row order."""
+        parts = [own.value]
+        for number, peer in enumerate(call.shard_peers, start=1):
+            part = await peer.fetch(store_key(call.step, call.node, number))
+            if isinstance(part, _Failed):
+                raise UpstreamFailed(f"node '{call.node}' shard {number} failed ({part.message})")
+            parts.append(part)
+        with_failures = "reward/num_failed" in own.metrics
+        value, metrics = join_shards(call.role, parts, rollout, with_failures)
+        return NodeOutput(value=value, metrics=metrics, tokens_in=own.tokens_in, tokens_out=own.tokens_out)
 
     def _timed(self, call: NodeCall, inputs: dict[str, Any], arrived: float) -> tuple[NodeOutput, float, float]:
         started = time.perf_counter()
@@ -309,6 +328,14 @@ def _state_bytes(exported: dict[str, Any]) -> int:
         elif isinstance(item, (list, tuple)):
             stack.extend(item)
     return total
+
+
+def _rollout_input(call: NodeCall, inputs: dict[str, Any]) -> tuple[str, Any] | None:
+    """The (input name, rollout) a split node divides by rows."""
+    for ref in call.inputs:
+        if ref.role == "generate":
+            return ref.name, inputs[ref.name]
+    return None
 
 
 def _inputs_by_role(call: NodeCall, inputs: dict[str, Any]) -> dict[str, list[Any]]:

@@ -41,7 +41,7 @@ class Session:
         self.base_dir = base_dir
         self._slots: dict[str, WorkerSlot] = {slot.name: slot for slot in cluster.slots}
         self.hosts: dict[str, Any] = {}
-        self._ensure_hosts(sorted(set(plan.node_slots.values())))
+        self._ensure_hosts(_slots_in_use(plan))
         self.executor = StepExecutor(pipeline, plan, self.hosts, pipeline.spec.runtime.node_timeout_s)
 
     def _ensure_hosts(self, names: list[str]) -> None:
@@ -53,10 +53,7 @@ class Session:
             if name in self.hosts:
                 continue
             slot = self._slots[name]
-            # Nodes of one step mostly run one after another (rollout -> ref -> update), so each
-            # worker may use every core it has; measured on 2 cores: 0.105 s/step with one
-            # thread per worker, 0.085 s with two.
-            threads = runtime.torch_threads or (len(slot.cores) if slot.cores else max(1, os.cpu_count() or 1))
+            threads = runtime.torch_threads or self._default_threads(slot)
             futures[name] = self.cluster.client.submit(
                 RoleHost,
                 name,
@@ -73,6 +70,23 @@ class Session:
             )
         for name, future in futures.items():
             self.hosts[name] = future.result()
+
+    def _default_threads(self, slot: WorkerSlot) -> int:
+        """Torch threads of a worker when the file does not say.
+
+        A pinned worker uses its own cores. Otherwise nodes of one step mostly run one after
+        another (rollout -> ref -> update), so each worker may use every core of the host
+        (measured on 2 cores: 0.105 s/step with one thread per worker, 0.085 s with two)
+        unless the plan splits a node over workers: then parts run at the same time and
+        2 workers x 2 threads on 2 cores made the split reference forward 10x slower.
+        """
+        if slot.cores:
+            return len(slot.cores)
+        cores = max(1, os.cpu_count() or 1)
+        if self.plan.node_shards:
+            same_host = sum(1 for other in self._slots.values() if other.host == slot.host)
+            return max(1, cores // max(1, same_host))
+        return cores
 
     def load_models(self) -> list[dict[str, Any]]:
         """Load every model on every slot that holds it, all slots at once."""
@@ -96,7 +110,7 @@ class Session:
         again, so nothing else moves."""
         started = time.perf_counter()
         transfers = plan_transfers(self.pipeline, self.plan, plan)
-        self._ensure_hosts(sorted(set(plan.node_slots.values())))
+        self._ensure_hosts(_slots_in_use(plan))
         seed = self.pipeline.spec.trainer.seed
         calls = [
             self.hosts[t.slot].adopt_model(
@@ -143,3 +157,7 @@ class Session:
 
     def close(self) -> None:
         self.executor.close()
+
+
+def _slots_in_use(plan: Plan) -> list[str]:
+    return sorted({slot for node in plan.node_slots for slot in plan.slots_of(node)})

@@ -22,6 +22,10 @@ ROLES: tuple[str, ...] = (
 )
 """Every node role, in the order an iteration usually runs them."""
 
+SHARDABLE_ROLES = ("score", "reference_logprob", "value")
+"""Roles whose batch rows are independent of each other: a node of one of them can be split
+by rows over several devices and joined, giving what one device would (data-parallel inference)."""
+
 SOURCE_NODE = "prompts"
 """The name of the data source's output; node inputs use it to read prompts."""
 

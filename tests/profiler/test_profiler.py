@@ -77,3 +77,13 @@ def test_sampler_reports_this_process_and_the_load_of_others_on_its_cores() -> N
     # this process only waited, the spinner held the core
     assert sample.utilization < 0.3
     assert sample.external_load is not None and sample.external_load > 0.6
+
+
+def test_a_node_split_over_devices_is_shown_per_part() -> None:
+    profile = NodeProfile(alpha=0.5)
+    profile.observe([timing("ref", "reference_logprob", "cpu-1", 0.011), timing("ref", "reference_logprob", "cpu-0", 0.008)])
+    assert profile.status_line(10, {"ref": "ref"}) == "[STEP 10] ref@cpu-1 11ms | ref@cpu-0 8.0ms"
+    assert set(profile.summary()) == {"ref@cpu-1", "ref@cpu-0"}
+    # back on one device: the parts are forgotten
+    profile.observe([timing("ref", "reference_logprob", "cpu-0", 0.016)])
+    assert profile.status_line(20, {"ref": "ref"}) == "[STEP 20] ref 16ms"
