@@ -27,7 +27,7 @@ from flowrl.errors import FlowrlError
 from flowrl.graph import PipelineGraph
 from flowrl.planner.cost import measure_cpu_rates
 from flowrl.planner.costs import EstimatedCosts
-from flowrl.planner.placement import plan_from_compiled
+from flowrl.planner.placement import plan_from_compiled, splittable
 from flowrl.records import RunEvent, StepRecord
 from flowrl.rewards import resolve_reward
 from flowrl.runtime.cluster import Cluster
@@ -229,12 +229,12 @@ def check_runnable(graph: PipelineGraph) -> None:
             node
             for node, spec in graph.spec.nodes.items()
             if (spec.device_group or (model_group(graph, spec.model) if spec.model else None)) == name
-            and spec.role not in SHARDABLE_ROLES
+            and not splittable(graph, node)
         )
         if (group.count or group.min_count or 1) > 1 and unsplittable:
             problems.append(
-                f"devices.{name}.count: several devices can split only {', '.join(SHARDABLE_ROLES)} nodes in "
-                f"this version, and this group runs {', '.join(unsplittable)}; set count: 1"
+                f"devices.{name}.count: several devices can run {', '.join(SHARDABLE_ROLES)} nodes and policy "
+                f"updates in this version, and this group runs {', '.join(unsplittable)}; set count: 1"
             )
         if group.type == "gpu":
             problems.append(f"devices.{name}.type: GPU workers are not started in this version; set type: cpu")

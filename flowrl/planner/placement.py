@@ -34,6 +34,15 @@ class Plan:
     """Nodes split by rows over several slots (data-parallel inference) -> those slots, in
     shard order."""
 
+    node_shares: dict[str, list[float]] = field(default_factory=dict)
+    """Split nodes whose parts get unequal rows (faster devices more) -> relative shares;
+    a split node not listed shares equally."""
+
+    def shares_of(self, node: str) -> tuple[float, ...]:
+        slots = self.slots_of(node)
+        shares = self.node_shares.get(node)
+        return tuple(shares) if shares and len(shares) == len(slots) else tuple(1.0 for _ in slots)
+
     def slots_of(self, node: str) -> list[str]:
         """Every slot that runs a part of ``node``."""
         return self.node_shards.get(node) or [self.node_slots[node]]
@@ -42,28 +51,29 @@ class Plan:
         return asdict(self)
 
     def weight_peers(self, node: str, model: str) -> list[str]:
-        """Slots other than the node's own that hold ``model`` and must get its new weights."""
-        own = self.node_slots[node]
-        return [slot for slot in self.model_slots.get(model, []) if slot != own]
+        """Slots that hold ``model`` but do not train it, so must get its new weights."""
+        own = self.slots_of(node)
+        return [slot for slot in self.model_slots.get(model, []) if slot not in own]
 
 
 def plan_from_compiled(pipeline: PipelineGraph, compiled: CompiledPlan, slots: list[str]) -> Plan:
     """The runtime's placement from the planner's: every node on its one device.
 
     A score, reference_logprob or value node planned over several devices is split by rows
-    over their workers. Generate and update nodes run on one worker in this version: one
-    planned over several devices is refused with the fix rather than silently narrowed.
+    over their workers; a policy's update trains data-parallel over them. Generate nodes
+    and critic updates run on one worker in this version: one planned over several devices
+    is refused with the fix rather than silently narrowed.
     """
     node_slots: dict[str, str] = {}
     node_shards: dict[str, list[str]] = {}
     reasons: list[str] = []
     for node in compiled.nodes:
         if len(node.devices) > 1:
-            if pipeline.spec.nodes[node.node].role not in SHARDABLE_ROLES:
+            if not splittable(pipeline, node.node):
                 group = _node_group(pipeline, node.node) or node.node
                 raise PlacementError(
                     f"devices.{group}: node '{node.node}' is planned over {len(node.devices)} devices; "
-                    "data-parallel training and generation are not available in this version. Set `count: 1`."
+                    "generation and critic updates run on one device in this version. Set `count: 1`."
                 )
             node_shards[node.node] = list(node.devices)
         missing = [device for device in node.devices if device not in slots]
@@ -101,6 +111,15 @@ def plan_for(
             if model is not None and slot not in model_slots.setdefault(model, []):
                 model_slots[model].append(slot)
     return Plan(step, group_slots, model_slots, dict(node_slots), list(reasons or []), shards)
+
+
+def splittable(pipeline: PipelineGraph, node: str) -> bool:
+    """Whether ``node`` can run over several devices: inference roles split by rows, and a
+    policy's update trains data-parallel."""
+    spec = pipeline.spec.nodes[node]
+    if spec.role in SHARDABLE_ROLES:
+        return True
+    return spec.role == "update" and spec.model is not None and pipeline.spec.models[spec.model].kind == "policy"
 
 
 def _node_group(pipeline: PipelineGraph, node: str) -> str | None:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from flowrl.roles.batch import Rollout, Scores
+from flowrl.roles.data_parallel import weighted_rows
 from flowrl.roles.score import score_metrics
 from flowrl.roles.value import value_metrics
 from flowrl.spec.schema import SHARDABLE_ROLES
@@ -20,17 +21,16 @@ from flowrl.spec.schema import SHARDABLE_ROLES
 
 
 def shard_rows(num_rows: int, index: int, count: int) -> slice:
-    """Rows of shard ``index`` of ``count``: consecutive, the first ``num_rows % count``
-    shards one row longer."""
+    """Rows of shard ``index`` of ``count`` equal shards: consecutive, the first
+    ``num_rows % count`` shards one row longer."""
     if not 0 <= index < count:
         raise ValueError(f"shard {index} of {count}")
-    size, extra = divmod(num_rows, count)
-    start = index * size + min(index, extra)
-    return slice(start, start + size + (1 if index < extra else 0))
+    return weighted_rows(num_rows, index, tuple(1.0 for _ in range(count)))
 
 
-def shard_of(rollout: Rollout, index: int, count: int) -> Rollout:
-    rows = shard_rows(rollout.num_sequences, index, count)
+def shard_of(rollout: Rollout, index: int, shares: tuple[float, ...]) -> Rollout:
+    """Shard ``index``'s rows when shard r gets ``shares[r]`` of them."""
+    rows = weighted_rows(rollout.num_sequences, index, shares)
     return rollout.select(torch.arange(rows.start, rows.stop))
 
 

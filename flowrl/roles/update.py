@@ -16,8 +16,12 @@ import torch
 from flowrl.algorithms.kl import kl_penalty
 from flowrl.algorithms.losses import aggregate, policy_loss
 from flowrl.roles.batch import NodeOutput, Rollout
+from flowrl.roles.data_parallel import DataParallel
 from flowrl.roles.forward import completion_logprobs
 from flowrl.roles.state import ModelState
+
+
+TOKEN_MEANS = ("actor/clipfrac", "actor/ratio_mean")
 
 
 def run_update(
@@ -27,7 +31,10 @@ def run_update(
     ref_logprobs: torch.Tensor | None,
     node: Any,
     seed: int,
+    dp: DataParallel | None = None,
 ) -> NodeOutput:
+    """One update from one rollout; with ``dp``, this rank's part of a data-parallel update
+    (see :mod:`flowrl.roles.data_parallel`): every rank returns the same whole-batch metrics."""
     optimizer = state.ensure_optimizer(node.lr, tuple(node.betas), node.weight_decay)
     for group in optimizer.param_groups:
         group["lr"] = node.lr
@@ -40,7 +47,7 @@ def run_update(
     old_logprobs: torch.Tensor | None = None
     if not single_step:
         with torch.no_grad():
-            old_logprobs = completion_logprobs(module, rollout, state.device).detach()
+            old_logprobs = _old_logprobs(state, rollout, dp)
 
     # The shuffle of mini-batches is a function of (seed, update count): resumable.
     shuffle = torch.Generator().manual_seed(seed * 1_000_003 + state.num_updates)
@@ -51,7 +58,7 @@ def run_update(
         for start in range(0, num_rows, mini_batch):
             rows = order[start : start + mini_batch]
             part = rollout if single_step else rollout.select(rows)
-            stats = _step(state, optimizer, part, advantages[rows], old_logprobs, ref_logprobs, rows, node)
+            stats = _step(state, optimizer, part, advantages[rows], old_logprobs, ref_logprobs, rows, node, dp)
             for key, value in stats.items():
                 totals[key] = totals.get(key, 0.0) + value
             num_steps += 1
@@ -59,7 +66,33 @@ def run_update(
     metrics = {key: value / num_steps for key, value in totals.items()}
     metrics["actor/lr"] = node.lr
     metrics["actor/num_optimizer_steps"] = float(num_steps)
-    return NodeOutput(value=None, metrics=metrics, tokens_in=rollout.num_prompt_tokens + rollout.num_completion_tokens)
+    mine = dp.rows(num_rows) if dp is not None else slice(0, num_rows)
+    tokens = int(rollout.prompt_mask[mine].sum() + rollout.completion_mask[mine].sum())
+    return NodeOutput(value=None, metrics=metrics, tokens_in=tokens)
+
+
+def _old_logprobs(state: ModelState, rollout: Rollout, dp: DataParallel | None) -> torch.Tensor:
+    """Log-probs of the rollout before any step; with ``dp`` each rank computes its rows."""
+    if dp is None:
+        return completion_logprobs(state.module, rollout, state.device).detach().cpu()
+    mine = dp.rows(rollout.num_sequences)
+    width = rollout.completion_ids.shape[1]
+    local = torch.zeros((0, width))
+    if mine.stop > mine.start:
+        part = rollout.select(torch.arange(mine.start, mine.stop))
+        local = completion_logprobs(state.module, part, state.device).detach().float().cpu()
+    return dp.gather_rows(local, rollout.num_sequences)
+
+
+def _share(mask: torch.Tensor, mine: slice, loss_agg: str) -> float:
+    """This rank's share of the mini-batch loss's normaliser: tokens (token_mean) or
+    sequences with tokens (seq_mean)."""
+    if loss_agg == "seq_mean":
+        counted = mask.bool().any(dim=-1).float()
+    else:
+        counted = mask.float()
+    total = float(counted.sum())
+    return float(counted[mine].sum()) / total if total > 0 else 0.0
 
 
 def _step(
@@ -71,28 +104,46 @@ def _step(
     ref_logprobs: torch.Tensor | None,
     rows: torch.Tensor,
     node: Any,
+    dp: DataParallel | None,
 ) -> dict[str, float]:
     device = state.device
-    mask = part.completion_mask.to(device).float()
-    logprobs = completion_logprobs(state.module, part, device)
-    old = logprobs.detach() if old_logprobs is None else old_logprobs[rows].to(device)
-    loss, stats = policy_loss(
-        logprobs, old, advantages.to(device), mask, clip_eps=node.clip_eps, loss_agg=node.loss_agg
-    )
-    result = {f"actor/{key}": float(value) for key, value in stats.items()}
-    if ref_logprobs is not None and node.kl_coef > 0:
-        kl = kl_penalty(logprobs, ref_logprobs[rows].to(device), estimator=node.kl_estimator)
-        kl_term = aggregate(kl, mask, node.loss_agg)
-        loss = loss + node.kl_coef * kl_term
-        result["actor/kl"] = float(kl_term.detach())
+    mine = dp.rows(part.num_sequences) if dp is not None else slice(0, part.num_sequences)
+    weight = _share(part.completion_mask, mine, node.loss_agg) if dp is not None else 1.0
+    # clipfrac and ratio_mean are token means whatever the loss aggregation
+    token_weight = _share(part.completion_mask, mine, "token_mean") if dp is not None else 1.0
+    use_kl = ref_logprobs is not None and node.kl_coef > 0
+    keys = ["actor/clipfrac", "actor/ratio_mean", "actor/pg_loss", *(["actor/kl"] if use_kl else []), "actor/loss"]
+    values = [0.0] * len(keys)
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+    if mine.stop > mine.start:
+        local_rows = rows[mine]
+        sub = part if dp is None else part.select(torch.arange(mine.start, mine.stop))
+        mask = sub.completion_mask.to(device).float()
+        logprobs = completion_logprobs(state.module, sub, device)
+        old = logprobs.detach() if old_logprobs is None else old_logprobs[local_rows].to(device)
+        loss, stats = policy_loss(
+            logprobs, old, advantages[mine].to(device), mask, clip_eps=node.clip_eps, loss_agg=node.loss_agg
+        )
+        numbers = {f"actor/{key}": value for key, value in stats.items()}
+        if use_kl:
+            assert ref_logprobs is not None
+            kl = kl_penalty(logprobs, ref_logprobs[local_rows].to(device), estimator=node.kl_estimator)
+            kl_term = aggregate(kl, mask, node.loss_agg)
+            loss = loss + node.kl_coef * kl_term
+            numbers["actor/kl"] = float(kl_term.detach())
+        numbers["actor/loss"] = float(loss.detach())
+        (loss * weight if dp is not None else loss).backward()
+        values = [numbers[key] * (token_weight if key in TOKEN_MEANS else weight) for key in keys]
+    if dp is not None:
+        # the whole mini-batch's gradient and numbers: each rank's part, weighted, summed
+        dp.sum_gradients(state.module)
+        values = dp.sum_numbers(values)
     if node.max_grad_norm > 0:
         grad_norm = torch.nn.utils.clip_grad_norm_(state.module.parameters(), node.max_grad_norm)
     else:
         grad_norm = _grad_norm(state.module)
     optimizer.step()
-    result["actor/loss"] = float(loss.detach())
+    result = dict(zip(keys, values))
     result["actor/grad_norm"] = float(grad_norm)
     return result
 

@@ -37,6 +37,8 @@ class NodeCall:
     """(index, count): this call computes rows ``shard_rows(N, index, count)`` of its batch."""
     shard_peers: tuple[Any, ...] = ()
     """Shard 0 only: the hosts of shards 1..count-1, whose parts it joins."""
+    shares: tuple[float, ...] = ()
+    """Relative rows per shard (empty: equal); a data-parallel update's ranks use them."""
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,8 @@ class StepExecutor:
             if len(slots) == 1:
                 calls[node] = [self.hosts[slots[0]].run_node(self._call(step, node, prompts, kl_coef, slots[0]))]
                 continue
-            # Split by rows: shard 0 joins the others' parts and serves the whole result.
+            # Split by rows: shard 0 joins the others' parts and serves the whole result; the
+            # ranks of a data-parallel update each train on their rows, rank 0 pushes weights.
             peers = tuple(self.hosts[slot] for slot in slots[1:])
             calls[node] = [
                 self.hosts[slot].run_node(
@@ -52,6 +53,8 @@ class StepExecutor:
                         self._call(step, node, prompts, kl_coef, slot),
                         shard=(index, len(slots)),
                         shard_peers=peers if index == 0 else (),
+                        shares=self.plan.shares_of(node),
+                        **({} if index == 0 else {"weight_peers": ()}),
                     )
                 )
                 for index, slot in enumerate(slots)

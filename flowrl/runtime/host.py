@@ -32,6 +32,7 @@ from flowrl.rewards import resolve_reward
 from flowrl.roles.advantage import run_advantage
 from flowrl.roles.batch import NodeOutput
 from flowrl.roles.critic_update import run_critic_update
+from flowrl.roles.data_parallel import DataParallel
 from flowrl.roles.generate import run_generate
 from flowrl.roles.ppo_advantage import run_ppo_advantage
 from flowrl.roles.ppo_batch import PPOAdvantages
@@ -43,8 +44,10 @@ from flowrl.roles.state import ModelState
 from flowrl.roles.update import run_update
 from flowrl.roles.value import run_value
 from flowrl.runtime import checkpoint
+from flowrl.runtime.collective import GlooGroup, free_port
 from flowrl.runtime.calls import NodeCall, NodeReport, key_step, store_key
 from flowrl.runtime.serialization import register
+from flowrl.spec.schema import SHARDABLE_ROLES
 
 
 class RoleHost:
@@ -76,6 +79,7 @@ class RoleHost:
         self._ready: dict[str, asyncio.Event] = {}
         self._rewards: dict[str, Callable[..., list[float]]] = {}
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flowrl-compute")
+        self._groups: dict[str, GlooGroup] = {}
         usable = len(cores) if cores else (os.cpu_count() or 1)
         self._sampler = DeviceSampler(device_name, min(max(1, torch_threads), usable), sample_interval_s)
 
@@ -97,6 +101,18 @@ class RoleHost:
 
     def receive_weights(self, model: str, weights: dict[str, torch.Tensor]) -> None:
         self.models[model].load_weights(weights)
+
+    # ---- process groups (data-parallel training) -----------------------------------
+    def free_port(self, address: str) -> int:
+        return free_port(address)
+
+    def form_group(self, name: str, rank: int, world: int, address: str, port: int, timeout_s: float) -> None:
+        """Join the process group ``name`` (blocks until every member has joined)."""
+        self._groups.pop(name, None)
+        self._groups[name] = GlooGroup(address, port, rank, world, timeout_s)
+
+    def leave_group(self, name: str) -> None:
+        self._groups.pop(name, None)
 
     # ---- migration ----------------------------------------------------------------
     def export_state(self, model: str, parts: tuple[str, ...]) -> dict[str, Any]:
@@ -148,9 +164,9 @@ class RoleHost:
             for name, value in inputs.items():
                 if isinstance(value, _Failed):
                     raise UpstreamFailed(f"node '{call.node}' did not run: its input '{name}' failed ({value.message})")
-            whole = _rollout_input(call, inputs)
+            whole = _rollout_input(call, inputs) if call.role in SHARDABLE_ROLES else None
             if count > 1 and whole is not None:
-                inputs = {**inputs, whole[0]: shard_of(whole[1], index, count)}
+                inputs = {**inputs, whole[0]: shard_of(whole[1], index, call.shares or (1.0,) * count)}
             loop = asyncio.get_running_loop()
             output, compute_s, waited_s = await loop.run_in_executor(self._compute, self._timed, call, inputs, arrived)
             if count > 1 and index == 0 and whole is not None:
@@ -237,7 +253,10 @@ class RoleHost:
             return run_critic_update(state, rollout, advantage.returns, old_values, call.spec, self.seed)
         advantages = advantage.advantages if isinstance(advantage, PPOAdvantages) else advantage
         ref = by_role.get("reference_logprob", [None])[0]
-        output = run_update(state, rollout, advantages, ref, call.spec, self.seed)
+        dp = None
+        if call.shard[1] > 1:
+            dp = DataParallel(self._groups[call.node], call.shares or tuple(1.0 for _ in range(call.shard[1])))
+        output = run_update(state, rollout, advantages, ref, call.spec, self.seed, dp)
         output.metrics.update(self._push_weights(call.model, call.weight_peers))
         return output
 

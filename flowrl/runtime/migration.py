@@ -34,7 +34,8 @@ def plan_transfers(pipeline: PipelineGraph, old: Plan, new: Plan) -> list[Transf
     transfers = []
     for model in sorted(new.model_slots):
         train_old = _role_slot(pipeline, old, model, "update")
-        train_new = _role_slot(pipeline, new, model, "update")
+        ranks_old = _role_slots(pipeline, old, model, "update")
+        ranks_new = _role_slots(pipeline, new, model, "update")
         gen_old = _role_slot(pipeline, old, model, "generate")
         gen_new = _role_slot(pipeline, new, model, "generate")
         holders_old = old.model_slots.get(model, [])
@@ -42,7 +43,8 @@ def plan_transfers(pipeline: PipelineGraph, old: Plan, new: Plan) -> list[Transf
             wanted: dict[str, list[str]] = {}
             if slot not in holders_old and train_old is not None:
                 wanted.setdefault(train_old, []).append("weights")
-            if slot == train_new and train_old is not None and slot != train_old:
+            if slot in ranks_new and train_old is not None and slot not in ranks_old:
+                # every rank of a data-parallel update keeps the same optimizer state
                 wanted.setdefault(train_old, []).append("optimizer")
             if slot == gen_new and gen_old is not None and slot != gen_old:
                 wanted.setdefault(gen_old, []).append("generator")
@@ -51,6 +53,15 @@ def plan_transfers(pipeline: PipelineGraph, old: Plan, new: Plan) -> list[Transf
             sources = tuple((source, tuple(parts)) for source, parts in sorted(wanted.items()))
             transfers.append(Transfer(model, slot, sources))
     return transfers
+
+
+def _role_slots(pipeline: PipelineGraph, plan: Plan, model: str, role: str) -> list[str]:
+    """Every slot of ``model``'s first node with ``role`` (several for a split node)."""
+    for node in pipeline.topological_order():
+        spec = pipeline.spec.nodes[node]
+        if spec.model == model and spec.role == role and node in plan.node_slots:
+            return plan.slots_of(node)
+    return []
 
 
 def _role_slot(pipeline: PipelineGraph, plan: Plan, model: str, role: str) -> str | None:

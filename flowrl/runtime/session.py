@@ -42,7 +42,35 @@ class Session:
         self._slots: dict[str, WorkerSlot] = {slot.name: slot for slot in cluster.slots}
         self.hosts: dict[str, Any] = {}
         self._ensure_hosts(_slots_in_use(plan))
+        self._groups: dict[str, tuple[str, ...]] = {}
+        self._form_groups(plan)
         self.executor = StepExecutor(pipeline, plan, self.hosts, pipeline.spec.runtime.node_timeout_s)
+
+    def _form_groups(self, plan: Plan) -> None:
+        """One process group per data-parallel update, over its slots in rank order; a group
+        whose members changed is formed again on a new port, one that is gone is left."""
+        wanted = {
+            node: tuple(plan.slots_of(node))
+            for node in self.pipeline.nodes_with_role("update")
+            if len(plan.slots_of(node)) > 1
+        }
+        for node, members in list(self._groups.items()):
+            if wanted.get(node) != members:
+                _settle([(self.hosts[slot], "leave_group", (node,)) for slot in members if slot in self.hosts])
+                del self._groups[node]
+        timeout_s = self.pipeline.spec.runtime.node_timeout_s
+        for node, members in wanted.items():
+            if self._groups.get(node) == members:
+                continue
+            address = self._slots[members[0]].host or "127.0.0.1"
+            port = self.hosts[members[0]].free_port(address).result(timeout=60)
+            joins = [
+                self.hosts[slot].form_group(node, rank, len(members), address, port, timeout_s)
+                for rank, slot in enumerate(members)
+            ]
+            for join in joins:
+                join.result(timeout=120)
+            self._groups[node] = members
 
     def _ensure_hosts(self, names: list[str]) -> None:
         """Start a ``RoleHost`` on every slot in ``names`` that has none yet, all at once."""
@@ -122,14 +150,15 @@ class Session:
             for t in transfers
         ]
         num_bytes = sum(call.result(timeout=self.executor.node_timeout_s)["bytes"] for call in calls)
-        drops = [
-            self.hosts[slot].drop_model(model)
-            for model, slots in self.plan.model_slots.items()
-            for slot in slots
-            if slot not in plan.model_slots.get(model, [])
-        ]
-        for call in drops:
-            call.result(timeout=60)
+        _settle(
+            [
+                (self.hosts[slot], "drop_model", (model,))
+                for model, slots in self.plan.model_slots.items()
+                for slot in slots
+                if slot not in plan.model_slots.get(model, [])
+            ]
+        )
+        self._form_groups(plan)
         self.plan = plan
         self.executor = StepExecutor(self.pipeline, plan, self.hosts, self.executor.node_timeout_s)
         return MigrationResult(time.perf_counter() - started, num_bytes, tuple(transfers))
@@ -161,3 +190,20 @@ class Session:
 
 def _slots_in_use(plan: Plan) -> list[str]:
     return sorted({slot for node in plan.node_slots for slot in plan.slots_of(node)})
+
+
+def _settle(calls: list[tuple[Any, str, tuple[Any, ...]]]) -> None:
+    """Make clean-up calls (host, method, args) and wait for them; a host whose worker died
+    has nothing left to clean up, so its failures are ignored."""
+    pending = []
+    for host, method, args in calls:
+        try:
+            # even looking a method up on the handle of a lost actor raises
+            pending.append(getattr(host, method)(*args))
+        except Exception:  # the worker is gone (killed, lost): its state went with it
+            continue
+    for call in pending:
+        try:
+            call.result(timeout=60)
+        except Exception:
+            continue

@@ -1,0 +1,80 @@
+"""Training one model on several devices: every rank takes its share of each mini-batch.
+
+Every rank holds the whole rollout and walks the same mini-batches in the same order (the
+shuffle is a function of seed and update count). Within a mini-batch, rank r takes rows
+``weighted_rows(n, r, shares)``, scales its loss by its share of the mini-batch's normaliser
+(tokens for ``token_mean``, sequences for ``seq_mean``), and the gradients are summed over
+the ranks. The sum is then exactly the gradient of the whole mini-batch's loss, so the
+optimizer steps, identical on every rank, are those of one device (to float rounding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+class Collective(Protocol):
+    rank: int
+    world: int
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sum over the ranks, in place."""
+        ...
+
+
+def weighted_rows(num_rows: int, index: int, shares: tuple[float, ...]) -> slice:
+    """Rank ``index``'s consecutive rows when rank r should get ``shares[r]`` of them
+    (largest remainders; equal shares give the first ranks one row more)."""
+    total = sum(shares)
+    exact = [num_rows * share / total for share in shares]
+    counts = [int(value) for value in exact]
+    order = sorted(range(len(shares)), key=lambda r: (-(exact[r] - counts[r]), r))
+    for rank in order[: num_rows - sum(counts)]:
+        counts[rank] += 1
+    start = sum(counts[:index])
+    return slice(start, start + counts[index])
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    collective: Collective
+    shares: tuple[float, ...]
+    """Relative share of rows per rank (faster devices get more); equal by default."""
+
+    @property
+    def rank(self) -> int:
+        return self.collective.rank
+
+    def rows(self, num_rows: int) -> slice:
+        return weighted_rows(num_rows, self.rank, self.shares)
+
+    def sum_gradients(self, module: torch.nn.Module) -> None:
+        """All-reduce every gradient as one flat buffer (a rank with no rows sends zeros)."""
+        params = [p for p in module.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        self.collective.all_reduce(flat)
+        offset = 0
+        for p in params:
+            count = p.numel()
+            p.grad.copy_(flat[offset : offset + count].view_as(p.grad))
+            offset += count
+
+    def sum_numbers(self, values: list[float]) -> list[float]:
+        tensor = torch.tensor(values, dtype=torch.float64)
+        self.collective.all_reduce(tensor)
+        return tensor.tolist()
+
+    def gather_rows(self, local: torch.Tensor, num_rows: int) -> torch.Tensor:
+        """The ``[num_rows, ...]`` tensor whose rows ``self.rows(num_rows)`` are ``local``,
+        assembled from every rank's part (a sum of zero-padded parts)."""
+        whole = torch.zeros((num_rows, *local.shape[1:]), dtype=local.dtype)
+        rows = self.rows(num_rows)
+        whole[rows] = local.to(whole.device)
+        self.collective.all_reduce(whole)
+        return whole
