@@ -22,6 +22,7 @@ from flowrl.profiler import NodeProfile, alpha_for_window
 from flowrl.records import RunEvent, StepRecord
 from flowrl.runtime.session import Session
 from flowrl.scheduler import Decision, SchedulerPolicy
+from flowrl.scheduler.shares import rebalanced
 
 
 class Replanner:
@@ -55,6 +56,28 @@ class Replanner:
         if record.step % every == 0 or record.step == record.num_steps:
             self.folder.append_smoothed(record.step, list(self.profile.summary().values()))
             self.emit(RunEvent("status", self.profile.status_line(record.step, self.labels), record.step))
+            if record.step < record.num_steps:
+                self._balance(record.step)
+
+    def _balance(self, step: int) -> None:
+        """Split nodes: rows per part proportional to the part's measured speed."""
+        plan = self.session.plan
+        summary = self.profile.summary()
+        changed: dict[str, list[float]] = {}
+        for node, slots in plan.node_shards.items():
+            times = [summary.get(f"{node}@{slot}") for slot in slots]
+            if any(item is None for item in times):
+                continue
+            compute = [item.compute_s for item in times if item is not None]
+            shares = rebalanced(plan.shares_of(node), compute)
+            if shares is None:
+                continue
+            changed[node] = list(shares)
+            parts = ", ".join(f"{slot} {share:.0%}" for slot, share in zip(slots, shares))
+            measured = " vs ".join(f"{seconds * 1e3:.0f} ms" for seconds in compute)
+            self.emit(RunEvent("shares", f"{node}: rows {parts} (measured {measured})", step, {"node": node, "shares": list(shares)}))
+        if changed:
+            self.session.set_shares(changed)
 
     def _carry_out(self, step: int, decision: Decision) -> None:
         data = decision.to_dict()

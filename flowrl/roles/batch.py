@@ -93,5 +93,7 @@ class NodeOutput:
     tokens_in: int = 0
     """Tokens read: the prompt for generate, prompt + completion for the others."""
     tokens_out: int = 0
+    blocked_s: float = 0.0
+    """Time of the call spent blocked on peers (a data-parallel update's collectives)."""
     """Tokens produced: completions for generate, one number per completion token for
     reference_logprob and value, 0 for the rest."""

@@ -10,6 +10,7 @@ optimizer steps, identical on every rank, are those of one device (to float roun
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -38,11 +39,19 @@ def weighted_rows(num_rows: int, index: int, shares: tuple[float, ...]) -> slice
     return slice(start, start + counts[index])
 
 
-@dataclass(frozen=True)
+@dataclass
 class DataParallel:
     collective: Collective
     shares: tuple[float, ...]
     """Relative share of rows per rank (faster devices get more); equal by default."""
+    blocked_s: float = 0.0
+    """Seconds spent in collectives: mostly waiting for slower ranks. Not this device's work,
+    so it is reported as waiting, and the device's speed is judged without it."""
+
+    def _all_reduce(self, tensor: torch.Tensor) -> None:
+        started = time.perf_counter()
+        self.collective.all_reduce(tensor)
+        self.blocked_s += time.perf_counter() - started
 
     @property
     def rank(self) -> int:
@@ -58,7 +67,7 @@ class DataParallel:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         flat = torch.cat([p.grad.reshape(-1) for p in params])
-        self.collective.all_reduce(flat)
+        self._all_reduce(flat)
         offset = 0
         for p in params:
             count = p.numel()
@@ -67,7 +76,7 @@ class DataParallel:
 
     def sum_numbers(self, values: list[float]) -> list[float]:
         tensor = torch.tensor(values, dtype=torch.float64)
-        self.collective.all_reduce(tensor)
+        self._all_reduce(tensor)
         return tensor.tolist()
 
     def gather_rows(self, local: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -76,5 +85,5 @@ class DataParallel:
         whole = torch.zeros((num_rows, *local.shape[1:]), dtype=local.dtype)
         rows = self.rows(num_rows)
         whole[rows] = local.to(whole.device)
-        self.collective.all_reduce(whole)
+        self._all_reduce(whole)
         return whole

@@ -68,7 +68,8 @@ def run_update(
     metrics["actor/num_optimizer_steps"] = float(num_steps)
     mine = dp.rows(num_rows) if dp is not None else slice(0, num_rows)
     tokens = int(rollout.prompt_mask[mine].sum() + rollout.completion_mask[mine].sum())
-    return NodeOutput(value=None, metrics=metrics, tokens_in=tokens)
+    blocked = dp.blocked_s if dp is not None else 0.0
+    return NodeOutput(value=None, metrics=metrics, tokens_in=tokens, blocked_s=blocked)
 
 
 def _old_logprobs(state: ModelState, rollout: Rollout, dp: DataParallel | None) -> torch.Tensor:

@@ -206,7 +206,8 @@ class RoleHost:
     def _timed(self, call: NodeCall, inputs: dict[str, Any], arrived: float) -> tuple[NodeOutput, float, float]:
         started = time.perf_counter()
         output = self._dispatch(call, inputs)
-        return output, time.perf_counter() - started, started - arrived
+        # Time blocked on peers counts as waiting, not as this device's work.
+        return output, time.perf_counter() - started - output.blocked_s, started - arrived + output.blocked_s
 
     def _dispatch(self, call: NodeCall, inputs: dict[str, Any]) -> NodeOutput:
         spec = call.spec

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -52,7 +52,7 @@ class Session:
         wanted = {
             node: tuple(plan.slots_of(node))
             for node in self.pipeline.nodes_with_role("update")
-            if len(plan.slots_of(node)) > 1
+            if node in plan.node_slots and len(plan.slots_of(node)) > 1
         }
         for node, members in list(self._groups.items()):
             if wanted.get(node) != members:
@@ -162,6 +162,11 @@ class Session:
         self.plan = plan
         self.executor = StepExecutor(self.pipeline, plan, self.hosts, self.executor.node_timeout_s)
         return MigrationResult(time.perf_counter() - started, num_bytes, tuple(transfers))
+
+    def set_shares(self, shares: dict[str, list[float]]) -> None:
+        """New row shares for split nodes, from the next step on (nothing moves)."""
+        self.plan = replace(self.plan, node_shares={**self.plan.node_shares, **shares})
+        self.executor = StepExecutor(self.pipeline, self.plan, self.hosts, self.executor.node_timeout_s)
 
     def sample_devices(self) -> list[DeviceSample]:
         calls = [host.sample_device() for host in self.hosts.values()]

@@ -63,3 +63,17 @@ def test_a_dynamic_run_reports_status_lines_smoothed_estimates_and_device_load(t
     devices = [p for p in profile if p["type"] == "device"]
     assert {p["device"] for p in devices} == {"cpu-0", "cpu-1"}
     assert all(0.0 <= p["external_load"] <= 1.0 for p in devices)
+
+
+@pytest.mark.integration
+def test_the_shipped_data_parallel_pipeline_trains_its_policy_over_two_workers(tmp_path: Path) -> None:
+    from flowrl.spec.loader import load_pipeline
+
+    graph = load_pipeline(Path(__file__).resolve().parents[2] / "pipelines" / "grpo_data_parallel.yaml")
+    result = run(graph, steps=4, output_dir=tmp_path / "out")
+    assert len(result.records) == 4
+    plan = json.loads((tmp_path / "out" / "plan-0.json").read_text())["runtime"]
+    assert plan["node_shards"]["train"] == ["cpu-0", "cpu-1"] or plan["node_shards"]["train"] == ["cpu-1", "cpu-0"]
+    # both ranks report their part of every update
+    train = [node for node in result.records[-1].nodes if node.node == "train"]
+    assert sorted(node.device for node in train) == ["cpu-0", "cpu-1"]

@@ -91,3 +91,28 @@ def test_shape_from_a_local_config_and_instruct_names(tmp_path: Path) -> None:
 def test_cpu_probe_returns_positive_rates() -> None:
     rates = measure_cpu_rates(matrix_size=32, repeats=1)
     assert rates.flops_per_s > 0 and rates.bandwidth_gbs > 0
+
+
+def test_a_data_parallel_update_pays_a_ring_all_reduce_over_its_slowest_link() -> None:
+    from flowrl.planner.cost import weight_bytes
+    from flowrl.planner.costs import EstimatedCosts
+    from flowrl.spec.loader import pipeline_from_dict
+    from tests.planner.conftest import gpu, grpo
+
+    spec = grpo({"path": "builtin:tiny-llama", "device_group": "actor_group"},
+                {"path": "builtin:tiny-llama", "device_group": "ref_group"},
+                {"actor_group": {"type": "gpu", "count": 2}, "ref_group": {"type": "gpu"}},
+                ppo_epochs=2, mini_batch_size=8)
+    costs = EstimatedCosts(pipeline_from_dict(spec))
+    work = costs.work("train")
+    assert work.shape is not None
+    same_host = [gpu(0, "A100", 40.0, 312.0, 1555.0), gpu(1, "A100", 40.0, 312.0, 1555.0)]
+    two_hosts = [gpu(0, "A100", 40.0, 312.0, 1555.0), gpu(1, "A100", 40.0, 312.0, 1555.0, host="node-1")]
+    grads = weight_bytes(work.shape, work.kind, work.dtype)
+    # two ranks: each sends and receives 2 * (2 - 1) / 2 = 1x the gradients per optimizer step;
+    # PCIe inside a host (25 GB/s, 0.5 ms) against the network between hosts (12.5 GB/s, 1 ms)
+    steps = work.num_mini_batches * work.ppo_epochs
+    assert steps == 4  # 16 sequences in mini-batches of 8, two epochs
+    expected = steps * ((1e-3 + grads / 12.5e9) - (5e-4 + grads / 25e9))
+    difference = costs.compute_s("train", two_hosts, False) - costs.compute_s("train", same_host, False)
+    assert difference == pytest.approx(expected)

@@ -27,7 +27,8 @@ def pipeline(tmp_path: Path) -> PipelineGraph:
     return pipeline_from_dict(spec)
 
 
-def test_two_workers_train_the_policy_to_the_weights_of_one(tmp_path: Path) -> None:
+@pytest.mark.parametrize("shares", [None, [3.0, 1.0]], ids=["equal", "uneven"])
+def test_two_workers_train_the_policy_to_the_weights_of_one(tmp_path: Path, shares: list[float] | None) -> None:
     graph = pipeline(tmp_path)
     cluster = Cluster.start_local(2)
     try:
@@ -40,6 +41,8 @@ def test_two_workers_train_the_policy_to_the_weights_of_one(tmp_path: Path) -> N
         assert plan.model_slots["actor"] == ["cpu-0", "cpu-1"]
         parallel = Session(cluster, graph, plan, None)
         parallel.load_models()
+        if shares is not None:  # as the run sets them from measured speed, between steps
+            parallel.set_shares({"train": shares})
         curve = _train(parallel, graph, range(1, 5), {})
         weights = _weights(parallel, tmp_path / "parallel")
     finally:
