@@ -131,7 +131,7 @@ def _train(
     watcher.event(
         RunEvent("plan", f"predicted step {compiled.iteration_s * 1000:.0f} ms; critical path {' -> '.join(compiled.critical_path)}", 0)
     )
-    placed = ", ".join(f"{node} -> {slot}" for node, slot in plan.node_slots.items())
+    placed = ", ".join(f"{node} -> {'+'.join(plan.slots_of(node))}" for node in plan.node_slots)
     watcher.event(RunEvent("placement", placed, 0))
     session = Session(cluster, graph, plan, base_dir)
     try:
@@ -233,8 +233,8 @@ def check_runnable(graph: PipelineGraph) -> None:
         )
         if (group.count or group.min_count or 1) > 1 and unsplittable:
             problems.append(
-                f"devices.{name}.count: several devices can run {', '.join(SHARDABLE_ROLES)} nodes and policy "
-                f"updates in this version, and this group runs {', '.join(unsplittable)}; set count: 1"
+                f"devices.{name}.count: several devices can run generate, {', '.join(SHARDABLE_ROLES)} nodes and "
+                f"policy updates in this version, and this group runs {', '.join(unsplittable)}; set count: 1"
             )
         if group.type == "gpu":
             problems.append(f"devices.{name}.type: GPU workers are not started in this version; set type: cpu")

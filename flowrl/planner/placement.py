@@ -59,10 +59,10 @@ class Plan:
 def plan_from_compiled(pipeline: PipelineGraph, compiled: CompiledPlan, slots: list[str]) -> Plan:
     """The runtime's placement from the planner's: every node on its one device.
 
-    A score, reference_logprob or value node planned over several devices is split by rows
-    over their workers; a policy's update trains data-parallel over them. Generate nodes
-    and critic updates run on one worker in this version: one planned over several devices
-    is refused with the fix rather than silently narrowed.
+    A generate, score, reference_logprob or value node planned over several devices is
+    split by rows over their workers; a policy's update trains data-parallel over them. A
+    critic's update runs on one worker in this version: one planned over several devices is
+    refused with the fix rather than silently narrowed.
     """
     node_slots: dict[str, str] = {}
     node_shards: dict[str, list[str]] = {}
@@ -73,7 +73,7 @@ def plan_from_compiled(pipeline: PipelineGraph, compiled: CompiledPlan, slots: l
                 group = _node_group(pipeline, node.node) or node.node
                 raise PlacementError(
                     f"devices.{group}: node '{node.node}' is planned over {len(node.devices)} devices; "
-                    "generation and critic updates run on one device in this version. Set `count: 1`."
+                    "a critic's update runs on one device in this version. Set `count: 1`."
                 )
             node_shards[node.node] = list(node.devices)
         missing = [device for device in node.devices if device not in slots]
@@ -114,10 +114,10 @@ def plan_for(
 
 
 def splittable(pipeline: PipelineGraph, node: str) -> bool:
-    """Whether ``node`` can run over several devices: inference roles split by rows, and a
-    policy's update trains data-parallel."""
+    """Whether ``node`` can run over several devices: generation and inference split by rows,
+    and a policy's update trains data-parallel."""
     spec = pipeline.spec.nodes[node]
-    if spec.role in SHARDABLE_ROLES:
+    if spec.role in SHARDABLE_ROLES or spec.role == "generate":
         return True
     return spec.role == "update" and spec.model is not None and pipeline.spec.models[spec.model].kind == "policy"
 

@@ -35,6 +35,8 @@ class Rollout:
     sampled_logprobs: torch.Tensor | None = None
     """[N, T] log-probabilities of the sampled tokens under the sampling policy."""
     meta: dict[str, Any] = field(default_factory=dict)
+    pad_token_id: int = 0
+    """The id on padded positions (masked out everywhere; used to pad when joining parts)."""
 
     @property
     def num_sequences(self) -> int:
@@ -71,6 +73,7 @@ class Rollout:
             temperature=self.temperature,
             sampled_logprobs=None if self.sampled_logprobs is None else self.sampled_logprobs[rows],
             meta=dict(self.meta),
+            pad_token_id=self.pad_token_id,
         )
 
 

@@ -51,17 +51,24 @@ def run_generate(state: ModelState, prompts: Sequence[Any], node: Any) -> NodeOu
         max_new_tokens=node.max_new_tokens,
         temperature=node.temperature,
         sampled_logprobs=None if output.sampled_logprobs is None else output.sampled_logprobs.cpu().clone(),
+        pad_token_id=int(tokenizer.pad_token_id),
     )
-    lengths = completion_mask.sum(dim=1).float()
-    metrics = {
+    return NodeOutput(
+        value=rollout,
+        metrics=rollout_metrics(rollout),
+        tokens_in=rollout.num_prompt_tokens,
+        tokens_out=rollout.num_completion_tokens,
+    )
+
+
+def rollout_metrics(rollout: Rollout) -> dict[str, float]:
+    lengths = rollout.completion_mask.sum(dim=1).float()
+    return {
         "response_length/mean": float(lengths.mean()),
         "response_length/max": float(lengths.max()),
-        "response_length/clip_ratio": float((lengths >= node.max_new_tokens).float().mean()),
-        "prompt_length/mean": float(attention_mask.sum(dim=1).float().mean()),
+        "response_length/clip_ratio": float((lengths >= rollout.max_new_tokens).float().mean()),
+        "prompt_length/mean": float(rollout.prompt_mask.sum(dim=1).float().mean()),
     }
-    return NodeOutput(
-        value=rollout, metrics=metrics, tokens_in=rollout.num_prompt_tokens, tokens_out=rollout.num_completion_tokens
-    )
 
 
 def _decode(tokenizer: Any, completion_ids: torch.Tensor, completion_mask: torch.Tensor) -> list[str]:

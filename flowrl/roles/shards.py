@@ -1,9 +1,11 @@
 """Data-parallel inference: one node's batch split by rows over several devices, then joined.
 
 A ``score``, ``reference_logprob`` or ``value`` node planned on k devices runs k calls; call
-i reads rows ``shard_rows(N, i, k)`` of the rollout (contiguous, in order), and the first
-call joins the k results in row order and computes the node's metrics on the whole batch,
-so consumers see exactly what one device would have produced.
+i reads its rows of the rollout (contiguous, in order; ``weighted_rows``), and the first call
+joins the k results in row order and computes the node's metrics on the whole batch, so
+consumers see exactly what one device would have produced. A ``generate`` node splits its
+prompts the same way (whole prompts, so each prompt's samples stay together) and its parts
+are joined into one rollout.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 
 from flowrl.roles.batch import Rollout, Scores
 from flowrl.roles.data_parallel import weighted_rows
+from flowrl.roles.generate import rollout_metrics
 from flowrl.roles.score import score_metrics
 from flowrl.roles.value import value_metrics
 from flowrl.spec.schema import SHARDABLE_ROLES
@@ -34,14 +37,55 @@ def shard_of(rollout: Rollout, index: int, shares: tuple[float, ...]) -> Rollout
     return rollout.select(torch.arange(rows.start, rows.stop))
 
 
-def join_shards(role: str, parts: list[Any], rollout: Rollout, with_failures: bool) -> tuple[Any, dict[str, float]]:
-    """The joined output of a sharded node (parts in shard order) and its whole-batch metrics."""
+def join_rollouts(parts: list[Rollout]) -> Rollout:
+    """Rollouts of consecutive prompt shares as one: prompts left-padded and completions
+    right-padded to the widest part, rows in part order."""
+    prompt_width = max(part.prompt_ids.shape[1] for part in parts)
+    completion_width = max(part.completion_ids.shape[1] for part in parts)
+    pad = parts[0].pad_token_id
+
+    def widen(tensor: torch.Tensor, width: int, value: float, left: bool) -> torch.Tensor:
+        extra = width - tensor.shape[1]
+        if extra == 0:
+            return tensor
+        filler = torch.full((tensor.shape[0], extra), value, dtype=tensor.dtype)
+        return torch.cat([filler, tensor] if left else [tensor, filler], dim=1)
+
+    logprobs = None
+    if all(part.sampled_logprobs is not None for part in parts):
+        logprobs = torch.cat([widen(p.sampled_logprobs, completion_width, 0.0, False) for p in parts])  # type: ignore[arg-type]
+    first = parts[0]
+    return Rollout(
+        prompt_ids=torch.cat([widen(p.prompt_ids, prompt_width, pad, True) for p in parts]),
+        prompt_mask=torch.cat([widen(p.prompt_mask, prompt_width, 0, True) for p in parts]),
+        completion_ids=torch.cat([widen(p.completion_ids, completion_width, pad, False) for p in parts]),
+        completion_mask=torch.cat([widen(p.completion_mask, completion_width, 0, False) for p in parts]),
+        group_size=first.group_size,
+        prompts=[text for p in parts for text in p.prompts],
+        completions=[text for p in parts for text in p.completions],
+        answers=[answer for p in parts for answer in p.answers],
+        max_new_tokens=first.max_new_tokens,
+        temperature=first.temperature,
+        sampled_logprobs=logprobs,
+        meta=dict(first.meta),
+        pad_token_id=pad,
+    )
+
+
+def join_shards(role: str, parts: list[Any], rollout: Rollout | None, with_failures: bool) -> tuple[Any, dict[str, float]]:
+    """The joined output of a sharded node (parts in shard order; None for a part that got
+    no rows) and its whole-batch metrics."""
+    parts = [part for part in parts if part is not None]
+    if role == "generate":
+        joined = join_rollouts(parts)
+        return joined, rollout_metrics(joined)
     if role == "score":
         scores = Scores(torch.cat([part.values for part in parts]), sum(part.num_failed for part in parts))
         return scores, score_metrics(scores, with_failures)
     if role == "reference_logprob":
         return torch.cat(parts), {}
     if role == "value":
+        assert rollout is not None
         values = torch.cat(parts)
         return values, value_metrics(values, rollout)
     raise ValueError(f"'{role}' nodes cannot be split over devices (only {', '.join(SHARDABLE_ROLES)})")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
 import time
 from pathlib import Path
@@ -32,7 +33,7 @@ from flowrl.rewards import resolve_reward
 from flowrl.roles.advantage import run_advantage
 from flowrl.roles.batch import NodeOutput
 from flowrl.roles.critic_update import run_critic_update
-from flowrl.roles.data_parallel import DataParallel
+from flowrl.roles.data_parallel import DataParallel, weighted_rows
 from flowrl.roles.generate import run_generate
 from flowrl.roles.ppo_advantage import run_ppo_advantage
 from flowrl.roles.ppo_batch import PPOAdvantages
@@ -165,12 +166,24 @@ class RoleHost:
                 if isinstance(value, _Failed):
                     raise UpstreamFailed(f"node '{call.node}' did not run: its input '{name}' failed ({value.message})")
             whole = _rollout_input(call, inputs) if call.role in SHARDABLE_ROLES else None
-            if count > 1 and whole is not None:
-                inputs = {**inputs, whole[0]: shard_of(whole[1], index, call.shares or (1.0,) * count)}
+            split = count > 1 and (whole is not None or call.role == "generate")
+            rows = slice(0, 0)
+            if split:
+                shares = call.shares or (1.0,) * count
+                if whole is not None:
+                    rows = weighted_rows(whole[1].num_sequences, index, shares)
+                    inputs = {**inputs, whole[0]: shard_of(whole[1], index, shares)}
+                else:  # generate: whole prompts, so each prompt's samples stay together
+                    rows = weighted_rows(len(call.prompts), index, shares)
+                    call = replace(call, prompts=call.prompts[rows])
             loop = asyncio.get_running_loop()
-            output, compute_s, waited_s = await loop.run_in_executor(self._compute, self._timed, call, inputs, arrived)
-            if count > 1 and index == 0 and whole is not None:
-                output = await self._join(call, output, whole[1])
+            if split and rows.stop == rows.start:
+                # a share too small for a single row: nothing to compute, an empty part
+                output, compute_s, waited_s = NodeOutput(value=None), 0.0, time.perf_counter() - arrived
+            else:
+                output, compute_s, waited_s = await loop.run_in_executor(self._compute, self._timed, call, inputs, arrived)
+            if split and index == 0:
+                output = await self._join(call, output, whole[1] if whole is not None else None)
         except BaseException as error:
             # Consumers waiting for this output must not wait forever.
             self.store[key] = _Failed(f"{type(error).__name__}: {error}")
@@ -199,7 +212,7 @@ class RoleHost:
             if isinstance(part, _Failed):
                 raise UpstreamFailed(f"node '{call.node}' shard {number} failed ({part.message})")
             parts.append(part)
-        with_failures = "reward/num_failed" in own.metrics
+        with_failures = call.role == "score" and getattr(call.spec, "fn", None) is not None
         value, metrics = join_shards(call.role, parts, rollout, with_failures)
         return NodeOutput(value=value, metrics=metrics, tokens_in=own.tokens_in, tokens_out=own.tokens_out)
 

@@ -117,13 +117,21 @@ class Session:
         return cores
 
     def load_models(self) -> list[dict[str, Any]]:
-        """Load every model on every slot that holds it, all slots at once."""
+        """Load every model on every slot that holds it, all slots at once.
+
+        Parts of a split generate node sample with their own RNG stream (seed + part), so
+        they do not draw the same random numbers for different prompts."""
         seed = self.pipeline.spec.trainer.seed
+        offsets: dict[tuple[str, str], int] = {}
+        for node in self.pipeline.nodes_with_role("generate"):
+            model = self.pipeline.spec.nodes[node].model
+            for part, slot in enumerate(self.plan.node_shards.get(node, [])):
+                offsets.setdefault((model, slot), part)
         calls = []
         for model, slots in self.plan.model_slots.items():
             spec = self.pipeline.spec.models[model]
             for slot in slots:
-                calls.append(self.hosts[slot].load_model(model, spec, seed))
+                calls.append(self.hosts[slot].load_model(model, spec, seed + offsets.get((model, slot), 0)))
         return [call.result() for call in calls]
 
     def run_step(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -9,7 +10,7 @@ import pytest
 from flowrl.errors import PlacementError
 from flowrl.planner.compiled import compile_plan
 from flowrl.planner.placement import Plan, plan_from_compiled
-from flowrl.spec.loader import pipeline_from_dict
+from flowrl.spec.loader import load_pipeline, pipeline_from_dict
 
 from tests.planner.conftest import cpu, gpu, inventory
 
@@ -70,10 +71,23 @@ def test_a_node_on_another_group_gets_a_copy_of_its_model_and_pushed_weights() -
     assert plan.weight_peers("train", "actor") == [plan.node_slots["rollout"]]
 
 
-def test_gpu_group_on_cpu_workers_and_multi_device_groups_are_refused_with_a_fix() -> None:
+def test_gpu_group_on_cpu_workers_and_a_critic_over_several_devices_are_refused_with_a_fix() -> None:
     gpu_data = _data(devices={"actor_group": {"type": "gpu"}, "ref_group": {"type": "cpu"}})
     with pytest.raises(PlacementError, match="type: cpu"):
         _place(gpu_data, gpu(0, "A100-40GB", 40, 312, 1555), cpu(0), cpu(1))
+    ppo = load_pipeline(Path(__file__).resolve().parents[2] / "pipelines" / "ppo_tiny.yaml").spec.model_dump(
+        mode="json", exclude_unset=True
+    )
+    ppo["devices"]["critic_group"]["count"] = 2
+    with pytest.raises(PlacementError, match="train_critic' is planned over 2 devices.*count: 1"):
+        _place(ppo, cpu(0), cpu(1))
+
+
+def test_a_group_of_two_devices_splits_generation_and_trains_data_parallel() -> None:
     wide = _data(devices={"actor_group": {"type": "cpu", "count": 2}, "ref_group": {"type": "cpu"}})
-    with pytest.raises(PlacementError, match="count: 1"):
-        _place(wide, cpu(0), cpu(1))
+    plan = _place(wide, cpu(0), cpu(1))
+    assert sorted(plan.slots_of("rollout")) == ["cpu-0", "cpu-1"]
+    assert plan.slots_of("train") == plan.slots_of("rollout")
+    assert sorted(plan.model_slots["actor"]) == ["cpu-0", "cpu-1"]
+    # every copy of the actor trains: nobody waits for pushed weights
+    assert plan.weight_peers("train", "actor") == []
