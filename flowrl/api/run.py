@@ -21,6 +21,7 @@ from flowrl.api.replanning import Replanner
 from flowrl.backends.hf import resolve_model_path
 from flowrl.data import PromptSource
 from flowrl.devices.groups import model_group, offload_notes, pipeline_groups
+from flowrl.devices.inventory import detect_local
 from flowrl.devices.matching import match_groups
 from flowrl.devices.report import inventory_lines, match_lines
 from flowrl.errors import FlowrlError
@@ -236,10 +237,19 @@ def check_runnable(graph: PipelineGraph) -> None:
                 f"devices.{name}.count: several devices can run generate, {', '.join(SHARDABLE_ROLES)} nodes and "
                 f"policy updates in this version, and this group runs {', '.join(unsplittable)}; set count: 1"
             )
-        if group.type == "gpu":
-            problems.append(f"devices.{name}.type: GPU workers are not started in this version; set type: cpu")
+        if group.type == "gpu" and not graph.spec.runtime.scheduler_address and not _local_gpus():
+            problems.append(f"devices.{name}.type: this machine has no GPU ({_no_gpu_reason()}); set type: cpu")
     if problems:
         raise FlowrlError("this pipeline is valid but cannot run in this version:\n" + "\n".join(f"  {p}" for p in problems))
+
+
+def _local_gpus() -> int:
+    return sum(1 for device in detect_local(num_cpu_slots=0).devices if device.kind == "gpu")
+
+
+def _no_gpu_reason() -> str:
+    notes = detect_local(num_cpu_slots=0).notes
+    return notes[0] if notes else "NVML sees none"
 
 
 def preflight(graph: PipelineGraph, base_dir: Path | None) -> None:

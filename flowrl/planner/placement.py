@@ -80,8 +80,8 @@ def plan_from_compiled(pipeline: PipelineGraph, compiled: CompiledPlan, slots: l
         if missing:
             raise PlacementError(
                 f"nodes.{node.node}: planned on {', '.join(missing)}, but no Dask worker serves it "
-                f"(workers: {', '.join(slots)}). GPU workers are not started in this version: "
-                "set `type: cpu` for its device group."
+                f"(workers: {', '.join(slots)}). Start a worker for it (a joined cluster names its "
+                "workers after their devices) or set `type: cpu` for its device group."
             )
         node_slots[node.node] = node.devices[0]
         reasons.append(f"{node.node} -> {', '.join(node.devices)}: {node.reason}")

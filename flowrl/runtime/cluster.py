@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import dask
-from distributed import Client, LocalCluster
+from distributed import Client, LocalCluster, Nanny, Scheduler, SpecCluster
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from flowrl.devices.inventory import Inventory, detect_local, inventory_from_dict, merge_inventories
@@ -38,29 +38,24 @@ class WorkerSlot:
     kind: str = "cpu"
     cores: tuple[int, ...] | None = None
     """CPU cores the slot's worker is pinned to; None: not pinned (any core of its host)."""
+    gpu_index: int | None = None
+    """GPU slots: the card's NVML index (its worker sees only it, as cuda:0)."""
 
 
 class Cluster:
-    def __init__(self, client: Client, slots: list[WorkerSlot], local: LocalCluster | None) -> None:
+    def __init__(self, client: Client, slots: list[WorkerSlot], local: SpecCluster | None) -> None:
         self.client = client
         self.slots = slots
         self._local = local
 
     @classmethod
     def start_local(cls, num_slots: int, dashboard: bool = False, pin_cpus: bool = False) -> "Cluster":
+        """One worker per CPU slot and, on a machine with GPUs, one more per GPU."""
+        gpus = [device.index for device in detect_local(num_cpu_slots=0).devices if device.kind == "gpu"]
+        if gpus:
+            return cls._start_with_gpus(num_slots, gpus, dashboard)
         register()
-        # Worker config travels with the nanny to each worker process. The statistical
-        # profiler samples every thread's stack every 10 ms while holding the GIL, which
-        # roughly doubled the time of a small model's node calls: flowrl times nodes itself.
-        #
-        # The nanny also sets MALLOC_TRIM_THRESHOLD_=65536 in each worker, which makes glibc
-        # return memory to the OS so eagerly that torch's many small allocations cost 1.8x
-        # the time (measured: an update step of builtin:tiny-llama 41 ms -> 72-76 ms).
-        environ = dict(dask.config.get("distributed.nanny.pre-spawn-environ"))
-        environ.pop("MALLOC_TRIM_THRESHOLD_", None)
-        dask.config.set(
-            {"distributed.worker.profile.enabled": False, "distributed.nanny.pre-spawn-environ": environ}
-        )
+        _quiet_worker_config()
         try:
             with warnings.catch_warnings():
                 # Without a dashboard the scheduler still serves its small HTTP endpoint
@@ -92,6 +87,37 @@ class Cluster:
         return cls(client, slots, local)
 
     @classmethod
+    def _start_with_gpus(cls, num_cpu_slots: int, gpus: list[int], dashboard: bool) -> "Cluster":
+        """A ``SpecCluster`` (LocalCluster's base) whose GPU workers each see one card:
+        ``CUDA_VISIBLE_DEVICES`` is set in the nanny's environment before the worker process
+        starts, so CUDA in there knows that card alone, as ``cuda:0``."""
+        register()
+        _quiet_worker_config()
+        worker = {"nthreads": 1, "memory_limit": 0, "host": "127.0.0.1", "silence_logs": logging.CRITICAL}
+        specs: dict[str, dict[str, Any]] = {}
+        for number in range(num_cpu_slots):
+            specs[f"cpu-{number}"] = {"cls": Nanny, "options": {**worker, "name": f"cpu-{number}", "env": {"CUDA_VISIBLE_DEVICES": ""}}}
+        for index in gpus:
+            specs[f"gpu-{index}"] = {"cls": Nanny, "options": {**worker, "name": f"gpu-{index}", "env": {"CUDA_VISIBLE_DEVICES": str(index)}}}
+        scheduler = {
+            "cls": Scheduler,
+            "options": {"host": "127.0.0.1", "dashboard_address": "127.0.0.1:8787" if dashboard else ":0", "dashboard": dashboard},
+        }
+        try:
+            spec_cluster = SpecCluster(workers=specs, scheduler=scheduler, silence_logs=logging.CRITICAL)
+        except Exception as error:  # any start-up failure is an environment problem
+            raise ClusterError(f"cannot start a local Dask cluster with {len(gpus)} GPU workers: {error}") from error
+        client = Client(spec_cluster, direct_to_workers=True)
+        client.register_plugin(TorchSerializerPlugin())
+        client.register_plugin(IgnoreInterruptPlugin())
+        slots = []
+        for slot in _slots(client, prefix=None):
+            if slot.name.startswith("gpu-"):
+                slot = replace(slot, kind="gpu", gpu_index=int(slot.name.removeprefix("gpu-")))
+            slots.append(slot)
+        return cls(client, slots, spec_cluster)
+
+    @classmethod
     def join(cls, address: str, timeout_s: float = 30.0) -> "Cluster":
         register()
         try:
@@ -119,7 +145,7 @@ class Cluster:
         report its own host and devices, so the inventory spans machines.
         """
         if self._local is not None:
-            return detect_local(num_cpu_slots=len(self.slots))
+            return detect_local(num_cpu_slots=sum(1 for slot in self.slots if slot.kind == "cpu"))
         reports = self.client.run(_report_devices)
         parts = []
         for number, slot in enumerate(self.slots):
@@ -175,6 +201,19 @@ def split_cores(cores: list[int], num_slots: int) -> list[tuple[int, ...]]:
         shares.append(tuple(cores[start:end]))
         start = end
     return shares
+
+
+def _quiet_worker_config() -> None:
+    # Worker config travels with the nanny to each worker process. The statistical
+    # profiler samples every thread's stack every 10 ms while holding the GIL, which
+    # roughly doubled the time of a small model's node calls: flowrl times nodes itself.
+    #
+    # The nanny also sets MALLOC_TRIM_THRESHOLD_=65536 in each worker, which makes glibc
+    # return memory to the OS so eagerly that torch's many small allocations cost 1.8x
+    # the time (measured: an update step of builtin:tiny-llama 41 ms -> 72-76 ms).
+    environ = dict(dask.config.get("distributed.nanny.pre-spawn-environ"))
+    environ.pop("MALLOC_TRIM_THRESHOLD_", None)
+    dask.config.set({"distributed.worker.profile.enabled": False, "distributed.nanny.pre-spawn-environ": environ})
 
 
 def _report_devices() -> dict[str, Any]:

@@ -61,6 +61,7 @@ class RoleHost:
         base_dir: str | None,
         cores: tuple[int, ...] | None = None,
         sample_interval_s: float = 0.5,
+        gpu_index: int | None = None,
     ) -> None:
         register()
         if cores:
@@ -82,7 +83,7 @@ class RoleHost:
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flowrl-compute")
         self._groups: dict[str, GlooGroup] = {}
         usable = len(cores) if cores else (os.cpu_count() or 1)
-        self._sampler = DeviceSampler(device_name, min(max(1, torch_threads), usable), sample_interval_s)
+        self._sampler = DeviceSampler(device_name, min(max(1, torch_threads), usable), sample_interval_s, gpu_index)
 
     # ---- models -------------------------------------------------------------------
     def load_model(self, name: str, spec: Any, seed: int) -> dict[str, Any]:

@@ -85,12 +85,14 @@ class Session:
             futures[name] = self.cluster.client.submit(
                 RoleHost,
                 name,
-                "cpu",
+                # a GPU worker sees its one card only (CUDA_VISIBLE_DEVICES), as cuda:0
+                "cuda" if slot.kind == "gpu" else "cpu",
                 threads,
                 seed,
                 str(self.base_dir) if self.base_dir else None,
                 slot.cores,
                 self.pipeline.spec.profiler.sample_interval_s,
+                slot.gpu_index,
                 actor=True,
                 workers=[slot.worker],
                 allow_other_workers=False,
@@ -111,6 +113,10 @@ class Session:
         if slot.cores:
             return len(slot.cores)
         cores = max(1, os.cpu_count() or 1)
+        if slot.kind == "gpu":
+            # the card computes; a few threads feed it and run its CPU-side work
+            same_host = sum(1 for other in self._slots.values() if other.host == slot.host)
+            return max(1, min(4, cores // max(1, same_host)))
         if self.plan.node_shards:
             same_host = sum(1 for other in self._slots.values() if other.host == slot.host)
             return max(1, cores // max(1, same_host))

@@ -1,0 +1,124 @@
+"""Decode speed: flowrl's generation loop against ``transformers`` ``generate()``, same model.
+
+    python benchmarks/decode.py --batches 64,256 --new-tokens 128 \
+        --output benchmarks/results/decode_h200.json
+
+A random-init causal LM of Qwen2.5-0.5B's shape with a 32,000-token vocabulary (hidden 896,
+24 layers, 14 heads, 2 KV heads, intermediate 4864, tied embeddings), bf16 on the GPU (fp32 on
+a CPU, where it is slow: use a small ``--layers`` there). Prompts of ``--prompt-tokens`` random
+tokens; sampling at temperature 1 with an end-of-sequence id outside the vocabulary (so every
+run decodes exactly ``--new-tokens`` steps). Per engine and batch size: milliseconds per decode step (the whole
+call divided by the number of new tokens, the prefill included), generated tokens/s, peak GPU
+memory; the median of ``--repeats`` runs after one warm-up, and the flowrl/transformers ratio
+of the medians with its range over the repeats. Writes JSON; never asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from flowrl.backends.generation import generate_tokens  # noqa: E402
+
+VOCAB = 32_000
+EOS = VOCAB
+"""Outside the vocabulary: never sampled, so every run decodes exactly --new-tokens steps."""
+
+
+def build_model(layers: int, device: str) -> torch.nn.Module:
+    config = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=896, num_hidden_layers=layers, num_attention_heads=14,
+        num_key_value_heads=2, intermediate_size=4864, tie_word_embeddings=True,
+        max_position_embeddings=4096, pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device)
+    return model.eval()
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_flowrl(model: Any, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int) -> None:
+    generate_tokens(model, ids, mask, max_new_tokens=new_tokens, eos_token_id=EOS, pad_token_id=0,
+                    generator=torch.Generator(device=ids.device).manual_seed(0))
+
+
+def run_hf(model: Any, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int) -> None:
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                   do_sample=True, temperature=1.0, top_p=1.0, top_k=0, pad_token_id=0, eos_token_id=EOS)
+
+
+def measure(engine: Any, model: Any, batch: int, args: argparse.Namespace, device: str) -> dict[str, Any]:
+    ids = torch.randint(1, VOCAB - 1, (batch, args.prompt_tokens), device=device)
+    mask = torch.ones_like(ids)
+    engine(model, ids, mask, 4)  # warm-up
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(args.repeats):
+        sync(device)
+        started = time.perf_counter()
+        with torch.inference_mode():
+            engine(model, ids, mask, args.new_tokens)
+        sync(device)
+        times.append(time.perf_counter() - started)
+    per_step = [t / args.new_tokens * 1e3 for t in times]
+    return {
+        "ms_per_decode_step": statistics.median(per_step),
+        "ms_per_decode_step_all": per_step,
+        "tokens_per_s": batch * args.new_tokens / statistics.median(times),
+        "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else None,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batches", default="64,256")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--output", type=Path, default=REPO / "benchmarks" / "results" / "decode.json")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = build_model(args.layers, device)
+    rows = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        flowrl = measure(run_flowrl, model, batch, args, device)
+        hf = measure(run_hf, model, batch, args, device)
+        ratios = [f / h for f, h in zip(flowrl["ms_per_decode_step_all"], hf["ms_per_decode_step_all"])]
+        rows.append({"batch": batch, "flowrl": flowrl, "transformers": hf,
+                     "ratio_flowrl_over_transformers": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}})
+        print(f"batch {batch:>4}: flowrl {flowrl['ms_per_decode_step']:.2f} ms/step ({flowrl['tokens_per_s']:,.0f} tok/s) | "
+              f"transformers {hf['ms_per_decode_step']:.2f} ms/step ({hf['tokens_per_s']:,.0f} tok/s) | "
+              f"ratio {statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})", flush=True)
+    report = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "rows": rows,
+    }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"written: {args.output}")
+
+
+if __name__ == "__main__":
+    main()
