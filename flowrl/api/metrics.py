@@ -37,7 +37,7 @@ def step_metrics(
         # a node split over devices takes as long as its slowest part
         metrics[key] = metrics.get(key, 0.0) + max(part.compute_s for part in parts)
         if report.role == "generate":
-            generated_tokens += report.tokens_in + report.tokens_out
+            generated_tokens += sum(part.tokens_in + part.tokens_out for part in parts)
         for part in parts:
             nodes.append(
                 NodeTiming(

@@ -13,6 +13,7 @@ and tells the user what happened and why.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from flowrl.api.metrics import timing_name
 from flowrl.api.outputs import RunFolder
@@ -78,6 +79,8 @@ class Replanner:
             self.emit(RunEvent("shares", f"{node}: rows {parts} (measured {measured})", step, {"node": node, "shares": list(shares)}))
         if changed:
             self.session.set_shares(changed)
+            for node in changed:  # times measured under the old shares say little now
+                self.profile.forget(node)
 
     def _carry_out(self, step: int, decision: Decision) -> None:
         data = decision.to_dict()
@@ -95,7 +98,14 @@ class Replanner:
                 )
             )
         plan = plan_from_compiled(self.graph, decision.plan, self.slots)
-        result = self.session.apply_plan(plan)
+        old = self.session.plan
+        # learned row shares stay with split nodes whose workers did not change
+        kept = {
+            node: shares
+            for node, shares in old.node_shares.items()
+            if node in plan.node_shards and plan.slots_of(node) == old.slots_of(node)
+        }
+        result = self.session.apply_plan(replace(plan, node_shares=kept))
         self.policy.observe_move(decision.move_cost_s, result.seconds)
         self.num_moves += len(decision.moves)
         self.move_s += result.seconds

@@ -151,7 +151,7 @@ def _train(
             reports = session.run_step(step, source.next_batch(step - 1), kl.coefs())
             step_s = time.perf_counter() - step_started
             devices = session.sample_devices()
-            metrics, nodes = step_metrics(graph, reports, step_s, num_devices=len(session.hosts))
+            metrics, nodes = step_metrics(graph, reports, step_s, num_devices=session.num_slots_in_use)
             kl.update(reports)
             record = StepRecord(step, num_steps, metrics, nodes, devices, time.perf_counter() - started)
             result.records.append(record)

@@ -73,7 +73,8 @@ def plan_from_compiled(pipeline: PipelineGraph, compiled: CompiledPlan, slots: l
                 group = _node_group(pipeline, node.node) or node.node
                 raise PlacementError(
                     f"devices.{group}: node '{node.node}' is planned over {len(node.devices)} devices; "
-                    "a critic's update runs on one device in this version. Set `count: 1`."
+                    "only generate, score, reference_logprob, value and a policy's update run over several "
+                    "devices in this version. Set `count: 1`."
                 )
             node_shards[node.node] = list(node.devices)
         missing = [device for device in node.devices if device not in slots]

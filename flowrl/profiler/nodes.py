@@ -76,6 +76,13 @@ class NodeProfile:
             averages.rate.update(timing.tokens_per_s)
             averages.calls += 1
 
+    def forget(self, node: str) -> None:
+        """Drop a node's averages (its work per part changed)."""
+        for key in [key for key in self._nodes if key[0] == node]:
+            del self._nodes[key]
+        for name in [name for name, item in self._shown.items() if item.node == node]:
+            del self._shown[name]
+
     def summary(self) -> dict[str, NodeSummary]:
         """By node; a node split over devices by ``node@device``, one entry per part."""
         parts: dict[str, int] = {}

@@ -29,6 +29,7 @@ class DeviceSampler:
         self._process = psutil.Process(os.getpid())
         self._gpu = GpuMeter(gpu_index) if gpu_index is not None else None
         self._lock = threading.Lock()
+        self._sampling = threading.Lock()
         self._busy_s = 0.0
         self._span_s = 0.0
         self._peak_gb = 0.0
@@ -58,7 +59,11 @@ class DeviceSampler:
         return busy
 
     def sample(self) -> None:
-        """Take one sample now (the thread calls this every ``interval_s``)."""
+        """Take one sample now (the thread calls this every ``interval_s``; ``read`` too)."""
+        with self._sampling:  # the thread and a read must not count one span twice
+            self._sample()
+
+    def _sample(self) -> None:
         now = time.perf_counter()
         elapsed = now - self._last_at
         if elapsed < MIN_SPAN_S:

@@ -94,9 +94,10 @@ class NodeOutput:
     value: Any
     metrics: dict[str, float] = field(default_factory=dict)
     tokens_in: int = 0
-    """Tokens read: the prompt for generate, prompt + completion for the others."""
+    """Tokens read: the prompt for generate, completions for a rule-based score, prompt +
+    completion for the others."""
     tokens_out: int = 0
-    blocked_s: float = 0.0
-    """Time of the call spent blocked on peers (a data-parallel update's collectives)."""
     """Tokens produced: completions for generate, one number per completion token for
     reference_logprob and value, 0 for the rest."""
+    blocked_s: float = 0.0
+    """Time of the call spent blocked on peers (a data-parallel update's collectives)."""

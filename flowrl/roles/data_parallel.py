@@ -61,18 +61,26 @@ class DataParallel:
         return weighted_rows(num_rows, self.rank, self.shares)
 
     def sum_gradients(self, module: torch.nn.Module) -> None:
-        """All-reduce every gradient as one flat buffer (a rank with no rows sends zeros)."""
+        """All-reduce every gradient as one flat buffer (a rank with no rows sends zeros).
+
+        One flag per parameter travels with it: a parameter no rank computed a gradient for
+        keeps ``grad = None``, as on one device, so the optimizer leaves it alone."""
         params = [p for p in module.parameters() if p.requires_grad]
+        used = [p.grad is not None for p in params]
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        flags = torch.tensor(used, dtype=params[0].grad.dtype if params else torch.float32)
+        flat = torch.cat([*(p.grad.reshape(-1) for p in params), flags.to(params[0].grad.device) if params else flags])
         self._all_reduce(flat)
         offset = 0
         for p in params:
             count = p.numel()
             p.grad.copy_(flat[offset : offset + count].view_as(p.grad))
             offset += count
+        for p, anywhere in zip(params, flat[offset:].tolist()):
+            if anywhere == 0:
+                p.grad = None
 
     def sum_numbers(self, values: list[float]) -> list[float]:
         tensor = torch.tensor(values, dtype=torch.float64)

@@ -34,11 +34,13 @@ class NodeCall:
     kl_coef: float = 0.0
     """Advantage nodes: this step's KL reward-penalty coefficient (fixed or adaptive)."""
     shard: tuple[int, int] = (0, 1)
-    """(index, count): this call computes rows ``shard_rows(N, index, count)`` of its batch."""
+    """(index, count): this call computes part ``index`` of ``count`` of its node's rows
+    (``weighted_rows`` with ``shares``)."""
     shard_peers: tuple[Any, ...] = ()
     """Shard 0 only: the hosts of shards 1..count-1, whose parts it joins."""
     shares: tuple[float, ...] = ()
-    """Relative rows per shard (empty: equal); a data-parallel update's ranks use them."""
+    """Relative rows per part (empty: equal): split inference, split generation and the
+    ranks of a data-parallel update all use them."""
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ class Cluster:
         """One worker per CPU slot and, on a machine with GPUs, one more per GPU."""
         gpus = [device.index for device in detect_local(num_cpu_slots=0).devices if device.kind == "gpu"]
         if gpus:
-            return cls._start_with_gpus(num_slots, gpus, dashboard)
+            return cls._start_with_gpus(num_slots, gpus, dashboard, pin_cpus)
         register()
         _quiet_worker_config()
         try:
@@ -87,7 +87,7 @@ class Cluster:
         return cls(client, slots, local)
 
     @classmethod
-    def _start_with_gpus(cls, num_cpu_slots: int, gpus: list[int], dashboard: bool) -> "Cluster":
+    def _start_with_gpus(cls, num_cpu_slots: int, gpus: list[int], dashboard: bool, pin_cpus: bool) -> "Cluster":
         """A ``SpecCluster`` (LocalCluster's base) whose GPU workers each see one card:
         ``CUDA_VISIBLE_DEVICES`` is set in the nanny's environment before the worker process
         starts, so CUDA in there knows that card alone, as ``cuda:0``."""
@@ -115,6 +115,10 @@ class Cluster:
             if slot.name.startswith("gpu-"):
                 slot = replace(slot, kind="gpu", gpu_index=int(slot.name.removeprefix("gpu-")))
             slots.append(slot)
+        if pin_cpus:  # CPU slots only: a GPU worker's threads only feed its card
+            cpu_slots = [slot for slot in slots if slot.kind == "cpu"]
+            shares = dict(zip([s.name for s in cpu_slots], split_cores(sorted(os.sched_getaffinity(0)), len(cpu_slots))))
+            slots = [replace(slot, cores=shares[slot.name]) if slot.name in shares else slot for slot in slots]
         return cls(client, slots, spec_cluster)
 
     @classmethod

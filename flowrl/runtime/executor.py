@@ -11,6 +11,7 @@ here: the consumer's host fetches them from the producer's host.
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from typing import Any, Sequence
 
@@ -20,6 +21,8 @@ from flowrl.planner.placement import Plan
 from flowrl.runtime.calls import InputRef, NodeCall, NodeReport, store_key
 
 PROMPTS = "prompts"
+POLL_S = 0.05
+"""How long the driver waits on one part of a split node before looking at the others."""
 
 
 class StepExecutor:
@@ -62,15 +65,40 @@ class StepExecutor:
         reports: dict[str, NodeReport] = {}
         # In dependency order: the first failure met is the one that caused the others.
         for node, futures in calls.items():
-            try:
-                first, *others = [future.result(timeout=self.node_timeout_s) for future in futures]
-            except TimeoutError as error:
-                raise ClusterError(
-                    f"node '{node}' on {', '.join(self.plan.slots_of(node))} did not finish within "
-                    f"{self.node_timeout_s:.0f} s (runtime.node_timeout_s)"
-                ) from error
+            first, *others = self._collect(node, futures)
             reports[node] = replace(first, shards=tuple(others)) if others else first
         return reports
+
+    def _collect(self, node: str, futures: list[Any]) -> list[NodeReport]:
+        """The reports of a node's calls. A node split over workers is watched as a whole:
+        when one part fails, the others may block (a data-parallel rank in its all-reduce)
+        until the collective times out, so the first part to fail is the error reported."""
+        if len(futures) == 1:
+            return [self._result(node, futures[0], self.node_timeout_s)]
+        deadline = time.monotonic() + self.node_timeout_s
+        results: dict[int, NodeReport] = {}
+        while len(results) < len(futures):
+            for index, future in enumerate(futures):
+                if index in results:
+                    continue
+                try:
+                    results[index] = future.result(timeout=POLL_S)
+                except TimeoutError:
+                    if time.monotonic() > deadline:
+                        raise self._timeout(node) from None
+        return [results[index] for index in range(len(futures))]
+
+    def _result(self, node: str, future: Any, timeout_s: float) -> NodeReport:
+        try:
+            return future.result(timeout=timeout_s)
+        except TimeoutError as error:
+            raise self._timeout(node) from error
+
+    def _timeout(self, node: str) -> ClusterError:
+        return ClusterError(
+            f"node '{node}' on {', '.join(self.plan.slots_of(node))} did not finish within "
+            f"{self.node_timeout_s:.0f} s (runtime.node_timeout_s)"
+        )
 
     def _call(self, step: int, node: str, prompts: Sequence[Any], kl_coef: float, slot: str) -> NodeCall:
         """The call of ``node`` as the host on ``slot`` runs it (inputs held there are local)."""

@@ -131,7 +131,9 @@ class RoleHost:
             exported["generator"] = state.generator.get_state()
         return exported
 
-    async def adopt_model(self, name: str, spec: Any, seed: int, sources: tuple[tuple[Any, tuple[str, ...]], ...]) -> dict[str, float]:
+    async def adopt_model(
+        self, name: str, spec: Any, seed: int, sources: tuple[tuple[Any, tuple[str, ...]], ...], reseed: bool = False
+    ) -> dict[str, float]:
         """Take over (part of) a model's state from other hosts: load the model here if this
         host lacks it, then pull each listed part straight from the host that has it.
 
@@ -147,6 +149,8 @@ class RoleHost:
             exported = await source.export_state(name, parts)
             num_bytes += _state_bytes(exported)
             await loop.run_in_executor(self._compute, self.models[name].restore, exported)
+        if reseed:
+            self.models[name].generator.manual_seed(seed)
         return {"seconds": time.perf_counter() - started, "bytes": float(num_bytes)}
 
     def drop_model(self, name: str) -> None:

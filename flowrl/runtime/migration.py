@@ -2,9 +2,9 @@
 
 A model's state lives in parts on the hosts that hold it:
 
-    weights     every copy; the trained copy (on the update node's slot) is the current one
-    optimizer   the update node's slot only (AdamW moments and the update count)
-    generator   the generate node's slot (its sampling RNG)
+    weights     every copy; the trained copies (the update node's slots) are current
+    optimizer   the update node's slots (the same state on every rank of a data-parallel update)
+    generator   each slot of the generate node: one sampling stream per part
 
 For each model and each slot of the new plan, the slot pulls the parts it newly needs from
 the slot that has them in the old plan. A model that is never trained is loaded from its
@@ -20,6 +20,10 @@ from flowrl.graph import PipelineGraph
 from flowrl.planner.placement import Plan
 
 
+RESEED_BASE = 1000
+"""Seed offsets of restarted sampling streams: 1000 x the step of the re-plan + the part."""
+
+
 @dataclass(frozen=True)
 class Transfer:
     """One slot taking over (parts of) one model's state."""
@@ -28,30 +32,46 @@ class Transfer:
     slot: str
     sources: tuple[tuple[str, tuple[str, ...]], ...]
     """(source slot, parts pulled from it); empty: load from the model's path only."""
+    seed_offset: int = 0
+    """Added to the run's seed when the slot loads the model: part k of a split generate
+    node samples with its own stream (seed + k)."""
+    reseed: bool = False
+    """Restart the slot's sampling stream at seed + ``seed_offset``: the stream its part
+    had was on a worker that is gone, and keeping another part's would duplicate it."""
 
 
-def plan_transfers(pipeline: PipelineGraph, old: Plan, new: Plan) -> list[Transfer]:
+def plan_transfers(pipeline: PipelineGraph, old: Plan, new: Plan, alive: set[str] | None = None) -> list[Transfer]:
+    """What each slot of ``new`` pulls; only slots in ``alive`` (None: all) can send."""
     transfers = []
     for model in sorted(new.model_slots):
-        train_old = _role_slot(pipeline, old, model, "update")
         ranks_old = _role_slots(pipeline, old, model, "update")
         ranks_new = _role_slots(pipeline, new, model, "update")
-        gen_old = _role_slot(pipeline, old, model, "generate")
-        gen_new = _role_slot(pipeline, new, model, "generate")
+        # Every rank of a data-parallel update holds the same weights and optimizer state:
+        # any live one can send them.
+        live_ranks = [slot for slot in ranks_old if alive is None or slot in alive]
+        train_old = live_ranks[0] if live_ranks else None
+        gen_old = _role_slots(pipeline, old, model, "generate")
+        gen_new = _role_slots(pipeline, new, model, "generate")
         holders_old = old.model_slots.get(model, [])
         for slot in new.model_slots[model]:
             wanted: dict[str, list[str]] = {}
             if slot not in holders_old and train_old is not None:
                 wanted.setdefault(train_old, []).append("weights")
             if slot in ranks_new and train_old is not None and slot not in ranks_old:
-                # every rank of a data-parallel update keeps the same optimizer state
                 wanted.setdefault(train_old, []).append("optimizer")
-            if slot == gen_new and gen_old is not None and slot != gen_old:
-                wanted.setdefault(gen_old, []).append("generator")
-            if slot in holders_old and not wanted:
+            # part k of generation continues part k's sampling stream, wherever it was
+            part = gen_new.index(slot) if slot in gen_new else None
+            reseed = False
+            offset = part or 0
+            if part is not None and part < len(gen_old) and gen_old[part] != slot:
+                if alive is None or gen_old[part] in alive:
+                    wanted.setdefault(gen_old[part], []).append("generator")
+                else:  # a fresh stream, distinct from every stream of the first plan
+                    reseed, offset = True, RESEED_BASE * max(1, new.step) + part
+            if slot in holders_old and not wanted and not reseed:
                 continue
             sources = tuple((source, tuple(parts)) for source, parts in sorted(wanted.items()))
-            transfers.append(Transfer(model, slot, sources))
+            transfers.append(Transfer(model, slot, sources, offset, reseed))
     return transfers
 
 
@@ -64,10 +84,3 @@ def _role_slots(pipeline: PipelineGraph, plan: Plan, model: str, role: str) -> l
     return []
 
 
-def _role_slot(pipeline: PipelineGraph, plan: Plan, model: str, role: str) -> str | None:
-    """The slot of ``model``'s first node with ``role`` in ``plan`` (None when it has none)."""
-    for node in pipeline.topological_order():
-        spec = pipeline.spec.nodes[node]
-        if spec.model == model and spec.role == role and node in plan.node_slots:
-            return plan.node_slots[node]
-    return None

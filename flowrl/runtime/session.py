@@ -72,8 +72,10 @@ class Session:
                 join.result(timeout=120)
             self._groups[node] = members
 
-    def _ensure_hosts(self, names: list[str]) -> None:
-        """Start a ``RoleHost`` on every slot in ``names`` that has none yet, all at once."""
+    def _ensure_hosts(self, names: list[str], plan: Plan | None = None) -> None:
+        """Start a ``RoleHost`` on every slot in ``names`` that has none yet, all at once
+        (threads chosen for ``plan``, the one about to run)."""
+        plan = plan or self.plan
         runtime = self.pipeline.spec.runtime
         seed = self.pipeline.spec.trainer.seed
         futures = {}
@@ -81,7 +83,7 @@ class Session:
             if name in self.hosts:
                 continue
             slot = self._slots[name]
-            threads = runtime.torch_threads or self._default_threads(slot)
+            threads = runtime.torch_threads or self._default_threads(slot, plan)
             futures[name] = self.cluster.client.submit(
                 RoleHost,
                 name,
@@ -101,7 +103,7 @@ class Session:
         for name, future in futures.items():
             self.hosts[name] = future.result()
 
-    def _default_threads(self, slot: WorkerSlot) -> int:
+    def _default_threads(self, slot: WorkerSlot, plan: Plan) -> int:
         """Torch threads of a worker when the file does not say.
 
         A pinned worker uses its own cores. Otherwise nodes of one step mostly run one after
@@ -117,7 +119,7 @@ class Session:
             # the card computes; a few threads feed it and run its CPU-side work
             same_host = sum(1 for other in self._slots.values() if other.host == slot.host)
             return max(1, min(4, cores // max(1, same_host)))
-        if self.plan.node_shards:
+        if plan.node_shards:
             same_host = sum(1 for other in self._slots.values() if other.host == slot.host)
             return max(1, cores // max(1, same_host))
         return cores
@@ -151,15 +153,18 @@ class Session:
         then hosts that lost a model drop it. Batches of finished steps are not needed
         again, so nothing else moves."""
         started = time.perf_counter()
-        transfers = plan_transfers(self.pipeline, self.plan, plan)
-        self._ensure_hosts(_slots_in_use(plan))
+        alive = {str(info["name"]) for info in self.cluster.client.scheduler_info(n_workers=-1)["workers"].values()}
+        alive = {slot.name for slot in self.cluster.slots if str(slot.worker) in alive}
+        transfers = plan_transfers(self.pipeline, self.plan, plan, alive)
+        self._ensure_hosts(_slots_in_use(plan), plan)
         seed = self.pipeline.spec.trainer.seed
         calls = [
             self.hosts[t.slot].adopt_model(
                 t.model,
                 self.pipeline.spec.models[t.model],
-                seed,
+                seed + t.seed_offset,
                 tuple((self.hosts[source], parts) for source, parts in t.sources),
+                t.reseed,
             )
             for t in transfers
         ]
@@ -176,6 +181,10 @@ class Session:
         self.plan = plan
         self.executor = StepExecutor(self.pipeline, plan, self.hosts, self.executor.node_timeout_s)
         return MigrationResult(time.perf_counter() - started, num_bytes, tuple(transfers))
+
+    @property
+    def num_slots_in_use(self) -> int:
+        return len(_slots_in_use(self.plan))
 
     def set_shares(self, shares: dict[str, list[float]]) -> None:
         """New row shares for split nodes, from the next step on (nothing moves)."""

@@ -105,3 +105,23 @@ def test_a_run_that_moves_its_roles_twice_trains_exactly_like_one_that_never_mov
     assert expected_weights.keys() == moved_weights.keys()
     for name, tensor in expected_weights.items():
         torch.testing.assert_close(moved_weights[name], tensor, rtol=1e-5, atol=1e-6)
+
+
+def test_a_lost_rank_sends_nothing_and_each_generation_part_keeps_its_stream(tmp_path: Path) -> None:
+    pipeline = graph(tmp_path)
+    both = {"rollout": ["cpu-0", "cpu-1"], "train": ["cpu-0", "cpu-1"]}
+    old = plan_for(pipeline, ALL_ON_0 | {"ref": "cpu-2"}, node_shards=both)
+    # cpu-0 died before step 7; cpu-2 takes a place
+    new = plan_for(pipeline, ALL_ON_0 | {"ref": "cpu-1"}, 7, node_shards={"rollout": ["cpu-1", "cpu-2"], "train": ["cpu-1", "cpu-2"]})
+    transfers = plan_transfers(pipeline, old, new, alive={"cpu-1", "cpu-2"})
+    actor = {t.slot: t for t in transfers if t.model == "actor"}
+    # weights and optimizer from the live rank cpu-1. Part 0's stream died with cpu-0, so
+    # cpu-1 (now part 0) restarts at a fresh stream (1000 x 7 + 0) instead of keeping part
+    # 1's, which cpu-2 (now part 1) takes over
+    assert actor["cpu-1"] == Transfer("actor", "cpu-1", (), 7000, reseed=True)
+    assert actor["cpu-2"] == Transfer("actor", "cpu-2", (("cpu-1", ("weights", "optimizer", "generator")),), 1)
+    # all alive: part 0's stream moves from cpu-0 to cpu-1, part 1's from cpu-1 to cpu-2
+    everyone = {t.slot: t for t in plan_transfers(pipeline, old, new) if t.model == "actor"}
+    assert everyone["cpu-1"].sources == (("cpu-0", ("generator",)),)
+    assert everyone["cpu-2"].sources == (("cpu-0", ("weights", "optimizer")), ("cpu-1", ("generator",)))
+    assert not any(t.reseed for t in everyone.values())
