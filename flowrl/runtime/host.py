@@ -72,6 +72,7 @@ class RoleHost:
         hf_logging.disable_progress_bar()
         hf_logging.set_verbosity_error()
         torch.set_num_threads(max(1, torch_threads))
+        self._torch_threads = max(1, torch_threads)
         self.device_name = device_name
         self.device = device
         self.seed = seed
@@ -103,6 +104,11 @@ class RoleHost:
 
     def receive_weights(self, model: str, weights: dict[str, torch.Tensor]) -> None:
         self.models[model].load_weights(weights)
+
+    def set_threads(self, threads: int) -> None:
+        """Torch threads for this worker's compute from the next node call on."""
+        self._torch_threads = max(1, threads)
+        torch.set_num_threads(self._torch_threads)
 
     # ---- process groups (data-parallel training) -----------------------------------
     def free_port(self, address: str) -> int:

@@ -103,6 +103,13 @@ class Session:
         for name, future in futures.items():
             self.hosts[name] = future.result()
 
+    def _retune_threads(self, plan: Plan) -> None:
+        """Hosts that already run keep their threads unless the plan changes what suits
+        them: a split that starts (or ends) running parts at the same time."""
+        if self.pipeline.spec.runtime.torch_threads or bool(plan.node_shards) == bool(self.plan.node_shards):
+            return
+        _settle([(self.hosts[name], "set_threads", (self._default_threads(self._slots[name], plan),)) for name in self.hosts])
+
     def _default_threads(self, slot: WorkerSlot, plan: Plan) -> int:
         """Torch threads of a worker when the file does not say.
 
@@ -157,6 +164,7 @@ class Session:
         alive = {slot.name for slot in self.cluster.slots if str(slot.worker) in alive}
         transfers = plan_transfers(self.pipeline, self.plan, plan, alive)
         self._ensure_hosts(_slots_in_use(plan), plan)
+        self._retune_threads(plan)
         seed = self.pipeline.spec.trainer.seed
         calls = [
             self.hosts[t.slot].adopt_model(
