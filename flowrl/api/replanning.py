@@ -43,8 +43,6 @@ class Replanner:
         self.slots = [slot.name for slot in session.cluster.slots]
         self.profile = NodeProfile(alpha_for_window(graph.spec.profiler.ewma_window))
         self.labels = {node: timing_name(graph, node) for node in graph.topological_order()}
-        self.num_moves = 0
-        self.move_s = 0.0
 
     def before_step(self, step: int) -> None:
         for decision in self.policy.decide(step, []):
@@ -107,8 +105,6 @@ class Replanner:
         }
         result = self.session.apply_plan(replace(plan, node_shares=kept))
         self.policy.observe_move(decision.move_cost_s, result.seconds)
-        self.num_moves += len(decision.moves)
-        self.move_s += result.seconds
         self.folder.write_plan(step, {**decision.plan.to_dict(), "runtime": plan.to_dict(), "decision": data})
         data = {**data, "measured_move_s": result.seconds, "moved_bytes": result.num_bytes}
         self.emit(

@@ -20,7 +20,7 @@ from flowrl.api.outputs import RunFolder
 from flowrl.api.replanning import Replanner
 from flowrl.backends.hf import resolve_model_path
 from flowrl.data import PromptSource
-from flowrl.devices.groups import model_group, offload_notes, pipeline_groups
+from flowrl.devices.groups import offload_notes, pipeline_groups
 from flowrl.devices.inventory import detect_local
 from flowrl.devices.matching import match_groups
 from flowrl.devices.report import inventory_lines, match_lines
@@ -28,7 +28,7 @@ from flowrl.errors import FlowrlError
 from flowrl.graph import PipelineGraph
 from flowrl.planner.cost import measure_cpu_rates
 from flowrl.planner.costs import EstimatedCosts
-from flowrl.planner.placement import plan_from_compiled, splittable
+from flowrl.planner.placement import node_group, plan_from_compiled, splittable
 from flowrl.records import RunEvent, StepRecord
 from flowrl.rewards import resolve_reward
 from flowrl.runtime.cluster import Cluster
@@ -225,31 +225,31 @@ def check_runnable(graph: PipelineGraph) -> None:
     for name, node in graph.spec.nodes.items():
         if node.role not in SUPPORTED_ROLES:
             problems.append(f"nodes.{name}.role: '{node.role}' nodes cannot run yet (runnable: {', '.join(SUPPORTED_ROLES)})")
+    no_gpu = _no_local_gpu(graph)
     for name, group in graph.spec.devices.items():
         unsplittable = sorted(
-            node
-            for node, spec in graph.spec.nodes.items()
-            if (spec.device_group or (model_group(graph, spec.model) if spec.model else None)) == name
-            and not splittable(graph, node)
+            node for node in graph.spec.nodes if node_group(graph, node) == name and not splittable(graph, node)
         )
         if (group.count or group.min_count or 1) > 1 and unsplittable:
             problems.append(
                 f"devices.{name}.count: several devices can run generate, {', '.join(SHARDABLE_ROLES)} nodes and "
                 f"policy updates in this version, and this group runs {', '.join(unsplittable)}; set count: 1"
             )
-        if group.type == "gpu" and not graph.spec.runtime.scheduler_address and not _local_gpus():
-            problems.append(f"devices.{name}.type: this machine has no GPU ({_no_gpu_reason()}); set type: cpu")
+        if group.type == "gpu" and no_gpu is not None:
+            problems.append(f"devices.{name}.type: this machine has no GPU ({no_gpu}); set type: cpu")
     if problems:
         raise FlowrlError("this pipeline is valid but cannot run in this version:\n" + "\n".join(f"  {p}" for p in problems))
 
 
-def _local_gpus() -> int:
-    return sum(1 for device in detect_local(num_cpu_slots=0).devices if device.kind == "gpu")
-
-
-def _no_gpu_reason() -> str:
-    notes = detect_local(num_cpu_slots=0).notes
-    return notes[0] if notes else "NVML sees none"
+def _no_local_gpu(graph: PipelineGraph) -> str | None:
+    """Why a local run has no GPU worker to offer (None: it has one, it joins a cluster
+    whose workers may have some, or no group asks for one)."""
+    if graph.spec.runtime.scheduler_address or all(group.type != "gpu" for group in graph.spec.devices.values()):
+        return None
+    inventory = detect_local(num_cpu_slots=0)
+    if any(device.kind == "gpu" for device in inventory.devices):
+        return None
+    return inventory.notes[0] if inventory.notes else "NVML sees none"
 
 
 def preflight(graph: PipelineGraph, base_dir: Path | None) -> None:

@@ -70,7 +70,7 @@ def plan_from_compiled(pipeline: PipelineGraph, compiled: CompiledPlan, slots: l
     for node in compiled.nodes:
         if len(node.devices) > 1:
             if not splittable(pipeline, node.node):
-                group = _node_group(pipeline, node.node) or node.node
+                group = node_group(pipeline, node.node) or node.node
                 raise PlacementError(
                     f"devices.{group}: node '{node.node}' is planned over {len(node.devices)} devices; "
                     "only generate, score, reference_logprob, value and a policy's update run over several "
@@ -104,7 +104,7 @@ def plan_for(
     group_slots: dict[str, list[str]] = {}
     model_slots: dict[str, list[str]] = {}
     for node, slots in every.items():
-        group = _node_group(pipeline, node)
+        group = node_group(pipeline, node)
         model = pipeline.spec.nodes[node].model
         for slot in slots:
             if group is not None and slot not in group_slots.setdefault(group, []):
@@ -123,7 +123,7 @@ def splittable(pipeline: PipelineGraph, node: str) -> bool:
     return spec.role == "update" and spec.model is not None and pipeline.spec.models[spec.model].kind == "policy"
 
 
-def _node_group(pipeline: PipelineGraph, node: str) -> str | None:
+def node_group(pipeline: PipelineGraph, node: str) -> str | None:
     """The device group a node runs in: its own, else its model's; None for model-less nodes."""
     spec = pipeline.spec.nodes[node]
     return spec.device_group or (model_group(pipeline, spec.model) if spec.model else None)

@@ -42,6 +42,11 @@ class NodeCall:
     """Relative rows per part (empty: equal): split inference, split generation and the
     ranks of a data-parallel update all use them."""
 
+    @property
+    def part_shares(self) -> tuple[float, ...]:
+        """``shares``, or equal ones for every part."""
+        return self.shares or (1.0,) * self.shard[1]
+
 
 @dataclass(frozen=True)
 class NodeReport:

@@ -72,7 +72,6 @@ class RoleHost:
         hf_logging.disable_progress_bar()
         hf_logging.set_verbosity_error()
         torch.set_num_threads(max(1, torch_threads))
-        self._torch_threads = max(1, torch_threads)
         self.device_name = device_name
         self.device = device
         self.seed = seed
@@ -107,8 +106,7 @@ class RoleHost:
 
     def set_threads(self, threads: int) -> None:
         """Torch threads for this worker's compute from the next node call on."""
-        self._torch_threads = max(1, threads)
-        torch.set_num_threads(self._torch_threads)
+        torch.set_num_threads(max(1, threads))
 
     # ---- process groups (data-parallel training) -----------------------------------
     def free_port(self, address: str) -> int:
@@ -180,7 +178,7 @@ class RoleHost:
             split = count > 1 and (whole is not None or call.role == "generate")
             rows = slice(0, 0)
             if split:
-                shares = call.shares or (1.0,) * count
+                shares = call.part_shares
                 if whole is not None:
                     rows = weighted_rows(whole[1].num_sequences, index, shares)
                     inputs = {**inputs, whole[0]: shard_of(whole[1], index, shares)}
@@ -280,7 +278,7 @@ class RoleHost:
         ref = by_role.get("reference_logprob", [None])[0]
         dp = None
         if call.shard[1] > 1:
-            dp = DataParallel(self._groups[call.node], call.shares or tuple(1.0 for _ in range(call.shard[1])))
+            dp = DataParallel(self._groups[call.node], call.part_shares)
         output = run_update(state, rollout, advantages, ref, call.spec, self.seed, dp)
         output.metrics.update(self._push_weights(call.model, call.weight_peers))
         return output

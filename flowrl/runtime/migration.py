@@ -62,7 +62,7 @@ def plan_transfers(pipeline: PipelineGraph, old: Plan, new: Plan, alive: set[str
             # part k of generation continues part k's sampling stream, wherever it was
             part = gen_new.index(slot) if slot in gen_new else None
             reseed = False
-            offset = part or 0
+            offset = part or 0  # as stream_offset: seed + part
             if part is not None and part < len(gen_old) and gen_old[part] != slot:
                 if alive is None or gen_old[part] in alive:
                     wanted.setdefault(gen_old[part], []).append("generator")
@@ -73,6 +73,13 @@ def plan_transfers(pipeline: PipelineGraph, old: Plan, new: Plan, alive: set[str
             sources = tuple((source, tuple(parts)) for source, parts in sorted(wanted.items()))
             transfers.append(Transfer(model, slot, sources, offset, reseed))
     return transfers
+
+
+def stream_offset(pipeline: PipelineGraph, plan: Plan, model: str, slot: str) -> int:
+    """Seed offset of ``slot``'s sampling stream for ``model``: its part of the split
+    generate node (0 when generation is not split or runs elsewhere)."""
+    parts = _role_slots(pipeline, plan, model, "generate")
+    return parts.index(slot) if slot in parts else 0
 
 
 def _role_slots(pipeline: PipelineGraph, plan: Plan, model: str, role: str) -> list[str]:

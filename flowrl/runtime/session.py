@@ -19,7 +19,7 @@ from flowrl.runtime.calls import NodeReport
 from flowrl.runtime.cluster import Cluster, WorkerSlot
 from flowrl.runtime.executor import StepExecutor
 from flowrl.runtime.host import RoleHost
-from flowrl.runtime.migration import Transfer, plan_transfers
+from flowrl.runtime.migration import Transfer, plan_transfers, stream_offset
 
 
 @dataclass(frozen=True)
@@ -122,14 +122,10 @@ class Session:
         if slot.cores:
             return len(slot.cores)
         cores = max(1, os.cpu_count() or 1)
+        share = max(1, cores // sum(1 for other in self._slots.values() if other.host == slot.host))
         if slot.kind == "gpu":
-            # the card computes; a few threads feed it and run its CPU-side work
-            same_host = sum(1 for other in self._slots.values() if other.host == slot.host)
-            return max(1, min(4, cores // max(1, same_host)))
-        if plan.node_shards:
-            same_host = sum(1 for other in self._slots.values() if other.host == slot.host)
-            return max(1, cores // max(1, same_host))
-        return cores
+            return min(4, share)  # the card computes; a few threads feed it and run its CPU-side work
+        return share if plan.node_shards else cores
 
     def load_models(self) -> list[dict[str, Any]]:
         """Load every model on every slot that holds it, all slots at once.
@@ -137,16 +133,12 @@ class Session:
         Parts of a split generate node sample with their own RNG stream (seed + part), so
         they do not draw the same random numbers for different prompts."""
         seed = self.pipeline.spec.trainer.seed
-        offsets: dict[tuple[str, str], int] = {}
-        for node in self.pipeline.nodes_with_role("generate"):
-            model = self.pipeline.spec.nodes[node].model
-            for part, slot in enumerate(self.plan.node_shards.get(node, [])):
-                offsets.setdefault((model, slot), part)
         calls = []
         for model, slots in self.plan.model_slots.items():
             spec = self.pipeline.spec.models[model]
             for slot in slots:
-                calls.append(self.hosts[slot].load_model(model, spec, seed + offsets.get((model, slot), 0)))
+                offset = stream_offset(self.pipeline, self.plan, model, slot)
+                calls.append(self.hosts[slot].load_model(model, spec, seed + offset))
         return [call.result() for call in calls]
 
     def run_step(
