@@ -12,10 +12,9 @@ import torch
 from flowrl.graph import PipelineGraph
 from flowrl.planner.placement import plan_for
 from flowrl.runtime.cluster import Cluster
-from flowrl.runtime.session import Session
 from flowrl.spec.loader import pipeline_from_dict
 from tests.integration.conftest import tiny_grpo
-from tests.runtime.test_migration import ALL_ON_0, _train, _weights
+from tests.runtime.test_migration import ALL_ON_0, _train, _weights, started
 
 pytestmark = pytest.mark.integration
 
@@ -32,15 +31,13 @@ def test_two_workers_train_the_policy_to_the_weights_of_one(tmp_path: Path, shar
     graph = pipeline(tmp_path)
     cluster = Cluster.start_local(2)
     try:
-        alone = Session(cluster, graph, plan_for(graph, ALL_ON_0), None)
-        alone.load_models()
+        alone = started(cluster, graph, plan_for(graph, ALL_ON_0))
         expected = _train(alone, graph, range(1, 5), {})
         expected_weights = _weights(alone, tmp_path / "alone")
 
         plan = plan_for(graph, ALL_ON_0, node_shards={"train": ["cpu-0", "cpu-1"]})
         assert plan.model_slots["actor"] == ["cpu-0", "cpu-1"]
-        parallel = Session(cluster, graph, plan, None)
-        parallel.load_models()
+        parallel = started(cluster, graph, plan)
         if shares is not None:  # as the run sets them from measured speed, between steps
             parallel.set_shares({"train": shares})
         curve = _train(parallel, graph, range(1, 5), {})
@@ -59,8 +56,7 @@ def test_the_group_is_formed_again_without_a_killed_member_and_training_goes_on(
     graph = pipeline(tmp_path)
     cluster = Cluster.start_local(3)
     try:
-        session = Session(cluster, graph, plan_for(graph, ALL_ON_0, node_shards={"train": ["cpu-0", "cpu-1"]}), None)
-        session.load_models()
+        session = started(cluster, graph, plan_for(graph, ALL_ON_0, node_shards={"train": ["cpu-0", "cpu-1"]}))
         before = _train(session, graph, range(1, 3), {})
         pids = cluster.client.run(os.getpid)
         victim = next(slot for slot in cluster.slots if slot.name == "cpu-1")

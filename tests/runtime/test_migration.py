@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flowrl.graph import PipelineGraph
-from flowrl.planner.placement import plan_for
+from flowrl.planner.placement import Plan, plan_for
 from flowrl.runtime.cluster import Cluster
 from flowrl.runtime.migration import Transfer, plan_transfers
 from flowrl.runtime.session import Session
@@ -57,6 +57,13 @@ def test_an_unchanged_plan_sends_nothing(tmp_path: Path) -> None:
 COMPARED = ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/kl", "actor/loss", "actor/grad_norm")
 
 
+def started(cluster: Cluster, pipeline: PipelineGraph, plan: Plan) -> Session:
+    """A session on ``plan`` with its models loaded."""
+    session = Session(cluster, pipeline, plan, None)
+    session.load_models()
+    return session
+
+
 def _train(session: Session, pipeline: PipelineGraph, steps: range, moves: dict[int, dict[str, str]]) -> list[dict[str, float]]:
     source = PromptSource("builtin:digits", batch_size=4, seed=0, base_dir=Path.cwd())
     curve = []
@@ -84,13 +91,11 @@ def test_a_run_that_moves_its_roles_twice_trains_exactly_like_one_that_never_mov
     pipeline = graph(tmp_path)
     cluster = Cluster.start_local(2)
     try:
-        still = Session(cluster, pipeline, plan_for(pipeline, ALL_ON_0), None)
-        still.load_models()
+        still = started(cluster, pipeline, plan_for(pipeline, ALL_ON_0))
         expected = _train(still, pipeline, range(1, 7), {})
         expected_weights = _weights(still, tmp_path / "still")
 
-        moving = Session(cluster, pipeline, plan_for(pipeline, ALL_ON_0), None)
-        moving.load_models()
+        moving = started(cluster, pipeline, plan_for(pipeline, ALL_ON_0))
         # steps 3-4: sampling moves to cpu-1 (weights + RNG), the update stays;
         # steps 5-6: the update follows it (optimizer state), the reference goes to cpu-0
         curve = _train(moving, pipeline, range(1, 7), {3: SPLIT, 5: SWAPPED})

@@ -14,10 +14,9 @@ from flowrl.planner.placement import plan_for
 from flowrl.roles.batch import Scores
 from flowrl.roles.shards import join_shards, shard_rows
 from flowrl.runtime.cluster import Cluster
-from flowrl.runtime.session import Session
 from flowrl.spec.loader import load_pipeline, pipeline_from_dict
 from tests.integration.conftest import tiny_grpo
-from tests.runtime.test_migration import ALL_ON_0, _train
+from tests.runtime.test_migration import ALL_ON_0, _train, started
 
 
 def test_rows_are_split_in_order_the_first_shards_one_longer() -> None:
@@ -63,12 +62,10 @@ def test_reference_and_reward_split_over_two_workers_train_like_one(tmp_path: Pa
     pipeline = tiny_grpo(tmp_path / "out", steps=3).build()
     cluster = Cluster.start_local(2)
     try:
-        whole = Session(cluster, pipeline, plan_for(pipeline, ALL_ON_0), None)
-        whole.load_models()
+        whole = started(cluster, pipeline, plan_for(pipeline, ALL_ON_0))
         expected = _train(whole, pipeline, range(1, 4), {})
         split_plan = plan_for(pipeline, ALL_ON_0, node_shards={"ref": ["cpu-1", "cpu-0"], "reward": ["cpu-0", "cpu-1"]})
-        split = Session(cluster, pipeline, split_plan, None)
-        split.load_models()
+        split = started(cluster, pipeline, split_plan)
         curve = _train(split, pipeline, range(1, 4), {})
     finally:
         cluster.close()
@@ -104,8 +101,7 @@ def test_generation_split_over_two_workers_learns_through_pushed_weights(tmp_pat
     cluster = Cluster.start_local(2)
     try:
         plan = plan_for(pipeline, ALL_ON_0, node_shards={"rollout": ["cpu-0", "cpu-1"]})
-        session = Session(cluster, pipeline, plan, None)
-        session.load_models()
+        session = started(cluster, pipeline, plan)
         # cpu-1 samples half the prompts with a copy that only pushed weights keep current
         assert plan.weight_peers("train", "actor") == ["cpu-1"]
         source = PromptSource("builtin:digits", batch_size=4, seed=0, base_dir=Path.cwd())
