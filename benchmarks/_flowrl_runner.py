@@ -19,32 +19,38 @@ from typing import Any
 
 
 def build_pipeline(job: dict[str, Any], output_dir: str) -> Any:
-    """The GRPO job of ``pipelines/grpo_tiny.yaml``, with the benchmark's shape and settings."""
+    """The GRPO job of ``pipelines/grpo_tiny.yaml``, with the benchmark's shape and settings.
+
+    ``job["device"] == "cuda"``: actor and reference share one GPU group, in ``job["dtype"]``.
+    """
     from flowrl.api.builder import Pipeline
 
     model_path = f"builtin:{job['model']}"
+    on_gpu = job.get("device", "cpu") == "cuda"
+    dtype = job.get("dtype", "fp32")
     p = Pipeline(f"vs-trl-{job['config']}")
-    actor = p.model("actor", path=model_path, group="actor_group", dtype="fp32")
+    actor = p.model("actor", path=model_path, group="actor_group", dtype=dtype)
     # "separate": the reference on its own worker (the default pipeline's layout);
-    # "colocated": actor and reference share one worker and its cores.
-    colocated = job.get("layout", "separate") == "colocated"
-    reference = p.model("reference", path=model_path, group="actor_group" if colocated else "ref_group", dtype="fp32")
-    p.devices("actor_group", type="cpu")
+    # "colocated": actor and reference share one worker and its cores (or its GPU).
+    colocated = on_gpu or job.get("layout", "separate") == "colocated"
+    reference = p.model("reference", path=model_path, group="actor_group" if colocated else "ref_group", dtype=dtype)
+    p.devices("actor_group", type="gpu" if on_gpu else "cpu")
     if not colocated:
         p.devices("ref_group", type="cpu")
     prompts = p.source("builtin:digits", batch_size=job["prompts_per_step"])
     rollout = p.generate(
         actor, prompts, n=job["num_generations"], max_new_tokens=job["max_new_tokens"],
-        temperature=job["temperature"], top_p=job["top_p"], top_k=0,
+        temperature=job["temperature"], top_p=job["top_p"], top_k=0, engine=job.get("engine", "auto"),
     )
     reward = p.score("digits", rollout)
-    ref = p.reference_logprob(reference, rollout)
+    ref = p.reference_logprob(reference, rollout, micro_batch_tokens=job.get("ref_micro_batch_tokens"))
     # TRL divides by (group std + 1e-4); flowrl's default epsilon is 1e-6.
     adv = p.advantage("grpo", reward, scale_by_std=True, epsilon=job["advantage_epsilon"])
     p.update(
         actor, rollout, adv, ref,
         lr=job["lr"], kl_coef=job["beta"], kl_estimator="k3", clip_eps=job["epsilon"],
         loss_agg="token_mean", ppo_epochs=1, mini_batch_size=None,
+        micro_batch_tokens=job.get("update_micro_batch_tokens"),
         max_grad_norm=job["max_grad_norm"], weight_decay=job["weight_decay"], betas=tuple(job["betas"]),
     )
     p.trainer(steps=job["steps"], seed=job["seed"], output_dir=output_dir, checkpoint_every=0)

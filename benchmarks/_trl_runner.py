@@ -68,13 +68,13 @@ def grpo_config(job: dict[str, Any], output_dir: str) -> Any:
         use_bias_correction_kl=False,
         loss_type="bnpo",
         scale_rewards="group",
-        # Machine: fp32 on the CPU, plain generate().
-        bf16=False,
+        # Machine: fp32 on the CPU or the job's dtype on the GPU; plain generate().
+        bf16=job.get("dtype") == "bf16",
         fp16=False,
-        use_cpu=True,
+        use_cpu=job.get("device", "cpu") == "cpu",
         use_vllm=False,
         gradient_checkpointing=False,
-        model_init_kwargs={"dtype": "float32"},
+        model_init_kwargs={"dtype": "bfloat16" if job.get("dtype") == "bf16" else "float32"},
         # Quiet: no trackers, no checkpoints, no progress bar; log every step.
         report_to="none",
         logging_steps=1,
@@ -202,6 +202,7 @@ def run_trl(job: dict[str, Any]) -> dict[str, Any]:
         "shutdown_s": finished - (clock.end_s[-1] if clock.end_s else finished),
         "total_s": finished - started,
         "ru_maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,  # KiB on Linux
+        "peak_gpu_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None,
         "logs": clock.logs,
         "settings": settings,
     }

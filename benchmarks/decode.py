@@ -1,4 +1,5 @@
-"""Decode speed: flowrl's generation loop against ``transformers`` ``generate()``, same model.
+"""Decode speed: flowrl's static-cache engine and its plain loop against ``transformers``
+``generate()``, same model.
 
     python benchmarks/decode.py --batches 64,256 --new-tokens 128 \
         --output benchmarks/results/decode_h200.json
@@ -31,6 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from flowrl.backends.generation import generate_tokens  # noqa: E402
+from flowrl.backends.static_decode import decoder_for  # noqa: E402
 
 VOCAB = 32_000
 EOS = VOCAB
@@ -54,7 +56,14 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_flowrl(model: Any, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int) -> None:
+def run_static(model: Any, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int) -> None:
+    decoder = decoder_for(model)
+    assert decoder is not None
+    decoder.generate(ids, mask, max_new_tokens=new_tokens, eos_token_id=EOS, pad_token_id=0,
+                     generator=torch.Generator(device=ids.device).manual_seed(0))
+
+
+def run_loop(model: Any, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int) -> None:
     generate_tokens(model, ids, mask, max_new_tokens=new_tokens, eos_token_id=EOS, pad_token_id=0,
                     generator=torch.Generator(device=ids.device).manual_seed(0))
 
@@ -100,15 +109,20 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = build_model(args.layers, device)
     rows = []
+    engines = {"flowrl_static": run_static, "flowrl_loop": run_loop, "transformers": run_hf}
     for batch in [int(b) for b in args.batches.split(",")]:
-        flowrl = measure(run_flowrl, model, batch, args, device)
-        hf = measure(run_hf, model, batch, args, device)
-        ratios = [f / h for f, h in zip(flowrl["ms_per_decode_step_all"], hf["ms_per_decode_step_all"])]
-        rows.append({"batch": batch, "flowrl": flowrl, "transformers": hf,
-                     "ratio_flowrl_over_transformers": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}})
-        print(f"batch {batch:>4}: flowrl {flowrl['ms_per_decode_step']:.2f} ms/step ({flowrl['tokens_per_s']:,.0f} tok/s) | "
-              f"transformers {hf['ms_per_decode_step']:.2f} ms/step ({hf['tokens_per_s']:,.0f} tok/s) | "
-              f"ratio {statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})", flush=True)
+        row: dict[str, Any] = {"batch": batch}
+        for name, engine in engines.items():
+            row[name] = measure(engine, model, batch, args, device)
+        hf_times = row["transformers"]["ms_per_decode_step_all"]
+        for name in ("flowrl_static", "flowrl_loop"):
+            ratios = [f / h for f, h in zip(row[name]["ms_per_decode_step_all"], hf_times)]
+            row[f"ratio_{name}_over_transformers"] = {
+                "median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+        rows.append(row)
+        print(f"batch {batch:>4}: " + " | ".join(
+            f"{name} {row[name]['ms_per_decode_step']:.2f} ms/step ({row[name]['tokens_per_s']:,.0f} tok/s)"
+            for name in engines), flush=True)
     report = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",

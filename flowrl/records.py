@@ -26,6 +26,10 @@ class NodeTiming:
     """Tokens the node read (prompt for generate; prompt + completion elsewhere)."""
     tokens_out: int
     """Tokens the node produced (completions for generate; per-token outputs elsewhere)."""
+    peak_memory_gb: float = 0.0
+    """Most GPU memory the call's tensors held at once; 0 off a GPU."""
+    memory_headroom_gb: float = 0.0
+    """The GPU's memory minus that peak: what a larger batch could still use; 0 off a GPU."""
 
     @property
     def tokens_per_s(self) -> float:

@@ -49,8 +49,15 @@ def step_metrics(
                     part.wait_s,
                     part.tokens_in,
                     part.tokens_out,
+                    part.peak_memory_gb,
+                    part.device_memory_gb - part.peak_memory_gb if part.device_memory_gb else 0.0,
                 )
             )
+    peaks = [timing for timing in nodes if timing.peak_memory_gb > 0]
+    if peaks:
+        # verl's name; the headroom is the tightest device's
+        metrics["perf/max_memory_allocated_gb"] = max(t.peak_memory_gb for t in peaks)
+        metrics["perf/memory_headroom_gb"] = min(t.memory_headroom_gb for t in peaks)
     metrics["timing_s/step"] = step_s
     # verl's perf/throughput: prompt + response tokens per second per device.
     metrics["perf/throughput"] = generated_tokens / step_s / max(1, num_devices)

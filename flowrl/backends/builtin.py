@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen2Config
 from transformers.utils import logging as hf_logging
 
 from flowrl.backends.tokenizer import build_char_tokenizer
@@ -39,7 +39,8 @@ BUILTIN_PREFIX = "builtin:"
 
 @dataclass(frozen=True)
 class BuiltinModel:
-    """The shape of one builtin Llama; the vocabulary is the character tokenizer's."""
+    """The shape of one builtin model; the tokenizer is the character tokenizer, padded with
+    filler tokens when ``vocab_size`` asks for a larger vocabulary."""
 
     hidden_size: int
     """Width of the residual stream."""
@@ -57,11 +58,18 @@ class BuiltinModel:
     """Seed of the weight initialisation, default 0."""
     version: int = 1
     """Bumped whenever the bytes would change, so stale caches are never reused."""
+    architecture: str = "llama"
+    """``llama`` (no biases) or ``qwen2`` (q/k/v biases), default llama."""
+    vocab_size: int | None = None
+    """Embedding rows; None (default) means the character tokenizer's 83."""
+    tie_word_embeddings: bool = False
+    """Share the input embedding with the output head, default False."""
 
-    def llama_config(self, vocab_size: int, pad_token_id: int, bos_token_id: int,
-                     eos_token_id: int) -> LlamaConfig:
+    def model_config(self, vocab_size: int, pad_token_id: int, bos_token_id: int,
+                     eos_token_id: int) -> PretrainedConfig:
         """The transformers config for this shape and the given vocabulary."""
-        return LlamaConfig(
+        config_class = Qwen2Config if self.architecture == "qwen2" else LlamaConfig
+        return config_class(
             vocab_size=vocab_size,
             hidden_size=self.hidden_size,
             num_hidden_layers=self.num_layers,
@@ -69,7 +77,7 @@ class BuiltinModel:
             num_key_value_heads=self.num_kv_heads,
             intermediate_size=self.intermediate_size,
             max_position_embeddings=self.max_position_embeddings,
-            tie_word_embeddings=False,
+            tie_word_embeddings=self.tie_word_embeddings,
             pad_token_id=pad_token_id,
             bos_token_id=bos_token_id,
             eos_token_id=eos_token_id,
@@ -82,6 +90,12 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
     ),
     "small-llama": BuiltinModel(
         hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=4, intermediate_size=1024
+    ),
+    # Qwen2.5-0.5B's shape with a 32k vocabulary (387 M parameters): the GPU benchmark model.
+    "qwen2-0.4b": BuiltinModel(
+        hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864,
+        max_position_embeddings=2048, architecture="qwen2", vocab_size=32_000,
+        tie_word_embeddings=True,
     ),
 }
 
@@ -156,8 +170,8 @@ def build_builtin(name: str, cache_dir: Path | None = None) -> Path:
 
 def write_builtin(shape: BuiltinModel, directory: Path) -> None:
     """Build the model from its seed and save it (safetensors) with the tokenizer."""
-    tokenizer = build_char_tokenizer()
-    config = shape.llama_config(
+    tokenizer = build_char_tokenizer(shape.vocab_size)
+    config = shape.model_config(
         vocab_size=len(tokenizer),
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
@@ -166,7 +180,7 @@ def write_builtin(shape: BuiltinModel, directory: Path) -> None:
     # fork_rng keeps the caller's global RNG stream untouched by the seeded init.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(shape.seed)
-        model = LlamaForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
     with quiet_progress_bars():
         model.to(torch.float32).save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)

@@ -60,7 +60,7 @@ def generate_tokens(
     choice). ``generator`` drives the sampling noise, so a seeded generator on the model's
     device makes sampling reproducible.
     """
-    _check_arguments(input_ids, attention_mask, max_new_tokens, temperature, top_p, top_k)
+    check_arguments(input_ids, attention_mask, max_new_tokens, temperature, top_p, top_k)
     batch_size, prompt_length = input_ids.shape
     device = input_ids.device
     was_training = model.training
@@ -188,7 +188,7 @@ def filter_top_k_top_p(logprobs: torch.Tensor, top_k: int, top_p: float) -> torc
     return logprobs
 
 
-def _check_arguments(
+def check_arguments(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     max_new_tokens: int,

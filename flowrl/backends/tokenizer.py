@@ -40,13 +40,33 @@ def char_vocab() -> dict[str, int]:
     return {token: index for index, token in enumerate([*SPECIAL_TOKENS, *CHARACTERS])}
 
 
-def build_char_tokenizer() -> PreTrainedTokenizerFast:
+def filler_token(index: int) -> str:
+    """The name of filler token ``index``: ``<`` + base-26 letters + ``>``, with no digit, so
+    that a reward counting digits never counts a filler."""
+    letters = ""
+    while True:
+        index, rest = divmod(index, 26)
+        letters = string.ascii_lowercase[rest] + letters
+        if index == 0:
+            return f"<{letters}>"
+
+
+def build_char_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFast:
     """Build the character tokenizer (83 tokens) as a transformers fast tokenizer.
 
-    The result saves with ``save_pretrained`` and reloads with
+    ``vocab_size`` pads the vocabulary with filler tokens up to that size, so a model with a
+    production-sized embedding (32k rows, say) has a tokenizer for every id it can sample.
+    Text never encodes to a filler (every character is its own token); a filler decodes to
+    its name. The result saves with ``save_pretrained`` and reloads with
     ``AutoTokenizer.from_pretrained`` to the same ids.
     """
-    backend = Tokenizer(models.WordLevel(vocab=char_vocab(), unk_token=UNK_TOKEN))
+    vocab = char_vocab()
+    if vocab_size is not None:
+        if vocab_size < len(vocab):
+            raise ValueError(f"vocab_size {vocab_size} is below the {len(vocab)} character tokens")
+        base = len(vocab)
+        vocab.update({filler_token(i): base + i for i in range(vocab_size - base)})
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
     # "[\s\S]" rather than "." because "." skips newlines; each match is its own piece,
     # so every character (spaces included) becomes one token.
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")

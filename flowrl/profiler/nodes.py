@@ -31,6 +31,10 @@ class NodeSummary:
     wait_s: float
     tokens_per_s: float
     calls: int
+    peak_memory_gb: float = 0.0
+    """The most GPU memory one call held, over the calls seen (0 off a GPU)."""
+    memory_headroom_gb: float = 0.0
+    """The least memory left free by one call's peak (0 off a GPU)."""
 
 
 @dataclass
@@ -42,6 +46,8 @@ class _NodeAverages:
     wait: Ewma
     rate: Ewma
     calls: int = 0
+    peak_memory_gb: float = 0.0
+    memory_headroom_gb: float = 0.0
 
 
 @dataclass
@@ -75,6 +81,11 @@ class NodeProfile:
             averages.wait.update(timing.wait_s)
             averages.rate.update(timing.tokens_per_s)
             averages.calls += 1
+            if timing.peak_memory_gb > 0:
+                first = averages.peak_memory_gb == 0
+                averages.peak_memory_gb = max(averages.peak_memory_gb, timing.peak_memory_gb)
+                averages.memory_headroom_gb = (timing.memory_headroom_gb if first
+                                               else min(averages.memory_headroom_gb, timing.memory_headroom_gb))
 
     def forget(self, node: str) -> None:
         """Drop a node's averages (its work per part changed)."""
@@ -98,6 +109,8 @@ class NodeProfile:
                 item.wait.value or 0.0,
                 item.rate.value or 0.0,
                 item.calls,
+                item.peak_memory_gb,
+                item.memory_headroom_gb,
             )
             for (node, device), item in self._nodes.items()
         }
@@ -117,7 +130,13 @@ class NodeProfile:
                 old_rate = before.tokens_per_s if same_place else None
                 rates.append(f"{label} {item.tokens_per_s:,.0f} tok/s{_change(item.tokens_per_s, old_rate)}")
         self._shown = now
-        return f"[STEP {step}] " + " | ".join(parts + rates)
+        on_gpu = [item for item in now.values() if item.peak_memory_gb > 0]
+        memory = []
+        if on_gpu:
+            tightest = min(on_gpu, key=lambda item: item.memory_headroom_gb)
+            memory.append(f"gpu mem peak {max(item.peak_memory_gb for item in on_gpu):.1f} GB, "
+                          f"headroom {tightest.memory_headroom_gb:.1f} GB")
+        return f"[STEP {step}] " + " | ".join(parts + rates + memory)
 
 
 def _ms(seconds: float) -> str:

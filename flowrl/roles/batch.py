@@ -101,3 +101,7 @@ class NodeOutput:
     reference_logprob and value, 0 for the rest."""
     blocked_s: float = 0.0
     """Time of the call spent blocked on peers (a data-parallel update's collectives)."""
+    peak_memory_gb: float = 0.0
+    """Most GPU memory allocated by tensors during the call (0 off a GPU)."""
+    device_memory_gb: float = 0.0
+    """The GPU's whole memory (0 off a GPU)."""

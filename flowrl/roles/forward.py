@@ -42,43 +42,76 @@ class CompletionWindow:
 
 def completion_window(rollout: Rollout, device: torch.device) -> CompletionWindow:
     input_ids, attention_mask, position_ids = rollout.joined()
-    prompt_length = rollout.prompt_ids.shape[1]
+    # Leading prompt columns that are padding in every row are left out too (prompts are
+    # left-padded): positions are explicit, so the remaining columns compute the same values.
+    real_prompt_columns = rollout.prompt_mask.bool().any(dim=0)
+    start = int(real_prompt_columns.long().argmax()) if bool(real_prompt_columns.any()) else 0
+    prompt_length = rollout.prompt_ids.shape[1] - start
     width = max(int(rollout.completion_mask.sum(dim=1).max()), 1)
-    end = prompt_length + width
+    end = start + prompt_length + width
     return CompletionWindow(
-        input_ids=input_ids[:, :end].to(device),
-        attention_mask=attention_mask[:, :end].to(device),
-        position_ids=position_ids[:, :end].to(device),
+        input_ids=input_ids[:, start:end].to(device),
+        attention_mask=attention_mask[:, start:end].to(device),
+        position_ids=position_ids[:, start:end].to(device),
         prompt_length=prompt_length,
         width=width,
         num_columns=rollout.completion_ids.shape[1],
     )
 
 
-def in_micro_batches(
-    rollout: Rollout, micro_batch_size: int | None, compute: Callable[[Rollout], torch.Tensor]
-) -> torch.Tensor:
-    """``compute`` over row chunks of ``micro_batch_size`` sequences, joined in order."""
+def micro_batches(rollout: Rollout, max_tokens: int | None) -> list[torch.Tensor]:
+    """Row indices of the forward passes over ``rollout``, at most ``max_tokens`` padded
+    tokens each (rows x the widest row's prompt + completion); None: one pass of every row.
+
+    Rows are sorted by length first, so each pass holds rows of similar length and the
+    window of each pass (:func:`completion_window`) cuts away nearly all padding. A row
+    longer than the budget gets a pass of its own.
+    """
     num_rows = rollout.num_sequences
-    step = micro_batch_size or num_rows
-    if step >= num_rows:
+    if max_tokens is None or num_rows == 0:
+        return [torch.arange(num_rows)]
+    prompt_lengths = rollout.prompt_mask.sum(dim=1).tolist()
+    completion_lengths = rollout.completion_mask.sum(dim=1).clamp(min=1).tolist()
+    order = sorted(range(num_rows), key=lambda row: (prompt_lengths[row] + completion_lengths[row], row))
+    groups: list[list[int]] = []
+    widest_prompt = widest_completion = 0
+    for row in order:
+        prompt = max(widest_prompt, prompt_lengths[row])
+        completion = max(widest_completion, completion_lengths[row])
+        if groups and groups[-1] and (len(groups[-1]) + 1) * (prompt + completion) <= max_tokens:
+            groups[-1].append(row)
+        else:
+            groups.append([row])
+            prompt, completion = prompt_lengths[row], completion_lengths[row]
+        widest_prompt, widest_completion = prompt, completion
+    return [torch.tensor(group, dtype=torch.long) for group in groups]
+
+
+def in_micro_batches(
+    rollout: Rollout, max_tokens: int | None, compute: Callable[[Rollout], torch.Tensor]
+) -> torch.Tensor:
+    """``compute`` over the :func:`micro_batches` of ``rollout``, rows back in their order."""
+    groups = micro_batches(rollout, max_tokens)
+    if len(groups) == 1:
         return compute(rollout)
-    parts = [compute(rollout.select(torch.arange(start, min(start + step, num_rows)))) for start in range(0, num_rows, step)]
-    return torch.cat(parts, dim=0)
+    parts = [compute(rollout.select(rows)) for rows in groups]
+    order = torch.cat(groups).to(parts[0].device)
+    joined = torch.cat(parts, dim=0)
+    return torch.empty_like(joined).index_copy_(0, order, joined)
 
 
 def completion_logprobs(
     module: torch.nn.Module,
     rollout: Rollout,
     device: torch.device,
-    micro_batch_size: int | None = None,
+    micro_batch_tokens: int | None = None,
 ) -> torch.Tensor:
     """[N, T] float32 log-probabilities of each completion token (padding included; mask it).
 
     Only the completion columns' logits become log-probabilities, and in row chunks, so the
     full-vocabulary float32 tensor of the whole batch never exists at once.
     """
-    return in_micro_batches(rollout, micro_batch_size, lambda part: _logprobs(module, part, device))
+    return in_micro_batches(rollout, micro_batch_tokens, lambda part: _logprobs(module, part, device))
 
 
 def _logprobs(module: torch.nn.Module, rollout: Rollout, device: torch.device) -> torch.Tensor:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
-from flowrl.backends.generation import generate_tokens
+from flowrl.backends.generation import GenerationOutput, generate_tokens
+from flowrl.backends.static_decode import decoder_for, unsupported_reason
+from flowrl.errors import FlowrlError
 from flowrl.roles.batch import NodeOutput, Rollout
 from flowrl.roles.state import ModelState
 
@@ -21,10 +23,7 @@ def run_generate(state: ModelState, prompts: Sequence[Any], node: Any) -> NodeOu
     attention_mask = encoded["attention_mask"].to(state.device)
     was_training = state.module.training
     state.module.eval()
-    output = generate_tokens(
-        state.module,
-        input_ids,
-        attention_mask,
+    settings = dict(
         max_new_tokens=node.max_new_tokens,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -33,7 +32,10 @@ def run_generate(state: ModelState, prompts: Sequence[Any], node: Any) -> NodeOu
         top_k=node.top_k,
         generator=state.generator,
     )
-    state.module.train(was_training)
+    try:
+        output = _engine(state, node)(input_ids, attention_mask, **settings)
+    finally:
+        state.module.train(was_training)
     # Generation runs under inference mode; clones outside it are ordinary tensors that a
     # training step on this same worker may use.
     completion_ids = output.completion_ids.cpu().clone()
@@ -59,6 +61,22 @@ def run_generate(state: ModelState, prompts: Sequence[Any], node: Any) -> NodeOu
         tokens_in=rollout.num_prompt_tokens,
         tokens_out=rollout.num_completion_tokens,
     )
+
+
+def _engine(state: ModelState, node: Any) -> Callable[..., GenerationOutput]:
+    """The decode function the node asked for (``engine``); see GenerateNode.engine."""
+    engine = getattr(node, "engine", "auto")
+    on_gpu = state.device.type == "cuda"
+    if engine == "static" or (engine == "auto" and on_gpu):
+        decoder = decoder_for(state.module)
+        if decoder is not None:
+            return decoder.generate
+        if engine == "static":
+            raise FlowrlError(
+                f"engine: static cannot run this model ({unsupported_reason(state.module)}); "
+                "set engine: loop (or auto) on the generate node"
+            )
+    return lambda ids, mask, **settings: generate_tokens(state.module, ids, mask, **settings)
 
 
 def rollout_metrics(rollout: Rollout) -> dict[str, float]:

@@ -17,7 +17,7 @@ from flowrl.algorithms.kl import kl_penalty
 from flowrl.algorithms.losses import aggregate, policy_loss
 from flowrl.roles.batch import NodeOutput, Rollout
 from flowrl.roles.data_parallel import DataParallel
-from flowrl.roles.forward import completion_logprobs
+from flowrl.roles.forward import completion_logprobs, micro_batches
 from flowrl.roles.state import ModelState
 
 
@@ -85,9 +85,10 @@ def _old_logprobs(state: ModelState, rollout: Rollout, dp: DataParallel | None) 
     return dp.gather_rows(local, rollout.num_sequences)
 
 
-def _share(mask: torch.Tensor, mine: slice, loss_agg: str) -> float:
-    """This rank's share of the mini-batch loss's normaliser: tokens (token_mean) or
-    sequences with tokens (seq_mean)."""
+def _share(mask: torch.Tensor, mine: slice | torch.Tensor, loss_agg: str) -> float:
+    """The share of rows ``mine`` in a batch loss's normaliser: tokens (token_mean) or
+    sequences with tokens (seq_mean). A data-parallel rank's part and a micro-batch are both
+    weighted by it, so that their weighted losses add up to the whole batch's loss."""
     if loss_agg == "seq_mean":
         counted = mask.bool().any(dim=-1).float()
     else:
@@ -107,7 +108,6 @@ def _step(
     node: Any,
     dp: DataParallel | None,
 ) -> dict[str, float]:
-    device = state.device
     mine = dp.rows(part.num_sequences) if dp is not None else slice(0, part.num_sequences)
     weight = _share(part.completion_mask, mine, node.loss_agg) if dp is not None else 1.0
     # clipfrac and ratio_mean are token means whatever the loss aggregation
@@ -117,24 +117,19 @@ def _step(
     values = [0.0] * len(keys)
     optimizer.zero_grad(set_to_none=True)
     if mine.stop > mine.start:
-        local_rows = rows[mine]
         sub = part if dp is None else part.select(torch.arange(mine.start, mine.stop))
-        mask = sub.completion_mask.to(device).float()
-        logprobs = completion_logprobs(state.module, sub, device)
-        old = logprobs.detach() if old_logprobs is None else old_logprobs[local_rows].to(device)
-        loss, stats = policy_loss(
-            logprobs, old, advantages[mine].to(device), mask, clip_eps=node.clip_eps, loss_agg=node.loss_agg
-        )
-        numbers = {f"actor/{key}": value for key, value in stats.items()}
-        if use_kl:
-            assert ref_logprobs is not None
-            kl = kl_penalty(logprobs, ref_logprobs[local_rows].to(device), estimator=node.kl_estimator)
-            kl_term = aggregate(kl, mask, node.loss_agg)
-            loss = loss + node.kl_coef * kl_term
-            numbers["actor/kl"] = float(kl_term.detach())
-        numbers["actor/loss"] = float(loss.detach())
-        (loss * weight if dp is not None else loss).backward()
-        values = [numbers[key] * (token_weight if key in TOKEN_MEANS else weight) for key in keys]
+        local_rows = rows[mine]
+        context = _StepContext(state, sub, advantages[mine], old_logprobs, ref_logprobs, local_rows, node, use_kl)
+        groups = micro_batches(sub, getattr(node, "micro_batch_tokens", None))
+        for group in groups:
+            # Each pass's loss, weighted by its share of the mini-batch's normaliser: the
+            # gradients of the passes add up to the gradient of the whole mini-batch's loss.
+            share = _share(sub.completion_mask, group, node.loss_agg) if len(groups) > 1 else 1.0
+            tokens_share = _share(sub.completion_mask, group, "token_mean") if len(groups) > 1 else 1.0
+            numbers = context.backward(group if len(groups) > 1 else None, share * weight)
+            for index, key in enumerate(keys):
+                scale = tokens_share * token_weight if key in TOKEN_MEANS else share * weight
+                values[index] += numbers[key] * scale
     if dp is not None:
         # the whole mini-batch's gradient and numbers: each rank's part, weighted, summed
         dp.sum_gradients(state.module)
@@ -147,6 +142,41 @@ def _step(
     result = dict(zip(keys, values))
     result["actor/grad_norm"] = float(grad_norm)
     return result
+
+
+class _StepContext:
+    """What every forward/backward pass of one optimizer step reads."""
+
+    def __init__(self, state: ModelState, sub: Rollout, advantages: torch.Tensor,
+                 old_logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor | None,
+                 rows: torch.Tensor, node: Any, use_kl: bool) -> None:
+        self.state, self.sub, self.advantages = state, sub, advantages
+        self.old_logprobs, self.ref_logprobs, self.rows = old_logprobs, ref_logprobs, rows
+        self.node, self.use_kl = node, use_kl
+
+    def backward(self, group: torch.Tensor | None, scale: float) -> dict[str, float]:
+        """Loss of rows ``group`` of the sub-batch (None: all), backward of ``loss * scale``;
+        returns the pass's own (unweighted) numbers."""
+        device, node = self.state.device, self.node
+        piece = self.sub if group is None else self.sub.select(group)
+        local = slice(None) if group is None else group
+        rows = self.rows[local]
+        mask = piece.completion_mask.to(device).float()
+        logprobs = completion_logprobs(self.state.module, piece, device)
+        old = logprobs.detach() if self.old_logprobs is None else self.old_logprobs[rows].to(device)
+        loss, stats = policy_loss(
+            logprobs, old, self.advantages[local].to(device), mask, clip_eps=node.clip_eps, loss_agg=node.loss_agg
+        )
+        numbers = {f"actor/{key}": value for key, value in stats.items()}
+        if self.use_kl:
+            assert self.ref_logprobs is not None
+            kl = kl_penalty(logprobs, self.ref_logprobs[rows].to(device), estimator=node.kl_estimator)
+            kl_term = aggregate(kl, mask, node.loss_agg)
+            loss = loss + node.kl_coef * kl_term
+            numbers["actor/kl"] = float(kl_term.detach())
+        numbers["actor/loss"] = float(loss.detach())
+        (loss * scale if scale != 1.0 else loss).backward()
+        return numbers
 
 
 def _grad_norm(module: torch.nn.Module) -> torch.Tensor:

@@ -22,14 +22,14 @@ def completion_values(
     module: torch.nn.Module,
     rollout: Rollout,
     device: torch.device,
-    micro_batch_size: int | None = None,
+    micro_batch_tokens: int | None = None,
 ) -> torch.Tensor:
     """[N, T] float32 values of the states before each completion token (padding included; mask it).
 
     ``module`` is a :class:`~flowrl.backends.value_model.ScalarHeadModel` (per-position
     scalars). Gradients flow when called outside ``no_grad``, so the critic update uses it too.
     """
-    return in_micro_batches(rollout, micro_batch_size, lambda part: _values(module, part, device))
+    return in_micro_batches(rollout, micro_batch_tokens, lambda part: _values(module, part, device))
 
 
 def _values(module: torch.nn.Module, rollout: Rollout, device: torch.device) -> torch.Tensor:
@@ -45,12 +45,12 @@ def value_metrics(values: torch.Tensor, rollout: Rollout) -> dict[str, float]:
 
 
 def run_value(
-    state: ModelState, rollout: Rollout, micro_batch_size: int | None = None
+    state: ModelState, rollout: Rollout, micro_batch_tokens: int | None = None
 ) -> NodeOutput:
     """Values ``[N, T]`` float32 on the CPU, 0 on completion padding."""
     state.module.eval()
     with torch.inference_mode():
-        values = completion_values(state.module, rollout, state.device, micro_batch_size).cpu()
+        values = completion_values(state.module, rollout, state.device, micro_batch_tokens).cpu()
     mask = rollout.completion_mask.bool()
     values = torch.where(mask, values, torch.zeros_like(values))
     return NodeOutput(

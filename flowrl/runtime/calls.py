@@ -64,6 +64,10 @@ class NodeReport:
     tokens_in: int
     tokens_out: int
     metrics: dict[str, float] = field(default_factory=dict)
+    peak_memory_gb: float = 0.0
+    """Most GPU memory the call's tensors held at once (0 off a GPU)."""
+    device_memory_gb: float = 0.0
+    """The GPU's whole memory (0 off a GPU)."""
     shards: tuple["NodeReport", ...] = ()
     """A node split over devices: the reports of shards 1.. (this one is shard 0's)."""
 

@@ -211,6 +211,8 @@ class RoleHost:
             tokens_in=output.tokens_in,
             tokens_out=output.tokens_out,
             metrics=output.metrics,
+            peak_memory_gb=output.peak_memory_gb,
+            device_memory_gb=output.device_memory_gb,
         )
 
     async def _join(self, call: NodeCall, own: NodeOutput, rollout: Any) -> NodeOutput:
@@ -226,8 +228,17 @@ class RoleHost:
         return NodeOutput(value=value, metrics=metrics, tokens_in=own.tokens_in, tokens_out=own.tokens_out)
 
     def _timed(self, call: NodeCall, inputs: dict[str, Any], arrived: float) -> tuple[NodeOutput, float, float]:
+        on_gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
+        if on_gpu:
+            # Node calls run one after another on the compute thread: the peak between two
+            # resets is this call's own.
+            torch.cuda.reset_peak_memory_stats()
         started = time.perf_counter()
         output = self._dispatch(call, inputs)
+        if on_gpu:
+            free, total = torch.cuda.mem_get_info()
+            output = replace(output, peak_memory_gb=torch.cuda.max_memory_allocated() / 1e9,
+                             device_memory_gb=total / 1e9)
         # Time blocked on peers counts as waiting, not as this device's work.
         return output, time.perf_counter() - started - output.blocked_s, started - arrived + output.blocked_s
 
@@ -242,9 +253,9 @@ class RoleHost:
             reward_fn = self._reward(spec.fn)
             return run_score(by_role["generate"][0], reward_fn, spec.weight, spec.on_error, name=spec.fn)
         if call.role == "reference_logprob":
-            return run_reference_logprob(self.models[call.model], by_role["generate"][0])
+            return run_reference_logprob(self.models[call.model], by_role["generate"][0], spec.micro_batch_tokens)
         if call.role == "value":
-            return run_value(self.models[call.model], by_role["generate"][0])
+            return run_value(self.models[call.model], by_role["generate"][0], spec.micro_batch_tokens)
         if call.role == "advantage":
             return self._advantage(call, by_role)
         if call.role == "update":

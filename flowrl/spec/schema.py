@@ -128,6 +128,10 @@ class GenerateNode(_NodeBase):
     """Nucleus sampling mass; 1.0 keeps every token. Default 1.0."""
     top_k: int = Field(default=0, ge=0)
     """Sample among the k likeliest tokens; 0 turns it off. Default 0."""
+    engine: Literal["auto", "static", "loop"] = "auto"
+    """Decode engine. ``static``: a static KV cache whose per-token step replays one CUDA graph on
+    a GPU (Llama and Qwen2 models). ``loop``: one transformers forward per token (any causal
+    LM). ``auto``: static on a GPU when the model supports it, else loop. Default auto."""
 
 
 class ScoreNode(_NodeBase):
@@ -162,6 +166,9 @@ class ReferenceLogprobNode(_NodeBase):
     """Always ``reference_logprob``."""
     model: str
     """Name of the reference model. Required."""
+    micro_batch_tokens: Annotated[int, Field(ge=1)] | None = None
+    """Most padded tokens (rows x longest row) in one forward pass; rows are sorted by length,
+    so little padding is computed. None: the whole batch in one pass. Default None."""
 
 
 class ValueNode(_NodeBase):
@@ -171,6 +178,9 @@ class ValueNode(_NodeBase):
     """Always ``value``."""
     model: str
     """Name of the value model (kind value). Required."""
+    micro_batch_tokens: Annotated[int, Field(ge=1)] | None = None
+    """Most padded tokens (rows x longest row) in one forward pass; rows are sorted by length,
+    so little padding is computed. None: the whole batch in one pass. Default None."""
 
 
 class AdvantageNode(_NodeBase):
@@ -224,6 +234,11 @@ class UpdateNode(_NodeBase):
     """Passes over the rollout per step. Default 1."""
     mini_batch_size: Annotated[int, Field(ge=1)] | None = None
     """Sequences per optimizer step; None uses the whole rollout. Default None."""
+    micro_batch_tokens: Annotated[int, Field(ge=1)] | None = None
+    """Most padded tokens (rows x longest row) in one forward and backward pass; the gradients
+    of a mini-batch's passes add up to the whole mini-batch's (gradient accumulation), rows
+    sorted by length so little padding is computed. Policy updates only (a critic update runs
+    each mini-batch in one pass). None: the whole mini-batch in one pass. Default None."""
     max_grad_norm: float = Field(default=1.0, ge=0)
     """Clip the gradient's global norm to this; 0 turns clipping off. Default 1.0."""
     weight_decay: float = Field(default=0.0, ge=0)

@@ -59,3 +59,15 @@ def test_save_and_reload_give_the_same_ids(tmp_path: Path) -> None:
     assert reloaded.padding_side == "left"
     assert reloaded.pad_token_id == 0 and reloaded.eos_token_id == 2
     assert reloaded.decode(reloaded("abc=12")["input_ids"]) == "abc=12"
+
+
+def test_a_padded_vocabulary_keeps_the_character_ids_and_decodes_fillers_without_digits() -> None:
+    from flowrl.backends.tokenizer import build_char_tokenizer, filler_token
+
+    padded = build_char_tokenizer(vocab_size=1000)
+    plain = build_char_tokenizer()
+    assert len(padded) == 1000
+    assert padded("ab=12")["input_ids"] == plain("ab=12")["input_ids"]
+    assert [filler_token(i) for i in (0, 25, 26, 27)] == ["<a>", "<z>", "<ba>", "<bb>"]
+    assert padded.decode([len(plain), 56]) == "<a>0"  # 56 is the digit 0
+    assert not any(ch.isdigit() for ch in padded.decode(list(range(len(plain), 1000))))

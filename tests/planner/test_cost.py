@@ -74,7 +74,8 @@ def test_builtin_shapes_repeat_the_backend_table() -> None:
         assert (shape.num_layers, shape.hidden_size, shape.num_heads, shape.num_kv_heads,
                 shape.intermediate_size, shape.vocab_size) == (
             model.num_layers, model.hidden_size, model.num_heads, model.num_kv_heads,
-            model.intermediate_size, len(char_vocab()))
+            model.intermediate_size, model.vocab_size or len(char_vocab()))
+        assert shape.tie_embeddings == model.tie_word_embeddings
 
 
 def test_shape_from_a_local_config_and_instruct_names(tmp_path: Path) -> None:

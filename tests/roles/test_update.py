@@ -90,3 +90,52 @@ def test_padding_columns_do_not_change_logprobs() -> None:
     padded = completion_logprobs(state.module, wider, state.device)
     assert torch.allclose(padded[:, :2], narrow, atol=1e-6)
     assert torch.equal(padded[:, 2:], torch.zeros(4, 3))
+
+
+def _uneven_rollout(state: ModelState) -> Rollout:
+    """Six rows of different prompt and completion lengths (padding on both sides)."""
+    tokenizer = state.tokenizer
+    prompts = ["abcd=", "ab=", "a=", "abc=", "b=", "cdef="]
+    completions = ["1", "x2y3", "77", "zzz", "9", "q1"]
+    encoded = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    completion = tokenizer(completions, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
+    return Rollout(
+        prompt_ids=encoded["input_ids"], prompt_mask=encoded["attention_mask"],
+        completion_ids=completion["input_ids"], completion_mask=completion["attention_mask"],
+        group_size=2, prompts=prompts, completions=completions, answers=[None] * 6,
+        max_new_tokens=4, temperature=1.0,
+    )
+
+
+def test_micro_batches_are_length_sorted_within_the_token_budget() -> None:
+    from flowrl.roles.forward import micro_batches
+
+    rollout = _uneven_rollout(_state())
+    # total lengths (prompt + completion): 6, 7, 4, 7, 3, 7
+    groups = [group.tolist() for group in micro_batches(rollout, max_tokens=14)]
+    # sorted: 4(3) 2(4) 0(6) 1(7) 3(7) 5(7); widths grow as rows join a pass:
+    # [4, 2]: 2 rows x (max prompt 2 + max completion 2) = 8; adding 0 makes 3 x (5+2) = 21 > 14
+    # [0, 1]: 2 x (5 + 4) = 18 > 14, so 0 alone; [1, 3]: 2 x (4 + 4) = 16 > 14: each alone
+    assert groups == [[4, 2], [0], [1], [3], [5]]
+    assert [g.tolist() for g in micro_batches(rollout, None)] == [[0, 1, 2, 3, 4, 5]]
+    assert sorted(sum(groups, [])) == list(range(6))
+
+
+@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean"])
+def test_micro_batches_give_the_whole_batch_gradient(loss_agg: str) -> None:
+    """Gradient accumulation over length-sorted passes = one pass over the whole batch."""
+    advantages = torch.tensor([1.0, -0.5, 0.3, -1.0, 0.7, 0.2])
+    results = []
+    for budget in (None, 12):
+        state = _state()
+        rollout = _uneven_rollout(state)
+        reference = completion_logprobs(state.module, rollout, state.device).detach() + 0.1
+        node = UpdateNode(model="actor", inputs=["rollout", "adv", "ref"], lr=1e-3, kl_coef=0.1,
+                          loss_agg=loss_agg, micro_batch_tokens=budget, max_grad_norm=0.0)
+        output = run_update(state, rollout, advantages, reference, node, seed=0)
+        grads = torch.cat([p.grad.flatten() for p in state.module.parameters() if p.grad is not None])
+        results.append((output.metrics, grads))
+    (whole, whole_grad), (parts, parts_grad) = results
+    torch.testing.assert_close(parts_grad, whole_grad, atol=1e-6, rtol=1e-4)
+    for key in ("actor/loss", "actor/pg_loss", "actor/kl", "actor/ratio_mean", "actor/grad_norm"):
+        assert parts[key] == pytest.approx(whole[key], rel=1e-4, abs=1e-7), key

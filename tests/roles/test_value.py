@@ -91,6 +91,6 @@ def test_real_model_values_match_the_full_forward_and_micro_batches() -> None:
     expected = expected * rollout.completion_mask
     torch.testing.assert_close(output.value, expected, atol=1e-5, rtol=1e-5)
     with torch.no_grad():
-        chunked = completion_values(model, rollout, torch.device("cpu"), micro_batch_size=1)
+        chunked = completion_values(model, rollout, torch.device("cpu"), micro_batch_tokens=1)
     torch.testing.assert_close(chunked * rollout.completion_mask, expected, atol=1e-5, rtol=1e-5)
     assert "critic/values/mean" in output.metrics

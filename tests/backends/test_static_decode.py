@@ -1,0 +1,155 @@
+"""The static-cache decode engine against transformers' generate() and the plain loop.
+
+On CPU the engine runs its decode step eagerly (no CUDA graphs) over the same buffers, so
+these tests check its arithmetic, the cache layout, compaction of finished rows and the
+bookkeeping; ``test_greedy_matches_generate_on_gpu`` checks the captured graphs on a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from flowrl.backends.generation import generate_tokens
+from flowrl.backends.static_decode import StaticDecoder, decoder_for, unsupported_reason
+
+PAD_ID = 0
+VOCAB_SIZE = 40
+
+
+def build(kind: str, device: str = "cpu") -> torch.nn.Module:
+    shape = dict(vocab_size=VOCAB_SIZE, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, intermediate_size=128, max_position_embeddings=128,
+                 pad_token_id=PAD_ID, initializer_range=0.5)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(11)
+        if kind == "qwen2":  # q/k/v biases and tied embeddings
+            model = Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=True))
+        else:
+            model = LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=False))
+    return model.to(device).eval()
+
+
+def left_padded(lengths: list[int], seed: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(lengths)
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.full((len(lengths), width), PAD_ID, dtype=torch.long)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        ids[row, width - length:] = torch.randint(3, VOCAB_SIZE, (length,), generator=generator)
+        mask[row, width - length:] = 1
+    return ids.to(device), mask.to(device)
+
+
+def hf_greedy(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int,
+              eos: int) -> torch.Tensor:
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                         do_sample=False, pad_token_id=PAD_ID, eos_token_id=eos)
+    return out[:, ids.shape[1]:]
+
+
+def frequent_token(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> int:
+    """The token greedy decoding emits most often: as eos it makes rows stop at different steps."""
+    free_run = hf_greedy(model, ids, mask, 40, eos=VOCAB_SIZE + 5)
+    return int(torch.mode(free_run.flatten()).values)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_greedy_equals_transformers_generate(kind: str) -> None:
+    model = build(kind)
+    ids, mask = left_padded([5, 2, 7, 3, 6, 1], seed=1)
+    expected = hf_greedy(model, ids, mask, 24, eos=VOCAB_SIZE + 5)
+    out = StaticDecoder(model).generate(ids, mask, 24, eos_token_id=VOCAB_SIZE + 5, pad_token_id=PAD_ID,
+                                        greedy=True)
+    assert out.num_decode_steps == 24
+    assert torch.equal(out.completion_ids, expected)
+    assert bool(out.completion_mask.all())
+
+
+def test_rows_that_stop_early_match_generate_and_are_compacted() -> None:
+    """40 rows, eos frequent: rows stop at many different steps and the live batch shrinks."""
+    model = build("llama")
+    ids, mask = left_padded([1 + (row * 7) % 9 for row in range(40)], seed=2)
+    eos = frequent_token(model, ids, mask)
+    expected = hf_greedy(model, ids, mask, 48, eos=eos)
+    decoder = StaticDecoder(model)
+    shrunk: list[int] = []
+    original = decoder._compact
+    decoder._compact = lambda *args: shrunk.append(args[1]) or original(*args)  # type: ignore[method-assign]
+    out = decoder.generate(ids, mask, 48, eos_token_id=eos, pad_token_id=PAD_ID, greedy=True)
+    # generate() pads finished rows; its length is the step where the last row stopped.
+    assert out.completion_ids.shape == expected.shape
+    assert torch.equal(out.completion_ids, expected)
+    lengths = out.completion_mask.sum(dim=1)
+    stops = (expected == eos).long().argmax(dim=1) + 1
+    assert torch.equal(lengths[(expected == eos).any(dim=1)], stops[(expected == eos).any(dim=1)])
+    assert shrunk, "the batch was never compacted although most rows finished"
+
+
+def test_sampled_tokens_and_logprobs_match_the_plain_loop() -> None:
+    """Same generator, same noise draws: the same tokens and the same log-probabilities."""
+    model = build("qwen2")
+    ids, mask = left_padded([4, 6, 2, 5], seed=3)
+    settings = dict(eos_token_id=VOCAB_SIZE + 5, pad_token_id=PAD_ID, temperature=0.7, top_k=10, top_p=0.9)
+    engine = StaticDecoder(model).generate(ids, mask, 20, generator=torch.Generator().manual_seed(5), **settings)
+    plain = generate_tokens(model, ids, mask, 20, generator=torch.Generator().manual_seed(5), **settings)
+    assert torch.equal(engine.completion_ids, plain.completion_ids)
+    torch.testing.assert_close(engine.sampled_logprobs, plain.sampled_logprobs, atol=1e-5, rtol=0)
+
+
+def test_logprobs_are_those_of_a_full_forward() -> None:
+    """The sampled log-probabilities equal log_softmax(logits / T) of one forward over the result."""
+    model = build("llama")
+    ids, mask = left_padded([3, 5], seed=4)
+    out = StaticDecoder(model).generate(ids, mask, 10, eos_token_id=VOCAB_SIZE + 5, pad_token_id=PAD_ID,
+                                        temperature=1.3, generator=torch.Generator().manual_seed(0))
+    full_ids = torch.cat([ids, out.completion_ids], dim=1)
+    full_mask = torch.cat([mask, out.completion_mask], dim=1)
+    positions = (full_mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=full_ids, attention_mask=full_mask, position_ids=positions).logits
+    logprobs = torch.log_softmax(logits[:, ids.shape[1] - 1:-1].float() / 1.3, dim=-1)
+    expected = logprobs.gather(-1, out.completion_ids[..., None]).squeeze(-1)
+    torch.testing.assert_close(out.sampled_logprobs, expected, atol=1e-4, rtol=0)
+
+
+def test_an_optimizer_step_is_seen_by_the_next_generation() -> None:
+    """The engine reads the module's parameters in place: no stale copy after training."""
+    model = build("llama")
+    decoder = decoder_for(model)
+    assert decoder is not None and decoder_for(model) is decoder
+    ids, mask = left_padded([4, 4], seed=5)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(-1.0)
+    out = decoder.generate(ids, mask, 8, eos_token_id=VOCAB_SIZE + 5, pad_token_id=PAD_ID, greedy=True)
+    assert torch.equal(out.completion_ids, hf_greedy(model, ids, mask, 8, eos=VOCAB_SIZE + 5))
+
+
+def test_unsupported_models_are_named() -> None:
+    model = build("llama")
+    model.config.hidden_act = "gelu"
+    assert "gelu" in (unsupported_reason(model) or "")
+    assert decoder_for(model) is None
+    assert unsupported_reason(torch.nn.Linear(2, 2)) is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_greedy_matches_generate_on_gpu(kind: str) -> None:
+    """On CUDA the decode step replays a captured graph; fp32 so argmax ties cannot flip."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = build(kind, "cuda")
+    ids, mask = left_padded([1 + (row * 5) % 8 for row in range(40)], seed=6, device="cuda")
+    eos = frequent_token(model, ids, mask)
+    decoder = StaticDecoder(model)
+    assert decoder.use_graphs
+    for _ in range(2):  # the second call replays graphs captured by the first
+        out = decoder.generate(ids, mask, 40, eos_token_id=eos, pad_token_id=PAD_ID, greedy=True)
+        assert torch.equal(out.completion_ids, hf_greedy(model, ids, mask, 40, eos=eos))
+    sampled = decoder.generate(ids, mask, 40, eos_token_id=VOCAB_SIZE + 5, pad_token_id=PAD_ID,
+                               generator=torch.Generator(device="cuda").manual_seed(0))
+    again = decoder.generate(ids, mask, 40, eos_token_id=VOCAB_SIZE + 5, pad_token_id=PAD_ID,
+                             generator=torch.Generator(device="cuda").manual_seed(0))
+    assert torch.equal(sampled.completion_ids, again.completion_ids)
