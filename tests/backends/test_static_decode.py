@@ -136,18 +136,23 @@ def test_unsupported_models_are_named() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("compile_layers", [False, True])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_greedy_matches_generate_on_gpu(kind: str) -> None:
+def test_greedy_matches_generate_on_gpu(kind: str, compile_layers: bool) -> None:
     """On CUDA the decode step replays a captured graph; fp32 so argmax ties cannot flip."""
     torch.backends.cuda.matmul.allow_tf32 = False
     model = build(kind, "cuda")
     ids, mask = left_padded([1 + (row * 5) % 8 for row in range(40)], seed=6, device="cuda")
     eos = frequent_token(model, ids, mask)
-    decoder = StaticDecoder(model)
+    decoder = StaticDecoder(model, compile_layers=compile_layers)
     assert decoder.use_graphs
+    expected = hf_greedy(model, ids, mask, 40, eos=eos)
     for _ in range(2):  # the second call replays graphs captured by the first
         out = decoder.generate(ids, mask, 40, eos_token_id=eos, pad_token_id=PAD_ID, greedy=True)
-        assert torch.equal(out.completion_ids, hf_greedy(model, ids, mask, 40, eos=eos))
+        differ = (out.completion_ids != expected).any(dim=1) if out.completion_ids.shape == expected.shape else None
+        assert torch.equal(out.completion_ids, expected), (
+            f"shapes {tuple(out.completion_ids.shape)} vs {tuple(expected.shape)}; rows that differ: "
+            f"{None if differ is None else differ.nonzero().flatten().tolist()}")
     sampled = decoder.generate(ids, mask, 40, eos_token_id=VOCAB_SIZE + 5, pad_token_id=PAD_ID,
                                generator=torch.Generator(device="cuda").manual_seed(0))
     again = decoder.generate(ids, mask, 40, eos_token_id=VOCAB_SIZE + 5, pad_token_id=PAD_ID,
