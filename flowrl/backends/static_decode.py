@@ -242,6 +242,7 @@ class StaticDecoder:
         self._shape: tuple[int, int, int] = (0, 0, 0)
         self._graphs: dict[int, Any] = {}
         self._graph_key: tuple[Any, ...] | None = None
+        self._graph_generator: torch.Generator | None = None
         self._cos = self._sin = torch.empty(0)
 
     # -- the decoder arithmetic ------------------------------------------------------------
@@ -358,10 +359,13 @@ class StaticDecoder:
 
     def _forget_stale_graphs(self, sampling: _Sampling, generator: torch.Generator | None) -> None:
         """Drop the captured graphs when parameters moved, or sampling or generator changed."""
-        key = (self._parameter_key(), sampling, id(generator))
-        if key != self._graph_key:
+        # The generator itself, not its id: a new generator may reuse a freed one's address,
+        # and a graph replays with the generator registered at its capture.
+        key = (self._parameter_key(), sampling)
+        if key != self._graph_key or generator is not self._graph_generator:
             self._graphs.clear()
             self._graph_key = key
+            self._graph_generator = generator
 
     def _graph_for(self, batch: int, sampling: _Sampling, generator: torch.Generator | None) -> Any:
         if batch not in self._graphs:
