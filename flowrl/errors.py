@@ -66,6 +66,14 @@ class ClusterError(FlowrlError):
     """The Dask cluster cannot be started or reached, or lost the workers a run needs."""
 
 
+class NodeTimeout(ClusterError):
+    """A node ran past ``runtime.node_timeout_s``: its worker counts as hung."""
+
+    def __init__(self, message: str, slots: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.slots = slots
+
+
 class RewardError(FlowrlError):
     """A reward function that cannot be resolved, or that failed in strict mode."""
 

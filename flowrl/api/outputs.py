@@ -5,8 +5,10 @@
       plan-<step>.json     every placement decision
       metrics.jsonl        one line per step
       profile.jsonl        one line per node call, per device sample, per smoothed estimate
-      events.jsonl         placement, checkpoints, warnings
-      checkpoints/step-<n>/  written under a temporary name, then renamed
+      events.jsonl         placement, checkpoints, faults, warnings
+      run.json             where the pipeline came from (for ``flowrl resume``), and whether it finished
+      checkpoints/step-<n>/  written under a temporary name, then renamed; trainer_state.json
+                           (written last) lists every file's SHA-256
       final/               the trained policy, loadable with from_pretrained
 """
 
@@ -19,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from flowrl.api.recovery import TRAINER_STATE, file_digests
 from flowrl.errors import CheckpointError, FlowrlError
 from flowrl.profiler import NodeSummary
 from flowrl.records import RunEvent, StepRecord
@@ -36,10 +39,45 @@ class RunFolder:
     def write_config(self, text: str) -> None:
         (self.path / "config.yaml").write_text(text)
 
+    def read_config(self) -> str | None:
+        path = self.path / "config.yaml"
+        return path.read_text() if path.is_file() else None
+
+    def write_run_info(self, info: dict[str, Any]) -> None:
+        (self.path / "run.json").write_text(json.dumps(info, indent=2) + "\n")
+
+    def read_run_info(self) -> dict[str, Any]:
+        path = self.path / "run.json"
+        try:
+            return dict(json.loads(path.read_text())) if path.is_file() else {}
+        except (OSError, ValueError):
+            return {}
+
     def reset_logs(self) -> None:
-        """A fresh run starts the line files anew (a resumed run would append)."""
+        """A fresh run starts the line files anew (a resumed run appends)."""
         for name in ("metrics.jsonl", "profile.jsonl", "events.jsonl"):
             (self.path / name).write_text("")
+
+    def truncate_logs(self, last_step: int) -> int:
+        """Drop the metric and profile lines of steps after ``last_step`` (they will be run
+        again), so the files never hold a step twice; returns how many metric lines went."""
+        dropped = 0
+        for name in ("metrics.jsonl", "profile.jsonl"):
+            path = self.path / name
+            if not path.is_file():
+                continue
+            kept = []
+            for line in path.read_text().splitlines():
+                try:
+                    step = int(json.loads(line).get("step", 0))
+                except (ValueError, AttributeError, TypeError):
+                    continue  # a line cut short by a killed process
+                if step <= last_step:
+                    kept.append(line)
+                elif name == "metrics.jsonl":
+                    dropped += 1
+            path.write_text("".join(line + "\n" for line in kept))
+        return dropped
 
     def write_plan(self, step: int, plan: dict[str, Any]) -> Path:
         target = self.path / f"plan-{step}.json"
@@ -70,16 +108,23 @@ class RunFolder:
         return staging
 
     def commit_checkpoint(self, staging: Path, step: int, trainer_state: dict[str, Any], keep: int) -> Path:
+        """Seal ``staging`` (a manifest of every file's SHA-256, written last) and rename it
+        into place; older checkpoints beyond ``keep`` go only after the new one is in place."""
         final = self.checkpoints / f"step-{step}"
         try:
-            (staging / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2) + "\n")
+            manifest = {**trainer_state, "step": step, "files": file_digests(staging)}
+            (staging / TRAINER_STATE).write_text(json.dumps(manifest, indent=2) + "\n")
             if final.exists():
                 shutil.rmtree(final)
             staging.rename(final)
         except OSError as error:
+            shutil.rmtree(staging, ignore_errors=True)
             raise CheckpointError(f"cannot finish checkpoint {final}: {error}; the previous one is intact") from error
         self._prune(keep)
         return final
+
+    def discard_staging(self, staging: Path) -> None:
+        shutil.rmtree(staging, ignore_errors=True)
 
     def _prune(self, keep: int) -> None:
         steps = sorted(

@@ -17,6 +17,8 @@ from flowrl.api.builder import Pipeline
 from flowrl.api.metrics import step_metrics
 from flowrl.algorithms.kl_control import AdaptiveKLController, FixedKLController
 from flowrl.api.outputs import RunFolder
+from flowrl.api.faults import FaultHandler, NonFiniteGuard
+from flowrl.api.recovery import FoundCheckpoint, config_changes, newest_checkpoint
 from flowrl.api.replanning import Replanner
 from flowrl.backends.hf import resolve_model_path
 from flowrl.data import PromptSource
@@ -24,7 +26,7 @@ from flowrl.devices.groups import offload_notes, pipeline_groups
 from flowrl.devices.inventory import detect_local
 from flowrl.devices.matching import match_groups
 from flowrl.devices.report import inventory_lines, match_lines
-from flowrl.errors import FlowrlError
+from flowrl.errors import CheckpointError, FlowrlError
 from flowrl.graph import PipelineGraph
 from flowrl.planner.cost import measure_cpu_rates
 from flowrl.planner.costs import EstimatedCosts
@@ -52,6 +54,8 @@ class Observer(Protocol):
 class RunResult:
     output_dir: Path
     records: list[StepRecord] = field(default_factory=list)
+    already_finished: bool = False
+    """``resume`` found a run that had finished every step: nothing was trained."""
 
     def metric(self, name: str) -> list[float]:
         return [r.metrics[name] for r in self.records if name in r.metrics]
@@ -77,17 +81,42 @@ def run(
     seed: int | None = None,
     observer: Observer | None = None,
     base_dir: Path | None = None,
+    resume: bool = False,
+    force: bool = False,
 ) -> RunResult:
-    """Train ``pipeline``; returns the per-step records. Arguments override the file's values."""
+    """Train ``pipeline``; returns the per-step records. Arguments override the file's values.
+
+    ``resume``: continue the run in the output folder from its newest intact checkpoint (a
+    run that finished says so and trains nothing). A pipeline that differs from the one the
+    run started with is refused, with the differences, unless ``force``.
+    """
     graph = pipeline.build() if isinstance(pipeline, Pipeline) else pipeline
     options = RunOptions(steps, str(output_dir) if output_dir is not None else None, scheduler_address, cpu_slots, seed)
     graph = apply_options(graph, options)
+    # The folder is named absolutely in config.yaml, so `flowrl resume DIR` from anywhere
+    # resolves to the same pipeline text as `flowrl run FILE --resume` did.
+    graph = apply_options(graph, RunOptions(output_dir=str(_resolve(Path(graph.spec.trainer.output_dir)))))
     check_runnable(graph)
     spec = graph.spec
-    folder = RunFolder(_resolve(Path(spec.trainer.output_dir)))
-    folder.write_config(to_yaml(graph))
-    folder.reset_logs()
+    folder = RunFolder(Path(spec.trainer.output_dir))
+    config_text = to_yaml(graph)
+    start: FoundCheckpoint | None = None
+    if resume:
+        finished = _finished_steps(folder)
+        _check_unchanged(folder, config_text, force)
+        if finished is not None and finished >= spec.trainer.steps:
+            return RunResult(folder.path, already_finished=True)
+        start = newest_checkpoint(folder.checkpoints)
+    folder.write_config(config_text)
+    folder.write_run_info({"base_dir": str(base_dir or Path.cwd()), "finished_steps": None})
+    if start is None:
+        folder.reset_logs()
     watcher = _Watchers(folder, observer)
+    if resume:
+        for line in start.skipped if start is not None else ():
+            watcher.event(RunEvent("warning", f"checkpoint skipped: {line}", 0))
+        if start is None:
+            watcher.event(RunEvent("resume", "no intact checkpoint to resume from: starting at step 1", 0))
 
     source = PromptSource(
         spec.data.source,
@@ -106,13 +135,35 @@ def run(
         else Cluster.start_local(spec.runtime.cpu_slots, spec.runtime.dashboard, spec.runtime.pin_cpus)
     )
     try:
-        return _train(graph, cluster, folder, source, watcher, base_dir)
+        return _train(graph, cluster, folder, source, watcher, base_dir, start)
     finally:
         cluster.close()
 
 
+def _finished_steps(folder: RunFolder) -> int | None:
+    value = folder.read_run_info().get("finished_steps")
+    return int(value) if isinstance(value, int) else None
+
+
+def _check_unchanged(folder: RunFolder, config_text: str, force: bool) -> None:
+    before = folder.read_config()
+    if before is None or before == config_text:
+        return
+    changes = config_changes(before, config_text)
+    if force:
+        return
+    shown = "\n".join(f"  {line}" for line in changes[:20])
+    more = f"\n  ... and {len(changes) - 20} more lines" if len(changes) > 20 else ""
+    raise FlowrlError(
+        f"the pipeline differs from the one the run in {folder.path} started with "
+        f"(- before, + now):\n{shown}{more}\n"
+        "resume with --force to go on with the new pipeline, or give another output_dir to start afresh"
+    )
+
+
 def _train(
-    graph: PipelineGraph, cluster: Cluster, folder: RunFolder, source: PromptSource, watcher: "_Watchers", base_dir: Path | None
+    graph: PipelineGraph, cluster: Cluster, folder: RunFolder, source: PromptSource, watcher: "_Watchers",
+    base_dir: Path | None, start: FoundCheckpoint | None = None,
 ) -> RunResult:
     spec = graph.spec
     slots = [slot.name for slot in cluster.slots]
@@ -141,14 +192,30 @@ def _train(
                 RunEvent("model", f"{info['model']} on {info['device']}: {info['num_parameters']:,} parameters", 0)
             )
         kl = RewardKL(graph)
+        first_step = 1
+        if start is not None:
+            session.load_checkpoint(start.path)
+            kl.load_state_dict(start.trainer_state.get("kl", {}))
+            first_step = start.step + 1
+            dropped = folder.truncate_logs(start.step)
+            watcher.event(RunEvent(
+                "resume", f"resumed from {start.path} at step {first_step} ({dropped} logged steps after it will run again)", start.step))
         replanner = Replanner(graph, policy, session, folder, watcher.event)
+        faults = FaultHandler(graph, cluster, folder, watcher, base_dir)
+        guard = NonFiniteGuard(spec.trainer.max_nonfinite_updates)
         result = RunResult(folder.path)
         started = time.perf_counter()
         num_steps = spec.trainer.steps
-        for step in range(1, num_steps + 1):
+        faults.remember(session, first_step - 1, kl)
+        step = first_step
+        while step <= num_steps:
             replanner.before_step(step)
             step_started = time.perf_counter()
-            reports = session.run_step(step, source.next_batch(step - 1), kl.coefs())
+            try:
+                reports = session.run_step(step, source.next_batch(step - 1), kl.coefs())
+            except Exception as error:  # noqa: BLE001 - a lost worker is recovered; anything else is re-raised
+                session, step = faults.recover(error, session, step, kl, replanner, result.records)
+                continue
             step_s = time.perf_counter() - step_started
             devices = session.sample_devices()
             metrics, nodes = step_metrics(graph, reports, step_s, num_devices=session.num_slots_in_use)
@@ -156,11 +223,15 @@ def _train(
             record = StepRecord(step, num_steps, metrics, nodes, devices, time.perf_counter() - started)
             result.records.append(record)
             watcher.step(record)
+            guard.check(record, watcher)
             replanner.after_step(record, step_s)
             every = spec.trainer.checkpoint_every
             if every and step % every == 0 and step < num_steps:
                 _checkpoint(session, folder, step, spec.trainer.keep_checkpoints, watcher, kl)
+            faults.remember(session, step, kl)
+            step += 1
         _save_final(session, folder, watcher, num_steps)
+        folder.write_run_info({**folder.read_run_info(), "finished_steps": num_steps})
         return result
     finally:
         session.close()
@@ -168,7 +239,14 @@ def _train(
 
 def _checkpoint(session: Session, folder: RunFolder, step: int, keep: int, watcher: "_Watchers", kl: "RewardKL") -> None:
     staging = folder.checkpoint_staging(step)
-    session.save_models(staging, with_state=True)
+    try:
+        session.save_models(staging, with_state=True)
+    except Exception as error:
+        folder.discard_staging(staging)
+        raise CheckpointError(
+            f"cannot write checkpoint step-{step} to {staging.parent}: {error}; "
+            "the previous checkpoint is intact (free disk space or fix the folder, then resume)"
+        ) from error
     final = folder.commit_checkpoint(staging, step, {"step": step, "kl": kl.state_dict()}, keep)
     watcher.event(RunEvent("checkpoint", f"saved {final}", step))
 
@@ -298,6 +376,11 @@ class RewardKL:
 
     def state_dict(self) -> dict[str, Any]:
         return {name: controller.state_dict() for name, controller in self.controllers.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name, saved in state.items():
+            if name in self.controllers:
+                self.controllers[name].load_state_dict(saved)
 
 
 class _Watchers:

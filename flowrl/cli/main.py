@@ -65,26 +65,51 @@ def run(
     cpu_slots: Optional[int] = typer.Option(None, min=1, help="Override runtime.cpu_slots (local cluster workers)."),
     seed: Optional[int] = typer.Option(None, help="Override trainer.seed."),
     plain: bool = typer.Option(False, "--plain", help="One log line per step instead of the live view."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the run in the output folder from its newest checkpoint."),
+    force: bool = typer.Option(False, "--force", help="With --resume: go on although the pipeline changed."),
 ) -> None:
     """Train a pipeline: start (or join) Dask, place the roles, run the steps."""
-    from flowrl.api.run import run as run_pipeline
     from flowrl.spec.loader import load_pipeline
-    from flowrl.ui import make_reporter
 
     graph = load_pipeline(pipeline_file)
+    _train(graph, pipeline_file.resolve().parent, plain, resume, force,
+           steps=steps, output_dir=output_dir, scheduler_address=scheduler, cpu_slots=cpu_slots, seed=seed)
+
+
+@app.command()
+@_friendly
+def resume(
+    output_dir: Path = typer.Argument(..., help="The output folder of the run to continue."),
+    plain: bool = typer.Option(False, "--plain", help="One log line per step instead of the live view."),
+    force: bool = typer.Option(False, "--force", help="Go on although the saved pipeline was edited."),
+) -> None:
+    """Continue a run from its output folder (its config.yaml and newest checkpoint)."""
+    import json
+
+    from flowrl.spec.loader import load_pipeline
+
+    config = output_dir / "config.yaml"
+    if not config.is_file():
+        raise FlowrlError(f"{output_dir} holds no config.yaml: it is not the output folder of a flowrl run")
+    graph = load_pipeline(config)
+    try:
+        base_dir = Path(json.loads((output_dir / "run.json").read_text()).get("base_dir") or output_dir)
+    except (OSError, ValueError, AttributeError):
+        base_dir = output_dir.resolve()
+    _train(graph, base_dir, plain, True, force, output_dir=str(output_dir.resolve()))
+
+
+def _train(graph: Any, base_dir: Path, plain: bool, resume: bool, force: bool, **overrides: Any) -> None:
+    from flowrl.api.run import run as run_pipeline
+    from flowrl.ui import make_reporter
+
     console = Console()
-    num_steps = steps or graph.spec.trainer.steps
+    num_steps = overrides.get("steps") or graph.spec.trainer.steps
     with make_reporter(console, plain, graph.name, num_steps) as reporter:
-        result = run_pipeline(
-            graph,
-            steps=steps,
-            output_dir=output_dir,
-            scheduler_address=scheduler,
-            cpu_slots=cpu_slots,
-            seed=seed,
-            observer=reporter,
-            base_dir=pipeline_file.resolve().parent,
-        )
+        result = run_pipeline(graph, observer=reporter, base_dir=base_dir, resume=resume, force=force, **overrides)
+    if result.already_finished:
+        console.print(f"the run in {result.output_dir} already finished all {num_steps} steps; nothing to resume")
+        return
     rewards = result.metric("critic/score/mean")
     if rewards:
         window = max(1, min(10, len(rewards) // 2))

@@ -9,6 +9,7 @@ computes the loss provides them (detached) and no extra pass is made.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -22,6 +23,8 @@ from flowrl.roles.state import ModelState
 
 
 TOKEN_MEANS = ("actor/clipfrac", "actor/ratio_mean")
+NONFINITE_METRIC = "actor/nonfinite_skipped"
+"""1.0 when an optimizer step was skipped because its loss or gradient was NaN or infinite."""
 
 
 def run_update(
@@ -138,9 +141,16 @@ def _step(
         grad_norm = torch.nn.utils.clip_grad_norm_(state.module.parameters(), node.max_grad_norm)
     else:
         grad_norm = _grad_norm(state.module)
-    optimizer.step()
     result = dict(zip(keys, values))
     result["actor/grad_norm"] = float(grad_norm)
+    # A NaN or infinite loss or gradient would poison the weights and the optimizer's moments
+    # for good: the step is skipped instead (every data-parallel rank sees the same sums).
+    finite = all(math.isfinite(value) for value in result.values())
+    if finite:
+        optimizer.step()
+    else:
+        optimizer.zero_grad(set_to_none=True)
+    result[NONFINITE_METRIC] = 0.0 if finite else 1.0
     return result
 
 

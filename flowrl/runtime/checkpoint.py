@@ -39,7 +39,7 @@ def save_model_state(state: ModelState, directory: Path, with_state: bool) -> No
         raise CheckpointError(f"cannot write checkpoint of '{state.name}' to {directory}: {error}") from error
 
 
-def load_model_state(state: ModelState, directory: Path) -> None:
+def load_model_state(state: ModelState, directory: Path, parts: tuple[str, ...] | None = None) -> None:
     weights_file = directory / "model.safetensors"
     if not weights_file.exists():
         raise CheckpointError(f"checkpoint of '{state.name}' has no {weights_file.name} in {directory}")
@@ -48,5 +48,12 @@ def load_model_state(state: ModelState, directory: Path) -> None:
         scalar_model_weights(directory) if isinstance(state.module, ScalarHeadModel) else load_file(str(weights_file))
     )
     state_file = directory / STATE_FILE
-    saved = torch.load(state_file, weights_only=True) if state_file.exists() else {}
-    state.restore({**saved, "weights": weights})
+    try:
+        saved = torch.load(state_file, weights_only=True) if state_file.exists() else {}
+    except Exception as error:  # a truncated or foreign file: unpickling refused or failed
+        raise CheckpointError(f"cannot read {state_file}: {error}") from error
+    everything = {**saved, "weights": weights}
+    if parts is not None:
+        everything = {key: value for key, value in everything.items()
+                      if key in parts or (key == "num_updates" and "optimizer" in parts)}
+    state.restore(everything)

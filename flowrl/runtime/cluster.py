@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import threading
+import time
 import warnings
 from dataclasses import dataclass, replace
 from typing import Any
@@ -169,6 +170,28 @@ class Cluster:
     @property
     def dashboard_link(self) -> str | None:
         return self.client.dashboard_link if self._local is not None and self._local.dashboard_link else None
+
+    def alive(self) -> set[str]:
+        """The slots whose worker is registered with the scheduler right now."""
+        names = {str(info["name"]) for info in self.client.scheduler_info(n_workers=-1)["workers"].values()}
+        return {slot.name for slot in self.slots if str(slot.worker) in names}
+
+    def restart(self, names: list[str], timeout_s: float) -> None:
+        """Restart the workers of ``names`` (hung ones): their nannies start fresh processes."""
+        workers = [slot.worker for slot in self.slots if slot.name in names]
+        try:
+            self.client.restart_workers(workers, timeout=timeout_s, raise_for_error=False)
+        except Exception:  # noqa: BLE001 - a worker that cannot restart is waited for below
+            pass
+
+    def wait_for(self, names: set[str], timeout_s: float) -> bool:
+        """Wait until every slot of ``names`` has a registered worker; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if names <= self.alive():
+                return True
+            time.sleep(0.2)
+        return names <= self.alive()
 
     def close(self) -> None:
         # Quiet shutdown: a closing cluster logs connection noise that means nothing here.

@@ -15,7 +15,7 @@ import time
 from dataclasses import replace
 from typing import Any, Sequence
 
-from flowrl.errors import ClusterError
+from flowrl.errors import NodeTimeout
 from flowrl.graph import PipelineGraph
 from flowrl.planner.placement import Plan
 from flowrl.runtime.calls import InputRef, NodeCall, NodeReport, store_key
@@ -94,10 +94,12 @@ class StepExecutor:
         except TimeoutError as error:
             raise self._timeout(node) from error
 
-    def _timeout(self, node: str) -> ClusterError:
-        return ClusterError(
-            f"node '{node}' on {', '.join(self.plan.slots_of(node))} did not finish within "
-            f"{self.node_timeout_s:.0f} s (runtime.node_timeout_s)"
+    def _timeout(self, node: str) -> NodeTimeout:
+        slots = tuple(self.plan.slots_of(node))
+        return NodeTimeout(
+            f"node '{node}' on {', '.join(slots)} did not finish within "
+            f"{self.node_timeout_s:.0f} s (runtime.node_timeout_s)",
+            slots,
         )
 
     def _call(self, step: int, node: str, prompts: Sequence[Any], kl_coef: float, slot: str) -> NodeCall:

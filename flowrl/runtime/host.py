@@ -157,6 +157,11 @@ class RoleHost:
             self.models[name].generator.manual_seed(seed)
         return {"seconds": time.perf_counter() - started, "bytes": float(num_bytes)}
 
+    def drop_all(self) -> None:
+        """Forget every model and stored output (this host's session is over)."""
+        self.models.clear()
+        self.store.clear()
+
     def drop_model(self, name: str) -> None:
         """Forget a model whose nodes all moved away (its memory goes back to the worker)."""
         self.models.pop(name, None)
@@ -340,9 +345,14 @@ class RoleHost:
         for name in names:
             checkpoint.save_model_state(self.models[name], Path(directory) / name, with_state=with_state)
 
-    def load_models(self, directory: str, names: list[str]) -> None:
+    def load_models(self, directory: str, names: list[str], parts: tuple[str, ...] | None = None) -> None:
+        """Restore models from a checkpoint; ``parts`` limits what is taken (None: all)."""
         for name in names:
-            checkpoint.load_model_state(self.models[name], Path(directory) / name)
+            checkpoint.load_model_state(self.models[name], Path(directory) / name, parts)
+
+    def restore_state(self, model: str, saved: dict[str, Any]) -> None:
+        """Take over a snapshot made by ``export_state`` (after a lost worker)."""
+        self.models[model].restore(saved)
 
 
 class UpstreamFailed(RuntimeError):

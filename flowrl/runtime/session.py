@@ -212,8 +212,55 @@ class Session:
         for call in calls:
             call.result(timeout=600)
 
+    def snapshot(self) -> dict[str, dict[str, dict[str, Any]]]:
+        """The trained models' state, pulled to the driver: model -> slot -> parts. The
+        training copy gives weights, optimizer and sampling RNG; every other copy of the
+        model its own sampling RNG."""
+        calls = []
+        for model, trainer_slot in self.trained_models().items():
+            for slot in self.plan.model_slots.get(model, [trainer_slot]):
+                parts = ("weights", "optimizer", "generator") if slot == trainer_slot else ("generator",)
+                calls.append((model, slot, self.hosts[slot].export_state(model, parts)))
+        taken: dict[str, dict[str, dict[str, Any]]] = {}
+        for model, slot, call in calls:
+            taken.setdefault(model, {})[slot] = call.result(timeout=600)
+        return taken
+
+    def restore(self, snapshot: dict[str, dict[str, dict[str, Any]]]) -> None:
+        """Put a :meth:`snapshot` back on the hosts of this session's plan."""
+        calls = []
+        for model, trainer_slot in self.trained_models().items():
+            saved = snapshot[model]
+            trained = next(iter(saved.values())) if trainer_slot not in saved else saved[trainer_slot]
+            weights = next(parts["weights"] for parts in saved.values() if "weights" in parts)
+            for slot in self.plan.model_slots.get(model, [trainer_slot]):
+                parts = dict(trained) if slot == trainer_slot else {"weights": weights}
+                if slot in saved and "generator" in saved[slot]:
+                    parts["generator"] = saved[slot]["generator"]
+                calls.append(self.hosts[slot].restore_state(model, parts))
+        for call in calls:
+            call.result(timeout=600)
+
+    def load_checkpoint(self, directory: Path) -> None:
+        """Restore every copy of each trained model from a checkpoint directory: the training
+        copy whole, the others their weights."""
+        calls = []
+        for model, trainer_slot in self.trained_models().items():
+            for slot in self.plan.model_slots.get(model, [trainer_slot]):
+                parts = None if slot == trainer_slot else ("weights",)
+                calls.append(self.hosts[slot].load_models(str(directory), [model], parts))
+        for call in calls:
+            call.result(timeout=600)
+
     def close(self) -> None:
         self.executor.close()
+
+    def release(self) -> None:
+        """Close, and free the models of hosts whose workers outlive this session (a new
+        session takes over after a lost worker)."""
+        self.close()
+        _settle([(host, "drop_all", ()) for host in self.hosts.values()])
+        self.hosts.clear()
 
 
 def _slots_in_use(plan: Plan) -> list[str]:

@@ -298,6 +298,9 @@ class TrainerSpec(_Strict):
     """Log metrics every this many steps. Default 1."""
     keep_checkpoints: int = Field(default=2, ge=1)
     """Newest checkpoints kept on disk. Default 2."""
+    max_nonfinite_updates: int = Field(default=3, ge=1)
+    """An update whose loss or gradient is NaN or infinite is skipped with a warning; this many
+    in a row stop the run (the newest checkpoint stays). Default 3."""
 
 
 class SchedulerSpec(_Strict):
@@ -331,7 +334,16 @@ class RuntimeSpec(_Strict):
     """Torch threads per worker; None uses all cores of the host (a step's nodes mostly run
     one after another). Default None."""
     node_timeout_s: float = Field(default=600.0, gt=0)
-    """Longest one node may run before the step fails, in seconds. Default 600."""
+    """Longest one node may run, in seconds; a node past it counts as a hung worker, which is
+    restarted and the step run again. Default 600."""
+    snapshot_every: int = Field(default=1, ge=0)
+    """Steps between in-memory snapshots of the trained models (weights, optimizer, sampling
+    RNG), kept by the driver. After a lost worker the run goes back to the newest snapshot and
+    runs the steps after it again; 0: back to the newest checkpoint instead. Default 1."""
+    max_recoveries: int = Field(default=3, ge=0)
+    """Lost or hung workers a run survives before it stops (keeping its checkpoints). Default 3."""
+    recovery_timeout_s: float = Field(default=120.0, gt=0)
+    """How long to wait for a lost worker's replacement to register, in seconds. Default 120."""
     dashboard: bool = False
     """Serve the Dask dashboard on 127.0.0.1:8787 (local cluster only). Default false."""
     pin_cpus: bool = False

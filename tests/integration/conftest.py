@@ -1,27 +1,29 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import pytest
 
 from flowrl.api.builder import Pipeline
 
 
-def tiny_grpo(output_dir: Path, steps: int, kl_coef: float = 0.02, checkpoint_every: int = 0) -> Pipeline:
+def tiny_grpo(output_dir: Path, steps: int, kl_coef: float = 0.02, checkpoint_every: int = 0,
+              reward: str = "digits", lr: float = 5e-4, **trainer: Any) -> Pipeline:
     """The default pipeline's shape, small enough for a test."""
     p = Pipeline("test-grpo")
     actor = p.model("actor", path="builtin:tiny-llama", group="actor_group")
     reference = p.model("reference", path="builtin:tiny-llama", group="ref_group")
     prompts = p.source("builtin:digits", batch_size=4)
     rollout = p.generate(actor, prompts, n=8, max_new_tokens=16)
-    reward = p.score("digits", rollout)
+    scores = p.score(reward, rollout)
     inputs = [rollout]
     if kl_coef > 0:
         inputs.append(p.reference_logprob(reference, rollout))
-    advantage = p.advantage("grpo", reward)
-    p.update(actor, rollout, advantage, *inputs[1:], lr=5e-4, kl_coef=kl_coef)
-    p.trainer(steps=steps, output_dir=str(output_dir), seed=0, checkpoint_every=checkpoint_every, keep_checkpoints=2)
+    advantage = p.advantage("grpo", scores)
+    p.update(actor, rollout, advantage, *inputs[1:], lr=lr, kl_coef=kl_coef)
+    p.trainer(steps=steps, output_dir=str(output_dir), seed=0, checkpoint_every=checkpoint_every, keep_checkpoints=2,
+              **trainer)
     return p
 
 

@@ -32,8 +32,12 @@ def test_grpo_on_local_cluster_learns_and_writes_outputs(tmp_path: Path, make_pi
     for name in ("timing_s/gen", "timing_s/ref", "timing_s/update_actor", "timing_s/step", "perf/throughput", "actor/kl"):
         assert name in lines[-1], name
 
-    # config.yaml is the resolved pipeline: it loads back to an equal one
-    assert load_pipeline(output / "config.yaml") == pipeline.build()
+    # config.yaml is the resolved pipeline, its output folder made absolute: it loads back
+    # to an equal one
+    saved = load_pipeline(output / "config.yaml")
+    assert saved.spec.trainer.output_dir == str(output.resolve())
+    built = pipeline.build().spec
+    assert saved.spec.model_copy(update={"trainer": built.trainer}) == built
 
     # the plan puts actor and reference on different workers, and predicts the step
     plan = json.loads((output / "plan-0.json").read_text())
@@ -45,7 +49,9 @@ def test_grpo_on_local_cluster_learns_and_writes_outputs(tmp_path: Path, make_pi
     kept = sorted(p.name for p in (output / "checkpoints").iterdir())
     assert kept == ["step-20", "step-30"]
     assert (output / "checkpoints" / "step-30" / "actor" / "state.pt").exists()
-    assert json.loads((output / "checkpoints" / "step-30" / "trainer_state.json").read_text()) == {"step": 30, "kl": {}}
+    trainer_state = json.loads((output / "checkpoints" / "step-30" / "trainer_state.json").read_text())
+    assert (trainer_state["step"], trainer_state["kl"]) == (30, {})
+    assert "actor/model.safetensors" in trainer_state["files"] and "actor/state.pt" in trainer_state["files"]
 
     # final/ is the trained actor, loadable with from_pretrained, and it differs from the start
     model = AutoModelForCausalLM.from_pretrained(output / "final")

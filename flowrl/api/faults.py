@@ -1,0 +1,140 @@
+"""Surviving a lost or hung worker, and updates that go non-finite.
+
+A worker that dies mid-step (its process killed, its machine gone) makes the step's calls
+fail; one that hangs makes a node run past ``runtime.node_timeout_s`` and is restarted. Either
+way the run treats it as a placement event: it waits for the worker's replacement (the nanny
+starts one under the same name), builds every role again on a fresh session, puts back the
+newest snapshot of the trained models (kept by the driver every ``runtime.snapshot_every``
+steps; else the newest checkpoint), and runs the interrupted step again. Steps after the
+snapshot are dropped from the metric files before they run again, so ``metrics.jsonl`` never
+has a gap or a step twice. ``events.jsonl`` gets a ``fault`` line (what failed) and a
+``recovered`` line (what was done, the time lost).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+from flowrl.api.outputs import RunFolder
+from flowrl.api.recovery import newest_checkpoint
+from flowrl.errors import ClusterError, FlowrlError, NodeTimeout
+from flowrl.graph import PipelineGraph
+from flowrl.records import RunEvent, StepRecord
+from flowrl.roles.update import NONFINITE_METRIC
+from flowrl.runtime.cluster import Cluster
+from flowrl.runtime.session import Session
+
+
+
+class Events(Protocol):
+    def event(self, event: RunEvent) -> None: ...
+
+
+class KLState(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class FaultHandler:
+    """Snapshots the trained models as the run goes, and rebuilds the session after a fault."""
+
+    def __init__(self, graph: PipelineGraph, cluster: Cluster, folder: RunFolder, events: Events,
+                 base_dir: Path | None) -> None:
+        self.graph = graph
+        self.cluster = cluster
+        self.folder = folder
+        self.events = events
+        self.base_dir = base_dir
+        self.recoveries = 0
+        self._snapshot: dict[str, Any] | None = None
+        self._snapshot_step = 0
+        self._kl_state: dict[str, Any] = {}
+
+    def remember(self, session: Session, step: int, kl: KLState) -> None:
+        """Snapshot after ``step`` (0: before the first) when ``snapshot_every`` says so."""
+        every = self.graph.spec.runtime.snapshot_every
+        if every and step % every == 0:
+            self._snapshot = session.snapshot()
+            self._snapshot_step = step
+            self._kl_state = kl.state_dict()
+
+    def recover(self, error: BaseException, session: Session, step: int, kl: KLState, replanner: Any,
+                records: list[StepRecord]) -> tuple[Session, int]:
+        """A new session after a lost or hung worker, and the step to run next; re-raises
+        ``error`` when no worker was lost (a bug or bad input is not retried)."""
+        in_use = set(session.hosts)
+        lost = sorted(in_use - self.cluster.alive())
+        hung = sorted(error.slots) if isinstance(error, NodeTimeout) else []
+        if not lost and not hung:
+            raise error
+        runtime = self.graph.spec.runtime
+        what = f"worker(s) {', '.join(lost)} lost" if lost else f"worker(s) {', '.join(hung)} hung"
+        self.events.event(RunEvent("fault", f"step {step}: {what} ({type(error).__name__}: {error})", step))
+        if self.recoveries >= runtime.max_recoveries:
+            raise ClusterError(
+                f"step {step}: {what}, after {self.recoveries} recoveries already (runtime.max_recoveries); "
+                f"the run stopped. Resume it with `flowrl resume {self.folder.path}`"
+            ) from error
+        self.recoveries += 1
+        started = time.perf_counter()
+        if hung:
+            self.cluster.restart(hung, runtime.recovery_timeout_s)
+        if not self.cluster.wait_for(in_use, runtime.recovery_timeout_s):
+            missing = ", ".join(sorted(in_use - self.cluster.alive()))
+            raise ClusterError(
+                f"step {step}: worker(s) {missing} did not come back within {runtime.recovery_timeout_s:.0f} s "
+                f"(runtime.recovery_timeout_s); the run stopped. Resume it with `flowrl resume {self.folder.path}` "
+                "once the cluster has its workers again"
+            ) from error
+        session.release()
+        fresh = Session(self.cluster, self.graph, session.plan, self.base_dir)
+        fresh.load_models()
+        back_to, source = self._restore(fresh, kl)
+        dropped = self.folder.truncate_logs(back_to)
+        records[:] = [record for record in records if record.step <= back_to]
+        replanner.session = fresh
+        lost_s = time.perf_counter() - started
+        self.events.event(RunEvent(
+            "recovered",
+            f"step {step}: roles rebuilt on {', '.join(sorted(in_use))}, state from {source}; "
+            f"running again from step {back_to + 1} ({dropped} logged step(s) dropped); {lost_s:.1f} s lost",
+            step,
+        ))
+        return fresh, back_to + 1
+
+    def _restore(self, session: Session, kl: KLState) -> tuple[int, str]:
+        if self._snapshot is not None:
+            session.restore(self._snapshot)
+            kl.load_state_dict(self._kl_state)
+            return self._snapshot_step, f"the in-memory snapshot of step {self._snapshot_step}"
+        found = newest_checkpoint(self.folder.checkpoints)
+        if found is None:
+            return 0, "the initial models (no snapshot, no checkpoint)"
+        session.load_checkpoint(found.path)
+        kl.load_state_dict(found.trainer_state.get("kl", {}))
+        return found.step, f"checkpoint {found.path.name}"
+
+
+class NonFiniteGuard:
+    """Counts updates skipped for a non-finite loss; too many in a row stop the run."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.in_a_row = 0
+
+    def check(self, record: StepRecord, events: Events) -> None:
+        if not record.metrics.get(NONFINITE_METRIC):
+            self.in_a_row = 0
+            return
+        self.in_a_row += 1
+        events.event(RunEvent(
+            "warning", f"step {record.step}: the update's loss or gradient was NaN or infinite; the update was skipped",
+            record.step))
+        if self.in_a_row >= self.limit:
+            raise FlowrlError(
+                f"step {record.step}: {self.in_a_row} updates in a row had a NaN or infinite loss or gradient "
+                "(trainer.max_nonfinite_updates); the run stopped, its newest checkpoint is kept. Lower the "
+                "learning rate or check the reward scale, then resume"
+            )

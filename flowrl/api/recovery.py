@@ -1,0 +1,91 @@
+"""What a run needs to continue after a fault: verified checkpoints and in-memory snapshots.
+
+A checkpoint directory (``checkpoints/step-<n>/``) is complete only when its
+``trainer_state.json`` exists (it is written last, before the rename) and every file listed in
+that file's ``files`` manifest has the SHA-256 recorded there. :func:`newest_checkpoint`
+walks the checkpoints newest first and skips (and names) any that is half-written or corrupt,
+so a damaged checkpoint never silently becomes the starting point.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+TRAINER_STATE = "trainer_state.json"
+CHUNK = 1 << 20
+
+
+def file_digests(directory: Path) -> dict[str, str]:
+    """SHA-256 of every file under ``directory`` (relative path -> hex), the trainer state aside."""
+    digests = {}
+    for path in sorted(directory.rglob("*")):
+        if path.is_file() and path.name != TRAINER_STATE:
+            digest = hashlib.sha256()
+            with open(path, "rb") as handle:
+                for block in iter(lambda: handle.read(CHUNK), b""):
+                    digest.update(block)
+            digests[path.relative_to(directory).as_posix()] = digest.hexdigest()
+    return digests
+
+
+def checkpoint_problem(directory: Path) -> str | None:
+    """None when the checkpoint is complete and intact; else what is wrong with it."""
+    state_file = directory / TRAINER_STATE
+    if not state_file.is_file():
+        return f"no {TRAINER_STATE} (the write did not finish)"
+    try:
+        state = json.loads(state_file.read_text())
+        expected = state["files"]
+        int(state["step"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        return f"{TRAINER_STATE} is unreadable ({type(error).__name__}: {error})"
+    actual = file_digests(directory)
+    missing = sorted(set(expected) - set(actual))
+    if missing:
+        return f"missing files: {', '.join(missing[:3])}"
+    changed = sorted(name for name, digest in expected.items() if actual[name] != digest)
+    if changed:
+        return f"corrupt files (checksum differs): {', '.join(changed[:3])}"
+    return None
+
+
+@dataclass(frozen=True)
+class FoundCheckpoint:
+    step: int
+    path: Path
+    trainer_state: dict[str, Any]
+    skipped: tuple[str, ...]
+    """One line per newer checkpoint that was skipped, saying why."""
+
+
+def newest_checkpoint(checkpoints: Path) -> FoundCheckpoint | None:
+    """The newest complete and intact checkpoint under ``checkpoints`` (None if there is none)."""
+    if not checkpoints.is_dir():
+        return None
+    steps = []
+    for path in checkpoints.glob("step-*"):
+        suffix = path.name.removeprefix("step-")
+        if path.is_dir() and suffix.isdigit():
+            steps.append((int(suffix), path))
+    skipped = []
+    for step, path in sorted(steps, reverse=True):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            state = json.loads((path / TRAINER_STATE).read_text())
+            return FoundCheckpoint(step, path, state, tuple(skipped))
+        skipped.append(f"{path.name}: {problem}")
+    return None
+
+
+def config_changes(old: str, new: str) -> list[str]:
+    """The lines of a unified diff between two resolved pipeline files (empty: the same)."""
+    return [
+        line.rstrip("\n")
+        for line in difflib.unified_diff(old.splitlines(), new.splitlines(), "before", "now", lineterm="", n=0)
+        if not line.startswith(("---", "+++", "@@"))
+    ]

@@ -1,0 +1,133 @@
+"""Real faults on a real LocalCluster: a worker process killed mid-step, the driver killed
+with SIGKILL and resumed, updates that go NaN."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from flowrl.api.run import run
+from flowrl.errors import FlowrlError
+from flowrl.spec.loader import load_pipeline
+from tests.integration.conftest import tiny_grpo
+
+pytestmark = pytest.mark.integration
+
+KILLER = '''
+import os, signal
+from pathlib import Path
+
+from flowrl.rewards.builtin import digit_match
+
+MARK = Path(__file__).with_name("killed-once")
+
+
+def score(prompts, completions, answers, max_new_tokens):
+    # The third call (step 3): kill this worker's process in the middle of the step.
+    calls = Path(__file__).with_name("calls")
+    count = int(calls.read_text()) + 1 if calls.exists() else 1
+    calls.write_text(str(count))
+    if count == 3 and not MARK.exists():
+        MARK.write_text("x")
+        os.kill(os.getpid(), signal.SIGKILL)
+    return digit_match(prompts, completions, answers, max_new_tokens)
+'''
+
+
+def _steps(output: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (output / "metrics.jsonl").read_text().splitlines()]
+
+
+def _events(output: Path) -> list[dict]:
+    return [json.loads(line) for line in (output / "events.jsonl").read_text().splitlines()]
+
+
+def test_a_worker_killed_mid_step_is_replaced_and_the_run_completes(tmp_path: Path) -> None:
+    (tmp_path / "killer.py").write_text(KILLER)
+    output = tmp_path / "out"
+    pipeline = tiny_grpo(output, steps=6, reward="killer:score")
+    result = run(pipeline, base_dir=tmp_path)
+
+    assert (tmp_path / "killed-once").exists()
+    assert _steps(output) == [1, 2, 3, 4, 5, 6]  # no gap, no step twice
+    assert [record.step for record in result.records] == [1, 2, 3, 4, 5, 6]
+    kinds = [event["kind"] for event in _events(output)]
+    assert "fault" in kinds and "recovered" in kinds and kinds[-1] == "final"
+    fault = next(e for e in _events(output) if e["kind"] == "fault")
+    recovered = next(e for e in _events(output) if e["kind"] == "recovered")
+    assert fault["step"] == 3 and "lost" in fault["message"]
+    assert "snapshot of step 2" in recovered["message"] and "running again from step 3" in recovered["message"]
+    assert " s lost" in recovered["message"]
+
+
+def _write_pipeline(folder: Path, output: Path, steps: int) -> Path:
+    data = tiny_grpo(output, steps=steps, checkpoint_every=3).to_dict()
+    path = folder / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-c", "from flowrl.cli.main import app; app()", *args]
+
+
+def test_resume_after_kill_9_of_the_driver_ends_with_the_weights_of_an_uninterrupted_run(tmp_path: Path) -> None:
+    steps = 8
+    whole = tmp_path / "whole"
+    run(load_pipeline(_write_pipeline(tmp_path, whole, steps)))
+
+    killed = tmp_path / "killed"
+    pipeline_file = _write_pipeline(tmp_path, killed, steps)
+    process = subprocess.Popen(_cli("run", str(pipeline_file), "--plain"), start_new_session=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 240
+    while not (killed / "checkpoints" / "step-6" / "trainer_state.json").exists():
+        assert process.poll() is None and time.monotonic() < deadline, "the run ended before its step-6 checkpoint"
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGKILL)  # the driver and the workers it started
+    process.wait()
+    assert not (killed / "final").exists()
+
+    resumed = subprocess.run(_cli("run", str(pipeline_file), "--plain", "--resume"), capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    assert _steps(killed) == list(range(1, steps + 1))
+    assert any(e["kind"] == "resume" and "step 7" in e["message"] for e in _events(killed))
+    expected = load_file(str(whole / "final" / "model.safetensors"))
+    actual = load_file(str(killed / "final" / "model.safetensors"))
+    assert expected.keys() == actual.keys()
+    for key in expected:
+        torch.testing.assert_close(actual[key], expected[key], rtol=0, atol=1e-6)
+
+    # resuming a finished run says so and trains nothing
+    again = subprocess.run(_cli("resume", str(killed), "--plain"), capture_output=True, text=True)
+    assert again.returncode == 0 and "already finished all 8 steps" in again.stdout
+
+    # a changed pipeline is refused with what changed, exit code 2
+    data = yaml.safe_load(pipeline_file.read_text())
+    data["nodes"]["train"]["lr"] = 1e-3
+    pipeline_file.write_text(yaml.safe_dump(data, sort_keys=False))
+    changed = subprocess.run(_cli("run", str(pipeline_file), "--resume"), capture_output=True, text=True)
+    assert changed.returncode == 2
+    assert "the pipeline differs" in changed.stderr and "lr: 0.001" in changed.stderr and "--force" in changed.stderr
+
+
+def test_nan_updates_are_skipped_then_the_run_stops(tmp_path: Path) -> None:
+    """A learning rate of 1e30 sends the weights to infinity in one step: every later loss
+    is NaN, those updates are skipped, and the second in a row stops the run."""
+    pipeline = tiny_grpo(tmp_path / "out", steps=10, lr=1e30, max_nonfinite_updates=2)
+    with pytest.raises(FlowrlError, match="2 updates in a row had a NaN or infinite loss"):
+        run(pipeline)
+    warnings = [e["step"] for e in _events(tmp_path / "out") if e["kind"] == "warning"]
+    assert len(warnings) == 2 and warnings[1] == warnings[0] + 1
+    skipped = [json.loads(line).get("actor/nonfinite_skipped") for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert skipped[-2:] == [1.0, 1.0] and skipped[0] == 0.0
