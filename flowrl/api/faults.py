@@ -28,6 +28,13 @@ from flowrl.runtime.session import Session
 
 
 
+LOSS_NOTICE_S = 15.0
+"""Longest wait for the scheduler to see a worker loss that the driver already saw."""
+AUTO_SNAPSHOT_PARAMETERS = 50_000_000
+"""Up to this many trained parameters, ``snapshot_every: null`` snapshots every step: pulling
+weights and optimizer to the driver costs little next to a step. Above, checkpoints serve."""
+
+
 class Events(Protocol):
     def event(self, event: RunEvent) -> None: ...
 
@@ -41,20 +48,26 @@ class FaultHandler:
     """Snapshots the trained models as the run goes, and rebuilds the session after a fault."""
 
     def __init__(self, graph: PipelineGraph, cluster: Cluster, folder: RunFolder, events: Events,
-                 base_dir: Path | None) -> None:
+                 base_dir: Path | None, trained_parameters: int) -> None:
         self.graph = graph
+        every = graph.spec.runtime.snapshot_every
+        if every is None:
+            every = 1 if trained_parameters <= AUTO_SNAPSHOT_PARAMETERS else 0
+        self.snapshot_every = every
         self.cluster = cluster
         self.folder = folder
         self.events = events
         self.base_dir = base_dir
         self.recoveries = 0
+        self._addresses = cluster.addresses()
+        """The workers the current session's roles were built on."""
         self._snapshot: dict[str, Any] | None = None
         self._snapshot_step = 0
         self._kl_state: dict[str, Any] = {}
 
     def remember(self, session: Session, step: int, kl: KLState) -> None:
         """Snapshot after ``step`` (0: before the first) when ``snapshot_every`` says so."""
-        every = self.graph.spec.runtime.snapshot_every
+        every = self.snapshot_every
         if every and step % every == 0:
             self._snapshot = session.snapshot()
             self._snapshot_step = step
@@ -65,8 +78,8 @@ class FaultHandler:
         """A new session after a lost or hung worker, and the step to run next; re-raises
         ``error`` when no worker was lost (a bug or bad input is not retried)."""
         in_use = set(session.hosts)
-        lost = sorted(in_use - self.cluster.alive())
         hung = sorted(error.slots) if isinstance(error, NodeTimeout) else []
+        lost = self._lost(in_use, wait_s=LOSS_NOTICE_S if not hung and _looks_lost(error) else 0.0)
         if not lost and not hung:
             raise error
         runtime = self.graph.spec.runtime
@@ -95,6 +108,7 @@ class FaultHandler:
         dropped = self.folder.truncate_logs(back_to)
         records[:] = [record for record in records if record.step <= back_to]
         replanner.session = fresh
+        self._addresses = self.cluster.addresses()
         lost_s = time.perf_counter() - started
         self.events.event(RunEvent(
             "recovered",
@@ -103,6 +117,18 @@ class FaultHandler:
             step,
         ))
         return fresh, back_to + 1
+
+    def _lost(self, in_use: set[str], wait_s: float) -> list[str]:
+        """Slots whose worker is gone or was replaced since the roles were built. The driver
+        hears of a dead worker (its calls fail) before the scheduler does: a connection
+        error waits up to ``wait_s`` for the scheduler to agree."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            now = self.cluster.addresses()
+            lost = sorted(slot for slot in in_use if now.get(slot) != self._addresses.get(slot))
+            if lost or time.monotonic() >= deadline:
+                return lost
+            time.sleep(0.1)
 
     def _restore(self, session: Session, kl: KLState) -> tuple[int, str]:
         if self._snapshot is not None:
@@ -115,6 +141,17 @@ class FaultHandler:
         session.load_checkpoint(found.path)
         kl.load_state_dict(found.trainer_state.get("kl", {}))
         return found.step, f"checkpoint {found.path.name}"
+
+
+def _looks_lost(error: BaseException) -> bool:
+    """A call that failed the way calls to a dead worker fail (connection, lost actor)."""
+    chain: BaseException | None = error
+    while chain is not None:
+        text = f"{type(chain).__name__}: {chain}"
+        if isinstance(chain, OSError) or "lost" in text or "CommClosed" in text or "contact" in text:
+            return True
+        chain = chain.__cause__ or chain.__context__
+    return False
 
 
 class NonFiniteGuard:

@@ -129,8 +129,10 @@ def run(
     )
     preflight(graph, base_dir)
     address = spec.runtime.scheduler_address
+    runtime = spec.runtime
+    tls = {"ca_file": runtime.tls_ca_file, "cert": runtime.tls_cert, "key": runtime.tls_key}
     cluster = (
-        Cluster.join(address)
+        Cluster.join(address, tls=tls)
         if address
         else Cluster.start_local(spec.runtime.cpu_slots, spec.runtime.dashboard, spec.runtime.pin_cpus)
     )
@@ -187,7 +189,9 @@ def _train(
     watcher.event(RunEvent("placement", placed, 0))
     session = Session(cluster, graph, plan, base_dir)
     try:
+        sizes = {}
         for info in session.load_models():
+            sizes[info["model"]] = info["num_parameters"]
             watcher.event(
                 RunEvent("model", f"{info['model']} on {info['device']}: {info['num_parameters']:,} parameters", 0)
             )
@@ -201,7 +205,8 @@ def _train(
             watcher.event(RunEvent(
                 "resume", f"resumed from {start.path} at step {first_step} ({dropped} logged steps after it will run again)", start.step))
         replanner = Replanner(graph, policy, session, folder, watcher.event)
-        faults = FaultHandler(graph, cluster, folder, watcher, base_dir)
+        faults = FaultHandler(graph, cluster, folder, watcher, base_dir,
+                              sum(sizes.get(model, 0) for model in session.trained_models()))
         guard = NonFiniteGuard(spec.trainer.max_nonfinite_updates)
         result = RunResult(folder.path)
         started = time.perf_counter()

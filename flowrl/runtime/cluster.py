@@ -123,10 +123,22 @@ class Cluster:
         return cls(client, slots, spec_cluster)
 
     @classmethod
-    def join(cls, address: str, timeout_s: float = 30.0) -> "Cluster":
+    def join(cls, address: str, timeout_s: float = 30.0, tls: dict[str, str | None] | None = None) -> "Cluster":
+        """Join a running scheduler. ``tls`` (``ca_file``, ``cert``, ``key``) builds Dask's
+        ``Security`` with encryption required; without it Dask's own configuration applies
+        (``distributed.comm.tls.*``)."""
         register()
+        security = None
+        if tls and any(tls.values()):
+            from distributed.security import Security
+
+            missing = [f"runtime.tls_{key}: {path}" for key, path in tls.items() if path and not os.path.isfile(path)]
+            if missing:
+                raise ClusterError(f"TLS file not found ({'; '.join(missing)}); give the path of an existing PEM file")
+            security = Security(tls_ca_file=tls.get("ca_file"), tls_client_cert=tls.get("cert"),
+                                tls_client_key=tls.get("key"), require_encryption=True)
         try:
-            client = Client(address, direct_to_workers=True, timeout=timeout_s)
+            client = Client(address, direct_to_workers=True, timeout=timeout_s, security=security)
         except (OSError, TimeoutError) as error:
             raise ClusterError(
                 f"cannot reach the Dask scheduler at {address}: {error}. "
@@ -171,10 +183,15 @@ class Cluster:
     def dashboard_link(self) -> str | None:
         return self.client.dashboard_link if self._local is not None and self._local.dashboard_link else None
 
+    def addresses(self) -> dict[str, str]:
+        """Slot -> the address of its worker registered right now (absent: none is). A worker
+        that was replaced has a new address under the same name."""
+        by_name = {str(info["name"]): address for address, info in self.client.scheduler_info(n_workers=-1)["workers"].items()}
+        return {slot.name: by_name[str(slot.worker)] for slot in self.slots if str(slot.worker) in by_name}
+
     def alive(self) -> set[str]:
         """The slots whose worker is registered with the scheduler right now."""
-        names = {str(info["name"]) for info in self.client.scheduler_info(n_workers=-1)["workers"].values()}
-        return {slot.name for slot in self.slots if str(slot.worker) in names}
+        return set(self.addresses())
 
     def restart(self, names: list[str], timeout_s: float) -> None:
         """Restart the workers of ``names`` (hung ones): their nannies start fresh processes."""

@@ -329,17 +329,27 @@ class RuntimeSpec(_Strict):
     cpu_slots: int = Field(default=2, ge=1)
     """CPU device slots (= Dask worker processes) on a CPU machine. Default 2."""
     scheduler_address: str | None = None
-    """Existing Dask scheduler (``tcp://host:8786``); None starts a local cluster. Default None."""
+    """Existing Dask scheduler (``tcp://host:8786``, or ``tls://host:8786`` with the tls_*
+    files); None starts a local cluster. Default None."""
+    tls_ca_file: str | None = None
+    """CA certificate that the scheduler's and workers' certificates must be signed by (joining
+    a ``tls://`` scheduler); None uses Dask's own configuration. Default None."""
+    tls_cert: str | None = None
+    """This client's certificate (PEM) for a ``tls://`` scheduler. Default None."""
+    tls_key: str | None = None
+    """The private key of ``tls_cert`` (PEM). Default None."""
     torch_threads: Annotated[int, Field(ge=1)] | None = None
     """Torch threads per worker; None uses all cores of the host (a step's nodes mostly run
     one after another). Default None."""
     node_timeout_s: float = Field(default=600.0, gt=0)
     """Longest one node may run, in seconds; a node past it counts as a hung worker, which is
     restarted and the step run again. Default 600."""
-    snapshot_every: int = Field(default=1, ge=0)
+    snapshot_every: Annotated[int, Field(ge=0)] | None = None
     """Steps between in-memory snapshots of the trained models (weights, optimizer, sampling
     RNG), kept by the driver. After a lost worker the run goes back to the newest snapshot and
-    runs the steps after it again; 0: back to the newest checkpoint instead. Default 1."""
+    runs the steps after it again; 0: back to the newest checkpoint instead. None: every step
+    when the trained models have at most 50 M parameters in all (a snapshot then costs
+    milliseconds), else 0. Default None."""
     max_recoveries: int = Field(default=3, ge=0)
     """Lost or hung workers a run survives before it stops (keeping its checkpoints). Default 3."""
     recovery_timeout_s: float = Field(default=120.0, gt=0)

@@ -9,7 +9,8 @@ from flowrl.api.builder import Pipeline
 
 
 def tiny_grpo(output_dir: Path, steps: int, kl_coef: float = 0.02, checkpoint_every: int = 0,
-              reward: str = "digits", lr: float = 5e-4, **trainer: Any) -> Pipeline:
+              reward: str = "digits", lr: float = 5e-4, runtime: dict[str, Any] | None = None,
+              **trainer: Any) -> Pipeline:
     """The default pipeline's shape, small enough for a test."""
     p = Pipeline("test-grpo")
     actor = p.model("actor", path="builtin:tiny-llama", group="actor_group")
@@ -24,6 +25,8 @@ def tiny_grpo(output_dir: Path, steps: int, kl_coef: float = 0.02, checkpoint_ev
     p.update(actor, rollout, advantage, *inputs[1:], lr=lr, kl_coef=kl_coef)
     p.trainer(steps=steps, output_dir=str(output_dir), seed=0, checkpoint_every=checkpoint_every, keep_checkpoints=2,
               **trainer)
+    if runtime:
+        p.runtime(**runtime)
     return p
 
 

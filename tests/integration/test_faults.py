@@ -52,10 +52,17 @@ def _events(output: Path) -> list[dict]:
     return [json.loads(line) for line in (output / "events.jsonl").read_text().splitlines()]
 
 
-def test_a_worker_killed_mid_step_is_replaced_and_the_run_completes(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("snapshot_every", "restored_from"), [
+    (None, "the in-memory snapshot of step 2"),  # tiny models: a snapshot every step
+    (0, "checkpoint step-2"),                    # no snapshots: back to the newest checkpoint
+])
+def test_a_worker_killed_mid_step_is_replaced_and_the_run_completes(
+    tmp_path: Path, snapshot_every: int | None, restored_from: str
+) -> None:
     (tmp_path / "killer.py").write_text(KILLER)
     output = tmp_path / "out"
-    pipeline = tiny_grpo(output, steps=6, reward="killer:score")
+    pipeline = tiny_grpo(output, steps=6, reward="killer:score", checkpoint_every=2,
+                         runtime={"snapshot_every": snapshot_every})
     result = run(pipeline, base_dir=tmp_path)
 
     assert (tmp_path / "killed-once").exists()
@@ -66,7 +73,7 @@ def test_a_worker_killed_mid_step_is_replaced_and_the_run_completes(tmp_path: Pa
     fault = next(e for e in _events(output) if e["kind"] == "fault")
     recovered = next(e for e in _events(output) if e["kind"] == "recovered")
     assert fault["step"] == 3 and "lost" in fault["message"]
-    assert "snapshot of step 2" in recovered["message"] and "running again from step 3" in recovered["message"]
+    assert restored_from in recovered["message"] and "running again from step 3" in recovered["message"]
     assert " s lost" in recovered["message"]
 
 
