@@ -108,9 +108,11 @@ def main() -> None:
             continue
         lost = re.search(r"([0-9.]+) s lost", event["message"])
         again = re.search(r"running again from step (\d+)", event["message"])
+        waited = re.search(r"([0-9.]+) s waiting for the worker", event["message"])
         recoveries.append({
             "fault_step": event["step"],
             "seconds_lost": float(lost.group(1)) if lost else None,
+            "seconds_waiting_for_the_worker": float(waited.group(1)) if waited else None,
             "steps_run_again": event["step"] - int(again.group(1)) + 1 if again else None,
             "message": event["message"],
         })

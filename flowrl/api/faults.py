@@ -101,6 +101,7 @@ class FaultHandler:
                 f"(runtime.recovery_timeout_s); the run stopped. Resume it with `flowrl resume {self.folder.path}` "
                 "once the cluster has its workers again"
             ) from error
+        waited_s = time.perf_counter() - started
         session.release()
         fresh = Session(self.cluster, self.graph, session.plan, self.base_dir)
         fresh.load_models()
@@ -113,7 +114,8 @@ class FaultHandler:
         self.events.event(RunEvent(
             "recovered",
             f"step {step}: roles rebuilt on {', '.join(sorted(in_use))}, state from {source}; "
-            f"running again from step {back_to + 1} ({dropped} logged step(s) dropped); {lost_s:.1f} s lost",
+            f"running again from step {back_to + 1} ({dropped} logged step(s) dropped); {lost_s:.1f} s lost "
+            f"({waited_s:.1f} s waiting for the worker, {lost_s - waited_s:.1f} s rebuilding the roles)",
             step,
         ))
         return fresh, back_to + 1

@@ -15,10 +15,12 @@ import difflib
 import hashlib
 import importlib
 import importlib.util
+import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Iterator
 
 from flowrl.errors import RewardError
 from flowrl.rewards.builtin import REWARD_FUNCTIONS, RewardFunction
@@ -49,13 +51,27 @@ def _load_file_module(module_name: str, path: Path) -> ModuleType:
     return module
 
 
+@contextmanager
+def _without_working_directory() -> Iterator[None]:
+    """Import from installed packages only: ``python -c`` and ``python -m`` put the working
+    directory first on sys.path, and a stray ``rewards.py`` there must not run as a reward."""
+    here = {"", ".", os.getcwd()}
+    saved = list(sys.path)
+    sys.path[:] = [entry for entry in saved if entry not in here]
+    try:
+        yield
+    finally:
+        sys.path[:] = saved
+
+
 def _import_module(module_name: str, base_dir: Path | None) -> ModuleType:
     if base_dir is not None:
         candidate = Path(base_dir) / (module_name.replace(".", "/") + ".py")
         if candidate.is_file():
             return _load_file_module(module_name, candidate)
     try:
-        return importlib.import_module(module_name)
+        with _without_working_directory():
+            return importlib.import_module(module_name)
     except ModuleNotFoundError as error:
         missing = error.name or ""
         if module_name == missing or module_name.startswith(missing + "."):

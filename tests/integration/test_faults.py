@@ -44,6 +44,27 @@ def score(prompts, completions, answers, max_new_tokens):
 '''
 
 
+SLEEPER = '''
+import time
+from pathlib import Path
+
+from flowrl.rewards.builtin import digit_match
+
+MARK = Path(__file__).with_name("hung-once")
+
+
+def score(prompts, completions, answers, max_new_tokens):
+    # The third call hangs (far past runtime.node_timeout_s), once.
+    calls = Path(__file__).with_name("calls")
+    count = int(calls.read_text()) + 1 if calls.exists() else 1
+    calls.write_text(str(count))
+    if count == 3 and not MARK.exists():
+        MARK.write_text("x")
+        time.sleep(600)
+    return digit_match(prompts, completions, answers, max_new_tokens)
+'''
+
+
 def _steps(output: Path) -> list[int]:
     return [json.loads(line)["step"] for line in (output / "metrics.jsonl").read_text().splitlines()]
 
@@ -75,6 +96,18 @@ def test_a_worker_killed_mid_step_is_replaced_and_the_run_completes(
     assert fault["step"] == 3 and "lost" in fault["message"]
     assert restored_from in recovered["message"] and "running again from step 3" in recovered["message"]
     assert " s lost" in recovered["message"]
+
+
+def test_a_hung_worker_is_restarted_and_its_step_run_again(tmp_path: Path) -> None:
+    (tmp_path / "sleeper.py").write_text(SLEEPER)
+    output = tmp_path / "out"
+    pipeline = tiny_grpo(output, steps=5, reward="sleeper:score", runtime={"node_timeout_s": 5})
+    run(pipeline, base_dir=tmp_path)
+    assert (tmp_path / "hung-once").exists()
+    assert _steps(output) == [1, 2, 3, 4, 5]
+    fault = next(e for e in _events(output) if e["kind"] == "fault")
+    assert fault["step"] == 3 and "hung" in fault["message"] and "did not finish within 5 s" in fault["message"]
+    assert any(e["kind"] == "recovered" and "running again from step 3" in e["message"] for e in _events(output))
 
 
 def _write_pipeline(folder: Path, output: Path, steps: int) -> Path:

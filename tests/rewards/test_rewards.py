@@ -236,3 +236,13 @@ def test_default_name_and_argument_checks() -> None:
         score_safely(_lengths, ["p"], ["a", "b"], [None], 8)
     with pytest.raises(ValueError, match="on_error"):
         score_safely(_lengths, ["p"], ["a"], [None], 8, "ignore")  # type: ignore[arg-type]
+
+
+def test_a_module_in_the_working_directory_is_not_imported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the pipeline's folder and installed packages provide reward functions."""
+    (tmp_path / "stray_rewards.py").write_text("def score(*args):\n    return [1.0]\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend("")
+    with pytest.raises(RewardError, match="module 'stray_rewards' not found"):
+        resolve_reward("stray_rewards:score", base_dir=None)
+    assert resolve_reward("stray_rewards:score", base_dir=tmp_path)([], [], [], 1) == [1.0]
