@@ -19,8 +19,9 @@ from typing import Any, Protocol
 
 from flowrl.api.outputs import RunFolder
 from flowrl.api.recovery import newest_checkpoint
-from flowrl.errors import ClusterError, FlowrlError, NodeTimeout
+from flowrl.errors import ClusterError, FlowrlError, NodeTimeout, PlacementError
 from flowrl.graph import PipelineGraph
+from flowrl.planner.placement import Plan, without_slots
 from flowrl.records import RunEvent, StepRecord
 from flowrl.roles.update import NONFINITE_METRIC
 from flowrl.runtime.cluster import Cluster
@@ -94,16 +95,12 @@ class FaultHandler:
         started = time.perf_counter()
         if hung:
             self.cluster.restart(hung, runtime.recovery_timeout_s)
+        plan = session.plan
         if not self.cluster.wait_for(in_use, runtime.recovery_timeout_s):
-            missing = ", ".join(sorted(in_use - self.cluster.alive()))
-            raise ClusterError(
-                f"step {step}: worker(s) {missing} did not come back within {runtime.recovery_timeout_s:.0f} s "
-                f"(runtime.recovery_timeout_s); the run stopped. Resume it with `flowrl resume {self.folder.path}` "
-                "once the cluster has its workers again"
-            ) from error
+            plan = self._without_lost(plan, in_use, step, error)
         waited_s = time.perf_counter() - started
         session.release()
-        fresh = Session(self.cluster, self.graph, session.plan, self.base_dir)
+        fresh = Session(self.cluster, self.graph, plan, self.base_dir)
         fresh.load_models()
         back_to, source = self._restore(fresh, kl)
         dropped = self.folder.truncate_logs(back_to)
@@ -119,6 +116,28 @@ class FaultHandler:
             step,
         ))
         return fresh, back_to + 1
+
+    def _without_lost(self, plan: Plan, in_use: set[str], step: int, error: BaseException) -> Plan:
+        """The replacement did not come in time: re-plan onto the workers still there."""
+        alive = self.cluster.alive()
+        gone = in_use - alive
+        survivors = [slot.name for slot in self.cluster.slots if slot.name in alive]
+        try:
+            shrunk = without_slots(self.graph, plan, gone, survivors, step)
+        except PlacementError as problem:
+            raise ClusterError(
+                f"step {step}: {problem}; the run stopped. Resume it with `flowrl resume {self.folder.path}` "
+                "once the cluster has workers again"
+            ) from error
+        self.folder.write_plan(step, {"runtime": shrunk.to_dict(), "reason": f"lost {', '.join(sorted(gone))}"})
+        self.events.event(RunEvent(
+            "replan",
+            f"step {step}: {', '.join(sorted(gone))} did not come back within "
+            f"{self.graph.spec.runtime.recovery_timeout_s:g} s (runtime.recovery_timeout_s); re-planned onto "
+            f"{', '.join(sorted(set(shrunk.node_slots.values())))}: {'; '.join(shrunk.reasons)}",
+            step,
+        ))
+        return shrunk
 
     def _lost(self, in_use: set[str], wait_s: float) -> list[str]:
         """Slots whose worker is gone or was replaced since the roles were built. The driver

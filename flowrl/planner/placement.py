@@ -127,3 +127,30 @@ def node_group(pipeline: PipelineGraph, node: str) -> str | None:
     """The device group a node runs in: its own, else its model's; None for model-less nodes."""
     spec = pipeline.spec.nodes[node]
     return spec.device_group or (model_group(pipeline, spec.model) if spec.model else None)
+
+
+def without_slots(pipeline: PipelineGraph, plan: Plan, lost: set[str], survivors: list[str], step: int) -> Plan:
+    """``plan`` with the slots in ``lost`` gone: a split node keeps its surviving shards, and a
+    node left without a slot moves to the survivor that runs the fewest nodes (first in
+    ``survivors`` on a tie). Raises PlacementError when no survivor is left."""
+    if not survivors:
+        raise PlacementError(f"no worker is left to run the pipeline (lost: {', '.join(sorted(lost))})")
+    shards = {node: [slot for slot in slots if slot not in lost] for node, slots in plan.node_shards.items()}
+    load = {slot: 0 for slot in survivors}
+    for node, slot in plan.node_slots.items():
+        for kept in shards.get(node, [slot]):
+            if kept in load:
+                load[kept] += 1
+    node_slots: dict[str, str] = {}
+    reasons = []
+    for node, slot in plan.node_slots.items():
+        kept = shards.get(node, [slot] if slot not in lost else [])
+        if kept:
+            node_slots[node] = kept[0]
+            continue
+        target = min(survivors, key=lambda name: (load[name], survivors.index(name)))
+        load[target] += 1
+        node_slots[node] = target
+        reasons.append(f"{node} -> {target}: {slot} was lost")
+    kept_shards = {node: slots for node, slots in shards.items() if len(slots) > 1}
+    return plan_for(pipeline, node_slots, step, reasons, kept_shards)

@@ -98,6 +98,18 @@ def test_a_worker_killed_mid_step_is_replaced_and_the_run_completes(
     assert " s lost" in recovered["message"]
 
 
+def test_a_worker_that_does_not_come_back_in_time_leaves_its_roles_to_the_survivor(tmp_path: Path) -> None:
+    (tmp_path / "killer.py").write_text(KILLER)
+    output = tmp_path / "out"
+    pipeline = tiny_grpo(output, steps=5, reward="killer:score", runtime={"recovery_timeout_s": 0.05})
+    run(pipeline, base_dir=tmp_path)
+    assert _steps(output) == [1, 2, 3, 4, 5]
+    replan = next(e for e in _events(output) if e["kind"] == "replan")
+    assert replan["step"] == 3 and "did not come back within 0.05 s" in replan["message"]
+    plan = json.loads((output / "plan-3.json").read_text())["runtime"]
+    assert len(set(plan["node_slots"].values())) == 1  # everything on the one worker left
+
+
 def test_a_hung_worker_is_restarted_and_its_step_run_again(tmp_path: Path) -> None:
     (tmp_path / "sleeper.py").write_text(SLEEPER)
     output = tmp_path / "out"

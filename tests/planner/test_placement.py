@@ -91,3 +91,23 @@ def test_a_group_of_two_devices_splits_generation_and_trains_data_parallel() -> 
     assert sorted(plan.model_slots["actor"]) == ["cpu-0", "cpu-1"]
     # every copy of the actor trains: nobody waits for pushed weights
     assert plan.weight_peers("train", "actor") == []
+
+
+def test_without_slots_moves_the_lost_slots_nodes_to_the_least_busy_survivor() -> None:
+    from flowrl.planner.placement import plan_for, without_slots
+
+    pipeline = pipeline_from_dict(_data())
+    plan = plan_for(
+        pipeline,
+        {"rollout": "cpu-0", "reward": "cpu-0", "ref": "cpu-1", "adv": "cpu-0", "train": "cpu-0"},
+        node_shards={"rollout": ["cpu-0", "cpu-2"]},
+    )
+    # cpu-0 is lost: rollout keeps its shard on cpu-2 (unsplit now); reward, adv and train go
+    # one by one to the survivor with the fewest nodes (cpu-1 has ref, cpu-2 has rollout).
+    shrunk = without_slots(pipeline, plan, {"cpu-0"}, ["cpu-1", "cpu-2"], step=7)
+    assert shrunk.node_slots == {"rollout": "cpu-2", "reward": "cpu-1", "ref": "cpu-1", "adv": "cpu-2", "train": "cpu-1"}
+    assert shrunk.node_shards == {} and shrunk.step == 7
+    assert shrunk.model_slots == {"actor": ["cpu-2", "cpu-1"], "reference": ["cpu-1"]}
+    assert shrunk.reasons[0] == "reward -> cpu-1: cpu-0 was lost"
+    with pytest.raises(PlacementError, match="no worker is left"):
+        without_slots(pipeline, plan, {"cpu-0", "cpu-1", "cpu-2"}, [], step=7)
