@@ -99,10 +99,12 @@ class FaultHandler:
         if not self.cluster.wait_for(in_use, runtime.recovery_timeout_s):
             plan = self._without_lost(plan, in_use, step, error)
         waited_s = time.perf_counter() - started
-        session.release()
+        session.release(set(lost) | set(hung))
         fresh = Session(self.cluster, self.graph, plan, self.base_dir)
+        hosts_s = time.perf_counter() - started - waited_s
         fresh.load_models()
         back_to, source = self._restore(fresh, kl)
+        models_s = time.perf_counter() - started - waited_s - hosts_s
         dropped = self.folder.truncate_logs(back_to)
         records[:] = [record for record in records if record.step <= back_to]
         replanner.session = fresh
@@ -112,7 +114,8 @@ class FaultHandler:
             "recovered",
             f"step {step}: roles rebuilt on {', '.join(sorted(in_use))}, state from {source}; "
             f"running again from step {back_to + 1} ({dropped} logged step(s) dropped); {lost_s:.1f} s lost "
-            f"({waited_s:.1f} s waiting for the worker, {lost_s - waited_s:.1f} s rebuilding the roles)",
+            f"({waited_s:.1f} s waiting for the worker, {hosts_s:.1f} s starting role hosts, "
+            f"{models_s:.1f} s loading and restoring models)",
             step,
         ))
         return fresh, back_to + 1

@@ -255,11 +255,12 @@ class Session:
     def close(self) -> None:
         self.executor.close()
 
-    def release(self) -> None:
+    def release(self, lost: set[str] | frozenset[str] = frozenset()) -> None:
         """Close, and free the models of hosts whose workers outlive this session (a new
-        session takes over after a lost worker)."""
+        session takes over after a lost worker). Hosts of ``lost`` slots died with their
+        worker: calling them would only wait for a connection that cannot succeed."""
         self.close()
-        _settle([(host, "drop_all", ()) for host in self.hosts.values()])
+        _settle([(host, "drop_all", ()) for slot, host in self.hosts.items() if slot not in lost])
         self.hosts.clear()
 
 

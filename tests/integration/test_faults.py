@@ -23,46 +23,31 @@ from tests.integration.conftest import tiny_grpo
 
 pytestmark = pytest.mark.integration
 
-KILLER = '''
-import os, signal
+def _reward_module(action: str) -> str:
+    """A reward module (the digits reward) whose third call does ``action`` once: the fault
+    lands in the middle of step 3, on whichever worker runs the score node."""
+    return f'''
+import os, signal, time
 from pathlib import Path
 
 from flowrl.rewards.builtin import digit_match
 
-MARK = Path(__file__).with_name("killed-once")
+MARK = Path(__file__).with_name("fault-done")
 
 
 def score(prompts, completions, answers, max_new_tokens):
-    # The third call (step 3): kill this worker's process in the middle of the step.
     calls = Path(__file__).with_name("calls")
     count = int(calls.read_text()) + 1 if calls.exists() else 1
     calls.write_text(str(count))
     if count == 3 and not MARK.exists():
         MARK.write_text("x")
-        os.kill(os.getpid(), signal.SIGKILL)
+        {action}
     return digit_match(prompts, completions, answers, max_new_tokens)
 '''
 
 
-SLEEPER = '''
-import time
-from pathlib import Path
-
-from flowrl.rewards.builtin import digit_match
-
-MARK = Path(__file__).with_name("hung-once")
-
-
-def score(prompts, completions, answers, max_new_tokens):
-    # The third call hangs (far past runtime.node_timeout_s), once.
-    calls = Path(__file__).with_name("calls")
-    count = int(calls.read_text()) + 1 if calls.exists() else 1
-    calls.write_text(str(count))
-    if count == 3 and not MARK.exists():
-        MARK.write_text("x")
-        time.sleep(600)
-    return digit_match(prompts, completions, answers, max_new_tokens)
-'''
+KILLER = _reward_module("os.kill(os.getpid(), signal.SIGKILL)")
+SLEEPER = _reward_module("time.sleep(600)  # far past runtime.node_timeout_s")
 
 
 def _steps(output: Path) -> list[int]:
@@ -86,7 +71,7 @@ def test_a_worker_killed_mid_step_is_replaced_and_the_run_completes(
                          runtime={"snapshot_every": snapshot_every})
     result = run(pipeline, base_dir=tmp_path)
 
-    assert (tmp_path / "killed-once").exists()
+    assert (tmp_path / "fault-done").exists()
     assert _steps(output) == [1, 2, 3, 4, 5, 6]  # no gap, no step twice
     assert [record.step for record in result.records] == [1, 2, 3, 4, 5, 6]
     kinds = [event["kind"] for event in _events(output)]
@@ -115,7 +100,7 @@ def test_a_hung_worker_is_restarted_and_its_step_run_again(tmp_path: Path) -> No
     output = tmp_path / "out"
     pipeline = tiny_grpo(output, steps=5, reward="sleeper:score", runtime={"node_timeout_s": 5})
     run(pipeline, base_dir=tmp_path)
-    assert (tmp_path / "hung-once").exists()
+    assert (tmp_path / "fault-done").exists()
     assert _steps(output) == [1, 2, 3, 4, 5]
     fault = next(e for e in _events(output) if e["kind"] == "fault")
     assert fault["step"] == 3 and "hung" in fault["message"] and "did not finish within 5 s" in fault["message"]
