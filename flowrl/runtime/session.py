@@ -12,6 +12,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
+import torch
+
 from flowrl.graph import PipelineGraph
 from flowrl.planner.placement import Plan
 from flowrl.records import DeviceSample
@@ -31,6 +33,10 @@ class MigrationResult:
     num_bytes: float
     """State bytes sent worker to worker."""
     transfers: tuple[Transfer, ...]
+
+
+GENERATORS_FILE = "generators.pt"
+"""In a checkpoint's model folder: the sampling RNG state of each other copy, by slot."""
 
 
 class Session:
@@ -203,14 +209,32 @@ class Session:
         }
 
     def save_models(self, directory: Path, with_state: bool) -> None:
-        """Each trained model is written by the worker that holds it, all at once."""
+        """Each trained model is written by the worker that holds it, all at once. With
+        ``with_state``, the sampling RNG of every other copy goes to ``generators.pt`` beside
+        it, so a resumed run samples as an uninterrupted one would."""
         by_slot: dict[str, list[str]] = {}
         for model, slot in self.trained_models().items():
             by_slot.setdefault(slot, []).append(model)
         # Actor calls run concurrently on their workers; wait for all of them.
         calls = [self.hosts[slot].save_models(str(directory), models, with_state) for slot, models in by_slot.items()]
+        copies = self._other_copies() if with_state else []
+        exports = [(model, slot, self.hosts[slot].export_state(model, ("generator",))) for model, slot in copies]
         for call in calls:
             call.result(timeout=600)
+        generators: dict[str, dict[str, Any]] = {}
+        for model, slot, export in exports:
+            generators.setdefault(model, {})[slot] = export.result(timeout=600)["generator"]
+        for model, states in generators.items():
+            torch.save(states, Path(directory) / model / GENERATORS_FILE)
+
+    def _other_copies(self) -> list[tuple[str, str]]:
+        """(model, slot) of every copy of a trained model that is not the training copy."""
+        return [
+            (model, slot)
+            for model, trainer_slot in self.trained_models().items()
+            for slot in self.plan.model_slots.get(model, [trainer_slot])
+            if slot != trainer_slot
+        ]
 
     def snapshot(self) -> dict[str, dict[str, dict[str, Any]]]:
         """The trained models' state, pulled to the driver: model -> slot -> parts. The
@@ -250,6 +274,14 @@ class Session:
                 parts = None if slot == trainer_slot else ("weights",)
                 calls.append(self.hosts[slot].load_models(str(directory), [model], parts))
         for call in calls:
+            call.result(timeout=600)
+        restores = []
+        for model, slot in self._other_copies():
+            saved = Path(directory) / model / GENERATORS_FILE
+            states = torch.load(saved, weights_only=True) if saved.is_file() else {}
+            if slot in states:  # a copy on a slot the checkpoint did not know keeps its seed
+                restores.append(self.hosts[slot].restore_state(model, {"generator": states[slot]}))
+        for call in restores:
             call.result(timeout=600)
 
     def close(self) -> None:
