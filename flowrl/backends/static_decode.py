@@ -40,6 +40,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 FINISHED_CHECK_EVERY = 16
 """Decode steps between host checks of "has every row finished?" (each check is a sync)."""
 MIN_COMPACT_BATCH = 8
+PROMPT_BUCKET = 32
+"""Prompt widths are rounded up to a multiple of this many columns (see ``_widen_prompts``)."""
 """Below this many rows a smaller graph is not worth its capture."""
 
 
@@ -341,6 +343,22 @@ class StaticDecoder:
 
     # -- buffers and graphs ---------------------------------------------------------------
 
+    def _widen_prompts(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, new_tokens: int,
+                       pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Left-pad the prompts to a width of a multiple of ``PROMPT_BUCKET`` columns, or to the
+        width the buffers already have when that is wider: batches whose longest prompt differs
+        a little then reuse the same cache and captured graphs (a new width means new buffers,
+        a new compile and new captures). Masked columns change no number."""
+        width = input_ids.shape[1]
+        target = -(-width // PROMPT_BUCKET) * PROMPT_BUCKET
+        have_batch, have_columns, have_new = self._shape
+        if have_new == new_tokens and width <= have_columns - new_tokens and input_ids.shape[0] <= have_batch:
+            target = max(target, have_columns - new_tokens)
+        if target == width:
+            return input_ids, attention_mask
+        pad = target - width
+        return (F.pad(input_ids, (pad, 0), value=pad_token_id), F.pad(attention_mask, (pad, 0), value=0))
+
     def _ensure_buffers(self, batch: int, columns: int, new_tokens: int) -> None:
         have_batch, have_columns, have_new = self._shape
         if batch <= have_batch and columns == have_columns and new_tokens == have_new:
@@ -426,6 +444,7 @@ class StaticDecoder:
     def _generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
                   sampling: _Sampling, temperature: float,
                   generator: torch.Generator | None) -> GenerationOutput:
+        input_ids, attention_mask = self._widen_prompts(input_ids, attention_mask, max_new_tokens, sampling.pad_token_id)
         batch, prompt_length = input_ids.shape
         for stacked in self._stacked:
             stacked.refresh()

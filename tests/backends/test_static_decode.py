@@ -158,3 +158,19 @@ def test_greedy_matches_generate_on_gpu(kind: str, compile_layers: bool) -> None
     again = decoder.generate(ids, mask, 40, eos_token_id=VOCAB_SIZE + 5, pad_token_id=PAD_ID,
                              generator=torch.Generator(device="cuda").manual_seed(0))
     assert torch.equal(sampled.completion_ids, again.completion_ids)
+
+
+def test_batches_of_other_prompt_widths_reuse_the_cache() -> None:
+    """Prompt widths are rounded up (and never shrink the cache), so batches whose longest
+    prompt differs reuse one set of buffers (and, on a GPU, the captured graphs)."""
+    model = build("llama")
+    decoder = StaticDecoder(model)
+    shapes, buffers = [], []
+    for lengths, seed in (([5, 2, 7], 1), ([3, 3, 1], 2), ([9, 4, 6], 3)):
+        ids, mask = left_padded(lengths, seed=seed)
+        out = decoder.generate(ids, mask, 10, eos_token_id=VOCAB_SIZE + 5, pad_token_id=PAD_ID, greedy=True)
+        assert torch.equal(out.completion_ids, hf_greedy(model, ids, mask, 10, eos=VOCAB_SIZE + 5))
+        shapes.append(decoder._shape)
+        buffers.append(decoder._buffers)
+    assert shapes == [(3, 42, 10)] * 3  # 32 prompt columns (widths 7, 3, 9 rounded up) + 10 new
+    assert buffers[0] is buffers[1] is buffers[2]
