@@ -98,13 +98,13 @@ class FaultHandler:
         plan = session.plan
         if not self.cluster.wait_for(in_use, runtime.recovery_timeout_s):
             plan = self._without_lost(plan, in_use, step, error)
-        waited_s = time.perf_counter() - started
+        came_back = time.perf_counter()
         session.release(set(lost) | set(hung))
         fresh = Session(self.cluster, self.graph, plan, self.base_dir)
-        hosts_s = time.perf_counter() - started - waited_s
+        hosts_started = time.perf_counter()
         fresh.load_models()
         back_to, source = self._restore(fresh, kl)
-        models_s = time.perf_counter() - started - waited_s - hosts_s
+        restored = time.perf_counter()
         dropped = self.folder.truncate_logs(back_to)
         records[:] = [record for record in records if record.step <= back_to]
         replanner.session = fresh
@@ -112,10 +112,10 @@ class FaultHandler:
         lost_s = time.perf_counter() - started
         self.events.event(RunEvent(
             "recovered",
-            f"step {step}: roles rebuilt on {', '.join(sorted(in_use))}, state from {source}; "
+            f"step {step}: roles rebuilt on {', '.join(sorted(fresh.hosts))}, state from {source}; "
             f"running again from step {back_to + 1} ({dropped} logged step(s) dropped); {lost_s:.1f} s lost "
-            f"({waited_s:.1f} s waiting for the worker, {hosts_s:.1f} s starting role hosts, "
-            f"{models_s:.1f} s loading and restoring models)",
+            f"({came_back - started:.1f} s waiting for the worker, {hosts_started - came_back:.1f} s starting "
+            f"role hosts, {restored - hosts_started:.1f} s loading and restoring models)",
             step,
         ))
         return fresh, back_to + 1

@@ -118,7 +118,7 @@ class RunFolder:
                 shutil.rmtree(final)
             staging.rename(final)
         except OSError as error:
-            shutil.rmtree(staging, ignore_errors=True)
+            self.discard_staging(staging)
             raise CheckpointError(f"cannot finish checkpoint {final}: {error}; the previous one is intact") from error
         self._prune(keep)
         return final

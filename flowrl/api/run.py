@@ -149,11 +149,9 @@ def _finished_steps(folder: RunFolder) -> int | None:
 
 def _check_unchanged(folder: RunFolder, config_text: str, force: bool) -> None:
     before = folder.read_config()
-    if before is None or before == config_text:
+    if before is None or before == config_text or force:
         return
     changes = config_changes(before, config_text)
-    if force:
-        return
     shown = "\n".join(f"  {line}" for line in changes[:20])
     more = f"\n  ... and {len(changes) - 20} more lines" if len(changes) > 20 else ""
     raise FlowrlError(
@@ -252,7 +250,7 @@ def _checkpoint(session: Session, folder: RunFolder, step: int, keep: int, watch
             f"cannot write checkpoint step-{step} to {staging.parent}: {error}; "
             "the previous checkpoint is intact (free disk space or fix the folder, then resume)"
         ) from error
-    final = folder.commit_checkpoint(staging, step, {"step": step, "kl": kl.state_dict()}, keep)
+    final = folder.commit_checkpoint(staging, step, {"kl": kl.state_dict()}, keep)
     watcher.event(RunEvent("checkpoint", f"saved {final}", step))
 
 

@@ -40,9 +40,9 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 FINISHED_CHECK_EVERY = 16
 """Decode steps between host checks of "has every row finished?" (each check is a sync)."""
 MIN_COMPACT_BATCH = 8
+"""Below this many rows a smaller graph is not worth its capture."""
 PROMPT_BUCKET = 32
 """Prompt widths are rounded up to a multiple of this many columns (see ``_widen_prompts``)."""
-"""Below this many rows a smaller graph is not worth its capture."""
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -145,19 +145,23 @@ class _Stacked:
 
     def __init__(self, layer: _Layer) -> None:
         self.layer = layer
-        qkv = (layer.q, layer.k, layer.v)
-        self.qkv_weight = torch.cat([linear.weight.detach() for linear in qkv])
-        self.qkv_bias = (torch.cat([linear.bias.detach() for linear in qkv])
-                         if layer.q.bias is not None else None)
-        self.gate_up_weight = torch.cat([layer.gate.weight.detach(), layer.up.weight.detach()])
+        self.qkv_weight, self.qkv_bias, self.gate_up_weight = (
+            torch.cat(parts) if parts else None for parts in self._parts()
+        )
 
     def refresh(self) -> None:
+        targets = (self.qkv_weight, self.qkv_bias, self.gate_up_weight)
+        for target, parts in zip(targets, self._parts()):
+            if target is not None:
+                torch.cat(parts, out=target)
+
+    def _parts(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """The module tensors each stacked copy is made of (no q/k/v biases: an empty list)."""
         layer = self.layer
         qkv = (layer.q, layer.k, layer.v)
-        torch.cat([linear.weight.detach() for linear in qkv], out=self.qkv_weight)
-        if self.qkv_bias is not None:
-            torch.cat([linear.bias.detach() for linear in qkv], out=self.qkv_bias)
-        torch.cat([layer.gate.weight.detach(), layer.up.weight.detach()], out=self.gate_up_weight)
+        biases = [linear.bias.detach() for linear in qkv] if layer.q.bias is not None else []
+        return ([linear.weight.detach() for linear in qkv], biases,
+                [layer.gate.weight.detach(), layer.up.weight.detach()])
 
 
 class _Buffers:

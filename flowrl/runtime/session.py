@@ -227,60 +227,62 @@ class Session:
         for model, states in generators.items():
             torch.save(states, Path(directory) / model / GENERATORS_FILE)
 
-    def _other_copies(self) -> list[tuple[str, str]]:
-        """(model, slot) of every copy of a trained model that is not the training copy."""
+    def _copies(self) -> list[tuple[str, str, bool]]:
+        """(model, slot, is the training copy) of every copy of every trained model."""
         return [
-            (model, slot)
+            (model, slot, slot == trainer_slot)
             for model, trainer_slot in self.trained_models().items()
             for slot in self.plan.model_slots.get(model, [trainer_slot])
-            if slot != trainer_slot
         ]
+
+    def _other_copies(self) -> list[tuple[str, str]]:
+        """(model, slot) of every copy of a trained model that is not the training copy."""
+        return [(model, slot) for model, slot, training in self._copies() if not training]
 
     def snapshot(self) -> dict[str, dict[str, dict[str, Any]]]:
         """The trained models' state, pulled to the driver: model -> slot -> parts. The
         training copy gives weights, optimizer and sampling RNG; every other copy of the
         model its own sampling RNG."""
         calls = []
-        for model, trainer_slot in self.trained_models().items():
-            for slot in self.plan.model_slots.get(model, [trainer_slot]):
-                parts = ("weights", "optimizer", "generator") if slot == trainer_slot else ("generator",)
-                calls.append((model, slot, self.hosts[slot].export_state(model, parts)))
+        for model, slot, training in self._copies():
+            parts = ("weights", "optimizer", "generator") if training else ("generator",)
+            calls.append((model, slot, self.hosts[slot].export_state(model, parts)))
         taken: dict[str, dict[str, dict[str, Any]]] = {}
         for model, slot, call in calls:
             taken.setdefault(model, {})[slot] = call.result(timeout=600)
         return taken
 
     def restore(self, snapshot: dict[str, dict[str, dict[str, Any]]]) -> None:
-        """Put a :meth:`snapshot` back on the hosts of this session's plan."""
+        """Put a :meth:`snapshot` back on the hosts of this session's plan (whose training
+        copy may sit on another slot than the snapshot's, after a re-plan)."""
         calls = []
-        for model, trainer_slot in self.trained_models().items():
+        for model, slot, training in self._copies():
             saved = snapshot[model]
-            trained = next(iter(saved.values())) if trainer_slot not in saved else saved[trainer_slot]
-            weights = next(parts["weights"] for parts in saved.values() if "weights" in parts)
-            for slot in self.plan.model_slots.get(model, [trainer_slot]):
-                parts = dict(trained) if slot == trainer_slot else {"weights": weights}
-                if slot in saved and "generator" in saved[slot]:
-                    parts["generator"] = saved[slot]["generator"]
-                calls.append(self.hosts[slot].restore_state(model, parts))
+            trained = next(parts for parts in saved.values() if "weights" in parts)
+            parts = dict(trained) if training else {"weights": trained["weights"]}
+            if "generator" in saved.get(slot, {}):
+                parts["generator"] = saved[slot]["generator"]
+            calls.append(self.hosts[slot].restore_state(model, parts))
         for call in calls:
             call.result(timeout=600)
 
     def load_checkpoint(self, directory: Path) -> None:
         """Restore every copy of each trained model from a checkpoint directory: the training
-        copy whole, the others their weights."""
-        calls = []
-        for model, trainer_slot in self.trained_models().items():
-            for slot in self.plan.model_slots.get(model, [trainer_slot]):
-                parts = None if slot == trainer_slot else ("weights",)
-                calls.append(self.hosts[slot].load_models(str(directory), [model], parts))
+        copy whole, the others their weights and their own sampling RNG (``generators.pt``)."""
+        calls = [
+            self.hosts[slot].load_models(str(directory), [model], None if training else ("weights",))
+            for model, slot, training in self._copies()
+        ]
         for call in calls:
             call.result(timeout=600)
+        states: dict[str, dict[str, Any]] = {}
         restores = []
         for model, slot in self._other_copies():
-            saved = Path(directory) / model / GENERATORS_FILE
-            states = torch.load(saved, weights_only=True) if saved.is_file() else {}
-            if slot in states:  # a copy on a slot the checkpoint did not know keeps its seed
-                restores.append(self.hosts[slot].restore_state(model, {"generator": states[slot]}))
+            if model not in states:
+                saved = Path(directory) / model / GENERATORS_FILE
+                states[model] = torch.load(saved, weights_only=True) if saved.is_file() else {}
+            if slot in states[model]:  # a copy on a slot the checkpoint did not know keeps its seed
+                restores.append(self.hosts[slot].restore_state(model, {"generator": states[model][slot]}))
         for call in restores:
             call.result(timeout=600)
 
