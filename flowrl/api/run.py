@@ -118,15 +118,7 @@ def run(
         if start is None:
             watcher.event(RunEvent("resume", "no intact checkpoint to resume from: starting at step 1", 0))
 
-    source = PromptSource(
-        spec.data.source,
-        batch_size=spec.data.batch_size,
-        seed=spec.trainer.seed,
-        base_dir=base_dir or Path.cwd(),
-        shuffle=spec.data.shuffle,
-        prompt_field=spec.data.prompt_field,
-        answer_field=spec.data.answer_field,
-    )
+    source = PromptSource.from_spec(spec.data, seed=spec.trainer.seed, base_dir=base_dir or Path.cwd())
     preflight(graph, base_dir)
     address = spec.runtime.scheduler_address
     runtime = spec.runtime

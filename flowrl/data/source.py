@@ -92,8 +92,8 @@ class PromptSource:
             seed=seed,
             base_dir=base_dir,
             shuffle=data_spec.shuffle,
-            prompt_field=data_spec.prompt_field,
-            answer_field=data_spec.answer_field,
+            prompt_field=data_spec.prompt_key,
+            answer_field=data_spec.answer_key,
         )
 
     @property

@@ -109,7 +109,7 @@ def estimate_prompt_tokens(pipeline: PipelineGraph, base_dir: Path | None = None
         return PROMPT_LETTERS + 1  # letters and "=", one token each
     path = (base_dir / source) if base_dir is not None else Path(source)
     try:
-        examples = load_jsonl(path, source, spec.data.prompt_field, spec.data.answer_field)
+        examples = load_jsonl(path, source, spec.data.prompt_key, spec.data.answer_key)
     except DataError:  # planning goes on with a default; a run reports the file's problem
         return DEFAULT_PROMPT_TOKENS
     sample = examples[:1000]

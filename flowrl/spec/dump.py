@@ -34,6 +34,8 @@ def to_yaml(pipeline: PipelineGraph | PipelineSpec) -> str:
     nodes = {name: _fields(node, leading=_NODE_LEADING) for name, node in spec.nodes.items()}
     lines += _section("nodes", nodes)
     lines.append(f"data: {_flow(_fields(spec.data))}")
+    if spec.eval is not None:
+        lines.append(f"eval: {_flow(_fields(spec.eval))}")
     for section in ("trainer", "scheduler", "runtime", "profiler"):
         fields = _fields(getattr(spec, section))
         if fields:

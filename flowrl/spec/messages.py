@@ -118,6 +118,8 @@ def _issue(loc: Sequence[Any], detail: Any) -> Issue:
     }
     if kind in simple:
         return path, f"expected {simple[kind]}, {found}"
+    if kind == "string_pattern_mismatch":
+        return path, f"expected a size such as 500MB, 5GB or 2GiB, {found}"
     if kind == "string_too_short":
         return path, "must not be empty"
     if kind in ("too_short", "too_long"):

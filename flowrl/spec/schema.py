@@ -49,6 +49,12 @@ class ModelSpec(_Strict):
     """Recompute activations in backward to save memory (update nodes only). Default false."""
     offload_to_cpu: bool = False
     """Keep the weights in host memory between uses, on the device only when used. Default false."""
+    revision: str | None = None
+    """Branch, tag or commit of a hub model (``path: org/name``); None takes the default
+    branch. Default None."""
+    trust_remote_code: bool = False
+    """Run the model's own Python code from its folder or hub repository (models whose
+    architecture transformers lacks). Only for code you trust. Default false."""
 
 
 class DeviceGroupSpec(_Strict):
@@ -266,20 +272,74 @@ NODE_CLASSES: dict[str, type[_NodeBase]] = {
 }
 
 
+SHARD_SIZE_PATTERN = r"^[1-9][0-9]*(KB|MB|GB|KiB|MiB|GiB)$"
+"""A file size as transformers' ``max_shard_size`` takes it: ``500MB``, ``5GB``, ``2GiB``."""
+
+
 class DataSpec(_Strict):
     """Where prompts come from; its output is the node input ``prompts``."""
 
     source: str
-    """``builtin:digits``, ``builtin:first_letter``, or a .jsonl path (relative to the pipeline
-    file). Required."""
+    """A built-in task (``builtin:digits``, ``builtin:arith``), a local data file (``.parquet``,
+    ``.jsonl``/``.json``, ``.csv``; relative to the pipeline file), a folder written by
+    ``datasets``' ``save_to_disk``, or a hub dataset name (``org/name``). Required."""
+    split: str = "train"
+    """Split of the dataset to train on (a single data file is the split ``train``).
+    Default train."""
+    subset: str | None = None
+    """Configuration of a hub dataset that has several (``main`` of ``openai/gsm8k``).
+    Default None."""
     batch_size: int = Field(default=8, ge=1)
     """Prompts per step. Default 8."""
     shuffle: bool = True
-    """Visit the prompts in a seeded random order. Default true."""
-    prompt_field: str = "prompt"
-    """Key of the prompt in each jsonl record. Default prompt."""
-    answer_field: str = "answer"
-    """Key of the reference answer in each jsonl record. Default answer."""
+    """Visit the prompts in a new seeded random order every epoch. Default true."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt: a string, or a chat (a list of ``{role, content}``
+    messages, rendered with the policy tokenizer's chat template). Default prompt."""
+    answer_key: str = "answer"
+    """Column holding the reference answer, passed to reward functions as ``answer`` (and
+    under its own name); the column may be absent. Default answer."""
+    max_prompt_tokens: Annotated[int, Field(ge=1)] | None = None
+    """Longest prompt, in tokens of the policy's tokenizer (after the chat template).
+    None: no limit. Default None."""
+    overlong_prompts: Literal["error", "truncate_left", "skip"] = "error"
+    """What a prompt longer than max_prompt_tokens does: stop before step 1 naming it
+    (``error``), keep its last max_prompt_tokens tokens (``truncate_left``), or leave it out
+    of the data (``skip``); truncated and skipped prompts are counted in the log and in
+    ``data/prompts_truncated`` / ``data/prompts_skipped``. Default error."""
+
+
+class EvalSpec(_Strict):
+    """Held-out evaluation: generate for held-out prompts and score the completions,
+    before training (``at_start``), every ``every_steps`` steps and after the last step.
+    Results go to ``val/<score node>/mean`` (and ``pass@n``, ``mean@n`` with ``n`` > 1)."""
+
+    source: str | None = None
+    """Where the held-out prompts come from, as ``data.source``; None: the training
+    source (with another ``split``). Default None."""
+    split: str = "test"
+    """Split of the source to evaluate on. Default test."""
+    subset: str | None = None
+    """Configuration of a hub dataset; None: ``data.subset`` when the source is the
+    training one. Default None."""
+    every_steps: int = Field(default=10, ge=1)
+    """Evaluate after every this many steps (and after the last). Default 10."""
+    at_start: bool = True
+    """Evaluate before the first update (logged as step 0). Default true."""
+    n: int = Field(default=1, ge=1)
+    """Completions per prompt; with n > 1 pass@n (share of prompts with a completion
+    scoring above 0) and mean@n are logged too. Default 1."""
+    temperature: float = Field(default=0.0, ge=0)
+    """Sampling temperature; 0 decodes greedily. Default 0."""
+    max_new_tokens: Annotated[int, Field(ge=1, le=4096)] | None = None
+    """Most tokens per completion; None: the generate node's. Default None."""
+    max_examples: Annotated[int, Field(ge=1)] | None = None
+    """Evaluate on the first this many prompts of the split; None: all. Default None."""
+    scores: list[str] | None = None
+    """Score nodes (reward functions) to apply; None: every score node with ``fn``.
+    Default None."""
+    batch_size: int = Field(default=64, ge=1)
+    """Prompts per generation call while evaluating (bounds memory). Default 64."""
 
 
 class TrainerSpec(_Strict):
@@ -301,6 +361,12 @@ class TrainerSpec(_Strict):
     max_nonfinite_updates: int = Field(default=3, ge=1)
     """An update whose loss or gradient is NaN or infinite is skipped with a warning; this many
     in a row stop the run (the newest checkpoint stays). Default 3."""
+    max_failed_reward_steps: int = Field(default=3, ge=1)
+    """Steps in a row in which a reward function failed on every sample before the run
+    stops with the function's first error (the newest checkpoint stays). Default 3."""
+    max_shard_size: str = Field(default="5GB", pattern=SHARD_SIZE_PATTERN)
+    """Largest weights file of a checkpoint or ``final/``; bigger models are split into
+    several files with a ``model.safetensors.index.json``. Default 5GB."""
 
 
 class SchedulerSpec(_Strict):
@@ -384,6 +450,8 @@ class PipelineSpec(_Strict):
     """The dataflow of one iteration, by node name, in file order. Required."""
     data: DataSpec
     """The prompt source. Required."""
+    eval: EvalSpec | None = None
+    """Held-out evaluation; None: none. Default None."""
     trainer: TrainerSpec = Field(default_factory=TrainerSpec)
     """Steps, output folder, checkpoints, seed. Default TrainerSpec()."""
     scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec)
@@ -398,6 +466,7 @@ SECTION_CLASSES: dict[str, type[BaseModel]] = {
     "models": ModelSpec,
     "devices": DeviceGroupSpec,
     "data": DataSpec,
+    "eval": EvalSpec,
     "trainer": TrainerSpec,
     "scheduler": SchedulerSpec,
     "runtime": RuntimeSpec,
