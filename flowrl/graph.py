@@ -48,6 +48,7 @@ class _Checker:
             self._check_node(name)
         self._check_cycles()
         self._check_unused()
+        self._check_eval()
         return self.issues
 
     def add(self, path: str, message: str) -> None:
@@ -248,6 +249,26 @@ class _Checker:
             shown = " -> ".join([*cycle, start])
             # the edge that closes the cycle is an input of the first node
             self.add(f"nodes.{start}.inputs", f"cycle {shown}; one iteration must flow one way")
+
+    def _check_eval(self) -> None:
+        """Evaluation applies reward functions: named ones must be score nodes with ``fn``."""
+        evaluation = getattr(self.spec, "eval", None)
+        if evaluation is None or "eval" in self.broken:
+            return
+        with_fn = [name for name, node in self.spec.nodes.items() if node.role == "score" and node.fn is not None]
+        if evaluation.scores is None:
+            if not with_fn and "nodes" not in self.broken:
+                self.add("eval", "evaluation scores completions with reward functions, and no score node has 'fn'; "
+                         "add a score node with fn (it may have weight: 0 to leave training unchanged)")
+            return
+        for position, name in enumerate(evaluation.scores):
+            if name in with_fn or "nodes" in self.broken or f"nodes.{name}" in self.broken:
+                continue
+            if name in self.spec.nodes:
+                self.add(f"eval.scores.{position}", f"'{name}' is not a score node with a reward function (fn)")
+            else:
+                hint = did_you_mean(name, with_fn) or (f"; score nodes with fn: {', '.join(with_fn)}" if with_fn else "")
+                self.add(f"eval.scores.{position}", f"no score node '{name}'{hint}")
 
     def _check_unused(self) -> None:
         if self.broken:

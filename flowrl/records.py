@@ -33,8 +33,8 @@ class NodeTiming:
 
     @property
     def tokens_per_s(self) -> float:
-        """Generated tokens/s for generate, tokens read/s for every other role."""
-        tokens = self.tokens_out if self.role == "generate" else self.tokens_in
+        """Generated tokens/s for generate and eval, tokens read/s for every other role."""
+        tokens = self.tokens_out if self.role in ("generate", "eval") else self.tokens_in
         return tokens / self.compute_s if self.compute_s > 0 else 0.0
 
     def to_dict(self) -> dict[str, Any]:

@@ -14,13 +14,15 @@ the dotted path (``nodes.train.lr``) but no file or line.
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+from pathlib import Path
+from typing import Any, Callable
 
 from flowrl.errors import SpecError, SpecIssue
 from flowrl.graph import PipelineGraph
 from flowrl.spec.dump import to_yaml
 from flowrl.spec.loader import pipeline_from_dict
-from flowrl.spec.schema import SOURCE_NODE
+from flowrl.spec.schema import SOURCE_NODE, PythonFunction
 
 
 class ModelRef(str):
@@ -102,10 +104,16 @@ class Pipeline:
         """Sample completions of ``inputs`` (normally ``prompts``) from a policy model."""
         return self._node("generate", name, inputs, {"model": str(model), **fields})
 
-    def score(self, scorer: str, *inputs: str, name: str | None = None, **fields: Any) -> NodeRef:
-        """Score a rollout with a reward function name / ``module:function``, or a reward model."""
-        key = "model" if isinstance(scorer, ModelRef) else "fn"
-        return self._node("score", name, inputs, {key: str(scorer), **fields})
+    def score(self, scorer: str | Callable[..., Any], *inputs: str, name: str | None = None, **fields: Any) -> NodeRef:
+        """Score a rollout with a reward model, a reward function's name (``math_answer``,
+        ``module:function``), or a Python function itself, which reaches the workers by value."""
+        if isinstance(scorer, ModelRef):
+            return self._node("score", name, inputs, {"model": str(scorer), **fields})
+        if isinstance(scorer, str):
+            return self._node("score", name, inputs, {"fn": scorer, **fields})
+        if callable(scorer):
+            return self._node("score", name, inputs, {"fn": function_by_value(scorer), **fields})
+        raise SpecError([SpecIssue("nodes", f"score() takes a model, a function's name or a function, not {type(scorer).__name__}")])
 
     def reference_logprob(
         self, model: str, *inputs: str, name: str | None = None, **fields: Any
@@ -175,3 +183,35 @@ class Pipeline:
 
     def _set_section(self, section: str, fields: dict[str, Any]) -> None:
         self._sections[section] = {**self._sections.get(section, {}), **fields}
+
+
+def function_by_value(fn: Callable[..., Any]) -> PythonFunction:
+    """``fn`` pickled with its code, so a worker that cannot import its module still runs it.
+
+    Functions of installed packages (and flowrl's own) pickle by reference, like any import;
+    a function of ``__main__`` or of a module that is a loose file (a script, a test) pickles
+    by value, with the module-level names it uses.
+    """
+    import cloudpickle
+
+    module_name = getattr(fn, "__module__", None) or "__main__"
+    module = sys.modules.get(module_name)
+    by_value = module is not None and module_name != "__main__" and not _installed(module)
+    if by_value:
+        cloudpickle.register_pickle_by_value(module)
+    try:
+        payload = cloudpickle.dumps(fn)
+    finally:
+        if by_value:
+            cloudpickle.unregister_pickle_by_value(module)
+    qualname = getattr(fn, "__qualname__", type(fn).__name__)
+    return PythonFunction(name=f"{module_name}:{qualname}", payload=payload)
+
+
+def _installed(module: Any) -> bool:
+    """Whether a module comes from an installed package or the standard library."""
+    file = getattr(module, "__file__", None)
+    if file is None or module.__name__.split(".")[0] == "flowrl":
+        return True
+    parts = Path(file).resolve().parts
+    return "site-packages" in parts or "dist-packages" in parts or Path(file).resolve().is_relative_to(Path(sys.base_prefix).resolve())

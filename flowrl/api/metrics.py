@@ -29,7 +29,10 @@ def step_metrics(
     metrics: dict[str, float] = {}
     nodes: list[NodeTiming] = []
     generated_tokens = 0
+    score_nodes = [name for name, report in reports.items() if report.role == "score"]
     for name, report in reports.items():
+        if report.role == "score" and len(score_nodes) > 1:
+            continue  # several scores add up: see _summed_scores
         for key, value in report.metrics.items():
             metrics[key] = value
         parts = (report, *report.shards)
@@ -58,8 +61,31 @@ def step_metrics(
         # verl's name; the headroom is the tightest device's
         metrics["perf/max_memory_allocated_gb"] = max(t.peak_memory_gb for t in peaks)
         metrics["perf/memory_headroom_gb"] = min(t.memory_headroom_gb for t in peaks)
+    if len(score_nodes) > 1:
+        metrics.update(_summed_scores({name: reports[name] for name in score_nodes}))
     metrics["timing_s/step"] = step_s
     # verl's perf/throughput: prompt + response tokens per second per device.
     metrics["perf/throughput"] = generated_tokens / step_s / max(1, num_devices)
     metrics["perf/total_tokens"] = float(generated_tokens)
     return metrics, nodes
+
+
+def _summed_scores(reports: dict[str, NodeReport]) -> dict[str, float]:
+    """Metrics of several score nodes whose (weighted) scores the advantage adds up: the
+    total's mean (a sum of means), each node's own under ``reward/<node>/``, and failures
+    over all of them."""
+    metrics: dict[str, float] = {"critic/score/mean": 0.0}
+    failed = share_sum = 0.0
+    with_failures = 0
+    for name, report in reports.items():
+        metrics["critic/score/mean"] += report.metrics.get("critic/score/mean", 0.0)
+        for key, value in report.metrics.items():
+            metrics[f"reward/{name}/{key.rsplit('/', 1)[-1]}"] = value
+        if "reward/failed_share" in report.metrics:
+            failed += report.metrics["reward/num_failed"]
+            share_sum += report.metrics["reward/failed_share"]
+            with_failures += 1
+    if with_failures:
+        metrics["reward/num_failed"] = failed
+        metrics["reward/failed_share"] = share_sum / with_failures
+    return metrics

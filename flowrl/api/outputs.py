@@ -24,7 +24,7 @@ from typing import Any
 from flowrl.api.recovery import TRAINER_STATE, file_digests
 from flowrl.errors import CheckpointError, FlowrlError
 from flowrl.profiler import NodeSummary
-from flowrl.records import RunEvent, StepRecord
+from flowrl.records import NodeTiming, RunEvent, StepRecord
 
 
 class RunFolder:
@@ -91,6 +91,10 @@ class RunFolder:
             self._append("profile.jsonl", {"step": record.step, "type": "node", **node.to_dict()})
         for device in record.devices:
             self._append("profile.jsonl", {"step": record.step, "type": "device", **vars(device)})
+
+    def append_node(self, step: int, timing: NodeTiming) -> None:
+        """One node call outside a step's record (an evaluation)."""
+        self._append("profile.jsonl", {"step": step, "type": "node", **timing.to_dict()})
 
     def append_smoothed(self, step: int, summaries: list[NodeSummary]) -> None:
         """The profiler's smoothed per-node estimates (EWMA), as the planner sees them."""

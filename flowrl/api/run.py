@@ -21,18 +21,21 @@ from flowrl.api.faults import FaultHandler, NonFiniteGuard
 from flowrl.api.recovery import FoundCheckpoint, config_changes, newest_checkpoint
 from flowrl.api.replanning import Replanner
 from flowrl.backends.hf import resolve_model_path
+from flowrl.api.data import eval_examples, policy_formatter, training_source
+from flowrl.api.checks import offered_keywords, reward_issues
+from flowrl.api.evaluation import Evaluator
+from flowrl.api.reward_guard import RewardFailureGuard
 from flowrl.data import PromptSource
 from flowrl.devices.groups import offload_notes, pipeline_groups
 from flowrl.devices.inventory import detect_local
 from flowrl.devices.matching import match_groups
 from flowrl.devices.report import inventory_lines, match_lines
-from flowrl.errors import CheckpointError, FlowrlError
+from flowrl.errors import CheckpointError, FlowrlError, SpecError, SpecIssue
 from flowrl.graph import PipelineGraph
 from flowrl.planner.cost import measure_cpu_rates
 from flowrl.planner.costs import EstimatedCosts
 from flowrl.planner.placement import node_group, plan_from_compiled, splittable
 from flowrl.records import RunEvent, StepRecord
-from flowrl.rewards import resolve_reward
 from flowrl.runtime.cluster import Cluster
 from flowrl.runtime.session import Session
 from flowrl.scheduler import make_policy, settings_from_spec
@@ -56,6 +59,8 @@ class RunResult:
     records: list[StepRecord] = field(default_factory=list)
     already_finished: bool = False
     """``resume`` found a run that had finished every step: nothing was trained."""
+    evaluations: list[tuple[int, dict[str, float]]] = field(default_factory=list)
+    """(step, ``val/*`` metrics) of every evaluation; step 0 is before training."""
 
     def metric(self, name: str) -> list[float]:
         return [r.metrics[name] for r in self.records if name in r.metrics]
@@ -118,8 +123,13 @@ def run(
         if start is None:
             watcher.event(RunEvent("resume", "no intact checkpoint to resume from: starting at step 1", 0))
 
-    source = PromptSource.from_spec(spec.data, seed=spec.trainer.seed, base_dir=base_dir or Path.cwd())
-    preflight(graph, base_dir)
+    formatter = policy_formatter(graph, base_dir or Path.cwd())
+    source = training_source(graph, base_dir or Path.cwd(), formatter)
+    held_out = eval_examples(graph, base_dir or Path.cwd(), formatter)
+    preflight(graph, base_dir, offered_keywords(source, held_out))
+    watcher.event(RunEvent("data", source.describe(), 0))
+    if held_out:
+        watcher.event(RunEvent("data", f"evaluation: {len(held_out)} held-out prompts", 0))
     address = spec.runtime.scheduler_address
     runtime = spec.runtime
     tls = {"ca_file": runtime.tls_ca_file, "cert": runtime.tls_cert, "key": runtime.tls_key}
@@ -129,7 +139,7 @@ def run(
         else Cluster.start_local(spec.runtime.cpu_slots, spec.runtime.dashboard, spec.runtime.pin_cpus)
     )
     try:
-        return _train(graph, cluster, folder, source, watcher, base_dir, start)
+        return _train(graph, cluster, folder, source, watcher, base_dir, start, Evaluator(graph, held_out))
     finally:
         cluster.close()
 
@@ -155,7 +165,7 @@ def _check_unchanged(folder: RunFolder, config_text: str, force: bool) -> None:
 
 def _train(
     graph: PipelineGraph, cluster: Cluster, folder: RunFolder, source: PromptSource, watcher: "_Watchers",
-    base_dir: Path | None, start: FoundCheckpoint | None = None,
+    base_dir: Path | None, start: FoundCheckpoint | None = None, evaluator: Evaluator | None = None,
 ) -> RunResult:
     spec = graph.spec
     slots = [slot.name for slot in cluster.slots]
@@ -198,9 +208,18 @@ def _train(
         faults = FaultHandler(graph, cluster, folder, watcher, base_dir,
                               sum(sizes.get(model, 0) for model in session.trained_models()))
         guard = NonFiniteGuard(spec.trainer.max_nonfinite_updates)
+        rewards = RewardFailureGuard(graph)
+        evaluator = evaluator or Evaluator(graph, [])
         result = RunResult(folder.path)
         started = time.perf_counter()
         num_steps = spec.trainer.steps
+        if start is None and evaluator.due(0):
+            values, timing = evaluator.run(session, 0, watcher.event)
+            if values:
+                result.evaluations.append((0, values))
+                folder.append_metrics(StepRecord(0, num_steps, values, elapsed_s=time.perf_counter() - started))
+            if timing is not None:
+                folder.append_node(0, timing)
         faults.remember(session, first_step - 1, kl)
         step = first_step
         while step <= num_steps:
@@ -215,10 +234,18 @@ def _train(
             devices = session.sample_devices()
             metrics, nodes = step_metrics(graph, reports, step_s, num_devices=session.num_slots_in_use)
             kl.update(reports)
+            if evaluator.due(step):
+                values, timing = evaluator.run(session, step, watcher.event)
+                metrics.update(values)
+                if values:
+                    result.evaluations.append((step, values))
+                if timing is not None:
+                    folder.append_node(step, timing)
             record = StepRecord(step, num_steps, metrics, nodes, devices, time.perf_counter() - started)
             result.records.append(record)
             watcher.step(record)
             guard.check(record, watcher)
+            rewards.check(step, reports, watcher.event)
             replanner.after_step(record, step_s)
             every = spec.trainer.checkpoint_every
             if every and step % every == 0 and step < num_steps:
@@ -325,17 +352,18 @@ def _no_local_gpu(graph: PipelineGraph) -> str | None:
     return inventory.notes[0] if inventory.notes else "NVML sees none"
 
 
-def preflight(graph: PipelineGraph, base_dir: Path | None) -> None:
-    """Catch missing models and reward functions here, before any worker starts.
+def preflight(graph: PipelineGraph, base_dir: Path | None, offered: set[str] | None = None) -> None:
+    """Catch missing models and reward functions that cannot be called, before any worker
+    starts.
 
     Resolving a builtin model also builds it once, so that workers never race to build
     the same cache directory.
     """
     for model in graph.spec.models.values():
         resolve_model_path(model.path, base_dir)
-    for node in graph.spec.nodes.values():
-        if node.role == "score" and node.fn is not None:
-            resolve_reward(node.fn, base_dir)
+    issues = reward_issues(graph, base_dir, offered)
+    if issues:
+        raise SpecError([SpecIssue(path, message) for path, message in issues])
 
 
 def _resolve(path: Path) -> Path:

@@ -45,10 +45,15 @@ def _friendly(function: F) -> F:
 @app.command()
 @_friendly
 def validate(pipeline_file: Path = typer.Argument(..., help="Pipeline YAML file.")) -> None:
-    """Check a pipeline file: schema, names and graph. Exit 0 when valid, 2 otherwise."""
+    """Check a pipeline file: schema, names, graph, its data and its reward functions. Exit 0 when valid, 2 otherwise."""
     from flowrl.spec.loader import load_pipeline
 
+    from flowrl.api.checks import check_inputs
+    from flowrl.spec.lines import read_yaml_file
+
     graph = load_pipeline(pipeline_file)
+    _, line_map, _ = read_yaml_file(pipeline_file, "pipeline")
+    check_inputs(graph, pipeline_file.resolve().parent, str(pipeline_file), line_map)
     roles = ", ".join(f"{n} ({graph.spec.nodes[n].role})" for n in graph.topological_order())
     print(f"{pipeline_file}: valid pipeline '{graph.name}': {len(graph.spec.nodes)} nodes: {roles}")
 

@@ -11,6 +11,7 @@ import random
 import string
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from flowrl.data.examples import PromptExample
 
@@ -34,12 +35,15 @@ def _letters_prompt(rng: random.Random) -> str:
 
 
 def _digits_example(rng: random.Random) -> PromptExample:
-    return PromptExample(prompt=_letters_prompt(rng), answer=None, meta={"task": "digits"})
+    prompt = _letters_prompt(rng)
+    return PromptExample(prompt=prompt, answer=None, meta={"task": "digits"}, columns={"prompt": prompt})
 
 
 def _first_letter_example(rng: random.Random) -> PromptExample:
     prompt = _letters_prompt(rng)
-    return PromptExample(prompt=prompt, answer=prompt[0], meta={"task": "first_letter"})
+    return PromptExample(
+        prompt=prompt, answer=prompt[0], meta={"task": "first_letter"}, columns={"prompt": prompt, "answer": prompt[0]}
+    )
 
 
 BUILTIN_TASKS: dict[str, BuiltinTask] = {
@@ -57,3 +61,7 @@ BUILTIN_TASKS: dict[str, BuiltinTask] = {
     ),
 }
 """Task name (``data.source: builtin:NAME``) -> task."""
+
+BUILTIN_DATASETS: dict[str, Callable[[Path | None], Path]] = {}
+"""Dataset name (``data.source: builtin:NAME``) -> a function that writes the dataset once
+(into the cache folder given, or the default one) and returns its folder of split files."""

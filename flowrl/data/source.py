@@ -3,11 +3,12 @@
 A batch is a pure function of ``(seed, step)``: nothing is consumed from an iterator, so a run
 resumed at step k sees exactly the batches it would have seen without the interruption.
 
-For a ``.jsonl`` file the examples are read as one endless stream, epoch after epoch; epoch e
-is a permutation seeded by ``(seed, e)`` (or file order when ``shuffle`` is off). Step s takes
-stream positions ``[s * batch_size, (s + 1) * batch_size)``, so a batch that crosses an epoch
-boundary takes the last examples of one epoch and the first of the next: no example is
-skipped, none repeats within an epoch.
+A dataset (a file, a saved folder, a hub dataset, a built-in dataset) is read as one endless
+stream, epoch after epoch; epoch e is a permutation seeded by ``(seed, e)`` (or the data's
+order when ``shuffle`` is off). Step s takes stream positions ``[s * batch_size, (s + 1) *
+batch_size)``, so a batch that crosses an epoch boundary takes the last examples of one epoch
+and the first of the next: no example is skipped, none repeats within an epoch. A built-in
+task draws fresh random prompts for every step instead.
 """
 
 from __future__ import annotations
@@ -17,38 +18,86 @@ import random
 from pathlib import Path
 from typing import Any
 
-from flowrl.data.builtin import BUILTIN_TASKS, BuiltinTask
+from flowrl.data.builtin import BUILTIN_DATASETS, BUILTIN_TASKS, BuiltinTask
 from flowrl.data.examples import PromptExample
-from flowrl.data.jsonl import load_jsonl
+from flowrl.data.files import SINGLE_SPLIT, has_splits, load_split
+from flowrl.data.formatting import FormatCounts, PromptFormatter, check_columns
 from flowrl.errors import DataError
 
 BUILTIN_PREFIX = "builtin:"
+EVAL_SPLIT = "test"
+"""The split evaluated when ``eval.split`` is not given and the source has splits."""
 
 
-def _builtin_task(name: str) -> BuiltinTask:
-    if name in BUILTIN_TASKS:
-        return BUILTIN_TASKS[name]
-    close = difflib.get_close_matches(name, list(BUILTIN_TASKS), n=1)
+def _builtin_name(name: str) -> str:
+    known = [*BUILTIN_TASKS, *BUILTIN_DATASETS]
+    if name in known:
+        return name
+    close = difflib.get_close_matches(name, known, n=1)
     hint = f" (did you mean '{BUILTIN_PREFIX}{close[0]}'?)" if close else ""
-    known = ", ".join(BUILTIN_PREFIX + task for task in BUILTIN_TASKS)
-    raise DataError(f"unknown built-in task '{name}'{hint}; the built-in tasks are: {known}")
+    names = ", ".join(BUILTIN_PREFIX + task for task in known)
+    raise DataError(f"unknown built-in data '{name}'{hint}; the built-in tasks and datasets are: {names}")
+
+
+def read_examples(
+    source: str,
+    split: str,
+    subset: str | None,
+    base_dir: Path | None,
+    prompt_key: str = "prompt",
+    answer_key: str = "answer",
+    formatter: PromptFormatter | None = None,
+) -> tuple[list[PromptExample], FormatCounts]:
+    """Every usable example of ``split`` of a dataset source, in the data's order."""
+    formatter = formatter or PromptFormatter()
+    location = source
+    if source.startswith(BUILTIN_PREFIX):
+        name = _builtin_name(source[len(BUILTIN_PREFIX):])
+        if name in BUILTIN_TASKS:
+            raise DataError(f"{source} is a task of endless random prompts, not a dataset with splits")
+        location = str(BUILTIN_DATASETS[name](None))
+    rows = load_split(location, split, subset, base_dir)
+    display = source if split == SINGLE_SPLIT and not has_splits(location, base_dir) else f"{source} (split {split})"
+    check_columns(list(rows.column_names), answer_key, display)
+    if prompt_key not in rows.column_names:
+        raise DataError(
+            f"{display} has no column '{prompt_key}' (columns: {', '.join(rows.column_names)}); "
+            "set data.prompt_key to the column that holds the prompts"
+        )
+    examples, counts = formatter.examples(rows.to_list(), prompt_key, answer_key, display)
+    if not examples:
+        raise DataError(f"{display} holds no usable prompt ({counts.num_rows} rows, {counts.num_skipped} skipped as too long)")
+    return examples, counts
+
+
+def eval_split(source: str | None, split: str | None, data_source: str, base_dir: Path | None) -> str:
+    """The split an evaluation reads: the one given, else ``test`` of a source with splits,
+    else the single file's only split."""
+    if split is not None:
+        return split
+    chosen = source or data_source
+    if chosen.startswith(BUILTIN_PREFIX):
+        return EVAL_SPLIT
+    return EVAL_SPLIT if has_splits(chosen, base_dir) else SINGLE_SPLIT
 
 
 class PromptSource:
-    """Batches of prompts from a built-in task or a JSON Lines file.
+    """Batches of prompts from a built-in task or a dataset.
 
     Args:
-        source: ``"builtin:NAME"`` or a path to a ``.jsonl`` file (relative paths are resolved
-            against ``base_dir``, the pipeline file's folder).
+        source: ``"builtin:NAME"``, a data file, a saved dataset folder or a hub name
+            (relative paths are resolved against ``base_dir``, the pipeline file's folder).
         batch_size: prompts per step.
         seed: the run's seed (``trainer.seed``).
         base_dir: folder that relative paths are resolved against.
-        shuffle: permute a file's examples each epoch; built-in tasks always draw fresh
+        shuffle: permute a dataset's examples each epoch; built-in tasks always draw fresh
             random prompts, so it does not apply to them.
-        prompt_field: JSON field holding the prompt.
-        answer_field: JSON field holding the reference answer (optional in each line).
+        prompt_key: column holding the prompt.
+        answer_key: column holding the reference answer (may be absent).
+        split, subset: which split (and hub configuration) to read.
+        formatter: renders chats and bounds prompt lengths (a plain one by default).
 
-    A file is read and checked completely here, so a bad line fails before any model loads.
+    A dataset is read and checked completely here, so a bad row fails before any model loads.
     """
 
     def __init__(
@@ -56,10 +105,13 @@ class PromptSource:
         source: str,
         batch_size: int,
         seed: int,
-        base_dir: Path,
+        base_dir: Path | None,
         shuffle: bool = True,
-        prompt_field: str = "prompt",
-        answer_field: str = "answer",
+        prompt_key: str = "prompt",
+        answer_key: str = "answer",
+        split: str = SINGLE_SPLIT,
+        subset: str | None = None,
+        formatter: PromptFormatter | None = None,
     ) -> None:
         if batch_size < 1:
             raise DataError(f"data.batch_size must be >= 1, got {batch_size}")
@@ -67,24 +119,28 @@ class PromptSource:
         self.batch_size = batch_size
         self.seed = seed
         self.shuffle = shuffle
+        self.formatter = formatter or PromptFormatter()
         self.task: BuiltinTask | None = None
         self.examples: list[PromptExample] = []
+        self.counts = FormatCounts(0)
         self._permutations: dict[int, list[int]] = {}
-        if source.startswith(BUILTIN_PREFIX):
-            self.task = _builtin_task(source[len(BUILTIN_PREFIX) :])
+        if source.startswith(BUILTIN_PREFIX) and _builtin_name(source[len(BUILTIN_PREFIX):]) in BUILTIN_TASKS:
+            self.task = BUILTIN_TASKS[source[len(BUILTIN_PREFIX):]]
+            self.next_batch(0)  # a length limit that no prompt meets fails here, before step 1
             return
-        path = Path(source).expanduser()
-        if not path.is_absolute():
-            path = Path(base_dir) / path
-        if not path.exists() and source in BUILTIN_TASKS:
+        local = base_dir is not None and (Path(base_dir) / source).exists()
+        if not local and source in BUILTIN_TASKS:
             raise DataError(
-                f"data file {source} not found (looked at {path}); "
-                f"did you mean the built-in task '{BUILTIN_PREFIX}{source}'?"
+                f"data file {source} not found; did you mean the built-in task '{BUILTIN_PREFIX}{source}'?"
             )
-        self.examples = load_jsonl(path, source, prompt_field, answer_field)
+        self.examples, self.counts = read_examples(
+            source, split, subset, base_dir, prompt_key, answer_key, self.formatter
+        )
 
     @classmethod
-    def from_spec(cls, data_spec: Any, seed: int, base_dir: Path) -> PromptSource:
+    def from_spec(
+        cls, data_spec: Any, seed: int, base_dir: Path | None, formatter: PromptFormatter | None = None
+    ) -> PromptSource:
         """Build from a pipeline's ``data`` section (any object with DataSpec's fields)."""
         return cls(
             source=data_spec.source,
@@ -92,13 +148,16 @@ class PromptSource:
             seed=seed,
             base_dir=base_dir,
             shuffle=data_spec.shuffle,
-            prompt_field=data_spec.prompt_key,
-            answer_field=data_spec.answer_key,
+            prompt_key=data_spec.prompt_key,
+            answer_key=data_spec.answer_key,
+            split=data_spec.split,
+            subset=data_spec.subset,
+            formatter=formatter,
         )
 
     @property
     def num_examples(self) -> int | None:
-        """Examples in the file, or None for a built-in task (endless)."""
+        """Examples in the dataset, or None for a built-in task (endless)."""
         return None if self.task is not None else len(self.examples)
 
     def epoch_of(self, step: int) -> int:
@@ -115,7 +174,8 @@ class PromptSource:
             # A string seed is hashed with SHA-512 by random.Random: stable across processes
             # and Python versions, unlike hash().
             rng = random.Random(f"flowrl-data:{self.task.name}:{self.seed}:{step}")
-            return [self.task.make_example(rng) for _ in range(self.batch_size)]
+            made = [self.task.make_example(rng) for _ in range(self.batch_size)]
+            return self._format_task(made)
         num_examples = len(self.examples)
         first = step * self.batch_size
         batch = []
@@ -123,6 +183,22 @@ class PromptSource:
             epoch, offset = divmod(position, num_examples)
             batch.append(self.examples[self._permutation(epoch)[offset]])
         return batch
+
+    def _format_task(self, made: list[PromptExample]) -> list[PromptExample]:
+        """A built-in task's examples through the same length policy as a dataset's rows."""
+        if self.formatter.max_prompt_tokens is None:
+            return made
+        rows = [{"prompt": example.prompt, **({"answer": example.answer} if example.answer is not None else {})} for example in made]
+        formatted, _ = self.formatter.examples(rows, "prompt", "answer", self.source)
+        if len(formatted) < len(made):
+            raise DataError(
+                f"{self.source}'s prompts are longer than data.max_prompt_tokens and a built-in task "
+                "cannot skip them; raise max_prompt_tokens or set overlong_prompts: truncate_left"
+            )
+        return [
+            PromptExample(f.prompt, f.answer, {**m.meta, **f.meta}, f.columns, f.data_prompt, f.prompt_ids, f.chat)
+            for f, m in zip(formatted, made)
+        ]
 
     def _permutation(self, epoch: int) -> list[int]:
         if epoch not in self._permutations:
@@ -142,9 +218,18 @@ class PromptSource:
                 f"{self.batch_size} random prompts per step (seed {self.seed})"
             )
         num_examples = len(self.examples)
-        order = f"shuffled each epoch (seed {self.seed})" if self.shuffle else "in file order"
+        order = f"shuffled each epoch (seed {self.seed})" if self.shuffle else "in the data's order"
         steps_per_epoch = num_examples / self.batch_size
+        counts = self.counts
+        notes = []
+        if counts.num_chat:
+            notes.append(f"{counts.num_chat} chats rendered with the chat template")
+        if counts.num_truncated:
+            notes.append(f"{counts.num_truncated} truncated on the left to data.max_prompt_tokens")
+        if counts.num_skipped:
+            notes.append(f"{counts.num_skipped} longer than data.max_prompt_tokens skipped")
+        extra = f"; {', '.join(notes)}" if notes else ""
         return (
             f"{self.source}: {num_examples} prompts, {order}, {self.batch_size} per step "
-            f"({steps_per_epoch:g} steps per epoch)"
+            f"({steps_per_epoch:g} steps per epoch){extra}"
         )

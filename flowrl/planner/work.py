@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import networkx as nx
 
-from flowrl.data.builtin import PROMPT_LETTERS
-from flowrl.data.jsonl import load_jsonl
+from flowrl.data.builtin import BUILTIN_DATASETS, BUILTIN_TASKS, PROMPT_LETTERS
+from flowrl.data.files import load_split
 from flowrl.errors import DataError
 from flowrl.graph import PipelineGraph
 from flowrl.planner.cost import ModelShape, resolve_shape
@@ -101,18 +102,26 @@ def _rollout_of(pipeline: PipelineGraph, node: str) -> str:
 
 
 def estimate_prompt_tokens(pipeline: PipelineGraph, base_dir: Path | None = None) -> int:
-    """Mean prompt length in tokens, from the data source."""
+    """Mean prompt length in tokens, from the first rows of the data source."""
     spec = pipeline.spec
     source = spec.data.source
     character_level = all(model.path.startswith("builtin:") for model in spec.models.values())
-    if source.startswith("builtin:"):
+    if source.startswith("builtin:") and source[len("builtin:"):] in BUILTIN_TASKS:
         return PROMPT_LETTERS + 1  # letters and "=", one token each
-    path = (base_dir / source) if base_dir is not None else Path(source)
     try:
-        examples = load_jsonl(path, source, spec.data.prompt_key, spec.data.answer_key)
-    except DataError:  # planning goes on with a default; a run reports the file's problem
+        location = source
+        if source.startswith("builtin:"):
+            location = str(BUILTIN_DATASETS[source[len("builtin:"):]](None))
+        rows = load_split(location, spec.data.split, spec.data.subset, base_dir)
+        sample = rows.select(range(min(len(rows), 1000)))[spec.data.prompt_key]
+    except (DataError, KeyError):  # planning goes on with a default; a run reports the data's problem
         return DEFAULT_PROMPT_TOKENS
-    sample = examples[:1000]
-    chars = sum(len(example.prompt) for example in sample) / max(1, len(sample))
+    chars = sum(_prompt_chars(prompt) for prompt in sample) / max(1, len(sample))
     per_token = 1.0 if character_level else CHARS_PER_TOKEN
     return max(1, round(chars / per_token))
+
+
+def _prompt_chars(prompt: Any) -> int:
+    if isinstance(prompt, list):  # a chat: its messages' text
+        return sum(len(str(message.get("content", ""))) for message in prompt if isinstance(message, dict))
+    return len(str(prompt or ""))

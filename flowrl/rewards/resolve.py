@@ -24,6 +24,7 @@ from typing import Any, Iterator
 
 from flowrl.errors import RewardError
 from flowrl.rewards.builtin import REWARD_FUNCTIONS, RewardFunction
+from flowrl.spec.schema import PythonFunction
 
 
 def _did_you_mean(name: str, candidates: list[str]) -> str:
@@ -107,17 +108,20 @@ def _get_attribute(module: ModuleType, module_name: str, qualname: str) -> Any:
     return target
 
 
-def resolve_reward(ref: str, base_dir: Path | None = None) -> RewardFunction:
+def resolve_reward(ref: str | PythonFunction, base_dir: Path | None = None) -> RewardFunction:
     """The reward function named by ``ref``.
 
     Args:
-        ref: a registry name (``"digits"``, ``"first_letter"``, ``"exact_match"``) or
-            ``"module:function"`` (``function`` may be dotted, e.g. ``"mod:Grader.score"``).
+        ref: a registry name (``"math_answer"``, ``"digits"``, ...), ``"module:function"``
+            (``function`` may be dotted, e.g. ``"mod:Grader.score"``), or a function passed
+            by value (its pickled bytes).
         base_dir: the pipeline file's folder, searched for ``module.py`` before the installed
             packages; None to use installed packages only.
 
     Raises RewardError saying what was not found and what to do.
     """
+    if isinstance(ref, PythonFunction):
+        return _unpickle(ref)
     ref = ref.strip()
     known = ", ".join(sorted(REWARD_FUNCTIONS))
     if ":" not in ref:
@@ -138,7 +142,21 @@ def resolve_reward(ref: str, base_dir: Path | None = None) -> RewardFunction:
     if not callable(fn):
         raise RewardError(
             f"'{qualname}' in module '{module_name}' is not callable (it is {type(fn).__name__}); "
-            "point the score node at a function fn(prompts, completions, answers, max_new_tokens)"
+            "point the score node at a function such as def reward(completions, **kwargs)"
         )
     result: RewardFunction = fn
+    return result
+
+
+def _unpickle(function: PythonFunction) -> RewardFunction:
+    import cloudpickle
+
+    try:
+        loaded = cloudpickle.loads(function.payload)
+    except Exception as error:  # noqa: BLE001 - e.g. a module the function needs is missing here
+        raise RewardError(
+            f"the reward function {function.name} cannot be unpickled in this process: "
+            f"{type(error).__name__}: {error}; install the modules it uses on every worker"
+        ) from error
+    result: RewardFunction = loaded
     return result

@@ -1,20 +1,26 @@
 """Calling a reward function without letting one bad sample end the run.
 
-A reward function is user code: it can raise, return None or NaN for a sample it cannot
-grade, or return the wrong number of scores. ``score_safely`` turns each of these into a
-counted failure (``on_error="zero"``: the sample scores 0 and training goes on) or into one
+A reward function is user code: it can raise, return NaN or something that is not a number,
+or return the wrong number of scores. ``score_safely`` turns each of these into a counted
+failure (``on_error="zero"``: the sample scores 0 and training goes on) or into one
 RewardError naming the function and the first failing sample (``on_error="strict"``).
+None for a sample means what it means to TRL: the function does not apply to it; the
+sample scores 0 from this function and is counted apart (``num_none``), not as a failure.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from flowrl.errors import RewardError
+from flowrl.rewards.calling import RewardInputs, call_reward
 
 OnError = Literal["zero", "strict"]
+
+NOT_APPLICABLE = "returned None"
 
 _STRICT_HINT = (
     "fix the function, or set on_error: zero on the score node to score such samples 0 "
@@ -28,8 +34,8 @@ def _short(text: str, limit: int = 60) -> str:
 
 def _as_score(value: Any) -> tuple[float | None, str]:
     """(score, "") for a usable value, else (None, why not)."""
-    if value is None:
-        return None, "returned None"
+    if value is None:  # TRL's "not applicable to this sample": scores 0, not a failure
+        return 0.0, NOT_APPLICABLE
     try:
         score = float(value)
     except (TypeError, ValueError):
@@ -40,16 +46,12 @@ def _as_score(value: Any) -> tuple[float | None, str]:
 
 
 def _call(
-    fn: Callable[..., Any],
-    prompts: list[str],
-    completions: list[str],
-    answers: list[str | None],
-    max_new_tokens: int,
+    fn: Callable[..., Any], inputs: RewardInputs, params: dict[str, Any]
 ) -> tuple[list[float | None], list[str], BaseException | None]:
     """Scores (None where unusable), the reason per failed sample, and the exception raised."""
-    count = len(completions)
+    count = len(inputs)
     try:
-        result = fn(prompts, completions, answers, max_new_tokens)
+        result = call_reward(fn, inputs, params)
     except Exception as error:
         return [None] * count, [f"raised {type(error).__name__}: {error}"] * count, error
     if isinstance(result, (str, bytes)) or not hasattr(result, "__len__"):
@@ -67,52 +69,61 @@ def _call(
     return scores, reasons, None
 
 
+@dataclass(frozen=True)
+class ScoreResult:
+    """What one call of a reward function on a batch gave."""
+
+    scores: list[float]
+    """One score per sample; 0.0 for a failed one."""
+    num_failed: int
+    """Samples that raised or returned something that is not a finite number."""
+    num_none: int = 0
+    """Samples the function returned None for (not applicable; scored 0)."""
+    first_error: str | None = None
+    """What went wrong with the first failed sample, with the sample shown (None: none failed)."""
+
+
 def score_safely(
     fn: Callable[..., Any],
-    prompts: list[str],
-    completions: list[str],
-    answers: list[str | None],
-    max_new_tokens: int,
+    inputs: RewardInputs,
+    params: dict[str, Any] | None = None,
     on_error: OnError = "zero",
     name: str | None = None,
-) -> tuple[list[float], int]:
-    """Call ``fn`` on the whole batch and return ``(scores, num_failed)``.
+) -> ScoreResult:
+    """Call ``fn`` on the whole batch (see :func:`flowrl.rewards.calling.call_reward`).
 
     When the batch call raises, each sample is scored alone so that only the samples that
     really fail are lost. A failed sample scores 0.0 under ``on_error="zero"``; under
     ``"strict"`` the first one raises RewardError with the function's ``name``, the sample's
     index, prompt and completion, and what went wrong.
     """
-    if not len(prompts) == len(completions) == len(answers):
-        raise ValueError(
-            f"prompts ({len(prompts)}), completions ({len(completions)}) and answers "
-            f"({len(answers)}) must have one entry per completion"
-        )
     if on_error not in ("zero", "strict"):
         raise ValueError(f"on_error must be 'zero' or 'strict', got {on_error!r}")
+    params = params or {}
     label = name or f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
-    scores, reasons, batch_error = _call(fn, prompts, completions, answers, max_new_tokens)
-    errors: list[BaseException | None] = [batch_error] * len(completions)
-    if batch_error is not None and len(completions) > 1:
-        for index in range(len(completions)):
-            one = slice(index, index + 1)
-            single, why, error = _call(
-                fn, prompts[one], completions[one], answers[one], max_new_tokens
-            )
+    scores, reasons, batch_error = _call(fn, inputs, params)
+    errors: list[BaseException | None] = [batch_error] * len(inputs)
+    if batch_error is not None and len(inputs) > 1:
+        for index in range(len(inputs)):
+            single, why, error = _call(fn, inputs.row(index), params)
             scores[index], reasons[index], errors[index] = single[0], why[0], error
 
     failed = [index for index, score in enumerate(scores) if score is None]
+    first_error = None
+    if failed:
+        index = failed[0]
+        first_error = (
+            f"reward function '{label}' failed on sample {index} (prompt {_short(str(inputs.prompts[index]))}, "
+            f"completion {_short(str(inputs.completions[index]))}): {reasons[index]}; "
+            f"{len(failed)} of {len(scores)} samples failed"
+        )
     if on_error == "strict":
         if failed:
-            index = failed[0]
-            raise RewardError(
-                f"reward function '{label}' failed on sample {index} "
-                f"(prompt {_short(prompts[index])}, completion {_short(completions[index])}): "
-                f"{reasons[index]}; {len(failed)} of {len(scores)} samples failed; {_STRICT_HINT}"
-            ) from errors[index]
+            raise RewardError(f"{first_error}; {_STRICT_HINT}") from errors[failed[0]]
         if batch_error is not None:
             raise RewardError(
                 f"reward function '{label}' raised {type(batch_error).__name__}: {batch_error} "
                 f"on the batch of {len(scores)}, though no single sample fails; {_STRICT_HINT}"
             ) from batch_error
-    return [0.0 if score is None else score for score in scores], len(failed)
+    num_none = sum(why == NOT_APPLICABLE for why in reasons)
+    return ScoreResult([0.0 if score is None else score for score in scores], len(failed), num_none=num_none, first_error=first_error)

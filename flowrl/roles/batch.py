@@ -37,6 +37,12 @@ class Rollout:
     meta: dict[str, Any] = field(default_factory=dict)
     pad_token_id: int = 0
     """The id on padded positions (masked out everywhere; used to pad when joining parts)."""
+    data_prompts: list[Any] = field(default_factory=list)
+    """Each row's prompt as the data holds it (a chat: its messages); empty: ``prompts``."""
+    columns: dict[str, list[Any]] = field(default_factory=dict)
+    """Dataset column -> one value per row (what reward functions receive by name)."""
+    chat: bool = False
+    """The prompts are chats: reward functions see completions as assistant messages."""
 
     @property
     def num_sequences(self) -> int:
@@ -74,7 +80,17 @@ class Rollout:
             sampled_logprobs=None if self.sampled_logprobs is None else self.sampled_logprobs[rows],
             meta=dict(self.meta),
             pad_token_id=self.pad_token_id,
+            data_prompts=[self.data_prompts[i] for i in index] if self.data_prompts else [],
+            columns={name: [values[i] for i in index] for name, values in self.columns.items()},
+            chat=self.chat,
         )
+
+    def completion_token_lists(self) -> list[list[int]]:
+        """Each row's generated token ids, padding dropped."""
+        return [
+            [token for token, keep in zip(ids, mask) if keep]
+            for ids, mask in zip(self.completion_ids.tolist(), self.completion_mask.tolist())
+        ]
 
 
 @dataclass
@@ -85,6 +101,10 @@ class Scores:
     """[N] float32."""
     num_failed: int = 0
     """Rows whose reward function raised or returned no number (scored 0)."""
+    num_none: int = 0
+    """Rows the reward function returned None for (not applicable; scored 0)."""
+    first_error: str | None = None
+    """What went wrong with the first failed row, for the run's log."""
 
 
 @dataclass
@@ -105,3 +125,5 @@ class NodeOutput:
     """Most GPU memory allocated by tensors during the call (0 off a GPU)."""
     device_memory_gb: float = 0.0
     """The GPU's whole memory (0 off a GPU)."""
+    messages: tuple[str, ...] = ()
+    """Things the run's log should say about this call (a reward function's first error)."""

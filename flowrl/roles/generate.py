@@ -13,14 +13,21 @@ from flowrl.roles.batch import NodeOutput, Rollout
 from flowrl.roles.state import ModelState
 
 
-def run_generate(state: ModelState, prompts: Sequence[Any], node: Any) -> NodeOutput:
-    """Sample ``node.n`` completions per prompt; ``prompts`` are data-source examples."""
+def run_generate(
+    state: ModelState, prompts: Sequence[Any], node: Any, generator: torch.Generator | None = None, greedy: bool = False
+) -> NodeOutput:
+    """Sample ``node.n`` completions per prompt; ``prompts`` are data-source examples.
+
+    ``generator`` replaces the model's own sampling RNG (an evaluation must not move the
+    training run's stream); ``greedy`` takes the likeliest token at every position.
+    """
     tokenizer = state.tokenizer
-    texts = [example.prompt for example in prompts for _ in range(node.n)]
-    answers = [example.answer for example in prompts for _ in range(node.n)]
-    encoded = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
-    input_ids = encoded["input_ids"].to(state.device)
-    attention_mask = encoded["attention_mask"].to(state.device)
+    rows = [example for example in prompts for _ in range(node.n)]
+    texts = [example.prompt for example in rows]
+    answers = [example.answer for example in rows]
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, rows)
+    input_ids = prompt_ids.to(state.device)
+    attention_mask = prompt_mask.to(state.device)
     was_training = state.module.training
     state.module.eval()
     settings = dict(
@@ -30,7 +37,8 @@ def run_generate(state: ModelState, prompts: Sequence[Any], node: Any) -> NodeOu
         temperature=node.temperature,
         top_p=node.top_p,
         top_k=node.top_k,
-        generator=state.generator,
+        greedy=greedy,
+        generator=generator if generator is not None else state.generator,
     )
     try:
         output = _engine(state, node)(input_ids, attention_mask, **settings)
@@ -54,6 +62,9 @@ def run_generate(state: ModelState, prompts: Sequence[Any], node: Any) -> NodeOu
         temperature=node.temperature,
         sampled_logprobs=None if output.sampled_logprobs is None else output.sampled_logprobs.cpu().clone(),
         pad_token_id=int(tokenizer.pad_token_id),
+        data_prompts=[example.reward_prompt for example in rows],
+        columns=_columns(rows),
+        chat=any(example.chat for example in rows),
     )
     return NodeOutput(
         value=rollout,
@@ -61,6 +72,32 @@ def run_generate(state: ModelState, prompts: Sequence[Any], node: Any) -> NodeOu
         tokens_in=rollout.num_prompt_tokens,
         tokens_out=rollout.num_completion_tokens,
     )
+
+
+def encode_prompts(tokenizer: Any, examples: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompt ids and mask: an example's ``prompt_ids`` when it has them (a
+    prompt cut to data.max_prompt_tokens), else its text tokenized as is (a chat template
+    already put in any special tokens)."""
+    missing = [index for index, example in enumerate(examples) if getattr(example, "prompt_ids", None) is None]
+    encoded = tokenizer([examples[i].prompt for i in missing], add_special_tokens=False)["input_ids"] if missing else []
+    ids: list[list[int]] = [list(getattr(example, "prompt_ids", None) or ()) for example in examples]
+    for index, row in zip(missing, encoded):
+        ids[index] = list(row)
+    width = max((len(row) for row in ids), default=0)
+    if width == 0:
+        raise FlowrlError("every prompt of the batch is empty after tokenization; check data.prompt_key")
+    pad = int(tokenizer.pad_token_id)
+    input_ids = torch.tensor([[pad] * (width - len(row)) + row for row in ids], dtype=torch.long)
+    mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in ids], dtype=torch.long)
+    return input_ids, mask
+
+
+def _columns(rows: Sequence[Any]) -> dict[str, list[Any]]:
+    """Dataset column -> one value per row; a column some rows lack gets None there."""
+    names: dict[str, None] = {}
+    for example in rows:
+        names.update(dict.fromkeys(getattr(example, "columns", {}) or {}))
+    return {name: [(getattr(example, "columns", {}) or {}).get(name) for example in rows] for name in names}
 
 
 def _engine(state: ModelState, node: Any) -> Callable[..., GenerationOutput]:

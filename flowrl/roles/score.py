@@ -1,33 +1,54 @@
-"""The ``score`` role: one reward per completion from a rule-based function."""
+"""The ``score`` role: one reward per completion from a reward function."""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
-from flowrl.rewards import score_safely
+from flowrl.rewards import RewardInputs, score_safely
 from flowrl.roles.batch import NodeOutput, Rollout, Scores
 
 
-def run_score(
-    rollout: Rollout, reward_fn: Callable[..., list[float]], weight: float, on_error: str, name: str | None = None
-) -> NodeOutput:
-    values, num_failed = score_safely(
-        reward_fn,
-        rollout.prompts,
-        rollout.completions,
-        rollout.answers,
-        rollout.max_new_tokens,
-        on_error=on_error,
-        name=name,
+def reward_inputs(rollout: Rollout) -> RewardInputs:
+    """The rollout as a reward function sees it (TRL's keywords)."""
+    completions: list[Any] = list(rollout.completions)
+    if rollout.chat:
+        completions = [[{"role": "assistant", "content": text}] for text in completions]
+    return RewardInputs(
+        prompts=list(rollout.data_prompts or rollout.prompts),
+        completions=completions,
+        completion_ids=rollout.completion_token_lists(),
+        max_new_tokens=rollout.max_new_tokens,
+        columns={name: list(values) for name, values in rollout.columns.items()},
     )
-    scores = Scores(values=torch.tensor(values, dtype=torch.float32) * weight, num_failed=num_failed)
-    return NodeOutput(value=scores, metrics=score_metrics(scores, with_failures=True), tokens_in=rollout.num_completion_tokens)
+
+
+def run_score(
+    rollout: Rollout,
+    reward_fn: Callable[..., Any],
+    weight: float,
+    on_error: str,
+    name: str | None = None,
+    params: dict[str, Any] | None = None,
+) -> NodeOutput:
+    result = score_safely(reward_fn, reward_inputs(rollout), params or {}, on_error=on_error, name=name)  # type: ignore[arg-type]
+    scores = Scores(
+        values=torch.tensor(result.scores, dtype=torch.float32) * weight,
+        num_failed=result.num_failed,
+        num_none=result.num_none,
+        first_error=result.first_error,
+    )
+    return NodeOutput(
+        value=scores,
+        metrics=score_metrics(scores, with_failures=True),
+        tokens_in=rollout.num_completion_tokens,
+        messages=(scores.first_error,) if scores.first_error else (),
+    )
 
 
 def score_metrics(scores: Scores, with_failures: bool) -> dict[str, float]:
-    """``critic/score/*`` of a batch; ``reward/num_failed`` for rule-based functions."""
+    """``critic/score/*`` of a batch; failure counts and share for reward functions."""
     tensor = scores.values
     metrics = {
         "critic/score/mean": float(tensor.mean()),
@@ -36,4 +57,6 @@ def score_metrics(scores: Scores, with_failures: bool) -> dict[str, float]:
     }
     if with_failures:
         metrics["reward/num_failed"] = float(scores.num_failed)
+        metrics["reward/failed_share"] = scores.num_failed / max(1, int(tensor.numel()))
+        metrics["reward/num_none"] = float(scores.num_none)
     return metrics

@@ -69,6 +69,9 @@ def join_rollouts(parts: list[Rollout]) -> Rollout:
         sampled_logprobs=logprobs,
         meta=dict(first.meta),
         pad_token_id=pad,
+        data_prompts=[item for p in parts for item in p.data_prompts] if all(p.data_prompts for p in parts) else [],
+        columns={name: [value for p in parts for value in p.columns[name]] for name in first.columns},
+        chat=first.chat,
     )
 
 
@@ -80,7 +83,12 @@ def join_shards(role: str, parts: list[Any], rollout: Rollout | None, with_failu
         joined = join_rollouts(parts)
         return joined, rollout_metrics(joined)
     if role == "score":
-        scores = Scores(torch.cat([part.values for part in parts]), sum(part.num_failed for part in parts))
+        scores = Scores(
+            torch.cat([part.values for part in parts]),
+            sum(part.num_failed for part in parts),
+            sum(part.num_none for part in parts),
+            next((part.first_error for part in parts if part.first_error), None),
+        )
         return scores, score_metrics(scores, with_failures)
     if role == "reference_logprob":
         return torch.cat(parts), {}

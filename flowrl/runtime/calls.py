@@ -49,6 +49,20 @@ class NodeCall:
 
 
 @dataclass(frozen=True)
+class EvalCall:
+    """Evaluate the held-out prompts with a model on the host that holds it."""
+
+    step: int
+    """The step just finished (0: before training)."""
+    model: str
+    examples: tuple[Any, ...]
+    settings: Any
+    """``flowrl.roles.evaluate.EvalSettings``."""
+    scorers: tuple[tuple[str, Any, dict[str, Any]], ...]
+    """(score node, its ``fn`` spec, its params) for every score node applied."""
+
+
+@dataclass(frozen=True)
 class NodeReport:
     """Sent back to the driver: small numbers only, never batches."""
 
@@ -68,6 +82,8 @@ class NodeReport:
     """Most GPU memory the call's tensors held at once (0 off a GPU)."""
     device_memory_gb: float = 0.0
     """The GPU's whole memory (0 off a GPU)."""
+    messages: tuple[str, ...] = ()
+    """What the run's log should say about this call (a reward function's first error)."""
     shards: tuple["NodeReport", ...] = ()
     """A node split over devices: the reports of shards 1.. (this one is shard 0's)."""
 

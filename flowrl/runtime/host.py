@@ -34,6 +34,7 @@ from flowrl.roles.advantage import run_advantage
 from flowrl.roles.batch import NodeOutput
 from flowrl.roles.critic_update import run_critic_update
 from flowrl.roles.data_parallel import DataParallel, weighted_rows
+from flowrl.roles.evaluate import EvalScorer, run_evaluation
 from flowrl.roles.generate import run_generate
 from flowrl.roles.ppo_advantage import run_ppo_advantage
 from flowrl.roles.ppo_batch import PPOAdvantages
@@ -46,9 +47,9 @@ from flowrl.roles.update import run_update
 from flowrl.roles.value import run_value
 from flowrl.runtime import checkpoint
 from flowrl.runtime.collective import GlooGroup, free_port
-from flowrl.runtime.calls import NodeCall, NodeReport, key_step, store_key
+from flowrl.runtime.calls import EvalCall, NodeCall, NodeReport, key_step, store_key
 from flowrl.runtime.serialization import register
-from flowrl.spec.schema import SHARDABLE_ROLES
+from flowrl.spec.schema import SHARDABLE_ROLES, PythonFunction
 
 
 class RoleHost:
@@ -79,7 +80,7 @@ class RoleHost:
         self.models: dict[str, ModelState] = {}
         self.store: dict[str, Any] = {}
         self._ready: dict[str, asyncio.Event] = {}
-        self._rewards: dict[str, Callable[..., list[float]]] = {}
+        self._rewards: dict[str, Callable[..., Any]] = {}
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flowrl-compute")
         self._groups: dict[str, GlooGroup] = {}
         usable = len(cores) if cores else (os.cpu_count() or 1)
@@ -218,6 +219,29 @@ class RoleHost:
             metrics=output.metrics,
             peak_memory_gb=output.peak_memory_gb,
             device_memory_gb=output.device_memory_gb,
+            messages=output.messages,
+        )
+
+    async def evaluate(self, call: EvalCall) -> NodeReport:
+        """Generate for the held-out prompts and score them, on the compute thread (between
+        two steps, so it never overlaps a node call)."""
+        arrived = time.perf_counter()
+        scorers = tuple(
+            EvalScorer(node, self._reward(fn), fn if isinstance(fn, str) else fn.name, params)
+            for node, fn, params in call.scorers
+        )
+
+        def work() -> tuple[NodeOutput, float]:
+            started = time.perf_counter()
+            output = run_evaluation(self.models[call.model], call.examples, call.settings, scorers)
+            return output, time.perf_counter() - started
+
+        output, compute_s = await asyncio.get_running_loop().run_in_executor(self._compute, work)
+        return NodeReport(
+            node="eval", role="eval", device=self.device_name, key=f"{call.step}:eval",
+            wall_s=time.perf_counter() - arrived, compute_s=compute_s, wait_s=0.0,
+            tokens_in=output.tokens_in, tokens_out=output.tokens_out, metrics=output.metrics,
+            messages=output.messages,
         )
 
     async def _join(self, call: NodeCall, own: NodeOutput, rollout: Any) -> NodeOutput:
@@ -230,7 +254,9 @@ class RoleHost:
             parts.append(part)
         with_failures = call.role == "score" and getattr(call.spec, "fn", None) is not None
         value, metrics = join_shards(call.role, parts, rollout, with_failures)
-        return NodeOutput(value=value, metrics=metrics, tokens_in=own.tokens_in, tokens_out=own.tokens_out)
+        first_error = getattr(value, "first_error", None)
+        return NodeOutput(value=value, metrics=metrics, tokens_in=own.tokens_in, tokens_out=own.tokens_out,
+                          messages=(first_error,) if first_error else ())
 
     def _timed(self, call: NodeCall, inputs: dict[str, Any], arrived: float) -> tuple[NodeOutput, float, float]:
         on_gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
@@ -256,7 +282,7 @@ class RoleHost:
             if spec.model is not None:
                 return run_reward_model(self.models[spec.model], by_role["generate"][0], spec.weight)
             reward_fn = self._reward(spec.fn)
-            return run_score(by_role["generate"][0], reward_fn, spec.weight, spec.on_error, name=spec.fn)
+            return run_score(by_role["generate"][0], reward_fn, spec.weight, spec.on_error, spec.fn_name, spec.params)
         if call.role == "reference_logprob":
             return run_reference_logprob(self.models[call.model], by_role["generate"][0], spec.micro_batch_tokens)
         if call.role == "value":
@@ -311,10 +337,11 @@ class RoleHost:
         num_bytes = sum(t.numel() * t.element_size() for t in weights.values()) * len(peers)
         return {"perf/weight_sync_s": time.perf_counter() - started, "perf/weight_sync_mb": num_bytes / 1e6}
 
-    def _reward(self, ref: str) -> Callable[..., list[float]]:
-        if ref not in self._rewards:
-            self._rewards[ref] = resolve_reward(ref, self.base_dir)
-        return self._rewards[ref]
+    def _reward(self, ref: str | PythonFunction) -> Callable[..., Any]:
+        key = ref if isinstance(ref, str) else f"{ref.name}#{hash(ref.payload)}"
+        if key not in self._rewards:
+            self._rewards[key] = resolve_reward(ref, self.base_dir)
+        return self._rewards[key]
 
     # ---- data plane -----------------------------------------------------------------
     def _event(self, key: str) -> asyncio.Event:

@@ -17,7 +17,7 @@ import torch
 from flowrl.graph import PipelineGraph
 from flowrl.planner.placement import Plan
 from flowrl.records import DeviceSample
-from flowrl.runtime.calls import NodeReport
+from flowrl.runtime.calls import EvalCall, NodeReport
 from flowrl.runtime.cluster import Cluster, WorkerSlot
 from flowrl.runtime.executor import StepExecutor
 from flowrl.runtime.host import RoleHost
@@ -151,6 +151,13 @@ class Session:
         self, step: int, prompts: Sequence[Any], kl_coefs: dict[str, float] | None = None
     ) -> dict[str, NodeReport]:
         return self.executor.run_step(step, prompts, kl_coefs)
+
+    def evaluate(self, call: EvalCall, timeout_s: float) -> NodeReport:
+        """Run an evaluation on the first slot that holds the policy for generation."""
+        generate = next(node for node in self.pipeline.topological_order()
+                        if self.pipeline.spec.nodes[node].role == "generate")
+        slot = self.plan.slots_of(generate)[0]
+        return self.hosts[slot].evaluate(call).result(timeout=timeout_s)  # type: ignore[no-any-return]
 
     def apply_plan(self, plan: Plan) -> MigrationResult:
         """Move roles to ``plan``'s slots: every host that gains a model pulls its state

@@ -8,9 +8,9 @@ are checked on the graph (``flowrl.graph``), not here, so that all problems are 
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, InstanceOf, field_serializer, model_validator
 
 ROLES: tuple[str, ...] = (
     "generate",
@@ -140,19 +140,49 @@ class GenerateNode(_NodeBase):
     LM). ``auto``: static on a GPU when the model supports it, else loop. Default auto."""
 
 
+class PythonFunction(BaseModel):
+    """A reward function passed by value to the Python builder (``p.score(my_fn, roll)``).
+
+    It travels to the workers as its pickled bytes; a pipeline file can never hold one (only
+    an instance passes validation), so loading YAML never unpickles anything. Written to a
+    file it becomes its ``name``, ``module:function``.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    """``module:qualified_name`` of the function, for logs and for the YAML form."""
+    payload: bytes
+    """The function pickled by value (cloudpickle)."""
+
+
 class ScoreNode(_NodeBase):
     """Give every completion a scalar reward, by a function or a reward model."""
 
     role: Literal["score"] = "score"
     """Always ``score``."""
-    fn: str | None = None
-    """Reward function: a registry name (``digits``) or ``module:function``. Default None."""
+    fn: str | InstanceOf[PythonFunction] | None = None
+    """Reward function: a registry name (``math_answer``), ``module:function`` (a ``.py`` file
+    next to the pipeline or an installed module), or, from the Python builder, the function
+    itself. Default None."""
     model: str | None = None
     """Name of a reward model (kind reward) instead of ``fn``. Default None."""
     weight: float = 1.0
     """Factor applied to this score when several are summed. Default 1.0."""
     on_error: Literal["zero", "strict"] = "zero"
     """When the function raises: score 0 and go on, or stop the run. Default zero."""
+    params: dict[str, Any] = {}
+    """Extra keyword arguments for the reward function (``pattern`` of ``regex_format``).
+    Default {}."""
+
+    @field_serializer("fn")
+    def _fn_as_text(self, fn: str | PythonFunction | None) -> str | None:
+        return fn.name if isinstance(fn, PythonFunction) else fn
+
+    @property
+    def fn_name(self) -> str | None:
+        """The reward function's name as logs show it."""
+        return self.fn.name if isinstance(self.fn, PythonFunction) else self.fn
 
     @model_validator(mode="after")
     def _one_scorer(self) -> ScoreNode:
@@ -317,8 +347,10 @@ class EvalSpec(_Strict):
     source: str | None = None
     """Where the held-out prompts come from, as ``data.source``; None: the training
     source (with another ``split``). Default None."""
-    split: str = "test"
-    """Split of the source to evaluate on. Default test."""
+    split: str | None = None
+    """Split of the source to evaluate on; None: ``test`` of a source with splits (a
+    folder, a hub dataset, a built-in dataset), the whole file of a single data file.
+    Default None."""
     subset: str | None = None
     """Configuration of a hub dataset; None: ``data.subset`` when the source is the
     training one. Default None."""

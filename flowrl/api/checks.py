@@ -1,0 +1,74 @@
+"""Checks that need more than the pipeline's text: its data, and its reward functions' code.
+
+``flowrl validate`` and ``flowrl run`` both call them, so a reward function that cannot be
+imported, or whose signature asks for an argument no call provides, fails validation with
+the file and line of its ``fn:``, not at step 1.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from flowrl.api.data import eval_examples, policy_formatter, training_source
+from flowrl.data import PromptExample, PromptSource
+from flowrl.errors import DataError, ModelLoadError, RewardError, SpecError, SpecIssue
+from flowrl.graph import PipelineGraph
+from flowrl.rewards import FLOWRL_KEYWORDS, resolve_reward, signature_problem
+from flowrl.spec.lines import LineMap, line_of
+from flowrl.spec.messages import Issue
+
+SAMPLED_ROWS = 1000
+"""Examples whose columns are read to learn what keywords reward functions will get."""
+
+
+def offered_keywords(source: PromptSource, held_out: list[PromptExample]) -> set[str]:
+    """Every keyword a reward function's call gets: flowrl's own and the data's columns
+    (the columns present in the training rows)."""
+    examples = source.examples[:SAMPLED_ROWS] if source.examples else source.next_batch(0)
+    columns: set[str] = set()
+    for example in examples:
+        columns.update(example.columns)
+    return set(FLOWRL_KEYWORDS) | columns
+
+
+def reward_issues(graph: PipelineGraph, base_dir: Path | None, offered: set[str] | None) -> list[Issue]:
+    """A (path, message) per score node whose function cannot be loaded or called with the
+    ``offered`` keywords (None: do not check signatures)."""
+    issues: list[Issue] = []
+    for name, node in graph.spec.nodes.items():
+        if node.role != "score" or node.fn is None:
+            continue
+        try:
+            fn = resolve_reward(node.fn, base_dir)
+        except RewardError as error:
+            issues.append((f"nodes.{name}.fn", str(error)))
+            continue
+        if offered is None:
+            continue
+        problem = signature_problem(fn, offered, dict(node.params))
+        if problem is not None:
+            issues.append((f"nodes.{name}.fn", f"the reward function '{node.fn_name}' cannot be called: {problem}"))
+    return issues
+
+
+def check_inputs(graph: PipelineGraph, base_dir: Path | None, file: str | None = None, line_map: LineMap | None = None) -> None:
+    """Load the data (and held-out data) and check every reward function against it;
+    SpecError listing every problem, at its place in ``file`` when given."""
+    issues: list[Issue] = []
+    offered: set[str] | None = None
+    try:
+        formatter = policy_formatter(graph, base_dir)
+        source = training_source(graph, base_dir, formatter)
+        held_out: list[Any] = []
+        try:
+            held_out = eval_examples(graph, base_dir, formatter)
+        except (DataError, ModelLoadError) as error:
+            issues.append(("eval.source" if graph.spec.eval and graph.spec.eval.source else "eval.split", str(error)))
+        offered = offered_keywords(source, held_out)
+    except (DataError, ModelLoadError) as error:
+        issues.append(("data.source", str(error)))
+    issues.extend(reward_issues(graph, base_dir, offered))
+    if issues:
+        lines = line_map or {}
+        raise SpecError([SpecIssue(path, message, file, line_of(path, lines) if file else None) for path, message in issues])

@@ -1,0 +1,61 @@
+"""The driver's data: the training prompts and the held-out ones, formatted for the policy.
+
+Chats are rendered and prompt lengths measured with the policy's tokenizer, here on the
+driver, once, before any worker starts: bad rows and a missing chat template stop the run
+before step 1. The tokenizer is read only when something needs it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from flowrl.backends.policy_tokenizer import load_tokenizer
+from flowrl.data import PromptExample, PromptFormatter, PromptSource, eval_split, read_examples
+from flowrl.graph import PipelineGraph
+
+
+class _LazyTokenizer:
+    """The policy's tokenizer, loaded on first use."""
+
+    def __init__(self, graph: PipelineGraph, base_dir: Path | None) -> None:
+        generate = next(n for n in graph.topological_order() if graph.spec.nodes[n].role == "generate")
+        self.model_name = str(graph.spec.nodes[generate].model)
+        self._model = graph.spec.models[self.model_name]
+        self._base_dir = base_dir
+        self._loaded: Any = None
+
+    def __call__(self) -> Any:
+        if self._loaded is None:
+            model = self._model
+            self._loaded = load_tokenizer(
+                model.path, self._base_dir, getattr(model, "revision", None), getattr(model, "trust_remote_code", False)
+            )
+        return self._loaded
+
+
+def policy_formatter(graph: PipelineGraph, base_dir: Path | None) -> PromptFormatter:
+    """Renders chats and applies ``data.max_prompt_tokens`` with the policy's tokenizer."""
+    data = graph.spec.data
+    tokenizer = _LazyTokenizer(graph, base_dir)
+    return PromptFormatter(
+        tokenizer=tokenizer, tokenizer_name=f"model '{tokenizer.model_name}'",
+        max_prompt_tokens=data.max_prompt_tokens, overlong=data.overlong_prompts,
+    )
+
+
+def training_source(graph: PipelineGraph, base_dir: Path | None, formatter: PromptFormatter) -> PromptSource:
+    return PromptSource.from_spec(graph.spec.data, seed=graph.spec.trainer.seed, base_dir=base_dir, formatter=formatter)
+
+
+def eval_examples(graph: PipelineGraph, base_dir: Path | None, formatter: PromptFormatter) -> list[PromptExample]:
+    """The held-out prompts in the data's order (the first ``max_examples``); [] without eval."""
+    spec = graph.spec
+    evaluation = spec.eval
+    if evaluation is None:
+        return []
+    source = evaluation.source or spec.data.source
+    split = eval_split(evaluation.source, evaluation.split, spec.data.source, base_dir)
+    subset = evaluation.subset if evaluation.source is not None else (evaluation.subset or spec.data.subset)
+    examples, _ = read_examples(source, split, subset, base_dir, spec.data.prompt_key, spec.data.answer_key, formatter)
+    return examples[: evaluation.max_examples] if evaluation.max_examples else examples

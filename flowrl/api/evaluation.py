@@ -1,0 +1,94 @@
+"""When and how the driver evaluates: before training, every ``eval.every_steps`` and at the end.
+
+The evaluation runs on the policy's generation worker (``Session.evaluate``); its metrics
+join the step's line in ``metrics.jsonl`` (step 0 gets a line of its own), its timing goes
+to ``profile.jsonl`` as the node ``eval``, and one ``eval`` event puts the numbers in the
+live view and the plain log.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from flowrl.graph import PipelineGraph
+from flowrl.records import NodeTiming, RunEvent
+from flowrl.roles.evaluate import EvalSettings
+from flowrl.runtime.calls import EvalCall
+from flowrl.runtime.session import Session
+
+EVAL_SEED_OFFSET = 1_000_003
+"""Added to the run's seed for evaluation sampling, so it never mirrors training's stream."""
+
+
+class Evaluator:
+    def __init__(self, graph: PipelineGraph, examples: list[Any]) -> None:
+        spec = graph.spec
+        self.spec = spec.eval
+        self.examples = tuple(examples)
+        self.num_steps = spec.trainer.steps
+        generate = next(n for n in graph.topological_order() if spec.nodes[n].role == "generate")
+        node = spec.nodes[generate]
+        self.model = str(node.model)
+        self.generate = node
+        self.scorers: tuple[tuple[str, Any, dict[str, Any]], ...] = ()
+        if self.spec is not None:
+            wanted = self.spec.scores or [
+                name for name, item in spec.nodes.items() if item.role == "score" and item.fn is not None
+            ]
+            self.scorers = tuple((name, spec.nodes[name].fn, dict(spec.nodes[name].params)) for name in wanted)
+        self.seed = spec.trainer.seed + EVAL_SEED_OFFSET
+        self.timeout_s = spec.runtime.node_timeout_s
+
+    @property
+    def enabled(self) -> bool:
+        return self.spec is not None and bool(self.examples) and bool(self.scorers)
+
+    def due(self, step: int) -> bool:
+        """Whether to evaluate after ``step`` (0: before the first update)."""
+        if not self.enabled or self.spec is None:
+            return False
+        if step == 0:
+            return self.spec.at_start
+        return step % self.spec.every_steps == 0 or step == self.num_steps
+
+    def settings(self) -> EvalSettings:
+        assert self.spec is not None
+        node = self.generate
+        return EvalSettings(
+            n=self.spec.n, temperature=self.spec.temperature,
+            max_new_tokens=self.spec.max_new_tokens or node.max_new_tokens,
+            top_p=node.top_p if self.spec.temperature > 0 else 1.0,
+            top_k=node.top_k if self.spec.temperature > 0 else 0,
+            engine=node.engine, batch_size=self.spec.batch_size, seed=self.seed,
+        )
+
+    def run(
+        self, session: Session, step: int, on_event: Callable[[RunEvent], None]
+    ) -> tuple[dict[str, float], NodeTiming | None]:
+        """Evaluate now; (metrics, the call's timing). A failure is a warning, not the end of
+        the run: a lost worker is noticed and recovered by the next step."""
+        started = time.perf_counter()
+        call = EvalCall(step, self.model, self.examples, self.settings(), self.scorers)
+        try:
+            report = session.evaluate(call, self.timeout_s)
+        except Exception as error:  # noqa: BLE001 - evaluation never stops training
+            on_event(RunEvent("warning", f"evaluation after step {step} failed: {type(error).__name__}: {error}", step))
+            return {}, None
+        timing = NodeTiming("eval", "eval", report.device, report.wall_s, report.compute_s, report.wait_s,
+                            report.tokens_in, report.tokens_out)
+        on_event(RunEvent("eval", self.describe(step, report.metrics, time.perf_counter() - started), step,
+                          {"metrics": report.metrics}))
+        for message in report.messages:
+            on_event(RunEvent("warning", f"evaluation: {message}", step))
+        return dict(report.metrics), timing
+
+    def describe(self, step: int, metrics: dict[str, float], seconds: float) -> str:
+        assert self.spec is not None
+        mode = "greedy" if self.spec.temperature == 0 else f"temperature {self.spec.temperature:g}"
+        shown = ", ".join(
+            f"{key} {value:.3f}" for key, value in metrics.items()
+            if key.endswith(("/mean", f"/pass@{self.spec.n}")) and not key.startswith("val/response_length")
+        )
+        when = "before training" if step == 0 else f"after step {step}"
+        return f"{when}: {shown} ({len(self.examples)} prompts x {self.spec.n}, {mode}, {seconds:.1f} s)"

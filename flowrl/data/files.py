@@ -1,0 +1,172 @@
+"""Reading a dataset split with the ``datasets`` library, wherever the user keeps it.
+
+``data.source`` (or ``eval.source``) may be:
+
+* a data file: ``.parquet``, ``.jsonl`` / ``.json`` (JSON Lines or a JSON array), ``.csv``;
+  a single file is one split, ``train``;
+* a folder written by ``Dataset.save_to_disk`` or ``DatasetDict.save_to_disk``, or a folder
+  of data files whose names say their split (``train.parquet``, ``test-00000.parquet``);
+* a hub dataset name (``openai/gsm8k``) with an optional ``subset`` (its configuration).
+
+Relative paths are resolved against the pipeline file's folder. Without network a hub name
+fails at once with what to do instead (``save_to_disk`` elsewhere, then point at the folder).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from flowrl.backends.hf import HUB_NAME_PATTERN, HUB_PROBE_TIMEOUT_S, hub_offline, hub_reachable
+from flowrl.data.jsonl import check_json_lines
+from flowrl.errors import DataError
+
+FILE_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv"}
+"""Data file suffix -> the ``datasets`` builder that reads it."""
+
+SINGLE_SPLIT = "train"
+"""The split name of a single data file (as ``datasets`` names it)."""
+
+
+def _quiet() -> None:
+    # "Generating train split" bars from every load clutter the run's log.
+    from datasets.utils import logging as datasets_logging
+
+    datasets_logging.disable_progress_bar()
+    # Reader failures are logged before they are raised; the DataError says it once.
+    datasets_logging.set_verbosity(datasets_logging.CRITICAL)
+
+
+def resolve_local(source: str, base_dir: Path | None) -> Path | None:
+    """The local file or folder ``source`` names (pipeline folder first), or None."""
+    path = Path(source).expanduser()
+    candidates = [path] if path.is_absolute() or base_dir is None else [Path(base_dir) / path, path]
+    for candidate in candidates:
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def has_splits(source: str, base_dir: Path | None) -> bool:
+    """Whether ``source`` can hold several splits (a folder or a hub name, not one file)."""
+    local = resolve_local(source, base_dir)
+    if local is None:
+        return True
+    return local.is_dir() and not (local / "state.json").is_file()
+
+
+def load_split(source: str, split: str, subset: str | None, base_dir: Path | None) -> Any:
+    """The ``datasets.Dataset`` of ``split`` of ``source``; DataError saying what to do."""
+    _quiet()
+    local = resolve_local(source, base_dir)
+    if local is not None:
+        if local.is_dir():
+            return _load_folder(local, source, split)
+        return _load_file(local, source, split)
+    if source.startswith((".", "/", "~")) or Path(source).suffix in FILE_BUILDERS or not HUB_NAME_PATTERN.match(source):
+        where = f" (looked in {base_dir} and {Path.cwd()})" if base_dir is not None else ""
+        raise DataError(
+            f"data source '{source}' not found{where}; give a .parquet, .jsonl, .json or .csv "
+            "file, a folder written by save_to_disk, a hub dataset name, or a built-in task "
+            "such as builtin:digits"
+        )
+    return _load_hub(source, split, subset)
+
+
+def _wrong_split(source: str, split: str, known: list[str]) -> DataError:
+    return DataError(
+        f"{source} has no split '{split}'; its splits are: {', '.join(known)} "
+        "(set data.split or eval.split)"
+    )
+
+
+def _load_file(path: Path, source: str, split: str) -> Any:
+    import datasets
+
+    builder = FILE_BUILDERS.get(path.suffix.lower())
+    if builder is None:
+        raise DataError(
+            f"data file {source} has suffix '{path.suffix}'; expected one of "
+            f"{', '.join(FILE_BUILDERS)} (or a folder written by save_to_disk)"
+        )
+    if split != SINGLE_SPLIT:
+        raise DataError(
+            f"{source} is a single data file, which is the split '{SINGLE_SPLIT}'; asked for "
+            f"split '{split}': set the split to {SINGLE_SPLIT}, or give a folder or hub dataset "
+            "that has that split"
+        )
+    if path.stat().st_size == 0 or (builder != "parquet" and not path.read_bytes().strip()):
+        example = ", e.g. one JSON object per line" if builder == "json" else ""
+        raise DataError(f"data file {source} is empty; write one example per row{example}")
+    try:
+        return datasets.load_dataset(builder, data_files=str(path), split=SINGLE_SPLIT)
+    except Exception as error:  # noqa: BLE001 - any reader failure is a problem with the file
+        if builder == "json" and path.suffix.lower() == ".jsonl":
+            check_json_lines(path, source)  # names the bad lines, if a line is bad
+        raise DataError(f"cannot read data file {source}: {_reason(error)}") from error
+
+
+def _load_folder(path: Path, source: str, split: str) -> Any:
+    import datasets
+
+    if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
+        try:
+            loaded = datasets.load_from_disk(str(path))
+        except Exception as error:  # noqa: BLE001
+            raise DataError(f"cannot read the saved dataset in {source}: {_reason(error)}") from error
+        if isinstance(loaded, datasets.DatasetDict):
+            if split not in loaded:
+                raise _wrong_split(source, split, list(loaded))
+            return loaded[split]
+        if split != SINGLE_SPLIT:
+            raise DataError(
+                f"{source} holds a single saved Dataset, which is the split '{SINGLE_SPLIT}'; "
+                f"asked for '{split}': set the split to {SINGLE_SPLIT}, or save a DatasetDict"
+            )
+        return loaded
+    files = [item for item in sorted(path.iterdir()) if item.suffix.lower() in FILE_BUILDERS]
+    if not files:
+        raise DataError(
+            f"folder {source} holds neither a dataset written by save_to_disk nor data files "
+            f"({', '.join(FILE_BUILDERS)})"
+        )
+    try:
+        loaded = datasets.load_dataset(str(path))
+    except Exception as error:  # noqa: BLE001
+        raise DataError(f"cannot read the data files in {source}: {_reason(error)}") from error
+    if split not in loaded:
+        raise _wrong_split(source, split, list(loaded))
+    return loaded[split]
+
+
+def _load_hub(name: str, split: str, subset: str | None) -> Any:
+    import datasets
+
+    offline = hub_offline() or os.environ.get("HF_DATASETS_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
+    try:
+        # A copy in the local datasets cache loads without network.
+        return datasets.load_dataset(name, subset, split=split, download_mode="reuse_dataset_if_exists")
+    except Exception as cached_error:  # noqa: BLE001 - decided below: offline or a real problem
+        if offline or not hub_reachable(HUB_PROBE_TIMEOUT_S):
+            raise DataError(
+                f"dataset '{name}' is not a local file or folder and the hub cannot be reached; "
+                f"on a machine with network run: datasets.load_dataset('{name}'"
+                f"{', ' + repr(subset) if subset else ''}).save_to_disk('DIR'), copy DIR here and "
+                "set data.source to it"
+            ) from cached_error
+        if isinstance(cached_error, ValueError) and "split" in str(cached_error).lower():
+            raise DataError(f"dataset '{name}': {_reason(cached_error)} (set data.split)") from cached_error
+        raise DataError(f"cannot load dataset '{name}': {_reason(cached_error)}") from cached_error
+
+
+def _reason(error: BaseException) -> str:
+    """The most telling message of an exception chain (datasets wraps the reader's error)."""
+    messages = []
+    current: BaseException | None = error
+    while current is not None and len(messages) < 4:
+        text = str(current).strip()
+        if text:
+            messages.append(f"{type(current).__name__}: {text.splitlines()[0]}")
+        current = current.__cause__ or current.__context__
+    return messages[-1] if messages else type(error).__name__

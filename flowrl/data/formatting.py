@@ -1,0 +1,199 @@
+"""Dataset rows -> prompt examples: the prompt column checked, chats rendered, lengths bounded.
+
+A prompt is a string, or a chat: a list of ``{"role": ..., "content": ...}`` messages,
+rendered with the policy tokenizer's chat template (the generation prompt added), as TRL
+and verl render conversational data. With ``max_prompt_tokens`` every prompt is measured
+in the policy's tokens once, when the data is loaded, so a prompt that is too long stops
+the run before step 1 (``error``), or is cut to its last tokens (``truncate_left``), or is
+left out of the data (``skip``); which rows a step sees stays a function of the seed and
+the step alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from flowrl.data.examples import PromptExample
+from flowrl.errors import DataError
+
+OverlongPolicy = Literal["error", "truncate_left", "skip"]
+
+MAX_REPORTED_ROWS = 20
+"""Bad rows listed in one DataError; the rest are counted."""
+
+RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "max_new_tokens")
+"""Keywords a reward function receives from flowrl itself; a column of that name would clash."""
+
+
+@dataclass(frozen=True)
+class FormatCounts:
+    """What formatting did to a dataset's prompts."""
+
+    num_rows: int
+    num_chat: int = 0
+    num_truncated: int = 0
+    num_skipped: int = 0
+
+
+class PromptFormatter:
+    """Turns rows into PromptExamples for one policy tokenizer.
+
+    Args:
+        tokenizer: the policy's tokenizer, or a function returning it (called only when
+            needed: for chat prompts and for ``max_prompt_tokens``); may be None otherwise.
+        tokenizer_name: how to name the tokenizer's model in errors.
+        max_prompt_tokens: longest prompt in tokens; None for no limit.
+        overlong: what a longer prompt does (see module docstring).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any | None = None,
+        tokenizer_name: str = "the policy",
+        max_prompt_tokens: int | None = None,
+        overlong: OverlongPolicy = "error",
+    ) -> None:
+        if max_prompt_tokens is not None and tokenizer is None:
+            raise ValueError("max_prompt_tokens needs the policy's tokenizer")
+        self._tokenizer = tokenizer
+        self.tokenizer_name = tokenizer_name
+        self.max_prompt_tokens = max_prompt_tokens
+        self.overlong = overlong
+
+    @property
+    def tokenizer(self) -> Any | None:
+        if callable(self._tokenizer) and not hasattr(self._tokenizer, "apply_chat_template"):
+            self._tokenizer = self._tokenizer()
+        return self._tokenizer
+
+    def examples(
+        self, rows: list[dict[str, Any]], prompt_key: str, answer_key: str, display_name: str,
+        first_row: int = 0,
+    ) -> tuple[list[PromptExample], FormatCounts]:
+        """The rows' examples (skipped ones left out) and counts; DataError listing every
+        bad row. ``first_row`` numbers the rows in messages (1-based row = first_row + i + 1)."""
+        problems: list[str] = []
+        texts: list[str] = []
+        kept_rows: list[tuple[int, dict[str, Any], bool]] = []
+        for index, row in enumerate(rows):
+            number = first_row + index + 1
+            text, chat, why = self._render(row, prompt_key)
+            if why is not None:
+                problems.append(f"{display_name}: row {number}: {why}")
+                continue
+            texts.append(text)
+            kept_rows.append((number, row, chat))
+        _raise_if(problems, display_name, f"each row needs a non-empty string or a list of chat messages in '{prompt_key}'")
+        lengths = self._lengths(texts)
+        examples: list[PromptExample] = []
+        truncated = skipped = 0
+        too_long: list[str] = []
+        for (number, row, chat), text, ids in zip(kept_rows, texts, lengths):
+            prompt_ids: tuple[int, ...] | None = None
+            limit = self.max_prompt_tokens
+            if limit is not None and ids is not None and len(ids) > limit:
+                if self.overlong == "error":
+                    too_long.append(f"{display_name}: row {number}: {len(ids)} tokens")
+                    continue
+                if self.overlong == "skip":
+                    skipped += 1
+                    continue
+                prompt_ids = tuple(ids[-limit:])
+                text = self.tokenizer.decode(list(prompt_ids))  # type: ignore[union-attr]
+                truncated += 1
+            answer = row.get(answer_key)
+            columns = dict(row)
+            if answer_key in row:
+                columns["answer"] = answer
+            examples.append(
+                PromptExample(
+                    prompt=text,
+                    answer=None if answer is None else str(answer),
+                    meta={"source": display_name, "row": number, "truncated": prompt_ids is not None},
+                    columns=columns,
+                    data_prompt=row[prompt_key] if chat else None,
+                    prompt_ids=prompt_ids,
+                    chat=chat,
+                )
+            )
+        if too_long:
+            _raise_if(
+                too_long, display_name,
+                f"longer than data.max_prompt_tokens = {self.max_prompt_tokens} tokens of {self.tokenizer_name}'s "
+                "tokenizer; raise max_prompt_tokens, or set data.overlong_prompts to truncate_left or skip",
+            )
+        counts = FormatCounts(len(rows), sum(chat for _, _, chat in kept_rows), truncated, skipped)
+        return examples, counts
+
+    def _render(self, row: dict[str, Any], prompt_key: str) -> tuple[str, bool, str | None]:
+        """(prompt text, is a chat, None) or ("", False, what is wrong with the row)."""
+        if prompt_key not in row:
+            columns = ", ".join(f"'{key}'" for key in row) or "none"
+            return "", False, f"no column '{prompt_key}' (columns: {columns}; set data.prompt_key)"
+        value = row[prompt_key]
+        if value is None:
+            return "", False, f"no '{prompt_key}' in this row"
+        if isinstance(value, str):
+            return (value, False, None) if value else ("", False, f"an empty '{prompt_key}'")
+        if isinstance(value, list):
+            why = _chat_problem(value)
+            if why is not None:
+                return "", False, f"'{prompt_key}' is a list but {why}"
+            return self._apply_template(value), True, None
+        return "", False, f"'{prompt_key}' is {type(value).__name__} {_short(value)}"
+
+    def _apply_template(self, messages: list[dict[str, Any]]) -> str:
+        tokenizer = self.tokenizer
+        if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+            raise DataError(
+                f"the prompts are chat messages, but {self.tokenizer_name}'s tokenizer has no chat "
+                "template to render them with; give a model whose tokenizer_config.json has a "
+                "chat_template, or plain-text prompts"
+            )
+        chat = [{"role": message["role"], "content": message["content"]} for message in messages]
+        text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        return str(text)
+
+    def _lengths(self, texts: list[str]) -> list[list[int] | None]:
+        if self.max_prompt_tokens is None or self.tokenizer is None or not texts:
+            return [None] * len(texts)
+        encoded = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        return [list(ids) for ids in encoded]
+
+
+def check_columns(columns: list[str], answer_key: str, display_name: str) -> None:
+    """Refuse column names that would clash with the keywords rewards get from flowrl."""
+    clashes = [name for name in columns if name in RESERVED_COLUMNS]
+    if answer_key != "answer" and "answer" in columns:
+        clashes.append("answer")
+    if clashes:
+        raise DataError(
+            f"{display_name} has column{'s' if len(clashes) > 1 else ''} {', '.join(repr(c) for c in clashes)}, "
+            f"which reward functions receive from flowrl ({', '.join(RESERVED_COLUMNS)}, and 'answer' for "
+            "the data.answer_key column); rename the column, or set data.answer_key: answer"
+        )
+
+
+def _chat_problem(messages: list[Any]) -> str | None:
+    if not messages:
+        return "it is empty"
+    for position, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
+            return f"message {position} is not {{role: str, content: str}} ({_short(message)})"
+    return None
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _raise_if(problems: list[str], display_name: str, expected: str) -> None:
+    if not problems:
+        return
+    shown = problems[:MAX_REPORTED_ROWS]
+    more = len(problems) - len(shown)
+    header = f"{len(problems)} bad row{'s' if len(problems) != 1 else ''} in {display_name} ({expected}):"
+    tail = [f"  ... and {more} more"] if more else []
+    raise DataError("\n".join([header, *(f"  {line}" for line in shown), *tail]))
