@@ -47,6 +47,7 @@ from flowrl.ui.format import (
 )
 from flowrl.ui.progress import (
     RESPONSE_LENGTH_KEY,
+    FAILED_SHARE_KEY,
     REWARD_KEY,
     STEP_TIME_KEY,
     THROUGHPUT_KEY,
@@ -94,6 +95,8 @@ class LiveView:
         self._events: deque[RunEvent] = deque(maxlen=NUM_EVENTS_SHOWN)
         self._eta = EtaEstimator()
         self._live: Live | None = None
+        self._validation: dict[str, float] = {}
+        """The newest evaluation's ``val/<score>/mean`` values (evaluations are sparse)."""
 
     # -- state -----------------------------------------------------------------------
 
@@ -110,6 +113,12 @@ class LiveView:
         """Take in an event; only the last ``NUM_EVENTS_SHOWN`` are kept."""
         with self._lock:
             self._events.append(event)
+            if event.kind == "eval":
+                metrics = event.data.get("metrics", {})
+                self._validation = {
+                    key.removesuffix("/mean"): value for key, value in metrics.items()
+                    if key.endswith("/mean") and not key.startswith("val/response_length")
+                }
 
     # -- drawing ---------------------------------------------------------------------
 
@@ -151,16 +160,18 @@ class LiveView:
         reward = f"reward {format_number(metrics.get(REWARD_KEY), 2)}"
         if self._rewards:
             reward += " " + sparkline(list(self._rewards), NUM_SPARK_STEPS)
-        return Text(
-            "   ".join(
-                [
-                    reward,
-                    f"resp_len {format_number(metrics.get(RESPONSE_LENGTH_KEY), 1)}",
-                    f"step {format_seconds(metrics.get(STEP_TIME_KEY))}",
-                    format_tokens_per_s(metrics.get(THROUGHPUT_KEY)),
-                ]
-            )
-        )
+        parts = [
+            reward,
+            f"resp_len {format_number(metrics.get(RESPONSE_LENGTH_KEY), 1)}",
+            f"step {format_seconds(metrics.get(STEP_TIME_KEY))}",
+            format_tokens_per_s(metrics.get(THROUGHPUT_KEY)),
+        ]
+        parts += [f"{key} {format_number(value, 3)}" for key, value in self._validation.items()]
+        summary = Text("   ".join(parts))
+        failed = metrics.get(FAILED_SHARE_KEY, 0.0)
+        if failed > 0:
+            summary.append(f"   reward failed {failed:.0%}", style="bold red")
+        return summary
 
     @staticmethod
     def _node_table(record: StepRecord) -> Table:

@@ -25,6 +25,7 @@ from flowrl.ui.format import (
     format_tokens_per_s,
 )
 from flowrl.ui.progress import (
+    FAILED_SHARE_KEY,
     RESPONSE_LENGTH_KEY,
     REWARD_KEY,
     STEP_TIME_KEY,
@@ -39,6 +40,12 @@ def format_step_line(record: StepRecord, eta_s: float | None) -> str:
     parts = [f"step {record.step}/{record.num_steps}"]
     if REWARD_KEY in metrics:
         parts.append(f"reward {format_number(metrics[REWARD_KEY], 2)}")
+    if metrics.get(FAILED_SHARE_KEY, 0.0) > 0:
+        parts.append(f"failed {metrics[FAILED_SHARE_KEY]:.0%}")
+    validation = [(key, value) for key, value in metrics.items() if key.startswith("val/") and key.endswith("/mean")
+                  and not key.startswith("val/response_length")]
+    if validation:
+        parts.append(" ".join(f"{key.removesuffix('/mean')} {format_number(value, 3)}" for key, value in validation))
     if RESPONSE_LENGTH_KEY in metrics:
         parts.append(f"resp_len {format_number(metrics[RESPONSE_LENGTH_KEY], 1)}")
     if STEP_TIME_KEY in metrics:

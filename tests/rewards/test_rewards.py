@@ -6,6 +6,7 @@ import json
 import math
 import sys
 import textwrap
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -13,9 +14,15 @@ import pytest
 from flowrl.errors import RewardError
 from flowrl.rewards import (
     REWARD_FUNCTIONS,
+    RewardInputs,
     digit_match,
     exact_match,
+    extract_answer,
     first_letter_match,
+    length_penalty,
+    math_answer,
+    normalize_answer,
+    regex_format,
     resolve_reward,
     score_safely,
 )
@@ -26,7 +33,7 @@ from flowrl.rewards import (
 def test_digits_hand_scores() -> None:
     # max_new_tokens 8: "a1b2c3" has 3 digits -> 3/8; 11 digits -> 11/8 clamped to 1; "" -> 0
     completions = ["a1b2c3", "12345678901", "", "no digits"]
-    scores = digit_match(["x="] * 4, completions, [None] * 4, max_new_tokens=8)
+    scores = digit_match(prompts=["x="] * 4, completions=completions, max_new_tokens=8)
     assert scores == [0.375, 1.0, 0.0, 0.0]
 
 
@@ -38,20 +45,64 @@ def test_first_letter_hand_scores() -> None:
     #   "xk"         : 1, run 0     -> 0.0625 (partial credit: the letter, not yet in front)
     #   "xyz"        : 0            -> 0.0
     completions = ["kkkxk", "kkkkkkkk", "kkkkkkkkkk", "xk", "xyz"]
-    scores = first_letter_match(["kabcdefg="] * 5, completions, ["k"] * 5, max_new_tokens=8)
+    scores = first_letter_match(prompts=["kabcdefg="] * 5, completions=completions, answer=["k"] * 5, max_new_tokens=8)
     assert scores == [0.4375, 1.0, 1.0, 0.0625, 0.0]
 
 
 def test_first_letter_without_answer_uses_the_prompt() -> None:
-    # answer None -> target = "q" (the prompt's first character); "qq" -> 0.5*2/4 + 0.5*2/4
-    assert first_letter_match(["qwertyui="], ["qq"], [None], max_new_tokens=4) == [0.5]
+    # no answer column -> target = "q" (the prompt's first character); "qq" -> 0.5*2/4 + 0.5*2/4
+    assert first_letter_match(prompts=["qwertyui="], completions=["qq"], max_new_tokens=4) == [0.5]
 
 
 def test_exact_match() -> None:
-    scores = exact_match(["2+2="] * 3, [" 4 and more", "14", "4"], ["4", "4", " 4 "], 16)
+    scores = exact_match(completions=[" 4 and more", "14", "4"], answer=["4", "4", " 4 "])
     assert scores == [1.0, 0.0, 1.0]
-    with pytest.raises(ValueError, match="prompt 1 has none"):
-        exact_match(["a", "b"], ["x", "y"], ["x", None], 16)
+    with pytest.raises(ValueError, match="no reference answer"):
+        exact_match(completions=["x", "y"], answer=["x", None])
+
+
+def test_extract_answer_forms() -> None:
+    assert extract_answer(r"so \boxed{\frac{1}{2}} is it") == r"\frac{1}{2}"
+    assert extract_answer(r"\boxed{3} then \boxed{4}") == "4"  # the last box
+    assert extract_answer("She pays 5 + 7 = 12 dollars.\n#### 12") == "12"
+    assert extract_answer("37+45 is 82, I think 83") == "83"  # the last number
+    assert extract_answer("-433") == "-433"
+    assert extract_answer("no number") is None
+
+
+def test_normalize_answer() -> None:
+    # numbers compare exactly: 1,000 = 1000.0 = $1000; 0.5 = 1/2
+    assert normalize_answer("1,000") == normalize_answer("1000.0") == normalize_answer("$1000") == Fraction(1000)
+    assert normalize_answer("0.5") == normalize_answer("1/2")
+    assert normalize_answer(" Paris. ") == "paris"
+
+
+def test_math_answer_hand_scores() -> None:
+    completions = ["82", "The sum is 82.", r"\boxed{82}", "81", "", "-433", "#### 1,200"]
+    answers = ["82", "82", "82", "82", "82", "-433", "1200"]
+    assert math_answer(completions=completions, answer=answers) == [1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0]
+    # a GSM8K reference (a full solution ending in #### 72) is reduced to its answer
+    assert math_answer(completions=["72"], answer=["48/2 = 24\n48+24 = 72\n#### 72"]) == [1.0]
+    # an int column works like its text
+    assert math_answer(completions=["12"], answer=[12]) == [1.0]
+    # chat completions are read from the assistant message
+    assert math_answer(completions=[[{"role": "assistant", "content": "12"}]], answer=["12"]) == [1.0]
+    with pytest.raises(ValueError, match="no reference answer"):
+        math_answer(completions=["1"], answer=[None])
+
+
+def test_regex_format() -> None:
+    good = "<think>add</think> <answer>4</answer>"
+    assert regex_format(completions=[good, "4", "<think>x</think>"]) == [1.0, 0.0, 0.0]
+    assert regex_format(completions=["A: 4", "4"], pattern=r"A: \d+") == [1.0, 0.0]
+
+
+def test_length_penalty_hand_scores() -> None:
+    # L = 8, buffer B = 2 (8 // 4): n <= 6 -> 0; n = 7 -> (6 - 7) / 2 = -0.5; n = 8 -> -1; n > 8 -> -1
+    ids = [[1] * 3, [1] * 6, [1] * 7, [1] * 8, [1] * 9]
+    assert length_penalty(completion_ids=ids, max_new_tokens=8) == [0.0, 0.0, -0.5, -1.0, -1.0]
+    # explicit max_length 10 and buffer 4: n = 7 -> (6 - 7) / 4 = -0.25
+    assert length_penalty(completion_ids=[[1] * 7], max_new_tokens=99, max_length=10, buffer=4) == [-0.25]
 
 
 # --- resolve_reward ------------------------------------------------------------------------
@@ -61,7 +112,8 @@ def test_registry_names() -> None:
     assert resolve_reward("digits") is digit_match
     assert resolve_reward(" first_letter ") is first_letter_match
     assert resolve_reward("exact_match", base_dir=None) is exact_match
-    assert set(REWARD_FUNCTIONS) == {"digits", "first_letter", "exact_match"}
+    assert resolve_reward("math_answer") is math_answer
+    assert set(REWARD_FUNCTIONS) == {"digits", "first_letter", "exact_match", "math_answer", "regex_format", "length_penalty"}
 
 
 def test_unknown_registry_name_suggests_the_nearest() -> None:
@@ -69,7 +121,8 @@ def test_unknown_registry_name_suggests_the_nearest() -> None:
         resolve_reward("digit")
     assert str(caught.value) == (
         "unknown reward function 'digit' (did you mean 'digits'?); use one of digits, "
-        "exact_match, first_letter, or 'module:function' for your own function"
+        "exact_match, first_letter, length_penalty, math_answer, regex_format, or "
+        "'module:function' for your own function"
     )
 
 
@@ -93,26 +146,26 @@ def test_module_function_from_the_pipeline_folder(tmp_path: Path) -> None:
         class Grader:  # a dataclass needs its module in sys.modules while it is defined
             bonus: float = 0.5
 
-        def length_reward(prompts, completions, answers, max_new_tokens):
+        def length_reward(completions, max_new_tokens, **kwargs):
             return [len(c) / max_new_tokens for c in completions]
 
         class Scorer:
             @staticmethod
-            def score(prompts, completions, answers, max_new_tokens):
+            def score(completions, **kwargs):
                 return [Grader().bonus] * len(completions)
         """,
     )
     fn = resolve_reward("my_rewards:length_reward", base_dir=tmp_path)
-    assert fn(["p"], ["abcd"], [None], 8) == [0.5]
+    assert fn(completions=["abcd"], max_new_tokens=8) == [0.5]
     method = resolve_reward("my_rewards:Scorer.score", base_dir=tmp_path)
-    assert method(["p"], ["x"], [None], 8) == [0.5]
+    assert method(completions=["x"]) == [0.5]
 
 
 def test_pipeline_folder_is_searched_first_but_never_put_on_sys_path(tmp_path: Path) -> None:
     # A file named like an installed module wins for this reference only.
-    _write_module(tmp_path, "json", "def reward(p, c, a, m):\n    return [1.0] * len(c)\n")
+    _write_module(tmp_path, "json", "def reward(completions, **kwargs):\n    return [1.0] * len(completions)\n")
     fn = resolve_reward("json:reward", base_dir=tmp_path)
-    assert fn([], [], [], 4) == []
+    assert fn(completions=[]) == []
     assert sys.modules["json"] is json and str(tmp_path) not in sys.path
     assert json.dumps([1]) == "[1]"
 
@@ -161,20 +214,20 @@ def test_malformed_references() -> None:
 # --- score_safely --------------------------------------------------------------------------
 
 
-def _lengths(
-    prompts: list[str], completions: list[str], answers: list[str | None], m: int
-) -> list[float]:
+def _lengths(completions: list[str], **kwargs: object) -> list[float]:
     if any("boom" in completion for completion in completions):
         raise RuntimeError("cannot grade boom")
     return [float(len(completion)) for completion in completions]
 
 
-def _call(fn: object, completions: list[str], on_error: str = "zero") -> tuple[list[float], int]:
+def _inputs(completions: list[str]) -> RewardInputs:
     count = len(completions)
-    prompts, answers = ["p="] * count, [None] * count
-    return score_safely(
-        fn, prompts, completions, answers, 8, on_error, name="lengths"  # type: ignore[arg-type]
-    )
+    return RewardInputs(["p="] * count, completions, [[1]] * count, 8)
+
+
+def _call(fn: object, completions: list[str], on_error: str = "zero") -> tuple[list[float], int]:
+    result = score_safely(fn, _inputs(completions), {}, on_error, name="lengths")  # type: ignore[arg-type]
+    return result.scores, result.num_failed
 
 
 def test_good_function() -> None:
@@ -184,6 +237,11 @@ def test_good_function() -> None:
 def test_a_raising_sample_scores_zero_and_the_others_keep_their_score() -> None:
     # The batch call raises; each sample is retried alone, so only "boom" is lost.
     assert _call(_lengths, ["ab", "xboom", "abcd"]) == ([2.0, 0.0, 4.0], 1)
+    result = score_safely(_lengths, _inputs(["ab", "xboom"]), {}, name="lengths")
+    assert result.first_error == (
+        "reward function 'lengths' failed on sample 1 (prompt 'p=', completion 'xboom'): "
+        "raised RuntimeError: cannot grade boom; 1 of 2 samples failed"
+    )
 
 
 def test_strict_names_the_function_and_the_first_failing_sample() -> None:
@@ -198,28 +256,30 @@ def test_strict_names_the_function_and_the_first_failing_sample() -> None:
     assert isinstance(caught.value.__cause__, RuntimeError)
 
 
-def test_none_nan_and_non_numbers_are_failures() -> None:
-    def odd(p: list[str], c: list[str], a: list[str | None], m: int) -> list[object]:
+def test_nan_and_non_numbers_are_failures_and_none_is_not_applicable() -> None:
+    def odd(completions: list[str], **kwargs: object) -> list[object]:
         return [1, None, math.nan, "high", True, math.inf]
 
-    assert _call(odd, ["c"] * 6) == ([1.0, 0.0, 0.0, 0.0, 1.0, 0.0], 4)
-    with pytest.raises(RewardError, match="failed on sample 1 .*: returned None"):
+    result = score_safely(odd, _inputs(["c"] * 6), {})
+    # None scores 0 from this function but is not a failure (TRL: "does not apply")
+    assert (result.scores, result.num_failed, result.num_none) == ([1.0, 0.0, 0.0, 0.0, 1.0, 0.0], 3, 1)
+    with pytest.raises(RewardError, match="failed on sample 2 .*: returned nan"):
         _call(odd, ["c"] * 6, on_error="strict")
 
 
 def test_wrong_length_fails_every_sample() -> None:
-    def short(p: list[str], c: list[str], a: list[str | None], m: int) -> list[float]:
+    def short(completions: list[str], **kwargs: object) -> list[float]:
         return [1.0]
 
     assert _call(short, ["a", "b", "c"]) == ([0.0, 0.0, 0.0], 3)
     with pytest.raises(RewardError, match="returned 1 scores for 3 completions"):
         _call(short, ["a", "b", "c"], on_error="strict")
-    assert _call(lambda p, c, a, m: 0.5, ["a"]) == ([0.0], 1)
+    assert _call(lambda completions, **kwargs: 0.5, ["a"]) == ([0.0], 1)
 
 
 def test_batch_failure_that_no_single_sample_reproduces() -> None:
-    def batch_of_one_only(p: list[str], c: list[str], a: list[str | None], m: int) -> list[float]:
-        if len(c) > 1:
+    def batch_of_one_only(completions: list[str], **kwargs: object) -> list[float]:
+        if len(completions) > 1:
             raise MemoryError("too many at once")
         return [1.0]
 
@@ -231,18 +291,6 @@ def test_batch_failure_that_no_single_sample_reproduces() -> None:
 
 def test_default_name_and_argument_checks() -> None:
     with pytest.raises(RewardError, match=r"reward function '[\w.]*test_rewards:_lengths'"):
-        score_safely(_lengths, ["p"], ["boom"], [None], 8, "strict")
-    with pytest.raises(ValueError, match="one entry per completion"):
-        score_safely(_lengths, ["p"], ["a", "b"], [None], 8)
+        score_safely(_lengths, _inputs(["boom"]), {}, "strict")
     with pytest.raises(ValueError, match="on_error"):
-        score_safely(_lengths, ["p"], ["a"], [None], 8, "ignore")  # type: ignore[arg-type]
-
-
-def test_a_module_in_the_working_directory_is_not_imported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Only the pipeline's folder and installed packages provide reward functions."""
-    (tmp_path / "stray_rewards.py").write_text("def score(*args):\n    return [1.0]\n")
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend("")
-    with pytest.raises(RewardError, match="module 'stray_rewards' not found"):
-        resolve_reward("stray_rewards:score", base_dir=None)
-    assert resolve_reward("stray_rewards:score", base_dir=tmp_path)([], [], [], 1) == [1.0]
+        score_safely(_lengths, _inputs(["a"]), {}, "ignore")  # type: ignore[arg-type]
