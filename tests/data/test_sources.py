@@ -1,4 +1,4 @@
-"""PromptSource: built-in tasks, JSON Lines files, deterministic batches, and every DataError."""
+"""PromptSource: built-in tasks, data files, saved datasets, chats, prompt lengths, deterministic batches, and every DataError."""
 
 from __future__ import annotations
 
@@ -9,7 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from flowrl.data import BUILTIN_TASKS, PromptExample, PromptSource
+import datasets
+
+from flowrl.backends.tokenizer import build_char_tokenizer
+from flowrl.data import BUILTIN_TASKS, PromptExample, PromptFormatter, PromptSource
 from flowrl.errors import DataError
 
 
@@ -31,7 +34,7 @@ def test_builtin_digits_prompts(tmp_path: Path) -> None:
     for example in batch:
         assert re.fullmatch(r"[a-z]{8}=", example.prompt)
         assert example.answer is None
-        assert example.meta == {"task": "digits"}
+        assert example.meta == {"task": "digits"} and example.columns == {"prompt": example.prompt}
 
 
 def test_builtin_first_letter_answer_is_the_first_letter(tmp_path: Path) -> None:
@@ -56,7 +59,7 @@ def test_builtin_batches_are_a_function_of_seed_and_step(tmp_path: Path) -> None
 
 
 def test_unknown_builtin_suggests_the_nearest(tmp_path: Path) -> None:
-    expected = r"unknown built-in task 'digit' \(did you mean 'builtin:digits'\?\)"
+    expected = r"unknown built-in data 'digit' \(did you mean 'builtin:digits'\?\)"
     with pytest.raises(DataError, match=expected):
         PromptSource("builtin:digit", 4, seed=0, base_dir=tmp_path)
 
@@ -66,15 +69,15 @@ def test_builtin_name_without_prefix(tmp_path: Path) -> None:
         PromptSource("digits", 4, seed=0, base_dir=tmp_path)
 
 
-# --- JSON Lines ----------------------------------------------------------------------------
+# --- data files ----------------------------------------------------------------------------
 
 
-def test_jsonl_fields_answers_and_meta(tmp_path: Path) -> None:
+def test_jsonl_answers_and_columns(tmp_path: Path) -> None:
     _write_jsonl(
         tmp_path / "data.jsonl",
         [
             {"prompt": "2+2=", "answer": "4", "id": 7},
-            {"prompt": "3+3=", "answer": 6},
+            {"prompt": "3+3=", "answer": "6"},
             {"prompt": "say hi"},
             {"prompt": "nothing", "answer": None},
         ],
@@ -83,24 +86,163 @@ def test_jsonl_fields_answers_and_meta(tmp_path: Path) -> None:
     batch = source.next_batch(0)
     assert _prompts(batch) == ["2+2=", "3+3=", "say hi", "nothing"]
     assert [example.answer for example in batch] == ["4", "6", None, None]
-    assert batch[0].meta == {"line": 1, "fields": {"id": 7}}
+    # every column by name (a column some rows lack is None there); the answer also as 'answer'
+    assert batch[0].columns == {"prompt": "2+2=", "answer": "4", "id": 7}
+    assert batch[1].columns["id"] is None
+    assert batch[0].meta == {"source": "data.jsonl", "row": 1, "truncated": False}
     assert source.num_examples == 4
 
 
-def test_blank_lines_are_skipped_and_line_numbers_kept(tmp_path: Path) -> None:
-    (tmp_path / "d.jsonl").write_text('\n{"prompt": "a"}\n   \n{"prompt": "b"}\n')
-    batch = PromptSource("d.jsonl", 2, seed=0, base_dir=tmp_path, shuffle=False).next_batch(0)
-    assert [example.meta["line"] for example in batch] == [2, 4]
-
-
-def test_custom_field_names(tmp_path: Path) -> None:
+def test_custom_keys_pass_the_answer_under_both_names(tmp_path: Path) -> None:
     _write_jsonl(tmp_path / "q.jsonl", [{"question": "why?", "solution": "because"}])
-    source = PromptSource(
-        "q.jsonl", 1, 0, tmp_path, prompt_field="question", answer_field="solution"
-    )
-    assert source.next_batch(0) == [
-        PromptExample("why?", "because", {"line": 1, "fields": {}})
+    source = PromptSource("q.jsonl", 1, 0, tmp_path, prompt_key="question", answer_key="solution")
+    (example,) = source.next_batch(0)
+    assert (example.prompt, example.answer) == ("why?", "because")
+    assert example.columns == {"question": "why?", "solution": "because", "answer": "because"}
+
+
+def test_parquet_csv_and_json_files_read_alike(tmp_path: Path) -> None:
+    rows = {"prompt": ["1+1=", "2+3="], "answer": ["2", "5"]}
+    datasets.Dataset.from_dict(rows).to_parquet(str(tmp_path / "d.parquet"))
+    (tmp_path / "d.csv").write_text("prompt,answer\n1+1=,2\n2+3=,5\n")
+    (tmp_path / "d.json").write_text(json.dumps([{"prompt": p, "answer": a} for p, a in zip(*rows.values())]))
+    for name in ("d.parquet", "d.csv", "d.json"):
+        batch = PromptSource(name, 2, seed=0, base_dir=tmp_path, shuffle=False).next_batch(0)
+        assert [(e.prompt, e.answer) for e in batch] == [("1+1=", "2"), ("2+3=", "5")], name
+
+
+def test_save_to_disk_folders_and_splits(tmp_path: Path) -> None:
+    splits = datasets.DatasetDict({
+        "train": datasets.Dataset.from_dict({"prompt": ["a", "b", "c"], "answer": ["1", "2", "3"]}),
+        "test": datasets.Dataset.from_dict({"prompt": ["z"], "answer": ["9"]}),
+    })
+    splits.save_to_disk(str(tmp_path / "saved"))
+    train = PromptSource("saved", 3, 0, tmp_path, shuffle=False)
+    assert _prompts(train.next_batch(0)) == ["a", "b", "c"]
+    test = PromptSource("saved", 1, 0, tmp_path, split="test")
+    assert _prompts(test.next_batch(0)) == ["z"]
+    with pytest.raises(DataError, match=r"saved has no split 'validation'; its splits are: train, test"):
+        PromptSource("saved", 1, 0, tmp_path, split="validation")
+    # a single saved Dataset is the split 'train'
+    splits["test"].save_to_disk(str(tmp_path / "one"))
+    assert _prompts(PromptSource("one", 1, 0, tmp_path).next_batch(0)) == ["z"]
+    # a folder of data files named by split
+    (tmp_path / "files").mkdir()
+    splits["train"].to_parquet(str(tmp_path / "files" / "train.parquet"))
+    splits["test"].to_parquet(str(tmp_path / "files" / "test.parquet"))
+    assert _prompts(PromptSource("files", 1, 0, tmp_path, split="test").next_batch(0)) == ["z"]
+
+
+def test_a_single_file_is_the_train_split(tmp_path: Path) -> None:
+    _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a"}])
+    with pytest.raises(DataError, match=r"d\.jsonl is a single data file, which is the split 'train'; asked for split 'test'"):
+        PromptSource("d.jsonl", 1, 0, tmp_path, split="test")
+
+
+def test_hub_names_without_network_say_what_to_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(DataError) as caught:
+        PromptSource("someone/no-such-dataset", 1, 0, tmp_path)
+    assert "dataset 'someone/no-such-dataset' is not a local file or folder and the hub cannot be reached" in str(caught.value)
+    assert "save_to_disk" in str(caught.value)
+
+
+def test_reserved_column_names_are_refused(tmp_path: Path) -> None:
+    _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "completions": "x"}])
+    with pytest.raises(DataError, match="column 'completions', which reward functions receive from flowrl"):
+        PromptSource("d.jsonl", 1, 0, tmp_path)
+    _write_jsonl(tmp_path / "e.jsonl", [{"prompt": "a", "answer": "x", "solution": "y"}])
+    with pytest.raises(DataError, match="'answer'"):
+        PromptSource("e.jsonl", 1, 0, tmp_path, answer_key="solution")
+
+
+# --- chats and prompt lengths --------------------------------------------------------------
+
+
+def _chat_tokenizer() -> object:
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def test_chat_messages_are_rendered_with_the_template(tmp_path: Path) -> None:
+    chats = [
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2"}],
+        [{"role": "user", "content": "3+3"}],
     ]
+    _write_jsonl(tmp_path / "c.jsonl", [{"messages": chat, "answer": a} for chat, a in zip(chats, ["4", "6"])])
+    formatter = PromptFormatter(_chat_tokenizer())
+    source = PromptSource("c.jsonl", 2, 0, tmp_path, shuffle=False, prompt_key="messages", formatter=formatter)
+    first, second = source.next_batch(0)
+    assert first.prompt == "system: be brief user: 2+2 assistant: "
+    assert second.prompt == "user: 3+3 assistant: "
+    # reward functions get the messages themselves as the prompt
+    assert first.chat and first.reward_prompt == chats[0] and first.answer == "4"
+    assert source.counts.num_chat == 2
+
+
+def test_chat_data_without_a_template_fails_before_training(tmp_path: Path) -> None:
+    _write_jsonl(tmp_path / "c.jsonl", [{"prompt": [{"role": "user", "content": "hi"}]}])
+    formatter = PromptFormatter(build_char_tokenizer(), tokenizer_name="model 'actor'")
+    with pytest.raises(DataError, match="chat messages, but model 'actor''s tokenizer has no chat template"):
+        PromptSource("c.jsonl", 1, 0, tmp_path, formatter=formatter)
+
+
+def test_malformed_chats_are_listed(tmp_path: Path) -> None:
+    _write_jsonl(tmp_path / "c.jsonl", [{"prompt": [{"role": "user"}]}, {"prompt": []}])
+    with pytest.raises(DataError) as caught:
+        PromptSource("c.jsonl", 1, 0, tmp_path, formatter=PromptFormatter(_chat_tokenizer()))
+    text = str(caught.value)
+    assert "c.jsonl: row 1: 'prompt' is a list but message 0 is not {role: str, content: str}" in text
+    assert "c.jsonl: row 2: 'prompt' is a list but it is empty" in text
+
+
+def _lengths_file(tmp_path: Path) -> None:
+    # character tokenizer: one token per character -> lengths 3, 6 and 10
+    _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "abc"}, {"prompt": "abcdef"}, {"prompt": "0123456789"}])
+
+
+def test_overlong_prompts_error_by_default(tmp_path: Path) -> None:
+    _lengths_file(tmp_path)
+    formatter = PromptFormatter(build_char_tokenizer(), max_prompt_tokens=5)
+    with pytest.raises(DataError) as caught:
+        PromptSource("d.jsonl", 1, 0, tmp_path, formatter=formatter)
+    text = str(caught.value)
+    assert text.startswith("2 bad rows in d.jsonl (longer than data.max_prompt_tokens = 5 tokens")
+    assert "d.jsonl: row 2: 6 tokens" in text and "d.jsonl: row 3: 10 tokens" in text
+    assert "overlong_prompts to truncate_left or skip" in text
+
+
+def test_overlong_prompts_truncated_on_the_left(tmp_path: Path) -> None:
+    _lengths_file(tmp_path)
+    formatter = PromptFormatter(build_char_tokenizer(), max_prompt_tokens=5, overlong="truncate_left")
+    source = PromptSource("d.jsonl", 3, 0, tmp_path, shuffle=False, formatter=formatter)
+    batch = source.next_batch(0)
+    # the last 5 tokens are kept: "bcdef", "56789"; ids 4.. are a-z, 56.. are 0-9
+    assert _prompts(batch) == ["abc", "bcdef", "56789"]
+    assert batch[0].prompt_ids is None
+    assert batch[1].prompt_ids == (5, 6, 7, 8, 9) and batch[2].prompt_ids == (61, 62, 63, 64, 65)
+    assert batch[2].columns["prompt"] == "0123456789" and batch[2].meta["truncated"]
+    assert source.counts.num_truncated == 2
+    assert "2 truncated on the left" in source.describe()
+
+
+def test_overlong_prompts_skipped(tmp_path: Path) -> None:
+    _lengths_file(tmp_path)
+    formatter = PromptFormatter(build_char_tokenizer(), max_prompt_tokens=6, overlong="skip")
+    source = PromptSource("d.jsonl", 2, 0, tmp_path, shuffle=False, formatter=formatter)
+    assert source.num_examples == 2 and _prompts(source.next_batch(0)) == ["abc", "abcdef"]
+    assert source.counts.num_skipped == 1
+    everything = PromptFormatter(build_char_tokenizer(), max_prompt_tokens=2, overlong="skip")
+    with pytest.raises(DataError, match="holds no usable prompt"):
+        PromptSource("d.jsonl", 1, 0, tmp_path, formatter=everything)
 
 
 def test_unshuffled_order_wraps_across_the_epoch_boundary(tmp_path: Path) -> None:
@@ -147,39 +289,34 @@ def test_relative_and_absolute_paths(tmp_path: Path) -> None:
     path = _write_jsonl(tmp_path / "sub" / "d.jsonl", [{"prompt": "x"}])
     relative = PromptSource("sub/d.jsonl", 1, 0, base_dir=tmp_path)
     absolute = PromptSource(str(path), 1, 0, base_dir=Path("/nonexistent"))
-    assert relative.next_batch(0) == absolute.next_batch(0)
+    assert _prompts(relative.next_batch(0)) == _prompts(absolute.next_batch(0)) == ["x"]
 
 
-def test_every_bad_line_is_reported(tmp_path: Path) -> None:
+def test_every_bad_line_and_row_is_reported(tmp_path: Path) -> None:
     (tmp_path / "data.jsonl").write_text(
-        "\n".join(
-            [
-                '{"prompt": "fine"}',
-                '{"prompt": "unterminated',
-                "[1, 2]",
-                '{"question": "q", "answer": "a"}',
-                '{"prompt": 12}',
-                '{"prompt": ""}',
-                '{"prompt": "ok", "answer": [1]}',
-            ]
-        )
+        "\n".join(['{"prompt": "fine"}', '{"prompt": "unterminated', "[1, 2]"])
     )
     with pytest.raises(DataError) as caught:
         PromptSource("data.jsonl", 1, 0, base_dir=tmp_path)
     lines = str(caught.value).splitlines()
-    expect = "expected a JSON object with a string field 'prompt', found"
-    assert lines[0] == "6 bad lines in data.jsonl:"
-    assert lines[1].startswith(f"  data.jsonl:2: {expect} invalid JSON (Unterminated string")
-    assert lines[2] == f"  data.jsonl:3: {expect} an array: [1, 2]"
-    assert lines[3] == (
-        f"  data.jsonl:4: {expect} an object without it (fields: 'question', 'answer'; "
-        "set data.prompt_field if the prompt is under another name)"
+    assert lines[0].startswith("2 bad lines in data.jsonl (one JSON object per line")
+    assert lines[1].startswith("  data.jsonl:2: expected a JSON object, found invalid JSON (Unterminated string")
+    assert lines[2] == "  data.jsonl:3: expected a JSON object, found an array: [1, 2]"
+    (tmp_path / "rows.jsonl").write_text(
+        "\n".join(['{"prompt": "fine"}', '{"question": "q"}', '{"prompt": 12}', '{"prompt": ""}'])
     )
-    assert lines[4] == f"  data.jsonl:5: {expect} 'prompt': 12 (a number)"
-    assert lines[5] == f"  data.jsonl:6: {expect} an empty 'prompt'"
-    assert lines[6] == (
-        f"  data.jsonl:7: {expect} 'answer': [1] (the answer must be a string, a number or null)"
-    )
+    with pytest.raises(DataError) as caught:
+        PromptSource("rows.jsonl", 1, 0, base_dir=tmp_path)
+    lines = str(caught.value).splitlines()
+    assert lines[0] == "3 bad rows in rows.jsonl (each row needs a non-empty string or a list of chat messages in 'prompt'):"
+    assert lines[1:] == [
+        "  rows.jsonl: row 2: no 'prompt' in this row",
+        "  rows.jsonl: row 3: 'prompt' is int 12",
+        "  rows.jsonl: row 4: an empty 'prompt'",
+    ]
+    _write_jsonl(tmp_path / "q.jsonl", [{"question": "q"}])
+    with pytest.raises(DataError, match=r"q\.jsonl has no column 'prompt' \(columns: question\); set data.prompt_key"):
+        PromptSource("q.jsonl", 1, 0, base_dir=tmp_path)
 
 
 def test_at_most_twenty_bad_lines_are_listed(tmp_path: Path) -> None:
@@ -187,21 +324,23 @@ def test_at_most_twenty_bad_lines_are_listed(tmp_path: Path) -> None:
     with pytest.raises(DataError) as caught:
         PromptSource("bad.jsonl", 1, 0, base_dir=tmp_path)
     lines = str(caught.value).splitlines()
-    assert lines[0] == "25 bad lines in bad.jsonl:"
+    assert lines[0].startswith("25 bad lines in bad.jsonl")
     assert len(lines) == 1 + 20 + 1 and lines[-1] == "  ... and 5 more"
     assert lines[20].startswith("  bad.jsonl:20:")
 
 
-def test_missing_empty_and_directory_sources(tmp_path: Path) -> None:
-    expected = r"data file train\.jsonl not found \(looked at .*train\.jsonl\).*builtin:digits"
-    with pytest.raises(DataError, match=expected):
+def test_missing_empty_and_odd_sources(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match=r"data source 'train\.jsonl' not found .*builtin:digits"):
         PromptSource("train.jsonl", 1, 0, base_dir=tmp_path)
     (tmp_path / "empty.jsonl").write_text("\n  \n")
-    with pytest.raises(DataError, match=r"empty\.jsonl is empty; write one JSON object per line"):
+    with pytest.raises(DataError, match=r"data file empty\.jsonl is empty"):
         PromptSource("empty.jsonl", 1, 0, base_dir=tmp_path)
     (tmp_path / "folder").mkdir()
-    with pytest.raises(DataError, match="is a directory"):
+    with pytest.raises(DataError, match="holds neither a dataset written by save_to_disk nor data files"):
         PromptSource("folder", 1, 0, base_dir=tmp_path)
+    (tmp_path / "d.txt").write_text("x")
+    with pytest.raises(DataError, match=r"has suffix '\.txt'; expected one of \.parquet, \.jsonl, \.json, \.csv"):
+        PromptSource("d.txt", 1, 0, base_dir=tmp_path)
 
 
 def test_batch_size_and_step_checks(tmp_path: Path) -> None:
@@ -214,7 +353,7 @@ def test_batch_size_and_step_checks(tmp_path: Path) -> None:
 def test_from_spec_and_describe(tmp_path: Path) -> None:
     _write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"p{i}"} for i in range(6)])
     spec = SimpleNamespace(
-        source="d.jsonl", batch_size=4, shuffle=True, prompt_field="prompt", answer_field="answer"
+        source="d.jsonl", batch_size=4, shuffle=True, prompt_key="prompt", answer_key="answer", split="train", subset=None
     )
     source = PromptSource.from_spec(spec, seed=2, base_dir=tmp_path)
     assert source.describe() == (
