@@ -99,11 +99,13 @@ def _load_file(path: Path, source: str, split: str) -> Any:
     if path.stat().st_size == 0 or (builder != "parquet" and not path.read_bytes().strip()):
         example = ", e.g. one JSON object per line" if builder == "json" else ""
         raise DataError(f"data file {source} is empty; write one example per row{example}")
+    if builder == "json":
+        # Checked before pyarrow reads it: pyarrow's JSON reader crashes the process (a
+        # segmentation fault, pyarrow 26) on a line that is not an object, such as `null`.
+        check_json_lines(path, source)
     try:
         return datasets.load_dataset(builder, data_files=str(path), split=SINGLE_SPLIT)
     except Exception as error:  # noqa: BLE001 - any reader failure is a problem with the file
-        if builder == "json" and path.suffix.lower() == ".jsonl":
-            check_json_lines(path, source)  # names the bad lines, if a line is bad
         raise DataError(f"cannot read data file {source}: {_reason(error)}") from error
 
 

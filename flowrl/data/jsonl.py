@@ -1,8 +1,9 @@
-"""Naming the bad lines of a JSON Lines file that ``datasets`` refused to read.
+"""Checking a JSON data file before ``datasets`` reads it.
 
-``datasets`` (through pyarrow) reads the file; when it fails, its message names a row at
-best. This check re-reads the text and lists every line that is not a JSON object, with
-its line number, so the user can fix them all at once.
+``datasets`` (through pyarrow) reads the file; its errors name a row at best, and on some
+malformed input pyarrow crashes the process. This check reads the text first and lists
+every line that is not a JSON object, with its line number, so the user can fix them all
+at once and the reader only ever sees well-formed objects.
 """
 
 from __future__ import annotations
@@ -37,9 +38,13 @@ def check_json_lines(path: Path, display_name: str) -> None:
     ``display_name`` is how the file is named in the message (the path as the user wrote it).
     """
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as error:
         raise DataError(f"cannot read data file {display_name}: {error}") from error
+    if text.lstrip().startswith("["):
+        _check_array(text, display_name)
+        return
+    lines = text.splitlines()
     problems = []
     for number, text in enumerate(lines, start=1):
         if not text.strip():
@@ -54,3 +59,19 @@ def check_json_lines(path: Path, display_name: str) -> None:
     header = f"{len(problems)} bad line{'s' if len(problems) != 1 else ''} in {display_name} (one JSON object per line, e.g. {EXAMPLE_LINE}):"
     tail = [f"  ... and {more} more"] if more else []
     raise DataError("\n".join([header, *(f"  {line}" for line in shown), *tail]))
+
+
+def _check_array(text: str, display_name: str) -> None:
+    """A ``.json`` file holding one array: it must be an array of objects."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise DataError(f"{display_name}:{error.lineno}: invalid JSON ({error.msg} at column {error.colno})") from error
+    if not isinstance(value, list):
+        raise DataError(f"{display_name}: expected JSON objects, one per line, or one array of objects")
+    bad = [index for index, item in enumerate(value) if not isinstance(item, dict)]
+    if bad:
+        raise DataError(
+            f"{display_name}: item {bad[0]} of the array is not a JSON object "
+            f"({len(bad)} of {len(value)} items are not); every example is an object such as {EXAMPLE_LINE}"
+        )
