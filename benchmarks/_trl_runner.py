@@ -101,7 +101,7 @@ def run_trl(job: dict[str, Any]) -> dict[str, Any]:
     per_call: list[dict[str, Any]] = []
 
     def digits(prompts: list[str], completions: list[str], completion_ids: list[list[int]], **_: Any) -> list[float]:
-        scores = digit_match(list(prompts), list(completions), [None] * len(completions), max_new_tokens)
+        scores = digit_match(completions=list(completions), max_new_tokens=max_new_tokens)
         per_call.append({
             "reward_mean": sum(scores) / len(scores),
             "completion_tokens": sum(len(ids) for ids in completion_ids),  # eos included, as flowrl

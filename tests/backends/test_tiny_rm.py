@@ -98,7 +98,7 @@ def test_same_recipe_same_weights() -> None:
 
 def test_rule_and_prompts_are_those_of_the_digits_task_and_reward() -> None:
     completions = ["1234567890123456", "12ab", "", "abc", "9" * 20, "1 2 3", "<unk>7"]
-    expected = digit_match([""] * len(completions), completions, [None] * len(completions), 16)
+    expected = digit_match(completions=completions, max_new_tokens=16)
     rule = TASK_RULES["digits"]
     assert [rule.reward(c) for c in completions] == expected
     # Same prompt generator as the data source: same stream, same strings.

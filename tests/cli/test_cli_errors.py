@@ -69,7 +69,11 @@ def test_bad_dataset_line_is_reported_with_its_line(tmp_path: Path) -> None:
     (tmp_path / "p.yaml").write_text(text)
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "abc="}\n{"prompt": 3}\nnot json\n')
     result = _flowrl("run", str(tmp_path / "p.yaml"), "-o", str(tmp_path / "out"))
-    _assert_user_error(result, "prompts.jsonl:2", "prompts.jsonl:3")
+    _assert_user_error(result, "prompts.jsonl:3: expected a JSON object")
+    # once every line parses, the rows' contents are checked: row 2's prompt is a number
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "abc="}\n{"prompt": 3}\n')
+    result = _flowrl("run", str(tmp_path / "p.yaml"), "-o", str(tmp_path / "out"))
+    _assert_user_error(result, "prompts.jsonl: row 2: 'prompt' is int 3")
 
 
 def test_unknown_reward_function_is_a_user_error(tmp_path: Path) -> None:
@@ -80,7 +84,7 @@ def test_unknown_reward_function_is_a_user_error(tmp_path: Path) -> None:
 
 def test_strict_reward_failure_stops_the_run_with_a_clear_message(tmp_path: Path) -> None:
     (tmp_path / "my_rewards.py").write_text(
-        "def picky(prompts, completions, answers, max_new_tokens):\n"
+        "def picky(completions, **kwargs):\n"
         "    raise ValueError('picky cannot score this')\n"
     )
     text = (ROOT / "pipelines" / "grpo_tiny.yaml").read_text().replace(

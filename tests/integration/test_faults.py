@@ -37,14 +37,14 @@ from flowrl.rewards.builtin import digit_match
 MARK = Path(__file__).with_name("fault-done")
 
 
-def score(prompts, completions, answers, max_new_tokens):
+def score(completions, max_new_tokens, **kwargs):
     calls = Path(__file__).with_name("calls")
     count = int(calls.read_text()) + 1 if calls.exists() else 1
     calls.write_text(str(count))
     if count == 3 and not MARK.exists():
         MARK.write_text("x")
         {action}
-    return digit_match(prompts, completions, answers, max_new_tokens)
+    return digit_match(completions=completions, max_new_tokens=max_new_tokens)
 '''
 
 

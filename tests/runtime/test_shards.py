@@ -30,7 +30,8 @@ def test_joined_scores_and_their_metrics_are_the_whole_batch_ones() -> None:
     parts = [Scores(torch.tensor([0.5, 1.0]), 1), Scores(torch.tensor([0.0]), 0)]
     scores, metrics = join_shards("score", parts, rollout=None, with_failures=True)  # type: ignore[arg-type]
     assert scores.values.tolist() == [0.5, 1.0, 0.0] and scores.num_failed == 1
-    assert metrics == {"critic/score/mean": 0.5, "critic/score/max": 1.0, "critic/score/min": 0.0, "reward/num_failed": 1.0}
+    assert metrics == {"critic/score/mean": 0.5, "critic/score/max": 1.0, "critic/score/min": 0.0, "reward/num_failed": 1.0,
+                       "reward/failed_share": 1 / 3, "reward/num_none": 0.0}
     with pytest.raises(ValueError, match="cannot be split"):
         join_shards("update", [], rollout=None, with_failures=False)  # type: ignore[arg-type]
 
