@@ -192,7 +192,7 @@ def function_by_value(fn: Callable[..., Any]) -> PythonFunction:
     a function of ``__main__`` or of a module that is a loose file (a script, a test) pickles
     by value, with the module-level names it uses.
     """
-    import cloudpickle
+    import cloudpickle  # type: ignore[import-untyped]
 
     module_name = getattr(fn, "__module__", None) or "__main__"
     module = sys.modules.get(module_name)

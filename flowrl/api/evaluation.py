@@ -16,6 +16,7 @@ from flowrl.records import NodeTiming, RunEvent
 from flowrl.roles.evaluate import EvalSettings
 from flowrl.runtime.calls import EvalCall
 from flowrl.runtime.session import Session
+from flowrl.spec.schema import GenerateNode, ScoreNode
 
 EVAL_SEED_OFFSET = 1_000_003
 """Added to the run's seed for evaluation sampling, so it never mirrors training's stream."""
@@ -29,6 +30,7 @@ class Evaluator:
         self.num_steps = spec.trainer.steps
         generate = next(n for n in graph.topological_order() if spec.nodes[n].role == "generate")
         node = spec.nodes[generate]
+        assert isinstance(node, GenerateNode)
         self.model = str(node.model)
         self.generate = node
         self.scorers: tuple[tuple[str, Any, dict[str, Any]], ...] = ()
@@ -36,7 +38,8 @@ class Evaluator:
             wanted = self.spec.scores or [
                 name for name, item in spec.nodes.items() if item.role == "score" and item.fn is not None
             ]
-            self.scorers = tuple((name, spec.nodes[name].fn, dict(spec.nodes[name].params)) for name in wanted)
+            score_nodes = {name: item for name, item in spec.nodes.items() if isinstance(item, ScoreNode)}
+            self.scorers = tuple((name, score_nodes[name].fn, dict(score_nodes[name].params)) for name in wanted)
         self.seed = spec.trainer.seed + EVAL_SEED_OFFSET
         self.timeout_s = spec.runtime.node_timeout_s
 

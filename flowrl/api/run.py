@@ -226,7 +226,8 @@ def _train(
             replanner.before_step(step)
             step_started = time.perf_counter()
             try:
-                reports = session.run_step(step, source.next_batch(step - 1), kl.coefs())
+                batch = source.next_batch(step - 1)
+                reports = session.run_step(step, batch, kl.coefs())
             except Exception as error:  # noqa: BLE001 - a lost worker is recovered; anything else is re-raised
                 session, step = faults.recover(error, session, step, kl, replanner, result.records)
                 continue
@@ -234,6 +235,7 @@ def _train(
             devices = session.sample_devices()
             metrics, nodes = step_metrics(graph, reports, step_s, num_devices=session.num_slots_in_use)
             kl.update(reports)
+            metrics.update(source.length_metrics(batch))
             if evaluator.due(step):
                 values, timing = evaluator.run(session, step, watcher.event)
                 metrics.update(values)

@@ -31,7 +31,7 @@ SINGLE_SPLIT = "train"
 
 def _quiet() -> None:
     # "Generating train split" bars from every load clutter the run's log.
-    from datasets.utils import logging as datasets_logging
+    from datasets.utils import logging as datasets_logging  # type: ignore[import-untyped]
 
     datasets_logging.disable_progress_bar()
     # Reader failures are logged before they are raised; the DataError says it once.
@@ -82,7 +82,7 @@ def _wrong_split(source: str, split: str, known: list[str]) -> DataError:
 
 
 def _load_file(path: Path, source: str, split: str) -> Any:
-    import datasets
+    import datasets  # type: ignore[import-untyped]
 
     builder = FILE_BUILDERS.get(path.suffix.lower())
     if builder is None:
@@ -110,7 +110,7 @@ def _load_file(path: Path, source: str, split: str) -> Any:
 
 
 def _load_folder(path: Path, source: str, split: str) -> Any:
-    import datasets
+    import datasets  # type: ignore[import-untyped]
 
     if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
         try:
@@ -143,7 +143,7 @@ def _load_folder(path: Path, source: str, split: str) -> Any:
 
 
 def _load_hub(name: str, split: str, subset: str | None) -> Any:
-    import datasets
+    import datasets  # type: ignore[import-untyped]
 
     offline = hub_offline() or os.environ.get("HF_DATASETS_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
     try:
@@ -164,7 +164,7 @@ def _load_hub(name: str, split: str, subset: str | None) -> Any:
 
 def _reason(error: BaseException) -> str:
     """The most telling message of an exception chain (datasets wraps the reader's error)."""
-    messages = []
+    messages: list[str] = []
     current: BaseException | None = error
     while current is not None and len(messages) < 4:
         text = str(current).strip()

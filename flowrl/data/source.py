@@ -184,6 +184,16 @@ class PromptSource:
             batch.append(self.examples[self._permutation(epoch)[offset]])
         return batch
 
+    def length_metrics(self, batch: list[PromptExample]) -> dict[str, float]:
+        """With ``max_prompt_tokens``: the batch's prompts cut to it, and the dataset's rows
+        left out for exceeding it (``skip``)."""
+        if self.formatter.max_prompt_tokens is None:
+            return {}
+        return {
+            "data/prompts_truncated": float(sum(1 for example in batch if example.meta.get("truncated"))),
+            "data/prompts_skipped": float(self.counts.num_skipped),
+        }
+
     def _format_task(self, made: list[PromptExample]) -> list[PromptExample]:
         """A built-in task's examples through the same length policy as a dataset's rows."""
         if self.formatter.max_prompt_tokens is None:

@@ -149,7 +149,7 @@ def resolve_reward(ref: str | PythonFunction, base_dir: Path | None = None) -> R
 
 
 def _unpickle(function: PythonFunction) -> RewardFunction:
-    import cloudpickle
+    import cloudpickle  # type: ignore[import-untyped]
 
     try:
         loaded = cloudpickle.loads(function.payload)

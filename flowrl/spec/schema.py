@@ -335,8 +335,9 @@ class DataSpec(_Strict):
     overlong_prompts: Literal["error", "truncate_left", "skip"] = "error"
     """What a prompt longer than max_prompt_tokens does: stop before step 1 naming it
     (``error``), keep its last max_prompt_tokens tokens (``truncate_left``), or leave it out
-    of the data (``skip``); truncated and skipped prompts are counted in the log and in
-    ``data/prompts_truncated`` / ``data/prompts_skipped``. Default error."""
+    of the data (``skip``). The log says how many were cut or left out; each step's metrics
+    have ``data/prompts_truncated`` (in its batch) and ``data/prompts_skipped`` (in the
+    dataset). Default error."""
 
 
 class EvalSpec(_Strict):
