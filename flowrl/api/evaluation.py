@@ -68,23 +68,25 @@ class Evaluator:
 
     def run(
         self, session: Session, step: int, on_event: Callable[[RunEvent], None]
-    ) -> tuple[dict[str, float], NodeTiming | None]:
-        """Evaluate now; (metrics, the call's timing). A failure is a warning, not the end of
-        the run: a lost worker is noticed and recovered by the next step."""
+    ) -> tuple[dict[str, float], list[NodeTiming]]:
+        """Evaluate now; (metrics, the timing of each worker's part). A failure is a warning,
+        not the end of the run: a lost worker is noticed and recovered by the next step."""
         started = time.perf_counter()
         call = EvalCall(step, self.model, self.examples, self.settings(), self.scorers)
         try:
-            report = session.evaluate(call, self.timeout_s)
+            reports = session.evaluate(call, self.timeout_s)
         except Exception as error:  # noqa: BLE001 - evaluation never stops training
             on_event(RunEvent("warning", f"evaluation after step {step} failed: {type(error).__name__}: {error}", step))
-            return {}, None
-        timing = NodeTiming("eval", "eval", report.device, report.wall_s, report.compute_s, report.wait_s,
-                            report.tokens_in, report.tokens_out)
-        on_event(RunEvent("eval", self.describe(step, report.metrics, time.perf_counter() - started), step,
-                          {"metrics": report.metrics}))
-        for message in report.messages:
+            return {}, []
+        metrics = merge_parts([report.metrics for report in reports])
+        timings = [
+            NodeTiming("eval", "eval", r.device, r.wall_s, r.compute_s, r.wait_s, r.tokens_in, r.tokens_out)
+            for r in reports
+        ]
+        on_event(RunEvent("eval", self.describe(step, metrics, time.perf_counter() - started), step, {"metrics": metrics}))
+        for message in [message for report in reports for message in report.messages][:1]:
             on_event(RunEvent("warning", f"evaluation: {message}", step))
-        return dict(report.metrics), timing
+        return metrics, timings
 
     def describe(self, step: int, metrics: dict[str, float], seconds: float) -> str:
         assert self.spec is not None
@@ -95,3 +97,21 @@ class Evaluator:
         )
         when = "before training" if step == 0 else f"after step {step}"
         return f"{when}: {shown} ({len(self.examples)} prompts x {self.spec.n}, {mode}, {seconds:.1f} s)"
+
+
+def merge_parts(parts: list[dict[str, float]]) -> dict[str, float]:
+    """The metrics of the whole evaluation from its parts': counts add up, and every mean or
+    share is weighted by its part's number of prompts (each part has the same n, so prompts
+    and completions weigh alike)."""
+    if len(parts) == 1:
+        return dict(parts[0])
+    sizes = [float(max(1.0, part.get("val/num_prompts", 1.0))) for part in parts]
+    total = sum(sizes)
+    merged: dict[str, float] = {}
+    for key in parts[0]:
+        values = [part.get(key, 0.0) for part in parts]
+        if key.rsplit("/", 1)[-1].startswith("num_"):
+            merged[key] = sum(values)
+        else:
+            merged[key] = sum(value * size for value, size in zip(values, sizes)) / total
+    return merged

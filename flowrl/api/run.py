@@ -214,11 +214,11 @@ def _train(
         started = time.perf_counter()
         num_steps = spec.trainer.steps
         if start is None and evaluator.due(0):
-            values, timing = evaluator.run(session, 0, watcher.event)
+            values, timings = evaluator.run(session, 0, watcher.event)
             if values:
                 result.evaluations.append((0, values))
                 folder.append_metrics(StepRecord(0, num_steps, values, elapsed_s=time.perf_counter() - started))
-            if timing is not None:
+            for timing in timings:
                 folder.append_node(0, timing)
         faults.remember(session, first_step - 1, kl)
         step = first_step
@@ -237,11 +237,11 @@ def _train(
             kl.update(reports)
             metrics.update(source.length_metrics(batch))
             if evaluator.due(step):
-                values, timing = evaluator.run(session, step, watcher.event)
+                values, timings = evaluator.run(session, step, watcher.event)
                 metrics.update(values)
                 if values:
                     result.evaluations.append((step, values))
-                if timing is not None:
+                for timing in timings:
                     folder.append_node(step, timing)
             record = StepRecord(step, num_steps, metrics, nodes, devices, time.perf_counter() - started)
             result.records.append(record)

@@ -92,7 +92,10 @@ def run_evaluation(
             failed[scorer.node] += result.num_failed
             if result.first_error and not errors:
                 errors.append(result.first_error)
-    metrics: dict[str, float] = {"val/response_length/mean": sum(lengths) / max(1, len(lengths))}
+    metrics: dict[str, float] = {
+        "val/num_prompts": float(len(examples)),
+        "val/response_length/mean": sum(lengths) / max(1, len(lengths)),
+    }
     for node, values in scores.items():
         metrics.update(_score_metrics(node, values, settings.n))
         metrics[f"val/{node}/num_failed"] = float(failed[node])

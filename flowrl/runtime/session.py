@@ -152,12 +152,15 @@ class Session:
     ) -> dict[str, NodeReport]:
         return self.executor.run_step(step, prompts, kl_coefs)
 
-    def evaluate(self, call: EvalCall, timeout_s: float) -> NodeReport:
-        """Run an evaluation on the first slot that holds the policy for generation."""
+    def evaluate(self, call: EvalCall, timeout_s: float) -> list[NodeReport]:
+        """Run an evaluation on the generate node's workers, each on its consecutive share
+        of the prompts, all at once; one report per worker, in prompt order."""
         generate = next(node for node in self.pipeline.topological_order()
                         if self.pipeline.spec.nodes[node].role == "generate")
-        slot = self.plan.slots_of(generate)[0]
-        return self.hosts[slot].evaluate(call).result(timeout=timeout_s)  # type: ignore[no-any-return]
+        slots = self.plan.slots_of(generate)
+        parts = [call.examples[rows] for rows in _even_parts(len(call.examples), len(slots))]
+        futures = [self.hosts[slot].evaluate(replace(call, examples=part)) for slot, part in zip(slots, parts) if part]
+        return [future.result(timeout=timeout_s) for future in futures]
 
     def apply_plan(self, plan: Plan) -> MigrationResult:
         """Move roles to ``plan``'s slots: every host that gains a model pulls its state
@@ -303,6 +306,17 @@ class Session:
         self.close()
         _settle([(host, "drop_all", ()) for slot, host in self.hosts.items() if slot not in lost])
         self.hosts.clear()
+
+
+def _even_parts(count: int, num_parts: int) -> list[slice]:
+    """``count`` rows in ``num_parts`` consecutive parts, the first ``count % num_parts`` one longer."""
+    size, extra = divmod(count, num_parts)
+    parts, start = [], 0
+    for index in range(num_parts):
+        stop = start + size + (1 if index < extra else 0)
+        parts.append(slice(start, stop))
+        start = stop
+    return parts
 
 
 def _slots_in_use(plan: Plan) -> list[str]:
