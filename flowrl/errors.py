@@ -21,19 +21,25 @@ class SpecIssue:
     """One problem in a pipeline (or inventory) description.
 
     ``path`` is the dotted place in the document (``nodes.rollout.model``); ``file`` and
-    ``line`` are known when the document came from a file.
+    ``line`` are known when the document came from a file. ``argument`` is the command-line
+    override (``trainer.steps=abc``) the problem comes from, when it is not the file's.
     """
 
     path: str
     message: str
     file: str | None = None
     line: int | None = None
+    argument: str | None = None
 
     def __str__(self) -> str:
+        place = f"{self.path}: " if self.path else ""
+        if self.argument is not None:
+            if self.argument.partition("=")[0].strip() == self.path:
+                place = ""  # the argument already names the path
+            return f"{self.file or 'command line'}: {self.argument}: {place}{self.message}"
         where = ""
         if self.file is not None:
             where = f"{self.file}:{self.line}: " if self.line is not None else f"{self.file}: "
-        place = f"{self.path}: " if self.path else ""
         return f"{where}{place}{self.message}"
 
 

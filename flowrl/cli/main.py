@@ -7,12 +7,14 @@ exits 130. A traceback is printed only for a bug in flowrl itself.
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from flowrl.errors import FlowrlError
 
@@ -33,7 +35,7 @@ def _friendly(function: F) -> F:
         try:
             return function(*args, **kwargs)
         except FlowrlError as error:
-            Console(stderr=True, highlight=False).print(f"[bold red]error:[/] {error}", markup=True, soft_wrap=True)
+            Console(stderr=True, highlight=False).print(f"[bold red]error:[/] {escape(str(error))}", markup=True, soft_wrap=True)
             raise typer.Exit(code=error.exit_code) from None
         except KeyboardInterrupt:
             Console(stderr=True).print("interrupted")
@@ -42,26 +44,67 @@ def _friendly(function: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+OVERRIDES_HELP = (
+    "Set fields of the file: KEY=VALUE with a dotted KEY, such as trainer.steps=50 or "
+    "nodes.train.lr=1e-5; VALUE is read as YAML."
+)
+
+
+def _overrides_argument() -> Any:
+    """The ``KEY=VALUE ...`` arguments after the pipeline file (none: an empty list)."""
+    return typer.Argument(None, metavar="KEY=VALUE", help=OVERRIDES_HELP, show_default=False)
+
+
+def flowrl_version() -> str:
+    """The installed distribution's version; the package's own when flowrl is not installed
+    (run from a source folder)."""
+    try:
+        return importlib.metadata.version("flowrl")
+    except importlib.metadata.PackageNotFoundError:
+        from flowrl import __version__
+
+        return __version__
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        print(f"flowrl {flowrl_version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: bool = typer.Option(
+        False, "--version", callback=_print_version, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
+    """Reinforcement-learning dataflow for language models, placed on Dask workers."""
+
+
 @app.command()
 @_friendly
-def validate(pipeline_file: Path = typer.Argument(..., help="Pipeline YAML file.")) -> None:
-    """Check a pipeline file: schema, names, graph, its data and its reward functions. Exit 0 when valid, 2 otherwise."""
-    from flowrl.spec.loader import load_pipeline
-
+def validate(
+    pipeline_file: Path = typer.Argument(..., help="Pipeline YAML file."),
+    overrides: Optional[list[str]] = _overrides_argument(),
+) -> None:
+    """Check a pipeline file (with any KEY=VALUE overrides): schema, names, graph, its data and its reward functions. Exit 0 when valid, 2 otherwise."""
     from flowrl.api.checks import check_inputs
     from flowrl.spec.lines import read_yaml_file
+    from flowrl.spec.loader import load_pipeline
 
-    graph = load_pipeline(pipeline_file)
+    graph = load_pipeline(pipeline_file, overrides or [])
     _, line_map, _ = read_yaml_file(pipeline_file, "pipeline")
     check_inputs(graph, pipeline_file.resolve().parent, str(pipeline_file), line_map)
     roles = ", ".join(f"{n} ({graph.spec.nodes[n].role})" for n in graph.topological_order())
-    print(f"{pipeline_file}: valid pipeline '{graph.name}': {len(graph.spec.nodes)} nodes: {roles}")
+    source = f"{pipeline_file} with {' '.join(overrides)}" if overrides else f"{pipeline_file}"
+    print(f"{source}: valid pipeline '{graph.name}': {len(graph.spec.nodes)} nodes: {roles}")
 
 
 @app.command()
 @_friendly
 def run(
     pipeline_file: Path = typer.Argument(..., help="Pipeline YAML file."),
+    overrides: Optional[list[str]] = _overrides_argument(),
     steps: Optional[int] = typer.Option(None, min=1, help="Override trainer.steps."),
     output_dir: Optional[str] = typer.Option(None, "--output-dir", "-o", help="Override trainer.output_dir."),
     scheduler: Optional[str] = typer.Option(
@@ -73,10 +116,10 @@ def run(
     resume: bool = typer.Option(False, "--resume", help="Continue the run in the output folder from its newest checkpoint."),
     force: bool = typer.Option(False, "--force", help="With --resume: go on although the pipeline changed."),
 ) -> None:
-    """Train a pipeline: start (or join) Dask, place the roles, run the steps."""
+    """Train a pipeline (with any KEY=VALUE overrides): start (or join) Dask, place the roles, run the steps."""
     from flowrl.spec.loader import load_pipeline
 
-    graph = load_pipeline(pipeline_file)
+    graph = load_pipeline(pipeline_file, overrides or [])
     _train(graph, pipeline_file.resolve().parent, plain, resume, force,
            steps=steps, output_dir=output_dir, scheduler_address=scheduler, cpu_slots=cpu_slots, seed=seed)
 
@@ -145,6 +188,7 @@ def devices(
 @_friendly
 def plan(
     pipeline_file: Path = typer.Argument(..., help="Pipeline YAML file."),
+    overrides: Optional[list[str]] = _overrides_argument(),
     devices_file: Optional[Path] = typer.Option(
         None, "--devices", help="Inventory file (devices/*.yaml) to plan for instead of this machine."
     ),
@@ -156,7 +200,7 @@ def plan(
     """Place a pipeline's nodes on devices and predict one step: placement, memory, critical path, timeline."""
     from flowrl.cli.plan import plan_command
 
-    plan_command(pipeline_file, devices_file, as_json, output, Console())
+    plan_command(pipeline_file, devices_file, as_json, output, Console(), overrides or [])
 
 
 @app.command()

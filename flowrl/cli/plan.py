@@ -3,6 +3,7 @@
     flowrl plan pipelines/ppo.yaml --devices devices/mixed-4gpu.yaml
     flowrl plan pipelines/ppo.yaml --devices devices/mixed-4gpu.yaml --json
     flowrl plan pipelines/ppo.yaml --devices devices/mixed-4gpu.yaml --output timeline.svg
+    flowrl plan pipelines/ppo.yaml data.batch_size=16 --devices devices/mixed-4gpu.yaml
 
 Without ``--devices`` the plan is for this machine (NVML GPUs and ``runtime.cpu_slots``).
 The SVG is written by hand so no plotting library is needed; ``.png`` needs matplotlib.
@@ -11,6 +12,7 @@ The SVG is written by hand so no plotting library is needed; ``.png`` needs matp
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from xml.sax.saxutils import escape as xml_escape
 
@@ -32,10 +34,11 @@ _PALETTE = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#
 
 def plan_command(
     pipeline: Path, devices_file: Path | None, as_json: bool, output: Path | None,
-    console: Console,
+    console: Console, overrides: Sequence[str] = (),
 ) -> CompiledPlan:
-    """Plan ``pipeline`` and print it (tables or JSON); write the timeline to ``output``."""
-    graph = load_pipeline(pipeline)
+    """Plan ``pipeline`` (with ``KEY=VALUE`` overrides) and print it (tables or JSON); write
+    the timeline to ``output``."""
+    graph = load_pipeline(pipeline, overrides)
     if output is not None and output.suffix.lower() not in (".svg", ".png"):
         raise FlowrlError(f"--output {output}: write the timeline as .svg (or .png with matplotlib)")
     if devices_file is not None:

@@ -3,11 +3,13 @@
 Validation runs in two passes over the same data: the schema (types, ranges, unknown
 keys) and the graph rules (names that refer to each other, dataflow, roles). Entries that
 fail the schema are left out of the graph pass and references to them are not reported
-again, so each mistake gives exactly one message. Issues are listed in file order.
+again, so each mistake gives exactly one message. Issues are listed in file order, then
+those about command-line overrides (``trainer.steps=abc``) in the order they were given.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,19 +19,30 @@ from flowrl.errors import SpecError, SpecIssue
 from flowrl.graph import PipelineGraph, find_graph_issues
 from flowrl.spec.lines import LineMap, file_order, line_of, read_yaml_file
 from flowrl.spec.messages import Issue, issues_from_validation, show
+from flowrl.spec.overrides import (
+    COMMAND_LINE,
+    Origins,
+    apply_overrides,
+    origin_of,
+    parse_overrides,
+)
 from flowrl.spec.schema import SECTION_CLASSES, NodeSpec, PipelineSpec
 
 _NODE_ADAPTER: TypeAdapter[Any] = TypeAdapter(NodeSpec)
 
 
-def load_pipeline(path: str | Path) -> PipelineGraph:
-    """Read and validate the pipeline file at ``path``.
+def load_pipeline(path: str | Path, overrides: Sequence[str] = ()) -> PipelineGraph:
+    """Read the pipeline file at ``path``, apply ``overrides`` (``trainer.steps=50``), validate.
 
-    Raises ``SpecError`` listing every problem as ``file:line: path: message``.
+    The overrides change the data before validation, so the result is checked as if the
+    file said it. Raises ``SpecError`` listing every problem as ``file:line: path: message``,
+    or ``command line: KEY=VALUE: message`` for one an override brought in.
     """
     source_name = str(path)
+    parsed = parse_overrides(overrides)
     data, line_map, duplicates = read_yaml_file(path, "pipeline")
-    return _validate(data, source_name, line_map, duplicates)
+    data, line_map, origins = apply_overrides(data, line_map, parsed)
+    return _validate(data, source_name, line_map, duplicates, origins)
 
 
 def pipeline_from_dict(
@@ -43,7 +56,11 @@ def pipeline_from_dict(
 
 
 def _validate(
-    data: Any, source_name: str | None, line_map: LineMap, early: list[SpecIssue]
+    data: Any,
+    source_name: str | None,
+    line_map: LineMap,
+    early: list[SpecIssue],
+    origins: Origins | None = None,
 ) -> PipelineGraph:
     first_line = 1 if source_name else None
     if data is None:
@@ -64,18 +81,37 @@ def _validate(
         found.extend(issues_from_validation(error))
         partial, unusable = _partial_spec(data, error)
         found.extend(find_graph_issues(partial, unusable))
-    issues = [*early, *(_locate(path, message, source_name, line_map) for path, message in found)]
+    origins = origins or {}
+    located = (_locate(path, message, source_name, line_map, origins) for path, message in found)
+    issues = [*early, *located]
     if issues:
-        if line_map:
-            # file order: by line, then by where the key sits on that line
-            issues.sort(key=lambda issue: (issue.line or 0, file_order(issue.path, line_map)))
+        if line_map or origins:
+            issues.sort(key=_in_order(line_map, origins))
         raise SpecError(issues)
     assert spec is not None
     return PipelineGraph(spec)
 
 
-def _locate(path: str, message: str, source_name: str | None, line_map: LineMap) -> SpecIssue:
+def _locate(
+    path: str, message: str, source_name: str | None, line_map: LineMap, origins: Origins
+) -> SpecIssue:
+    argument = origin_of(path, origins, line_map)
+    if argument is not None:
+        return SpecIssue(path, message, COMMAND_LINE, None, argument)
     return SpecIssue(path, message, source_name, line_of(path, line_map) if source_name else None)
+
+
+def _in_order(line_map: LineMap, origins: Origins) -> Callable[[SpecIssue], tuple[int, ...]]:
+    """Sort key: the file's issues in file order (by line, then by where the key sits on
+    that line), then the command line's in the order of its arguments."""
+    arguments = {argument: rank for rank, argument in enumerate(dict.fromkeys(origins.values()))}
+
+    def key(issue: SpecIssue) -> tuple[int, ...]:
+        if issue.argument is not None:
+            return (1, arguments.get(issue.argument, len(arguments)))
+        return (0, issue.line or 0, file_order(issue.path, line_map))
+
+    return key
 
 
 def _partial_spec(data: dict[str, Any], error: ValidationError) -> tuple[PipelineSpec, set[str]]:

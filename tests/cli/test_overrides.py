@@ -1,0 +1,228 @@
+"""``KEY=VALUE`` overrides after the pipeline file, and ``flowrl --version``."""
+
+from __future__ import annotations
+
+import importlib.metadata
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from flowrl.cli import main as cli
+from flowrl.errors import SpecError
+from flowrl.spec.dump import to_yaml
+from flowrl.spec.lines import parse_yaml
+from flowrl.spec.loader import load_pipeline
+from flowrl.spec.overrides import apply_overrides, parse_override, parse_overrides, parse_value
+
+GOOD = """\
+name: small
+models:
+  actor: {path: builtin:tiny-llama}
+nodes:
+  rollout: {role: generate, model: actor, inputs: [prompts]}
+  reward:  {role: score, fn: digits, inputs: [rollout]}
+  adv:     {role: advantage, inputs: [reward]}
+  train:   {role: update, model: actor, inputs: [rollout, adv]}
+data: {source: builtin:digits}
+trainer: {steps: 10}
+"""
+
+
+def write(tmp_path: Path, text: str = GOOD) -> Path:
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(text)
+    return path
+
+
+def flowrl(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(cli.app, list(args))
+    return result.exit_code, result.output
+
+
+def assert_user_error(code: int, output: str, *expected: str) -> None:
+    assert code == 2, output
+    assert "Traceback" not in output, output
+    for text in expected:
+        assert text in output, (text, output)
+
+
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ("50", 50),
+        ("-3", -3),
+        ("0.5", 0.5),
+        ("1e-5", 1e-5),
+        ("3E8", 3e8),
+        ("1.0e5", 1e5),
+        ("-2.5e-3", -2.5e-3),
+        ("true", True),
+        ("false", False),
+        ("null", None),
+        ("", None),
+        ("[a, b]", ["a", "b"]),
+        ("[1e-5, 2]", [1e-5, 2]),
+        ("{x: 1, y: [2]}", {"x": 1, "y": [2]}),
+        ("other.jsonl", "other.jsonl"),
+        ("builtin:digits", "builtin:digits"),
+        ("'1e-5'", "1e-5"),
+        ("'true'", "true"),
+        ("a=b", "a=b"),
+    ],
+)
+def test_values_are_read_as_yaml_with_numbers_as_meant(text: str, value: Any) -> None:
+    parsed = parse_value(text)
+    assert parsed == value
+    assert type(parsed) is type(value)
+
+
+def test_an_override_splits_at_the_first_equals_sign() -> None:
+    override = parse_override("data.source=a=b.jsonl")
+    assert (override.path, override.key) == (("data", "source"), "data.source")
+    assert override.value == "a=b.jsonl"
+
+
+def test_overrides_set_nested_fields_and_create_missing_mappings() -> None:
+    data, lines, _ = parse_yaml(GOOD, "p.yaml")
+    overrides = parse_overrides(
+        [
+            "trainer.steps=50",
+            "nodes.train.lr=1e-5",
+            "eval.every_steps=5",
+            "models.critic.kind=value",
+        ]
+    )
+    changed, changed_lines, origins = apply_overrides(data, lines, overrides)
+    assert changed["trainer"] == {"steps": 50}
+    assert changed["nodes"]["train"]["lr"] == 1e-5
+    assert changed["eval"] == {"every_steps": 5}
+    assert changed["models"]["critic"] == {"kind": "value"}
+    assert data["trainer"] == {"steps": 10} and "eval" not in data  # the input is left alone
+    assert "trainer.steps" not in changed_lines and "trainer" in changed_lines
+    assert origins["eval"] == origins["eval.every_steps"] == "eval.every_steps=5"
+    assert origins["models.critic"] == "models.critic.kind=value"
+
+
+def test_a_later_override_replaces_an_earlier_one() -> None:
+    data, lines, _ = parse_yaml(GOOD, "p.yaml")
+    overrides = parse_overrides(["trainer.steps=abc", "trainer={steps: 7}"])
+    changed, _, origins = apply_overrides(data, lines, overrides)
+    assert changed["trainer"] == {"steps": 7}
+    assert origins == {"trainer": "trainer={steps: 7}"}
+
+
+def test_a_null_in_the_file_becomes_a_mapping(tmp_path: Path) -> None:
+    graph = load_pipeline(write(tmp_path, GOOD + "eval:\n"), ["eval.every_steps=3"])
+    assert graph.spec.eval is not None and graph.spec.eval.every_steps == 3
+
+
+def test_overrides_reach_the_loaded_pipeline(tmp_path: Path) -> None:
+    graph = load_pipeline(
+        write(tmp_path),
+        [
+            "trainer.steps=50",
+            "nodes.train.lr=1e-5",
+            "data.source=other.jsonl",
+            "eval.every_steps=5",
+        ],
+    )
+    assert graph.spec.trainer.steps == 50
+    assert graph.spec.nodes["train"].lr == 1e-5  # type: ignore[union-attr]
+    assert graph.spec.data.source == "other.jsonl"
+    assert graph.spec.eval is not None and graph.spec.eval.every_steps == 5
+
+
+def test_an_override_can_fix_an_invalid_file(tmp_path: Path) -> None:
+    path = write(tmp_path, GOOD.replace("steps: 10", "steps: 0"))
+    with pytest.raises(SpecError):
+        load_pipeline(path)
+    assert load_pipeline(path, ["trainer.steps=5"]).spec.trainer.steps == 5
+
+
+def test_issues_name_the_override_and_come_after_the_files(tmp_path: Path) -> None:
+    path = write(tmp_path, GOOD.replace("inputs: [rollout, adv]", "inputs: [rollout, adv], lr: -1"))
+    with pytest.raises(SpecError) as caught:
+        load_pipeline(
+            path, ["trainer.steps=abc", "models.critic.kind=value", "eval={every_steps: x}"]
+        )
+    assert [str(issue) for issue in caught.value.issues] == [
+        f"{path}:8: nodes.train.lr: out of range: allowed lr > 0, found -1",
+        "command line: trainer.steps=abc: expected an integer, found 'abc'",
+        "command line: models.critic.kind=value: models.critic.path: "
+        "required field 'path' is missing",
+        "command line: eval={every_steps: x}: eval.every_steps: expected an integer, found 'x'",
+    ]
+    issue = caught.value.issues[1]
+    assert (issue.path, issue.file, issue.line) == ("trainer.steps", "command line", None)
+
+
+def test_a_path_through_a_value_that_is_not_a_mapping(tmp_path: Path) -> None:
+    with pytest.raises(SpecError) as caught:
+        load_pipeline(write(tmp_path), ["name.x=1", "nodes.train.inputs.0=a"])
+    assert [str(issue) for issue in caught.value.issues] == [
+        "command line: name.x=1: 'name' is 'small', not a mapping, so it has no field 'x'; "
+        "set 'name' itself instead",
+        "command line: nodes.train.inputs.0=a: 'nodes.train.inputs' is a list, not a mapping, "
+        "so it has no field '0'; set the whole list instead, such as nodes.train.inputs=[a, b]",
+    ]
+
+
+def test_validate_with_an_override_reports_success(tmp_path: Path) -> None:
+    code, output = flowrl("validate", str(write(tmp_path)), "trainer.steps=5")
+    assert code == 0, output
+    assert "with trainer.steps=5: valid pipeline 'small'" in output
+
+
+def test_a_bad_value_is_a_user_error_naming_the_override(tmp_path: Path) -> None:
+    code, output = flowrl("validate", str(write(tmp_path)), "trainer.steps=abc")
+    expected = "command line: trainer.steps=abc: expected an integer, found 'abc'"
+    assert_user_error(code, output, expected)
+
+
+def test_an_unknown_field_suggests_the_nearest(tmp_path: Path) -> None:
+    code, output = flowrl("validate", str(write(tmp_path)), "trainer.stpes=3")
+    expected = "command line: trainer.stpes=3: unknown field 'stpes' (did you mean 'steps'?)"
+    assert_user_error(code, output, expected)
+
+
+@pytest.mark.parametrize(
+    "command, argument, expected",
+    [
+        ("validate", "trainer.steps", "found no '='"),
+        ("validate", "=5", "expected a field name before '='"),
+        ("validate", "trainer..steps=5", "empty name between dots"),
+        ("validate", "x=[a", "the value is not valid YAML"),
+        ("validate", "name.x=1", "not a mapping"),
+        ("run", "trainer.steps", "found no '='"),
+        ("run", "trainer.steps=abc", "expected an integer"),
+        ("plan", "name.x=1", "not a mapping"),
+    ],
+)
+def test_malformed_overrides_are_user_errors(
+    tmp_path: Path, command: str, argument: str, expected: str
+) -> None:
+    code, output = flowrl(command, str(write(tmp_path)), argument)
+    assert_user_error(code, output, f"command line: {argument}: ", expected)
+
+
+def test_run_trains_the_overridden_pipeline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trained: list[Any] = []
+    monkeypatch.setattr(cli, "_train", lambda graph, *_, **kwargs: trained.append((graph, kwargs)))
+    pipeline = str(write(tmp_path))
+    code, output = flowrl("run", pipeline, "trainer.steps=50", "nodes.train.lr=3e-5", "--seed", "3")
+    assert code == 0, output
+    ((graph, options),) = trained
+    assert options["seed"] == 3
+    saved = write(tmp_path, to_yaml(graph))  # what the run writes as its config.yaml
+    assert load_pipeline(saved).spec == graph.spec
+    assert graph.spec.trainer.steps == 50 and graph.spec.nodes["train"].lr == 3e-5
+
+
+def test_version_prints_the_installed_version() -> None:
+    code, output = flowrl("--version")
+    assert code == 0, output
+    assert output == f"flowrl {importlib.metadata.version('flowrl')}\n"
