@@ -15,12 +15,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from flowrl.data.examples import PromptExample
+from flowrl.data.jsonl import raise_listed
 from flowrl.errors import DataError
 
 OverlongPolicy = Literal["error", "truncate_left", "skip"]
-
-MAX_REPORTED_ROWS = 20
-"""Bad rows listed in one DataError; the rest are counted."""
 
 RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "max_new_tokens")
 """Keywords a reward function receives from flowrl itself; a column of that name would clash."""
@@ -190,10 +188,4 @@ def _short(value: Any) -> str:
 
 
 def _raise_if(problems: list[str], display_name: str, expected: str) -> None:
-    if not problems:
-        return
-    shown = problems[:MAX_REPORTED_ROWS]
-    more = len(problems) - len(shown)
-    header = f"{len(problems)} bad row{'s' if len(problems) != 1 else ''} in {display_name} ({expected}):"
-    tail = [f"  ... and {more} more"] if more else []
-    raise DataError("\n".join([header, *(f"  {line}" for line in shown), *tail]))
+    raise_listed(problems, "row", display_name, expected)

@@ -14,7 +14,7 @@ from pathlib import Path
 from flowrl.errors import DataError
 
 MAX_REPORTED_LINES = 20
-"""Bad lines listed in one DataError; the rest are counted."""
+"""Bad lines (or rows) listed in one DataError; the rest are counted."""
 
 EXAMPLE_LINE = '{"prompt": "2+2=", "answer": "4"}'
 
@@ -52,11 +52,17 @@ def check_json_lines(path: Path, display_name: str) -> None:
         why = _what(text)
         if why is not None:
             problems.append(f"{display_name}:{number}: expected a JSON object, found {why}")
+    raise_listed(problems, "line", display_name, f"one JSON object per line, e.g. {EXAMPLE_LINE}")
+
+
+def raise_listed(problems: list[str], unit: str, display_name: str, expected: str) -> None:
+    """One DataError listing the first ``MAX_REPORTED_LINES`` problems (bad lines or rows) and
+    counting the rest; nothing when there are none."""
     if not problems:
         return
     shown = problems[:MAX_REPORTED_LINES]
     more = len(problems) - len(shown)
-    header = f"{len(problems)} bad line{'s' if len(problems) != 1 else ''} in {display_name} (one JSON object per line, e.g. {EXAMPLE_LINE}):"
+    header = f"{len(problems)} bad {unit}{'s' if len(problems) != 1 else ''} in {display_name} ({expected}):"
     tail = [f"  ... and {more} more"] if more else []
     raise DataError("\n".join([header, *(f"  {line}" for line in shown), *tail]))
 
