@@ -64,6 +64,10 @@ class ModelLoadError(FlowrlError):
     """A model or tokenizer that cannot be loaded (missing directory, offline hub name)."""
 
 
+class RemoteCodeNotTrusted(ModelLoadError):
+    """A model that needs its own Python code, loaded without ``trust_remote_code: true``."""
+
+
 class PlacementError(FlowrlError):
     """The device groups cannot be placed on the devices that exist."""
 

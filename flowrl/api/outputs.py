@@ -8,8 +8,13 @@
       events.jsonl         placement, checkpoints, faults, warnings
       run.json             where the pipeline came from (for ``flowrl resume``), and whether it finished
       checkpoints/step-<n>/  written under a temporary name, then renamed; trainer_state.json
-                           (written last) lists every file's SHA-256
-      final/               the trained policy, loadable with from_pretrained
+                           (written last) lists every file's SHA-256, each weight shard and
+                           model.safetensors.index.json included
+      final/               the trained policy, loadable with from_pretrained (a trained critic
+                           in final/<name>/, a token classifier)
+
+Weights bigger than ``trainer.max_shard_size`` are written as ``model-0000i-of-0000N.safetensors``
+plus ``model.safetensors.index.json``, as transformers writes them.
 """
 
 from __future__ import annotations

@@ -277,7 +277,8 @@ def _checkpoint(session: Session, folder: RunFolder, step: int, keep: int, watch
 
 def _save_final(session: Session, folder: RunFolder, watcher: "_Watchers", step: int) -> None:
     """final/ is the trained policy's directory (ready for from_pretrained); any other
-    trained model (a critic) goes to final/<name>/ inside it."""
+    trained model (a critic, which AutoModelForTokenClassification opens) goes to
+    final/<name>/ inside it. Weights are split at ``trainer.max_shard_size`` (Session.save_models)."""
     staging = folder.path / ".final.tmp"
     final = folder.path / "final"
     for path in (staging, final):

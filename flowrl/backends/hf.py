@@ -11,6 +11,10 @@ A model path in a pipeline is one of:
 huggingface_hub retries a failed connection five times with back-off (about 25 s), so before an
 online attempt one request with a short cap checks that the hub answers at all; without network
 the user gets a ModelLoadError within ``HUB_PROBE_TIMEOUT_S`` instead of a long hang.
+
+Every ``from_pretrained`` gets the model's :class:`HubOptions`: the hub ``revision`` (ignored for
+a local directory) and ``trust_remote_code``, always passed as a bool: left at None, transformers
+asks on stdin whether to run a model's own code, which would hang a worker.
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ from __future__ import annotations
 import os
 import re
 import threading
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import huggingface_hub.constants as hub_constants
 import torch
@@ -32,7 +37,7 @@ from transformers import (
 )
 
 from flowrl.backends.builtin import BUILTIN_PREFIX, builtin_model_dir, quiet_progress_bars
-from flowrl.errors import ModelLoadError
+from flowrl.errors import ModelLoadError, RemoteCodeNotTrusted
 
 DtypeName = Literal["fp32", "bf16", "fp16"]
 
@@ -84,11 +89,34 @@ def resolve_model_path(path: str, base_dir: Path | None = None) -> Path | str:
     )
 
 
+@dataclass(frozen=True)
+class HubOptions:
+    """What ``from_pretrained`` needs of a model besides its path (``models.<m>`` in a pipeline)."""
+
+    revision: str | None = None
+    """Branch, tag or commit of a hub model; None: the default branch."""
+    trust_remote_code: bool = False
+    """Run Python code that comes with the model (``auto_map`` in its config)."""
+
+    def kwargs(self, local_files_only: bool) -> dict[str, Any]:
+        """Keyword arguments for every ``from_pretrained`` call (tokenizer, config, model)."""
+        return {
+            "revision": self.revision,
+            "trust_remote_code": self.trust_remote_code,
+            "local_files_only": local_files_only,
+        }
+
+    def describe(self, name: str) -> str:
+        """``model 'org/name'``, with the revision when one is set (for error messages)."""
+        return f"model '{name}'" + (f" at revision '{self.revision}'" if self.revision else "")
+
+
 def load_causal_lm(
     path: str,
     dtype: DtypeName = "fp32",
     device: str = "cpu",
     base_dir: Path | None = None,
+    options: HubOptions = HubOptions(),
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer onto ``device`` in ``dtype``.
 
@@ -110,42 +138,74 @@ def load_causal_lm(
             raise ModelLoadError(
                 f"model '{path}' is a value/reward model (scalar head); give it kind: value or kind: reward"
             )
-        model, tokenizer = _from_pretrained(str(location), dtype, path, local_files_only=True)
+        model, tokenizer = _from_pretrained(
+            str(location), dtype, path, options, local_files_only=True
+        )
     else:
-        model, tokenizer = _load_hub_model(location, dtype)
+        model, tokenizer = _load_hub_model(location, dtype, options)
     _set_padding(tokenizer, model, path)
     return model.to(device), tokenizer
 
 
-def _load_hub_model(name: str, dtype: DtypeName) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def _load_hub_model(
+    name: str, dtype: DtypeName, options: HubOptions
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """From the local HF cache if it is there, else from the hub when the hub answers."""
     try:
-        return _from_pretrained(name, dtype, name, local_files_only=True)
+        return _from_pretrained(name, dtype, name, options, local_files_only=True)
+    except RemoteCodeNotTrusted:
+        raise  # in the cache, but refused: downloading it again would not help
     except ModelLoadError:
         pass
     if hub_offline() or not hub_reachable(HUB_PROBE_TIMEOUT_S):
+        download = "download it elsewhere"
+        if options.revision:
+            download = (
+                "download that revision elsewhere "
+                f"(hf download {name} --revision {options.revision})"
+            )
         raise ModelLoadError(
-            f"model '{name}' is not a local directory and cannot be downloaded (no network): "
-            "download it elsewhere and pass its directory, or use builtin:tiny-llama"
+            f"{options.describe(name)} is not a local directory and cannot be downloaded "
+            f"(no network): {download} and pass its directory, or use builtin:tiny-llama"
         )
-    return _from_pretrained(name, dtype, name, local_files_only=False)
+    return _from_pretrained(name, dtype, name, options, local_files_only=False)
 
 
 def _from_pretrained(
-    source: str, dtype: DtypeName, shown_name: str, local_files_only: bool
+    source: str, dtype: DtypeName, shown_name: str, options: HubOptions, local_files_only: bool
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Both from_pretrained calls, with their failures turned into ModelLoadError."""
+    kwargs = options.kwargs(local_files_only)
     try:
         with quiet_progress_bars():
-            tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_files_only)
+            tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
             model = AutoModelForCausalLM.from_pretrained(
-                source, dtype=TORCH_DTYPES[dtype], local_files_only=local_files_only
+                source, dtype=TORCH_DTYPES[dtype], **kwargs
             )
     except (OSError, ValueError, KeyError) as error:
         # transformers reports missing files and unknown architectures as OSError/ValueError
         # (KeyError for some unknown model types); all are problems with what the user passed.
-        raise ModelLoadError(f"cannot load model '{shown_name}' from {source}: {error}") from error
+        raise load_error(shown_name, source, options, error) from error
     return model, tokenizer
+
+
+def load_error(
+    name: str, source: str, options: HubOptions, error: Exception, hint: str = ""
+) -> ModelLoadError:
+    """The ModelLoadError for a failed ``from_pretrained`` of model ``name`` from ``source``.
+
+    transformers refuses a model that brings its own code, without ``trust_remote_code``,
+    with a ValueError that names the argument; that one becomes :class:`RemoteCodeNotTrusted`,
+    which says which pipeline setting allows it.
+    """
+    if not options.trust_remote_code and "trust_remote_code" in str(error):
+        return RemoteCodeNotTrusted(
+            f"{options.describe(name)} runs its own Python code ({source} names it in auto_map: "
+            "an architecture transformers does not have), which flowrl runs only when allowed; "
+            "if you trust that code, set trust_remote_code: true on this model "
+            "(models.<name>.trust_remote_code in the pipeline)"
+        )
+    return ModelLoadError(f"cannot load {options.describe(name)} from {source}: {error}{hint}")
 
 
 def _set_padding(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel, path: str) -> None:

@@ -14,7 +14,9 @@ fitted by a short supervised regression to the reward rule of a builtin task:
 Everything comes from fixed seeds and runs on one thread, so a machine rebuilds the same
 weights; it takes a few seconds on CPU. The result is cached like the builtin policies
 (``<cache root>/models/tiny-rm-<task>-v<version>/``, written to a private temporary
-directory and renamed into place) with ``fit.json`` recording the held-out fit.
+directory and renamed into place) with ``fit.json`` recording the held-out fit. The directory
+is a ``LlamaForSequenceClassification`` checkpoint with one label (see
+:mod:`flowrl.backends.scalar_files`), so transformers opens it too.
 
 tiny-rm scores like the rule for completions of up to 16 tokens; generate with
 ``max_new_tokens: 16`` when it replaces ``fn: digits``.
@@ -69,8 +71,9 @@ class TinyRMRecipe:
     """Held-out sequences for the reported fit."""
     seed: int = 0
     """Seed of the weights, the training strings and the held-out strings."""
-    version: int = 1
-    """Bumped whenever the bytes would change, so stale caches are never reused."""
+    version: int = 2
+    """Bumped whenever the bytes would change, so stale caches are never reused (2: saved as
+    a ...ForSequenceClassification checkpoint, head without bias)."""
 
 
 @dataclass(frozen=True)
@@ -209,10 +212,12 @@ def train_tiny_rm(
     started = time.perf_counter()
     with torch.random.fork_rng(devices=[]), _one_thread():
         torch.manual_seed(recipe.seed)
-        model = ScalarHeadModel(LlamaModel(config))
-        # A small random head (the shared default is zeros) so the backbone gets gradient
-        # from the first step.
-        torch.nn.init.normal_(model.head.weight, std=recipe.hidden_size**-0.5)
+        # No bias: a reward model is saved as ...ForSequenceClassification, whose score layer
+        # has none. A small random head (not zeros) so the backbone gets gradient from the
+        # first step.
+        head = torch.nn.Linear(recipe.hidden_size, 1, bias=False)
+        torch.nn.init.normal_(head.weight, std=recipe.hidden_size**-0.5)
+        model = ScalarHeadModel(LlamaModel(config), head)
         train_rng = random.Random(f"tiny-rm-train-{task}-{recipe.seed}")
         optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.0)
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=recipe.num_steps)

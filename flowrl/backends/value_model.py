@@ -2,38 +2,37 @@
 
 A ``kind: value`` model (critic) reads one scalar per position; a ``kind: reward`` model reads
 the scalar at the last real token. Both are :class:`ScalarHeadModel`. On disk one is a
-directory::
-
-    config.json  model.safetensors       the backbone (save_pretrained of a base model)
-    tokenizer.json  tokenizer_config.json
-    value_head.safetensors               the head: "weight" [1, hidden], "bias" [1]
-    scalar_head.json                     marker: format, version, hidden size, what trained it
+transformers classification checkpoint with one label (a critic ``...ForTokenClassification``,
+a reward model ``...ForSequenceClassification``) plus flowrl's marker file: see
+:mod:`flowrl.backends.scalar_files`.
 
 :func:`load_scalar_model` also reads what is not such a directory:
 
 - ``builtin:NAME`` of a builtin policy (``builtin:tiny-llama``) or any causal-LM directory or
   cached hub name: its backbone, with a fresh head (weight and bias 0, so an untrained critic
   predicts 0 everywhere and adds no noise to the first advantages);
-- a ``...ForSequenceClassification`` checkpoint with one label (the usual hub reward model):
-  its backbone, with its ``score`` layer as the head;
+- a ``...ForSequenceClassification`` or ``...ForTokenClassification`` checkpoint with one label
+  (the usual hub reward model): its backbone, with its ``score`` layer as the head;
 - ``builtin:tiny-rm``: the builtin reward model (see :mod:`flowrl.backends.tiny_rm`).
+
+A critic's head always has a bias (a fresh one, or 0 added to a reward model's bias-free
+``score``), so it can learn the returns' offset; a reward model's head is kept as it was saved.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import (
     AutoConfig,
     AutoModel,
     AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
     AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
@@ -41,19 +40,40 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 
 from flowrl.backends.builtin import BUILTIN_PREFIX, quiet_progress_bars
-from flowrl.backends.hf import TORCH_DTYPES, DtypeName, resolve_model_path
+from flowrl.backends.hf import TORCH_DTYPES, DtypeName, HubOptions, load_error, resolve_model_path
+from flowrl.backends.scalar_files import (
+    MARKER_FILE,
+    SCORE,
+    copy_head,
+    has_trained_head,
+    read_head,
+    save_scalar_model,
+    scalar_model_weights,
+)
+from flowrl.backends.weight_files import DEFAULT_MAX_SHARD_SIZE
 from flowrl.errors import ModelLoadError
 
-HEAD_FILE = "value_head.safetensors"
-"""The head's weights inside a scalar-model directory."""
-MARKER_FILE = "scalar_head.json"
-"""Marks a directory as a scalar-head model and records what trained the head."""
-MARKER_FORMAT = "flowrl-scalar-head"
-MARKER_VERSION = 1
+__all__ = [
+    "MARKER_FILE",
+    "ScalarHeadModel",
+    "ScalarKind",
+    "has_trained_head",
+    "load_scalar_model",
+    "resolve_scalar_model_path",
+    "save_scalar_model",
+    "scalar_model_weights",
+]
+
+ScalarKind = Literal["value", "reward"]
+"""What a scalar model computes: per-position values (critic) or a sequence's reward."""
 
 
 class ScalarHeadModel(nn.Module):
-    """A base transformer (no LM head) and a linear head giving one scalar per position."""
+    """A base transformer (no LM head) and a linear head giving one scalar per position.
+
+    ``head`` may lack a bias (a reward model saved as ``...ForSequenceClassification``); the
+    fresh head made when none is given has one.
+    """
 
     def __init__(self, backbone: PreTrainedModel, head: nn.Linear | None = None) -> None:
         super().__init__()
@@ -79,14 +99,16 @@ class ScalarHeadModel(nn.Module):
     def gradient_checkpointing_enable(self) -> None:
         self.backbone.gradient_checkpointing_enable()
 
-    def save_pretrained(self, directory: str | Path, **_: Any) -> None:
+    def save_pretrained(
+        self, directory: str | Path, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, **_: Any
+    ) -> None:
         """Write the weights as a scalar-model directory (no tokenizer), like a transformers model.
 
         Checkpoints call ``module.save_pretrained``; read the weights back with
-        :func:`scalar_model_weights` (the backbone's file holds its keys without the
-        ``backbone.`` prefix of this module's ``state_dict``).
+        :func:`scalar_model_weights` (the file names the backbone's keys with its
+        ``base_model_prefix`` and the head ``score``, as transformers' classifiers do).
         """
-        save_scalar_model(self, None, Path(directory))
+        save_scalar_model(self, None, Path(directory), max_shard_size=max_shard_size)
 
     def forward(
         self,
@@ -101,54 +123,6 @@ class ScalarHeadModel(nn.Module):
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs
         ).last_hidden_state
         return self.head(hidden).squeeze(-1).float()
-
-
-def save_scalar_model(
-    model: ScalarHeadModel,
-    tokenizer: PreTrainedTokenizerBase | None,
-    directory: Path,
-    trained_by: str = "",
-) -> None:
-    """Write ``model`` (and ``tokenizer``) as a directory :func:`load_scalar_model` reads back."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    with quiet_progress_bars():
-        model.backbone.save_pretrained(directory, safe_serialization=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(directory)
-    head = {
-        "weight": model.head.weight.detach().to("cpu", torch.float32).contiguous(),
-        "bias": model.head.bias.detach().to("cpu", torch.float32).contiguous(),
-    }
-    save_file(head, str(directory / HEAD_FILE))
-    marker = {
-        "format": MARKER_FORMAT,
-        "version": MARKER_VERSION,
-        "hidden_size": int(model.backbone.config.hidden_size),
-        "trained_by": trained_by,
-    }
-    (directory / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
-
-
-def scalar_model_weights(directory: Path) -> dict[str, torch.Tensor]:
-    """The ``state_dict`` of the :class:`ScalarHeadModel` saved in ``directory`` (checkpoints)."""
-    directory = Path(directory)
-    try:
-        backbone = load_file(str(directory / "model.safetensors"))
-        head = load_file(str(directory / HEAD_FILE))
-    except OSError as error:
-        raise ModelLoadError(
-            f"{directory} is not a complete scalar-model directory (model.safetensors and "
-            f"{HEAD_FILE}): {error}"
-        ) from error
-    weights = {f"backbone.{key}": value for key, value in backbone.items()}
-    weights.update({f"head.{key}": value for key, value in head.items()})
-    return weights
-
-
-def has_trained_head(directory: Path) -> bool:
-    """Whether ``directory`` holds a scalar head flowrl wrote (not just a backbone)."""
-    return (Path(directory) / MARKER_FILE).is_file()
 
 
 def resolve_scalar_model_path(
@@ -170,12 +144,13 @@ def load_scalar_model(
     dtype: DtypeName = "fp32",
     device: str = "cpu",
     base_dir: Path | None = None,
-    require_trained_head: bool = False,
+    kind: ScalarKind = "value",
+    options: HubOptions = HubOptions(),
 ) -> tuple[ScalarHeadModel, PreTrainedTokenizerBase]:
     """Load a value or reward model and its tokenizer onto ``device`` in ``dtype``.
 
-    ``require_trained_head`` (set it for ``kind: reward``) refuses a path whose head would be
-    fresh: a reward model with an untrained head scores every completion 0.
+    A ``kind: reward`` model must come with a trained head: one with a fresh head would
+    score every completion 0.
     """
     if dtype not in TORCH_DTYPES:
         raise ModelLoadError(
@@ -189,25 +164,26 @@ def load_scalar_model(
         )
     source = str(location)
     torch_dtype = TORCH_DTYPES[dtype]
+    kwargs = options.kwargs(local_files_only=True)
     try:
         with quiet_progress_bars():
-            tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
-            config = AutoConfig.from_pretrained(source, local_files_only=True)
+            tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+            config = AutoConfig.from_pretrained(source, **kwargs)
+            classifier = _single_label_classifier(config)
             if isinstance(location, Path) and has_trained_head(location):
-                model = ScalarHeadModel(
-                    _load_backbone(source, torch_dtype, path), _read_head(location)
-                )
-            elif _is_single_label_classifier(config):
-                model = _from_sequence_classifier(source, torch_dtype, path)
+                backbone = _load_backbone(source, torch_dtype, path, kwargs)
+                model = ScalarHeadModel(backbone, _head_for(kind, read_head(location)))
+            elif classifier is not None:
+                model = _from_classifier(classifier, source, torch_dtype, path, kind, kwargs)
             else:
-                if require_trained_head:
+                if kind == "reward":
                     raise ModelLoadError(
                         f"model '{path}' has no trained scalar head (no {MARKER_FILE}, not a "
-                        "...ForSequenceClassification checkpoint with one label), so as a reward "
-                        "model it would score everything 0; use builtin:tiny-rm, a trained reward "
-                        "model directory, or give it kind: value"
+                        "...ForSequenceClassification or ...ForTokenClassification checkpoint with "
+                        "one label), so as a reward model it would score everything 0; use "
+                        "builtin:tiny-rm, a trained reward model directory, or give it kind: value"
                     )
-                model = ScalarHeadModel(_load_backbone(source, torch_dtype, path))
+                model = ScalarHeadModel(_load_backbone(source, torch_dtype, path, kwargs))
     except (OSError, ValueError, KeyError) as error:
         hint = (
             " (hub names are read from the local Hugging Face cache only; download the model "
@@ -215,18 +191,25 @@ def load_scalar_model(
             if isinstance(location, str)
             else ""
         )
-        raise ModelLoadError(
-            f"cannot load scalar model '{path}' from {source}: {error}{hint}"
-        ) from error
+        raise load_error(path, source, options, error, hint) from error
     _set_padding(tokenizer, path)
     return model.to(device), tokenizer
 
 
-def _load_backbone(source: str, torch_dtype: torch.dtype, path: str) -> PreTrainedModel:
-    """The base model of a checkpoint; its LM head, if any, is left unread."""
+def _head_for(kind: ScalarKind, head: nn.Linear) -> nn.Linear:
+    """A critic's head gets a bias (0) if the saved one had none; a reward model's stays."""
+    if kind == "reward" or head.bias is not None:
+        return head
+    return copy_head(head.weight, None, with_bias=True)
+
+
+def _load_backbone(
+    source: str, torch_dtype: torch.dtype, path: str, kwargs: dict[str, Any]
+) -> PreTrainedModel:
+    """The base model of a checkpoint; its LM head or score layer, if any, is left unread."""
     with _quiet_load_report():
         backbone, info = AutoModel.from_pretrained(
-            source, dtype=torch_dtype, local_files_only=True, output_loading_info=True
+            source, dtype=torch_dtype, output_loading_info=True, **kwargs
         )
     # An LM head in the checkpoint is expected and dropped; missing backbone weights are not
     # (they would stay randomly initialised without a word).
@@ -252,45 +235,38 @@ def _quiet_load_report() -> Iterator[None]:
         hf_logging.set_verbosity(before)
 
 
-def _read_head(directory: Path) -> nn.Linear:
-    try:
-        tensors = load_file(str(directory / HEAD_FILE))
-        weight, bias = tensors["weight"], tensors["bias"]
-    except (OSError, KeyError) as error:
-        raise ModelLoadError(
-            f"{directory} is marked as a scalar model ({MARKER_FILE}) but its {HEAD_FILE} is "
-            f"missing or lacks 'weight'/'bias': {error}; rebuild or re-save the model"
-        ) from error
-    head = nn.Linear(weight.shape[1], weight.shape[0])
-    with torch.no_grad():
-        head.weight.copy_(weight)
-        head.bias.copy_(bias)
-    return head
+def _single_label_classifier(config: Any) -> type | None:
+    """The Auto class of a checkpoint that is a one-label sequence or token classifier."""
+    if getattr(config, "num_labels", 0) != 1:
+        return None
+    for name in getattr(config, "architectures", None) or []:
+        if name.endswith("ForSequenceClassification"):
+            return AutoModelForSequenceClassification
+        if name.endswith("ForTokenClassification"):
+            return AutoModelForTokenClassification
+    return None
 
 
-def _is_single_label_classifier(config: Any) -> bool:
-    architectures = getattr(config, "architectures", None) or []
-    return any(name.endswith("ForSequenceClassification") for name in architectures) and (
-        getattr(config, "num_labels", 0) == 1
-    )
-
-
-def _from_sequence_classifier(source: str, torch_dtype: torch.dtype, path: str) -> ScalarHeadModel:
+def _from_classifier(
+    auto_class: type,
+    source: str,
+    torch_dtype: torch.dtype,
+    path: str,
+    kind: ScalarKind,
+    kwargs: dict[str, Any],
+) -> ScalarHeadModel:
     with _quiet_load_report():
-        classifier = AutoModelForSequenceClassification.from_pretrained(
-            source, dtype=torch_dtype, local_files_only=True
+        classifier = auto_class.from_pretrained(  # type: ignore[attr-defined]
+            source, dtype=torch_dtype, **kwargs
         )
-    score = getattr(classifier, "score", None)
+    score = getattr(classifier, SCORE, None)
     if not isinstance(score, nn.Linear):
         raise ModelLoadError(
-            f"reward model '{path}' is a {type(classifier).__name__} without a linear 'score' "
+            f"model '{path}' is a {type(classifier).__name__} without a linear '{SCORE}' "
             "layer; only decoder classifiers (Llama, Qwen, Mistral, ...) are supported"
         )
-    head = nn.Linear(score.in_features, 1)
-    with torch.no_grad():
-        head.weight.copy_(score.weight)
-        # Decoder classifiers have no bias on their score layer.
-        head.bias.copy_(score.bias if score.bias is not None else torch.zeros(1))
+    # Decoder sequence classifiers have no bias on their score layer; a critic gets one (0).
+    head = copy_head(score.weight, score.bias, with_bias=kind == "value" or score.bias is not None)
     return ScalarHeadModel(classifier.base_model, head)
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from flowrl.backends.hf import load_causal_lm
+from flowrl.backends.hf import HubOptions, load_causal_lm
 from flowrl.backends.value_model import load_scalar_model
 
 @dataclass
@@ -36,14 +36,19 @@ class ModelState:
         base_dir: Path | None,
         gradient_checkpointing: bool = False,
         kind: str = "policy",
+        options: HubOptions = HubOptions(),
     ) -> "ModelState":
+        """``options``: the model's hub revision and whether its own code may run."""
         if kind == "policy":
-            module, tokenizer = load_causal_lm(path, dtype=dtype, device=device, base_dir=base_dir)
-        else:
+            module, tokenizer = load_causal_lm(path, dtype=dtype, device=device, base_dir=base_dir, options=options)
+        elif kind in ("value", "reward"):
             # A reward model must come with a trained head; a critic may start from a fresh one.
             module, tokenizer = load_scalar_model(
-                path, dtype=dtype, device=device, base_dir=base_dir, require_trained_head=(kind == "reward")
+                path, dtype=dtype, device=device, base_dir=base_dir,
+                kind="reward" if kind == "reward" else "value", options=options,
             )
+        else:
+            raise ValueError(f"model kind '{kind}' is not one of policy, value, reward")
         if gradient_checkpointing:
             module.gradient_checkpointing_enable()
         generator = torch.Generator(device=device)

@@ -1,9 +1,12 @@
 """Saving and restoring one model's full state, on the worker that holds it.
 
-Weights go to safetensors through ``save_pretrained`` (so a checkpoint of a policy is a
-model directory ``from_pretrained`` can open); optimizer, sampling RNG and update count go
-to ``state.pt``, read back with ``weights_only=True`` so loading never runs pickled code.
-The driver makes the step directory appear atomically (temp name, then rename).
+Weights go to safetensors through ``save_pretrained``, in files of at most
+``trainer.max_shard_size`` (a bigger model is written as ``model-0000i-of-0000N.safetensors``
+plus ``model.safetensors.index.json``), so a checkpoint of a policy is a model directory
+``from_pretrained`` can open and one of a critic or reward model a classifier directory (see
+:mod:`flowrl.backends.scalar_files`). Optimizer, sampling RNG and update count go to
+``state.pt``, read back with ``weights_only=True`` so loading never runs pickled code. The
+driver makes the step directory appear atomically (temp name, then rename).
 """
 
 from __future__ import annotations
@@ -11,19 +14,21 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from flowrl.backends.value_model import ScalarHeadModel, scalar_model_weights
-from flowrl.errors import CheckpointError
+from flowrl.backends.weight_files import INDEX_NAME, WEIGHTS_NAME, has_weights, read_weights, shard_size_bytes
+from flowrl.errors import CheckpointError, ModelLoadError
 from flowrl.roles.state import ModelState
 
 STATE_FILE = "state.pt"
 
 
-def save_model_state(state: ModelState, directory: Path, with_state: bool) -> None:
+def save_model_state(state: ModelState, directory: Path, with_state: bool, max_shard_size: str) -> None:
+    """Write ``state``'s weights (and tokenizer; with ``with_state`` also optimizer, RNG and
+    update count) to ``directory``, weights in files of at most ``max_shard_size``."""
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        state.module.save_pretrained(directory, safe_serialization=True)
+        state.module.save_pretrained(directory, max_shard_size=shard_size_bytes(max_shard_size))
         if state.tokenizer is not None:
             state.tokenizer.save_pretrained(directory)
         if with_state:
@@ -40,13 +45,21 @@ def save_model_state(state: ModelState, directory: Path, with_state: bool) -> No
 
 
 def load_model_state(state: ModelState, directory: Path, parts: tuple[str, ...] | None = None) -> None:
-    weights_file = directory / "model.safetensors"
-    if not weights_file.exists():
-        raise CheckpointError(f"checkpoint of '{state.name}' has no {weights_file.name} in {directory}")
-    # A value/reward model's backbone file has no "backbone." prefix: read it as a whole.
-    weights = (
-        scalar_model_weights(directory) if isinstance(state.module, ScalarHeadModel) else load_file(str(weights_file))
-    )
+    """Restore ``state`` from a directory :func:`save_model_state` wrote, sharded or not;
+    ``parts`` limits what is taken (None: all)."""
+    if not has_weights(directory):
+        raise CheckpointError(
+            f"checkpoint of '{state.name}' in {directory} has no weights: expected {WEIGHTS_NAME} "
+            f"or {INDEX_NAME} with its shards; resume from another checkpoint or start afresh"
+        )
+    try:
+        # A value/reward model's file names the backbone with its own prefix and the head
+        # "score": read it as a whole, renamed to the module's keys.
+        weights = (
+            scalar_model_weights(directory) if isinstance(state.module, ScalarHeadModel) else read_weights(directory)
+        )
+    except (OSError, ValueError, KeyError, ModelLoadError) as error:
+        raise CheckpointError(f"cannot read the weights of '{state.name}' in {directory}: {error}") from error
     state_file = directory / STATE_FILE
     try:
         saved = torch.load(state_file, weights_only=True) if state_file.exists() else {}

@@ -26,6 +26,7 @@ from typing import Any, Callable
 import psutil
 import torch
 
+from flowrl.backends.hf import HubOptions
 from flowrl.backends.value_model import ScalarHeadModel
 from flowrl.profiler import DeviceSampler
 from flowrl.records import DeviceSample
@@ -97,6 +98,7 @@ class RoleHost:
             base_dir=self.base_dir,
             gradient_checkpointing=spec.gradient_checkpointing,
             kind=spec.kind,
+            options=HubOptions(revision=spec.revision, trust_remote_code=spec.trust_remote_code),
         )
         self.models[name] = state
         num_parameters = sum(p.numel() for p in state.module.parameters())
@@ -368,9 +370,11 @@ class RoleHost:
         return self._sampler.read()
 
     # ---- checkpoints --------------------------------------------------------------
-    def save_models(self, directory: str, names: list[str], with_state: bool) -> None:
+    def save_models(self, directory: str, names: list[str], with_state: bool, max_shard_size: str) -> None:
+        """Write models to ``directory/<name>/``, weights in files of at most ``max_shard_size``
+        (``trainer.max_shard_size``, which the driver passes with each call)."""
         for name in names:
-            checkpoint.save_model_state(self.models[name], Path(directory) / name, with_state=with_state)
+            checkpoint.save_model_state(self.models[name], Path(directory) / name, with_state, max_shard_size)
 
     def load_models(self, directory: str, names: list[str], parts: tuple[str, ...] | None = None) -> None:
         """Restore models from a checkpoint; ``parts`` limits what is taken (None: all)."""

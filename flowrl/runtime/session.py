@@ -219,14 +219,19 @@ class Session:
         }
 
     def save_models(self, directory: Path, with_state: bool) -> None:
-        """Each trained model is written by the worker that holds it, all at once. With
-        ``with_state``, the sampling RNG of every other copy goes to ``generators.pt`` beside
-        it, so a resumed run samples as an uninterrupted one would."""
+        """Each trained model is written by the worker that holds it, all at once, its weights
+        split into files of at most ``trainer.max_shard_size``. With ``with_state``, the
+        sampling RNG of every other copy goes to ``generators.pt`` beside it, so a resumed run
+        samples as an uninterrupted one would."""
         by_slot: dict[str, list[str]] = {}
         for model, slot in self.trained_models().items():
             by_slot.setdefault(slot, []).append(model)
         # Actor calls run concurrently on their workers; wait for all of them.
-        calls = [self.hosts[slot].save_models(str(directory), models, with_state) for slot, models in by_slot.items()]
+        shard_size = self.pipeline.spec.trainer.max_shard_size
+        calls = [
+            self.hosts[slot].save_models(str(directory), models, with_state, shard_size)
+            for slot, models in by_slot.items()
+        ]
         copies = self._other_copies() if with_state else []
         exports = [(model, slot, self.hosts[slot].export_state(model, ("generator",))) for model, slot in copies]
         for call in calls:

@@ -1,16 +1,24 @@
-"""Loading models: builtin names, local directories, hub names without network."""
+"""Loading models: builtin names, local directories, hub names without network, revisions and
+models that bring their own code."""
 
 from __future__ import annotations
 
+import json
 import shutil
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from transformers import dynamic_module_utils
 
-from flowrl.backends import hf
-from flowrl.backends.hf import load_causal_lm, resolve_model_path
-from flowrl.errors import ModelLoadError
+from flowrl.backends import hf, value_model
+from flowrl.backends.hf import HubOptions, load_causal_lm, resolve_model_path
+from flowrl.errors import ModelLoadError, RemoteCodeNotTrusted
+from flowrl.roles.state import ModelState
+from flowrl.runtime.host import RoleHost
+from flowrl.spec.schema import ModelSpec
 
 MISSING_HUB_NAME = "flowrl-tests/no-such-model"
 
@@ -101,3 +109,112 @@ def test_offline_flag_is_read_at_call_time(monkeypatch: pytest.MonkeyPatch) -> N
 def test_unknown_dtype(tiny_llama_dir: Path) -> None:
     with pytest.raises(ModelLoadError, match="unknown dtype 'fp8'"):
         load_causal_lm(str(tiny_llama_dir), "fp8")  # type: ignore[arg-type]
+
+
+def test_hub_name_offline_names_the_revision(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelLoadError) as raised:
+        load_causal_lm(MISSING_HUB_NAME, "fp32", options=HubOptions(revision="v1.2"))
+    message = str(raised.value)
+    assert message.startswith(f"model '{MISSING_HUB_NAME}' at revision 'v1.2' is not a local directory")
+    assert f"hf download {MISSING_HUB_NAME} --revision v1.2" in message
+
+
+def _spy(monkeypatch: pytest.MonkeyPatch, module: object, names: tuple[str, ...]) -> list[tuple[str, dict]]:
+    """Record the keyword arguments of each ``Auto*.from_pretrained`` in ``module``, then load."""
+    seen: list[tuple[str, dict]] = []
+    for name in names:
+        auto = getattr(module, name)
+
+        class Spy:
+            original = auto
+
+            @classmethod
+            def from_pretrained(cls, source: object, **kwargs: object) -> object:
+                seen.append((cls.original.__name__, dict(kwargs)))
+                return cls.original.from_pretrained(source, **kwargs)
+
+        monkeypatch.setattr(module, name, Spy)
+    return seen
+
+
+def test_revision_and_trust_remote_code_reach_every_from_pretrained(
+    monkeypatch: pytest.MonkeyPatch, tiny_llama_dir: Path
+) -> None:
+    seen = _spy(monkeypatch, hf, ("AutoTokenizer", "AutoModelForCausalLM"))
+    load_causal_lm(str(tiny_llama_dir), "fp32", options=HubOptions(revision="main", trust_remote_code=True))
+    assert [name for name, _ in seen] == ["AutoTokenizer", "AutoModelForCausalLM"]
+    for _, kwargs in seen:
+        assert kwargs["revision"] == "main" and kwargs["trust_remote_code"] is True
+    seen.clear()
+    load_causal_lm(str(tiny_llama_dir), "fp32")
+    # False, never None: None makes transformers ask on stdin
+    assert all(kwargs["trust_remote_code"] is False and kwargs["revision"] is None for _, kwargs in seen)
+
+    seen = _spy(monkeypatch, value_model, ("AutoTokenizer", "AutoConfig", "AutoModel"))
+    value_model.load_scalar_model(str(tiny_llama_dir), options=HubOptions(revision="abc123", trust_remote_code=True))
+    assert [name for name, _ in seen] == ["AutoTokenizer", "AutoConfig", "AutoModel"]
+    assert all(kwargs["revision"] == "abc123" and kwargs["trust_remote_code"] is True for _, kwargs in seen)
+
+
+CUSTOM_MODULE = '''
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+class CustomConfig(LlamaConfig):
+    model_type = "flowrl_custom"
+
+
+class CustomForCausalLM(LlamaForCausalLM):
+    config_class = CustomConfig
+'''
+
+
+@pytest.fixture()
+def custom_code_dir(tmp_path: Path, tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """tiny-llama under an architecture transformers lacks, its code in the folder (auto_map)."""
+    # transformers copies a model's code into HF_MODULES_CACHE and imports it from there
+    monkeypatch.setattr(dynamic_module_utils, "HF_MODULES_CACHE", str(tmp_path / "modules"))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    directory = tmp_path / "custom"
+    shutil.copytree(tiny_llama_dir, directory)
+    (directory / "custom_lm.py").write_text(CUSTOM_MODULE)
+    config = json.loads((directory / "config.json").read_text())
+    config["model_type"] = "flowrl_custom"
+    config["architectures"] = ["CustomForCausalLM"]
+    config["auto_map"] = {
+        "AutoConfig": "custom_lm.CustomConfig",
+        "AutoModelForCausalLM": "custom_lm.CustomForCausalLM",
+    }
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def test_a_model_with_its_own_code_needs_trust_remote_code(custom_code_dir: Path, tiny_llama_dir: Path) -> None:
+    with pytest.raises(RemoteCodeNotTrusted) as raised:
+        load_causal_lm(str(custom_code_dir), "fp32")
+    assert str(raised.value).startswith(f"model '{custom_code_dir}' runs its own Python code")
+    assert "set trust_remote_code: true on this model" in str(raised.value)
+
+    model, tokenizer = load_causal_lm(str(custom_code_dir), "fp32", options=HubOptions(trust_remote_code=True))
+    assert type(model).__name__ == "CustomForCausalLM" and tokenizer.padding_side == "left"
+    reference, _ = load_causal_lm(str(tiny_llama_dir), "fp32")
+    for key, value in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+    with pytest.raises(RemoteCodeNotTrusted, match="trust_remote_code: true"):
+        value_model.load_scalar_model(str(custom_code_dir), kind="value")
+
+
+def test_a_worker_loads_with_the_models_revision_and_trust_remote_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[dict] = []
+
+    def load(cls: type, name: str, path: str, **kwargs: object) -> object:
+        calls.append(kwargs)
+        return SimpleNamespace(module=torch.nn.Linear(2, 1))
+
+    monkeypatch.setattr(ModelState, "load", classmethod(load))
+    host = SimpleNamespace(device="cpu", device_name="cpu-0", base_dir=None, models={})
+    spec = ModelSpec(path="org/model", kind="value", revision="refs/pr/7", trust_remote_code=True)
+    RoleHost.load_model(host, "critic", spec, seed=0)  # type: ignore[arg-type]
+    assert calls[0]["kind"] == "value"
+    assert calls[0]["options"] == HubOptions(revision="refs/pr/7", trust_remote_code=True)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForSequenceClassification
 
 from flowrl.backends.builtin import CACHE_ENV_VAR
 from flowrl.backends.tiny_rm import (
@@ -41,7 +42,7 @@ def test_fit_is_recorded_and_holds_on_fresh_held_out_strings(
     recorded = read_fit(directory)
     assert recorded.correlation > 0.8 and recorded.num_steps == TinyRMRecipe().num_steps
     monkeypatch.setenv(CACHE_ENV_VAR, str(cache))
-    model, tokenizer = load_scalar_model("builtin:tiny-rm", require_trained_head=True)
+    model, tokenizer = load_scalar_model("builtin:tiny-rm", kind="reward")
     fit = evaluate_fit(model, tokenizer, "digits", random.Random("a test's own strings"), 256)
     assert fit.correlation > 0.8
     assert fit.mse < 0.25 * fit.target_std**2  # explains more than 3/4 of the variance
@@ -49,9 +50,25 @@ def test_fit_is_recorded_and_holds_on_fresh_held_out_strings(
 
 def test_second_call_reuses_the_cache(cache: Path) -> None:
     directory = tiny_rm_dir("digits", cache)
-    stamp = (directory / "value_head.safetensors").stat().st_mtime_ns
+    stamp = (directory / "model.safetensors").stat().st_mtime_ns
     assert tiny_rm_dir("digits", cache) == directory
-    assert (directory / "value_head.safetensors").stat().st_mtime_ns == stamp
+    assert (directory / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_it_is_a_transformers_sequence_classifier_scoring_like_flowrl(cache: Path) -> None:
+    directory = tiny_rm_dir("digits", cache)
+    assert directory.name == f"tiny-rm-digits-v{TinyRMRecipe().version}"
+    opened = AutoModelForSequenceClassification.from_pretrained(directory)
+    model, tokenizer = load_scalar_model(str(directory), kind="reward")
+    encoded = tokenizer(
+        ["abcdefgh=1234", "qwertyui=x9"], return_tensors="pt", padding=True, add_special_tokens=False
+    )
+    mask = encoded["attention_mask"]
+    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+    with torch.no_grad():
+        theirs = opened(input_ids=encoded["input_ids"], attention_mask=mask, position_ids=positions).logits[:, 0]
+        ours = model(encoded["input_ids"], mask, positions)[:, -1]  # left-padded: the last column
+    torch.testing.assert_close(theirs, ours)
 
 
 def test_as_a_score_node_it_prefers_digits(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
-from transformers import AutoModelForCausalLM
+import torch
+import yaml
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, LlamaForTokenClassification
 
 from flowrl.api.run import run
-from flowrl.spec.loader import load_pipeline
+from flowrl.backends.weight_files import read_weights
+from flowrl.graph import PipelineGraph
+from flowrl.spec.loader import load_pipeline, pipeline_from_dict
 
 pytestmark = pytest.mark.integration
 
@@ -33,6 +38,53 @@ def test_ppo_tiny_learns_with_critic_reward_model_and_kl_penalty(tmp_path: Path)
     plan = json.loads((output / "plan-0.json").read_text())
     # four groups on two CPU slots: they share round-robin
     assert set(plan["runtime"]["node_slots"].values()) == {"cpu-0", "cpu-1"}
-    # final/ is the actor; the trained critic sits beside it
+    # final/ is the actor; the trained critic sits beside it, a token classifier transformers opens
     AutoModelForCausalLM.from_pretrained(output / "final")
-    assert (output / "final" / "critic" / "value_head.safetensors").exists()
+    assert isinstance(AutoModelForTokenClassification.from_pretrained(output / "final" / "critic"), LlamaForTokenClassification)
+
+
+def _ppo(output: Path, steps: int) -> PipelineGraph:
+    data = yaml.safe_load((ROOT / "pipelines" / "ppo_tiny.yaml").read_text())
+    data["trainer"].update(steps=steps, output_dir=str(output), checkpoint_every=2, max_shard_size="1MB")
+    return pipeline_from_dict(data)
+
+
+def test_sharded_checkpoints_resume_to_the_weights_of_an_uninterrupted_run(tmp_path: Path) -> None:
+    """tiny-llama is ~2 MB in fp32: with max_shard_size 1MB the actor and the critic are written
+    in shards with an index, in the checkpoint and in final/, and a run resumed from the
+    sharded checkpoint ends where an uninterrupted one does."""
+    whole = tmp_path / "whole"
+    run(_ppo(whole, steps=4))
+    checkpoint = whole / "checkpoints" / "step-2"
+    manifest = json.loads((checkpoint / "trainer_state.json").read_text())["files"]
+    for model in ("actor", "critic"):
+        shards = sorted(p.name for p in (checkpoint / model).glob("model-*-of-*.safetensors"))
+        assert len(shards) > 1 and not (checkpoint / model / "model.safetensors").exists()
+        for name in [*shards, "model.safetensors.index.json"]:
+            assert f"{model}/{name}" in manifest  # sealed by the checkpoint's SHA-256 manifest
+
+    # the folder as a run killed after its step-2 checkpoint leaves it: no final/, not finished
+    resumed = tmp_path / "resumed"
+    shutil.copytree(whole, resumed, ignore=shutil.ignore_patterns("final"))
+    info = json.loads((resumed / "run.json").read_text())
+    (resumed / "run.json").write_text(json.dumps({**info, "finished_steps": None}))
+    config = (resumed / "config.yaml").read_text().replace(str(whole), str(resumed))
+    (resumed / "config.yaml").write_text(config)
+    result = run(_ppo(resumed, steps=4), resume=True)
+    assert [record.step for record in result.records] == [3, 4]
+
+    for folder in ("final", "final/critic"):
+        assert len(list((resumed / folder).glob("model-*-of-*.safetensors"))) > 1
+        expected, actual = read_weights(whole / folder), read_weights(resumed / folder)
+        assert expected.keys() == actual.keys()
+        for key in expected:
+            torch.testing.assert_close(actual[key], expected[key], rtol=0, atol=1e-6)
+    # transformers opens both as they are, shards and all
+    opened = {
+        "final": AutoModelForCausalLM.from_pretrained(resumed / "final"),
+        "final/critic": AutoModelForTokenClassification.from_pretrained(resumed / "final" / "critic"),
+    }
+    for folder, model in opened.items():
+        state = model.state_dict()
+        for key, value in read_weights(resumed / folder).items():
+            assert torch.equal(state[key], value), f"{folder}: {key}"

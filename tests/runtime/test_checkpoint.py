@@ -1,0 +1,120 @@
+"""A model's checkpoint: weights split at ``max_shard_size``, read back whole, sealed by the manifest."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+from flowrl.api.outputs import RunFolder
+from flowrl.api.recovery import checkpoint_problem
+from flowrl.backends.weight_files import INDEX_NAME, WEIGHTS_NAME, read_weights, shard_size_bytes
+from flowrl.errors import CheckpointError
+from flowrl.roles.state import ModelState
+from flowrl.runtime.checkpoint import STATE_FILE, load_model_state, save_model_state
+from tests.tiny_models import model_state, tiny_policy, tiny_scalar_model
+
+
+def _trained(state: ModelState) -> ModelState:
+    """One optimizer step, so the weights differ from a fresh model's and Adam has state."""
+    optimizer = state.ensure_optimizer(1e-2, (0.9, 0.999), 0.0)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    out = state.module(input_ids=ids)
+    loss = (out.logits if hasattr(out, "logits") else out).float().pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    state.num_updates = 1
+    state.generator.manual_seed(123)
+    return state
+
+
+def _shards(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.glob("model-*.safetensors"))
+
+
+def test_a_policy_above_the_shard_size_is_written_in_shards_and_resumed_whole(tmp_path: Path) -> None:
+    saved = _trained(model_state("actor", tiny_policy(seed=0)))
+    directory = tmp_path / "step-1" / "actor"
+    save_model_state(saved, directory, with_state=True, max_shard_size="20KB")
+
+    shards = _shards(directory)
+    assert len(shards) > 1 and shards[-1] == f"model-{len(shards):05d}-of-{len(shards):05d}.safetensors"
+    assert (directory / INDEX_NAME).is_file() and not (directory / WEIGHTS_NAME).exists()
+    # transformers opens the sharded directory as it is
+    opened = AutoModelForCausalLM.from_pretrained(directory)
+    for key, value in saved.module.state_dict().items():
+        assert torch.equal(opened.state_dict()[key], value), key
+
+    resumed = model_state("actor", tiny_policy(seed=1), seed=1)
+    load_model_state(resumed, directory)
+    for key, value in saved.module.state_dict().items():
+        assert torch.equal(resumed.module.state_dict()[key], value), key
+    assert resumed.num_updates == 1 and torch.equal(resumed.generator.get_state(), saved.generator.get_state())
+    assert resumed.optimizer is not None
+    assert str(resumed.optimizer.state_dict()["state"]) == str(saved.optimizer.state_dict()["state"])  # type: ignore[union-attr]
+
+
+def test_a_critic_checkpoint_is_sharded_too_and_opens_as_a_token_classifier(tmp_path: Path) -> None:
+    saved = _trained(model_state("critic", tiny_scalar_model(seed=0)))
+    directory = tmp_path / "critic"
+    save_model_state(saved, directory, with_state=False, max_shard_size="20KB")
+    assert len(_shards(directory)) > 1 and not (directory / STATE_FILE).exists()
+    resumed = model_state("critic", tiny_scalar_model(seed=1))
+    load_model_state(resumed, directory, parts=("weights",))
+    for key, value in saved.module.state_dict().items():
+        assert torch.equal(resumed.module.state_dict()[key], value), key
+    opened = AutoModelForTokenClassification.from_pretrained(directory)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        torch.testing.assert_close(opened(input_ids=ids).logits[..., 0], saved.module(input_ids=ids))
+
+
+def test_a_small_model_stays_one_file(tmp_path: Path) -> None:
+    save_model_state(model_state("actor", tiny_policy()), tmp_path, with_state=False, max_shard_size="5GB")
+    assert (tmp_path / WEIGHTS_NAME).is_file() and not (tmp_path / INDEX_NAME).exists() and not _shards(tmp_path)
+
+
+def test_the_manifest_covers_every_shard_and_the_index(tmp_path: Path) -> None:
+    folder = RunFolder(tmp_path)
+    for step in (2, 4):
+        staging = folder.checkpoint_staging(step)
+        save_model_state(model_state("actor", tiny_policy()), staging / "actor", True, max_shard_size="20KB")
+        assert checkpoint_problem(folder.commit_checkpoint(staging, step, {}, keep=2)) is None
+    second = _shards(folder.checkpoints / "step-2" / "actor")[1]
+    (folder.checkpoints / "step-2" / "actor" / second).unlink()
+    assert checkpoint_problem(folder.checkpoints / "step-2") == f"missing files: actor/{second}"
+    (folder.checkpoints / "step-4" / "actor" / INDEX_NAME).write_text("{}")
+    assert checkpoint_problem(folder.checkpoints / "step-4") == (
+        f"corrupt files (checksum differs): actor/{INDEX_NAME}"
+    )
+
+
+def test_a_checkpoint_without_weights_or_with_a_lost_shard_is_a_checkpoint_error(tmp_path: Path) -> None:
+    state = model_state("actor", tiny_policy())
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="has no weights: expected model.safetensors or model.safetensors.index.json"):
+        load_model_state(state, tmp_path / "empty")
+    save_model_state(state, tmp_path / "cut", with_state=False, max_shard_size="20KB")
+    (tmp_path / "cut" / _shards(tmp_path / "cut")[0]).unlink()
+    with pytest.raises(CheckpointError, match="cannot read the weights of 'actor'"):
+        load_model_state(state, tmp_path / "cut")
+
+
+def test_shard_sizes_in_decimal_and_binary_units() -> None:
+    assert shard_size_bytes("5GB") == 5 * 10**9
+    assert shard_size_bytes("500MB") == 500 * 10**6
+    assert shard_size_bytes("2GiB") == 2 * 2**30
+    assert shard_size_bytes("64KiB") == 65536
+    with pytest.raises(ValueError, match="like 500MB or 2GiB"):
+        shard_size_bytes("5 gigabytes")
+
+
+def test_read_weights_takes_only_the_named_tensors(tmp_path: Path) -> None:
+    module = tiny_policy()
+    module.save_pretrained(tmp_path, max_shard_size=shard_size_bytes("20KB"))
+    name = "model.norm.weight"
+    assert read_weights(tmp_path, [name]).keys() == {name}
+    with pytest.raises(KeyError, match="no.such"):
+        read_weights(tmp_path, ["no.such"])
