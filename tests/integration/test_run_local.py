@@ -61,4 +61,5 @@ def test_grpo_on_local_cluster_learns_and_writes_outputs(tmp_path: Path, make_pi
     assert any((a - b).abs().max() > 0 for a, b in zip(model.parameters(), start.parameters()))
 
     events = [json.loads(line)["kind"] for line in (output / "events.jsonl").read_text().splitlines()]
-    assert events[0] == "cluster" and "placement" in events and events[-1] == "final"
+    # what the data is comes first (read before any worker starts), then the cluster
+    assert events[0] == "data" and events[1] == "cluster" and "placement" in events and events[-1] == "final"
