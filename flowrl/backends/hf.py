@@ -64,10 +64,13 @@ def resolve_model_path(path: str, base_dir: Path | None = None) -> Path | str:
     if path.startswith(BUILTIN_PREFIX):
         name = path[len(BUILTIN_PREFIX):]
         # Imported here: tiny_rm -> value_model -> this module.
+        from flowrl.backends.arith_model import FITTED_POLICIES
         from flowrl.backends.tiny_rm import BUILTIN_SCALAR_MODELS
 
         if name in BUILTIN_SCALAR_MODELS:
             return BUILTIN_SCALAR_MODELS[name](None)
+        if name in FITTED_POLICIES:
+            return FITTED_POLICIES[name](None)
         return builtin_model_dir(name)
     candidates = [Path(path).expanduser()]
     if base_dir is not None and not candidates[0].is_absolute():

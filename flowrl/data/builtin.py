@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from flowrl.data.arith import arith_dataset_dir
 from flowrl.data.examples import PromptExample
 
 PROMPT_LETTERS = 8
@@ -62,6 +63,6 @@ BUILTIN_TASKS: dict[str, BuiltinTask] = {
 }
 """Task name (``data.source: builtin:NAME``) -> task."""
 
-BUILTIN_DATASETS: dict[str, Callable[[Path | None], Path]] = {}
+BUILTIN_DATASETS: dict[str, Callable[[Path | None], Path]] = {"arith": arith_dataset_dir}
 """Dataset name (``data.source: builtin:NAME``) -> a function that writes the dataset once
 (into the cache folder given, or the default one) and returns its folder of split files."""

@@ -99,6 +99,7 @@ _BUILTIN = {
     "tiny-llama": ModelShape(2, 128, 4, 4, 512, BUILTIN_VOCAB_SIZE),
     "small-llama": ModelShape(4, 256, 4, 4, 1024, BUILTIN_VOCAB_SIZE),
     "tiny-rm": ModelShape(2, 128, 4, 4, 512, BUILTIN_VOCAB_SIZE),
+    "arith-llama": ModelShape(2, 128, 4, 4, 512, BUILTIN_VOCAB_SIZE),
     "qwen2-0.4b": ModelShape(24, 896, 14, 2, 4864, 32_000, tie_embeddings=True),
 }
 
