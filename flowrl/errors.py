@@ -84,6 +84,21 @@ class NodeTimeout(ClusterError):
         self.slots = slots
 
 
+class WorkerLost(ClusterError):
+    """Workers that a call waited on left the scheduler (killed, crashed, their machine gone)."""
+
+    def __init__(self, message: str, slots: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.slots = slots
+
+
+class RunStopped(ClusterError):
+    """A run stopped by faults it may not survive (``runtime.max_recoveries``): not the
+    user's mistake, so the exit code is 1; the message names the checkpoint to resume from."""
+
+    exit_code = 1
+
+
 class RewardError(FlowrlError):
     """A reward function that cannot be resolved, or that failed in strict mode."""
 

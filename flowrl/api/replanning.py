@@ -18,7 +18,7 @@ from dataclasses import replace
 from flowrl.api.metrics import timing_name
 from flowrl.api.outputs import RunFolder
 from flowrl.graph import PipelineGraph
-from flowrl.planner.placement import plan_from_compiled
+from flowrl.planner.placement import Plan, plan_from_compiled
 from flowrl.profiler import NodeProfile, alpha_for_window
 from flowrl.records import RunEvent, StepRecord
 from flowrl.runtime.session import Session
@@ -31,16 +31,19 @@ class Replanner:
         self,
         graph: PipelineGraph,
         policy: SchedulerPolicy,
-        session: Session,
+        plan: Plan,
+        slots: list[str],
         folder: RunFolder,
         emit: Callable[[RunEvent], None],
     ) -> None:
         self.graph = graph
         self.policy = policy
-        self.session = session
+        self.plan = plan
+        """The plan the runtime runs (or is to run when a session is built on it next)."""
+        self.session: Session | None = None
         self.folder = folder
         self.emit = emit
-        self.slots = [slot.name for slot in session.cluster.slots]
+        self.slots = slots
         self.profile = NodeProfile(alpha_for_window(graph.spec.profiler.ewma_window))
         self.labels = {node: timing_name(graph, node) for node in graph.topological_order()}
 
@@ -58,9 +61,14 @@ class Replanner:
             if record.step < record.num_steps:
                 self._balance(record.step)
 
+    def adopt(self, plan: Plan) -> None:
+        """A plan the runtime chose without the policy (placed onto the survivors of a lost
+        worker): the next session runs it."""
+        self.plan = plan
+
     def _balance(self, step: int) -> None:
         """Split nodes: rows per part proportional to the part's measured speed."""
-        plan = self.session.plan
+        plan = self.plan
         summary = self.profile.summary()
         changed: dict[str, list[float]] = {}
         for node, slots in plan.node_shards.items():
@@ -76,7 +84,9 @@ class Replanner:
             measured = " vs ".join(f"{seconds * 1e3:.0f} ms" for seconds in compute)
             self.emit(RunEvent("shares", f"{node}: rows {parts} (measured {measured})", step, {"node": node, "shares": list(shares)}))
         if changed:
-            self.session.set_shares(changed)
+            self.plan = replace(plan, node_shares={**plan.node_shares, **changed})
+            if self.session is not None:
+                self.session.set_shares(changed)
             for node in changed:  # times measured under the old shares say little now
                 self.profile.forget(node)
 
@@ -96,14 +106,19 @@ class Replanner:
                 )
             )
         plan = plan_from_compiled(self.graph, decision.plan, self.slots)
-        old = self.session.plan
+        old = self.plan
         # learned row shares stay with split nodes whose workers did not change
         kept = {
             node: shares
             for node, shares in old.node_shares.items()
             if node in plan.node_shards and plan.slots_of(node) == old.slots_of(node)
         }
-        result = self.session.apply_plan(replace(plan, node_shares=kept))
+        # The policy now plans from the new placement: a move cut short by a fault is
+        # finished by the session built next, on this plan.
+        self.plan = replace(plan, node_shares=kept)
+        if self.session is None:
+            raise RuntimeError("re-plan without a session")
+        result = self.session.apply_plan(self.plan)
         self.policy.observe_move(decision.move_cost_s, result.seconds)
         self.folder.write_plan(step, {**decision.plan.to_dict(), "runtime": plan.to_dict(), "decision": data})
         data = {**data, "measured_move_s": result.seconds, "moved_bytes": result.num_bytes}

@@ -7,37 +7,32 @@
 
 from __future__ import annotations
 
-import shutil
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from flowrl.api.builder import Pipeline
-from flowrl.api.metrics import step_metrics
 from flowrl.algorithms.kl_control import AdaptiveKLController, FixedKLController
 from flowrl.api.outputs import RunFolder
-from flowrl.api.faults import FaultHandler, NonFiniteGuard
+from flowrl.api.driver import Driver
 from flowrl.api.recovery import FoundCheckpoint, config_changes, newest_checkpoint
 from flowrl.api.replanning import Replanner
 from flowrl.backends.hf import resolve_model_path
 from flowrl.api.data import eval_examples, policy_formatter, training_source
 from flowrl.api.checks import offered_keywords, reward_issues
 from flowrl.api.evaluation import Evaluator
-from flowrl.api.reward_guard import RewardFailureGuard
 from flowrl.data import PromptSource
 from flowrl.devices.groups import offload_notes, pipeline_groups
 from flowrl.devices.inventory import detect_local
 from flowrl.devices.matching import match_groups
 from flowrl.devices.report import inventory_lines, match_lines
-from flowrl.errors import CheckpointError, FlowrlError, SpecError, SpecIssue
+from flowrl.errors import FlowrlError, SpecError, SpecIssue
 from flowrl.graph import PipelineGraph
 from flowrl.planner.cost import measure_cpu_rates
 from flowrl.planner.costs import EstimatedCosts
 from flowrl.planner.placement import node_group, plan_from_compiled, splittable
 from flowrl.records import RunEvent, StepRecord
 from flowrl.runtime.cluster import Cluster
-from flowrl.runtime.session import Session
 from flowrl.scheduler import make_policy, settings_from_spec
 from flowrl.spec.dump import to_yaml
 from flowrl.spec.schema import SHARDABLE_ROLES
@@ -187,115 +182,15 @@ def _train(
     )
     placed = ", ".join(f"{node} -> {'+'.join(plan.slots_of(node))}" for node in plan.node_slots)
     watcher.event(RunEvent("placement", placed, 0))
-    session = Session(cluster, graph, plan, base_dir)
+    replanner = Replanner(graph, policy, plan, slots, folder, watcher.event)
+    result = RunResult(folder.path)
+    driver = Driver(graph, cluster, folder, source, watcher, base_dir, replanner, RewardKL(graph),
+                    evaluator or Evaluator(graph, []), start, result.records, result.evaluations)
     try:
-        sizes = {}
-        for info in session.load_models():
-            sizes[info["model"]] = info["num_parameters"]
-            watcher.event(
-                RunEvent("model", f"{info['model']} on {info['device']}: {info['num_parameters']:,} parameters", 0)
-            )
-        kl = RewardKL(graph)
-        first_step = 1
-        if start is not None:
-            session.load_checkpoint(start.path)
-            kl.load_state_dict(start.trainer_state.get("kl", {}))
-            first_step = start.step + 1
-            dropped = folder.truncate_logs(start.step)
-            watcher.event(RunEvent(
-                "resume", f"resumed from {start.path} at step {first_step} ({dropped} logged steps after it will run again)", start.step))
-        replanner = Replanner(graph, policy, session, folder, watcher.event)
-        faults = FaultHandler(graph, cluster, folder, watcher, base_dir,
-                              sum(sizes.get(model, 0) for model in session.trained_models()))
-        guard = NonFiniteGuard(spec.trainer.max_nonfinite_updates)
-        rewards = RewardFailureGuard(graph)
-        evaluator = evaluator or Evaluator(graph, [])
-        result = RunResult(folder.path)
-        started = time.perf_counter()
-        num_steps = spec.trainer.steps
-        if start is None and evaluator.due(0):
-            values, timings = evaluator.run(session, 0, watcher.event)
-            if values:
-                result.evaluations.append((0, values))
-                folder.append_metrics(StepRecord(0, num_steps, values, elapsed_s=time.perf_counter() - started))
-            for timing in timings:
-                folder.append_node(0, timing)
-        faults.remember(session, first_step - 1, kl)
-        step = first_step
-        while step <= num_steps:
-            replanner.before_step(step)
-            step_started = time.perf_counter()
-            try:
-                batch = source.next_batch(step - 1)
-                reports = session.run_step(step, batch, kl.coefs())
-            except Exception as error:  # noqa: BLE001 - a lost worker is recovered; anything else is re-raised
-                session, step = faults.recover(error, session, step, kl, replanner, result.records)
-                continue
-            step_s = time.perf_counter() - step_started
-            devices = session.sample_devices()
-            metrics, nodes = step_metrics(graph, reports, step_s, num_devices=session.num_slots_in_use)
-            kl.update(reports)
-            metrics.update(source.length_metrics(batch))
-            if evaluator.due(step):
-                values, timings = evaluator.run(session, step, watcher.event)
-                metrics.update(values)
-                if values:
-                    result.evaluations.append((step, values))
-                for timing in timings:
-                    folder.append_node(step, timing)
-            record = StepRecord(step, num_steps, metrics, nodes, devices, time.perf_counter() - started)
-            result.records.append(record)
-            watcher.step(record)
-            guard.check(record, watcher)
-            rewards.check(step, reports, watcher.event)
-            replanner.after_step(record, step_s)
-            every = spec.trainer.checkpoint_every
-            if every and step % every == 0 and step < num_steps:
-                _checkpoint(session, folder, step, spec.trainer.keep_checkpoints, watcher, kl)
-            faults.remember(session, step, kl)
-            step += 1
-        _save_final(session, folder, watcher, num_steps)
-        folder.write_run_info({**folder.read_run_info(), "finished_steps": num_steps})
-        return result
+        driver.run()
     finally:
-        session.close()
-
-
-def _checkpoint(session: Session, folder: RunFolder, step: int, keep: int, watcher: "_Watchers", kl: "RewardKL") -> None:
-    staging = folder.checkpoint_staging(step)
-    try:
-        session.save_models(staging, with_state=True)
-    except Exception as error:
-        folder.discard_staging(staging)
-        raise CheckpointError(
-            f"cannot write checkpoint step-{step} to {staging.parent}: {error}; "
-            "the previous checkpoint is intact (free disk space or fix the folder, then resume)"
-        ) from error
-    final = folder.commit_checkpoint(staging, step, {"kl": kl.state_dict()}, keep)
-    watcher.event(RunEvent("checkpoint", f"saved {final}", step))
-
-
-def _save_final(session: Session, folder: RunFolder, watcher: "_Watchers", step: int) -> None:
-    """final/ is the trained policy's directory (ready for from_pretrained); any other
-    trained model (a critic, which AutoModelForTokenClassification opens) goes to
-    final/<name>/ inside it. Weights are split at ``trainer.max_shard_size`` (Session.save_models)."""
-    staging = folder.path / ".final.tmp"
-    final = folder.path / "final"
-    for path in (staging, final):
-        if path.exists():
-            shutil.rmtree(path)
-    session.save_models(staging, with_state=False)
-    kinds = {name: session.pipeline.spec.models[name].kind for name in session.trained_models()}
-    policies = sorted(name for name, kind in kinds.items() if kind == "policy")
-    if len(policies) == 1:
-        (staging / policies[0]).rename(final)
-        for name in sorted(kinds):
-            if name != policies[0]:
-                (staging / name).rename(final / name)
-        shutil.rmtree(staging)
-    else:
-        staging.rename(final)
-    watcher.event(RunEvent("final", f"saved {final}", step))
+        driver.close()
+    return result
 
 
 def apply_options(graph: PipelineGraph, options: RunOptions) -> PipelineGraph:

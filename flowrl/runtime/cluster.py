@@ -1,8 +1,8 @@
 """Start or join the Dask cluster a run executes on.
 
-Embedded mode starts a ``LocalCluster`` of worker processes in this process, one per
-device slot. Cluster mode joins an existing scheduler; every worker there is one slot.
-Role workers get ``memory_limit=0``: model weights count as unmanaged memory, and the
+Embedded mode starts a local ``SpecCluster`` of worker processes, one per device slot
+(and warm spares, see ``keep_standby``). Cluster mode joins an existing scheduler; every
+worker there is one slot. Role workers get ``memory_limit=0``: model weights count as unmanaged memory, and the
 nanny would otherwise kill a worker that merely holds a model.
 """
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import dask
-from distributed import Client, LocalCluster, Nanny, Scheduler, SpecCluster
+from distributed import Client, Nanny, Scheduler, SpecCluster
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from flowrl.devices.inventory import Inventory, detect_local, inventory_from_dict, merge_inventories
@@ -51,64 +51,34 @@ class Cluster:
 
     @classmethod
     def start_local(cls, num_slots: int, dashboard: bool = False, pin_cpus: bool = False) -> "Cluster":
-        """One worker per CPU slot and, on a machine with GPUs, one more per GPU."""
-        gpus = [device.index for device in detect_local(num_cpu_slots=0).devices if device.kind == "gpu"]
-        if gpus:
-            return cls._start_with_gpus(num_slots, gpus, dashboard, pin_cpus)
-        register()
-        _quiet_worker_config()
-        try:
-            with warnings.catch_warnings():
-                # Without a dashboard the scheduler still serves its small HTTP endpoint
-                # (health, metrics) and warns when port 8787 is taken; any free port will do.
-                warnings.filterwarnings("ignore", message="Port 8787 is already in use")
-                local = LocalCluster(
-                    n_workers=num_slots,
-                    threads_per_worker=1,
-                    processes=True,
-                    memory_limit=0,
-                    host="127.0.0.1",
-                    dashboard_address="127.0.0.1:8787" if dashboard else None,
-                    # Worker failures reach the driver as exceptions; their log echo is noise.
-                    silence_logs=logging.CRITICAL,
-                )
-        except Exception as error:  # any start-up failure is an environment problem
-            raise ClusterError(
-                f"cannot start a local Dask cluster of {num_slots} workers: {error}. Worker processes "
-                "import the main script again: when a script calls flowrl.run, put that call under "
-                "`if __name__ == \"__main__\":`."
-            ) from error
-        client = Client(local, direct_to_workers=True)
-        client.register_plugin(TorchSerializerPlugin())
-        client.register_plugin(IgnoreInterruptPlugin())
-        slots = _slots(client, prefix="cpu-")
-        if pin_cpus:
-            shares = split_cores(sorted(os.sched_getaffinity(0)), len(slots))
-            slots = [replace(slot, cores=share) for slot, share in zip(slots, shares)]
-        return cls(client, slots, local)
+        """One worker per CPU slot and, on a machine with GPUs, one more per GPU.
 
-    @classmethod
-    def _start_with_gpus(cls, num_cpu_slots: int, gpus: list[int], dashboard: bool, pin_cpus: bool) -> "Cluster":
-        """A ``SpecCluster`` (LocalCluster's base) whose GPU workers each see one card:
-        ``CUDA_VISIBLE_DEVICES`` is set in the nanny's environment before the worker process
-        starts, so CUDA in there knows that card alone, as ``cuda:0``."""
+        Every worker is a ``Nanny`` (it restarts a killed worker process under the same name)
+        and preloads ``flowrl.runtime.warm``, so it registers with torch and transformers
+        imported. A GPU worker sees its one card only: ``CUDA_VISIBLE_DEVICES`` is set in the
+        nanny's environment before the worker process starts, so CUDA there knows that card
+        alone, as ``cuda:0``.
+        """
+        gpus = [device.index for device in detect_local(num_cpu_slots=0).devices if device.kind == "gpu"]
         register()
         _quiet_worker_config()
-        worker = {"nthreads": 1, "memory_limit": 0, "host": "127.0.0.1", "silence_logs": logging.CRITICAL}
-        specs: dict[str, dict[str, Any]] = {}
-        for number in range(num_cpu_slots):
-            specs[f"cpu-{number}"] = {"cls": Nanny, "options": {**worker, "name": f"cpu-{number}", "env": {"CUDA_VISIBLE_DEVICES": ""}}}
-        for index in gpus:
-            specs[f"gpu-{index}"] = {"cls": Nanny, "options": {**worker, "name": f"gpu-{index}", "env": {"CUDA_VISIBLE_DEVICES": str(index)}}}
+        specs = {f"cpu-{number}": _worker_spec(f"cpu-{number}", "") for number in range(num_slots)}
+        specs.update({f"gpu-{index}": _worker_spec(f"gpu-{index}", str(index)) for index in gpus})
         scheduler = {
             "cls": Scheduler,
             "options": {"host": "127.0.0.1", "dashboard_address": "127.0.0.1:8787" if dashboard else ":0", "dashboard": dashboard},
         }
         try:
-            spec_cluster = SpecCluster(workers=specs, scheduler=scheduler, silence_logs=logging.CRITICAL)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Port 8787 is already in use")
+                local = SpecCluster(workers=specs, scheduler=scheduler, silence_logs=logging.CRITICAL)
         except Exception as error:  # any start-up failure is an environment problem
-            raise ClusterError(f"cannot start a local Dask cluster with {len(gpus)} GPU workers: {error}") from error
-        client = Client(spec_cluster, direct_to_workers=True)
+            raise ClusterError(
+                f"cannot start a local Dask cluster of {len(specs)} workers: {error}. Worker processes "
+                "import the main script again: when a script calls flowrl.run, put that call under "
+                "`if __name__ == \"__main__\":`."
+            ) from error
+        client = Client(local, direct_to_workers=True)
         client.register_plugin(TorchSerializerPlugin())
         client.register_plugin(IgnoreInterruptPlugin())
         slots = []
@@ -120,7 +90,7 @@ class Cluster:
             cpu_slots = [slot for slot in slots if slot.kind == "cpu"]
             shares = dict(zip([s.name for s in cpu_slots], split_cores(sorted(os.sched_getaffinity(0)), len(cpu_slots))))
             slots = [replace(slot, cores=shares[slot.name]) if slot.name in shares else slot for slot in slots]
-        return cls(client, slots, spec_cluster)
+        return cls(client, slots, local)
 
     @classmethod
     def join(cls, address: str, timeout_s: float = 30.0, tls: dict[str, str | None] | None = None) -> "Cluster":
@@ -193,13 +163,64 @@ class Cluster:
         """The slots whose worker is registered with the scheduler right now."""
         return set(self.addresses())
 
-    def restart(self, names: list[str], timeout_s: float) -> None:
-        """Restart the workers of ``names`` (hung ones): their nannies start fresh processes."""
-        workers = [slot.worker for slot in self.slots if slot.name in names]
+    def keep_standby(self, per_kind: int) -> None:
+        """Start ``per_kind`` warm spare workers for each kind of slot (CPU, each GPU) of a
+        local cluster, without waiting for them: a spare takes a lost or hung slot's place
+        at once (see :meth:`take_over`). A killed worker's nanny starts it again under its
+        own name; once a spare holds its slot, it comes back as a spare itself."""
+        if self._local is None or per_kind <= 0:
+            return
+        for kind in sorted({_slot_kind(slot) for slot in self.slots}):
+            visible = kind.removeprefix("gpu-") if kind.startswith("gpu-") else ""
+            for number in range(per_kind):
+                name = f"{SPARE_PREFIX}{kind}-{number}"
+                self._local.worker_spec.setdefault(name, _worker_spec(name, visible))
+        self._local.scale(len(self._local.worker_spec))
+
+    def spares(self) -> dict[str, str]:
+        """Registered workers of a local cluster that serve no slot: name -> slot kind."""
+        if self._local is None:
+            return {}
+        serving = {str(slot.worker) for slot in self.slots}
+        names = {str(info["name"]) for info in self.client.scheduler_info(n_workers=-1)["workers"].values()}
+        return {name: _worker_kind(name) for name in sorted(names - serving)}
+
+    def take_over(self, names: set[str], hung: set[str]) -> list[str]:
+        """Give each slot of ``names`` whose worker is gone, and each ``hung`` one, a
+        registered spare of its kind; returns the slots that got one. A hung worker that
+        lost its slot is restarted in the background (it comes back as a spare)."""
+        registered = self.addresses()
+        free = self.spares()
+        taken = []
+        for index, slot in enumerate(self.slots):
+            if slot.name not in names or (slot.name in registered and slot.name not in hung):
+                continue
+            spare = next((name for name, kind in free.items() if kind == _slot_kind(slot)), None)
+            if spare is None:
+                continue
+            del free[spare]
+            if slot.name in hung:
+                threading.Thread(target=self.restart_workers, args=([slot.worker], 60.0), daemon=True).start()
+            address = self._address_of(spare)
+            self.slots[index] = replace(slot, worker=spare, address=address or slot.address)
+            taken.append(slot.name)
+        return taken
+
+    def _address_of(self, worker: str) -> str | None:
+        for address, info in self.client.scheduler_info(n_workers=-1)["workers"].items():
+            if str(info["name"]) == worker:
+                return str(address)
+        return None
+
+    def restart_workers(self, workers: list[Any], timeout_s: float) -> None:
         try:
             self.client.restart_workers(workers, timeout=timeout_s, raise_for_error=False)
-        except Exception:  # noqa: BLE001 - a worker that cannot restart is waited for below
+        except Exception:  # noqa: BLE001 - a worker that cannot restart is waited for or replaced
             pass
+
+    def restart(self, names: list[str], timeout_s: float) -> None:
+        """Restart the workers of ``names`` (hung ones): their nannies start fresh processes."""
+        self.restart_workers([slot.worker for slot in self.slots if slot.name in names], timeout_s)
 
     def wait_for(self, names: set[str], timeout_s: float) -> bool:
         """Wait until every slot of ``names`` has a registered worker; False on timeout."""
@@ -245,6 +266,34 @@ def split_cores(cores: list[int], num_slots: int) -> list[tuple[int, ...]]:
         shares.append(tuple(cores[start:end]))
         start = end
     return shares
+
+
+SPARE_PREFIX = "spare-"
+WARM_PRELOAD = "flowrl.runtime.warm"
+
+
+def _worker_spec(name: str, visible_devices: str) -> dict[str, Any]:
+    """A local worker: a nanny-kept process with one thread, no memory limit (model weights
+    are unmanaged memory the nanny would otherwise kill it for), warm imports."""
+    options = {
+        "name": name, "nthreads": 1, "memory_limit": 0, "host": "127.0.0.1", "silence_logs": logging.CRITICAL,
+        "env": {"CUDA_VISIBLE_DEVICES": visible_devices}, "preload": [WARM_PRELOAD],
+    }
+    return {"cls": Nanny, "options": options}
+
+
+def _slot_kind(slot: WorkerSlot) -> str:
+    """What a spare must be to take the slot's place: ``cpu``, or ``gpu-<index>`` (a GPU
+    worker sees one card, fixed when its process starts)."""
+    return f"gpu-{slot.gpu_index}" if slot.kind == "gpu" else "cpu"
+
+
+def _worker_kind(name: str) -> str:
+    """The slot kind a local worker serves, from its name (``cpu-1``, ``spare-gpu-0-1``)."""
+    base = name.removeprefix(SPARE_PREFIX)
+    if base.startswith("gpu-"):
+        return "gpu-" + base.removeprefix("gpu-").split("-")[0]
+    return "cpu"
 
 
 def _quiet_worker_config() -> None:

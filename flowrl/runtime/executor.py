@@ -11,26 +11,32 @@ here: the consumer's host fetches them from the producer's host.
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from flowrl.errors import NodeTimeout
 from flowrl.graph import PipelineGraph
 from flowrl.planner.placement import Plan
 from flowrl.runtime.calls import InputRef, NodeCall, NodeReport, store_key
+from flowrl.runtime.waiting import gather
 
 PROMPTS = "prompts"
-POLL_S = 0.05
-"""How long the driver waits on one part of a split node before looking at the others."""
+Gather = Callable[[list[tuple[str, Any]], float, str], list[Any]]
+"""(slot, future) calls, a deadline, what they are -> their results (``waiting.gather``)."""
+
+
+def _plain_gather(calls: list[tuple[str, Any]], timeout_s: float, what: str) -> list[Any]:
+    return gather(calls, timeout_s, what, {}, dict)
 
 
 class StepExecutor:
-    def __init__(self, pipeline: PipelineGraph, plan: Plan, hosts: dict[str, Any], node_timeout_s: float) -> None:
+    def __init__(self, pipeline: PipelineGraph, plan: Plan, hosts: dict[str, Any], node_timeout_s: float,
+                 gather: Gather | None = None) -> None:
         self.pipeline = pipeline
         self.plan = plan
         self.hosts = hosts
         self.node_timeout_s = node_timeout_s
+        self.gather = gather or _plain_gather
         self._order = pipeline.topological_order()
         self._group_size = {node: _group_size(pipeline, node) for node in self._order}
         self._inputs = {node: _inputs(pipeline, node) for node in self._order}
@@ -72,27 +78,13 @@ class StepExecutor:
     def _collect(self, node: str, futures: list[Any]) -> list[NodeReport]:
         """The reports of a node's calls. A node split over workers is watched as a whole:
         when one part fails, the others may block (a data-parallel rank in its all-reduce)
-        until the collective times out, so the first part to fail is the error reported."""
-        if len(futures) == 1:
-            return [self._result(node, futures[0], self.node_timeout_s)]
-        deadline = time.monotonic() + self.node_timeout_s
-        results: dict[int, NodeReport] = {}
-        while len(results) < len(futures):
-            for index, future in enumerate(futures):
-                if index in results:
-                    continue
-                try:
-                    results[index] = future.result(timeout=POLL_S)
-                except TimeoutError:
-                    if time.monotonic() > deadline:
-                        raise self._timeout(node) from None
-        return [results[index] for index in range(len(futures))]
-
-    def _result(self, node: str, future: Any, timeout_s: float) -> NodeReport:
+        until the collective times out, so the first part to fail is the error reported; a
+        part whose worker left the cluster is reported at once (``WorkerLost``)."""
+        slots = self.plan.slots_of(node)
         try:
-            return future.result(timeout=timeout_s)
-        except TimeoutError as error:
-            raise self._timeout(node) from error
+            return list(self.gather(list(zip(slots, futures)), self.node_timeout_s, f"node '{node}'"))
+        except NodeTimeout:
+            raise self._timeout(node) from None
 
     def _timeout(self, node: str) -> NodeTimeout:
         slots = tuple(self.plan.slots_of(node))

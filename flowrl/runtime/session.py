@@ -22,6 +22,7 @@ from flowrl.runtime.cluster import Cluster, WorkerSlot
 from flowrl.runtime.executor import StepExecutor
 from flowrl.runtime.host import RoleHost
 from flowrl.runtime.migration import Transfer, plan_transfers, stream_offset
+from flowrl.runtime.waiting import gather
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,8 @@ class MigrationResult:
     transfers: tuple[Transfer, ...]
 
 
+HOST_START_S = 120.0
+"""Deadline for starting role hosts; a worker that leaves is noticed at once (see ``gather``)."""
 GENERATORS_FILE = "generators.pt"
 """In a checkpoint's model folder: the sampling RNG state of each other copy, by slot."""
 
@@ -46,11 +49,18 @@ class Session:
         self.plan = plan
         self.base_dir = base_dir
         self._slots: dict[str, WorkerSlot] = {slot.name: slot for slot in cluster.slots}
+        self.addresses = cluster.addresses()
+        """Slot -> the worker this session's hosts live on; another one there means it was lost."""
         self.hosts: dict[str, Any] = {}
-        self._ensure_hosts(_slots_in_use(plan))
         self._groups: dict[str, tuple[str, ...]] = {}
+        self.executor = StepExecutor(pipeline, plan, self.hosts, pipeline.spec.runtime.node_timeout_s, self.gather)
+        self._ensure_hosts(_slots_in_use(plan))
         self._form_groups(plan)
-        self.executor = StepExecutor(pipeline, plan, self.hosts, pipeline.spec.runtime.node_timeout_s)
+
+    def gather(self, calls: list[tuple[str, Any]], timeout_s: float, what: str) -> list[Any]:
+        """Results of (slot, future) calls; a lost worker or the deadline raises at once
+        (``runtime.waiting.gather``)."""
+        return gather(calls, timeout_s, what, self.addresses, self.cluster.addresses)
 
     def _form_groups(self, plan: Plan) -> None:
         """One process group per data-parallel update, over its slots in rank order; a group
@@ -69,13 +79,12 @@ class Session:
             if self._groups.get(node) == members:
                 continue
             address = self._slots[members[0]].host or "127.0.0.1"
-            port = self.hosts[members[0]].free_port(address).result(timeout=60)
+            port = self.gather([(members[0], self.hosts[members[0]].free_port(address))], 60, "a free port")[0]
             joins = [
-                self.hosts[slot].form_group(node, rank, len(members), address, port, timeout_s)
+                (slot, self.hosts[slot].form_group(node, rank, len(members), address, port, timeout_s))
                 for rank, slot in enumerate(members)
             ]
-            for join in joins:
-                join.result(timeout=120)
+            self.gather(joins, 120, f"forming the group of {node}")
             self._groups[node] = members
 
     def _ensure_hosts(self, names: list[str], plan: Plan | None = None) -> None:
@@ -106,8 +115,8 @@ class Session:
                 allow_other_workers=False,
                 pure=False,
             )
-        for name, future in futures.items():
-            self.hosts[name] = future.result()
+        started = self.gather(list(futures.items()), HOST_START_S, "starting role hosts")
+        self.hosts.update(zip(futures, started))
 
     def _retune_threads(self, plan: Plan) -> None:
         """Hosts that already run keep their threads unless the plan changes what suits
@@ -144,8 +153,8 @@ class Session:
             spec = self.pipeline.spec.models[model]
             for slot in slots:
                 offset = stream_offset(self.pipeline, self.plan, model, slot)
-                calls.append(self.hosts[slot].load_model(model, spec, seed + offset))
-        return [call.result() for call in calls]
+                calls.append((slot, self.hosts[slot].load_model(model, spec, seed + offset)))
+        return self.gather(calls, self._long_s, "loading models")
 
     def run_step(
         self, step: int, prompts: Sequence[Any], kl_coefs: dict[str, float] | None = None
@@ -159,8 +168,8 @@ class Session:
                         if self.pipeline.spec.nodes[node].role == "generate")
         slots = self.plan.slots_of(generate)
         parts = [call.examples[rows] for rows in _even_parts(len(call.examples), len(slots))]
-        futures = [self.hosts[slot].evaluate(replace(call, examples=part)) for slot, part in zip(slots, parts) if part]
-        return [future.result(timeout=timeout_s) for future in futures]
+        futures = [(slot, self.hosts[slot].evaluate(replace(call, examples=part))) for slot, part in zip(slots, parts) if part]
+        return self.gather(futures, timeout_s, "evaluation")
 
     def apply_plan(self, plan: Plan) -> MigrationResult:
         """Move roles to ``plan``'s slots: every host that gains a model pulls its state
@@ -175,16 +184,16 @@ class Session:
         self._retune_threads(plan)
         seed = self.pipeline.spec.trainer.seed
         calls = [
-            self.hosts[t.slot].adopt_model(
+            (t.slot, self.hosts[t.slot].adopt_model(
                 t.model,
                 self.pipeline.spec.models[t.model],
                 seed + t.seed_offset,
                 tuple((self.hosts[source], parts) for source, parts in t.sources),
                 t.reseed,
-            )
+            ))
             for t in transfers
         ]
-        num_bytes = sum(call.result(timeout=self.executor.node_timeout_s)["bytes"] for call in calls)
+        num_bytes = sum(done["bytes"] for done in self.gather(calls, self._long_s, "moving models"))
         _settle(
             [
                 (self.hosts[slot], "drop_model", (model,))
@@ -195,7 +204,7 @@ class Session:
         )
         self._form_groups(plan)
         self.plan = plan
-        self.executor = StepExecutor(self.pipeline, plan, self.hosts, self.executor.node_timeout_s)
+        self.executor = StepExecutor(self.pipeline, plan, self.hosts, self.executor.node_timeout_s, self.gather)
         return MigrationResult(time.perf_counter() - started, num_bytes, tuple(transfers))
 
     @property
@@ -205,11 +214,10 @@ class Session:
     def set_shares(self, shares: dict[str, list[float]]) -> None:
         """New row shares for split nodes, from the next step on (nothing moves)."""
         self.plan = replace(self.plan, node_shares={**self.plan.node_shares, **shares})
-        self.executor = StepExecutor(self.pipeline, self.plan, self.hosts, self.executor.node_timeout_s)
+        self.executor = StepExecutor(self.pipeline, self.plan, self.hosts, self.executor.node_timeout_s, self.gather)
 
     def sample_devices(self) -> list[DeviceSample]:
-        calls = [host.sample_device() for host in self.hosts.values()]
-        return [call.result(timeout=30) for call in calls]
+        return self.gather([(slot, host.sample_device()) for slot, host in self.hosts.items()], 30, "sampling devices")
 
     def trained_models(self) -> dict[str, str]:
         """Model -> the slot of its update node (the copy whose weights are current)."""
@@ -229,16 +237,15 @@ class Session:
         # Actor calls run concurrently on their workers; wait for all of them.
         shard_size = self.pipeline.spec.trainer.max_shard_size
         calls = [
-            self.hosts[slot].save_models(str(directory), models, with_state, shard_size)
+            (slot, self.hosts[slot].save_models(str(directory), models, with_state, shard_size))
             for slot, models in by_slot.items()
         ]
         copies = self._other_copies() if with_state else []
-        exports = [(model, slot, self.hosts[slot].export_state(model, ("generator",))) for model, slot in copies]
-        for call in calls:
-            call.result(timeout=600)
+        exports = [(slot, self.hosts[slot].export_state(model, ("generator",))) for model, slot in copies]
+        self.gather(calls, self._long_s, "saving models")
         generators: dict[str, dict[str, Any]] = {}
-        for model, slot, export in exports:
-            generators.setdefault(model, {})[slot] = export.result(timeout=600)["generator"]
+        for (model, slot), export in zip(copies, self.gather(exports, self._long_s, "saving sampling states")):
+            generators.setdefault(model, {})[slot] = export["generator"]
         for model, states in generators.items():
             torch.save(states, Path(directory) / model / GENERATORS_FILE)
 
@@ -262,9 +269,10 @@ class Session:
         for model, slot, training in self._copies():
             parts = ("weights", "optimizer", "generator") if training else ("generator",)
             calls.append((model, slot, self.hosts[slot].export_state(model, parts)))
+        results = self.gather([(slot, call) for _, slot, call in calls], self._long_s, "taking a snapshot")
         taken: dict[str, dict[str, dict[str, Any]]] = {}
-        for model, slot, call in calls:
-            taken.setdefault(model, {})[slot] = call.result(timeout=600)
+        for (model, slot, _), result in zip(calls, results):
+            taken.setdefault(model, {})[slot] = result
         return taken
 
     def restore(self, snapshot: dict[str, dict[str, dict[str, Any]]]) -> None:
@@ -277,19 +285,17 @@ class Session:
             parts = dict(trained) if training else {"weights": trained["weights"]}
             if "generator" in saved.get(slot, {}):
                 parts["generator"] = saved[slot]["generator"]
-            calls.append(self.hosts[slot].restore_state(model, parts))
-        for call in calls:
-            call.result(timeout=600)
+            calls.append((slot, self.hosts[slot].restore_state(model, parts)))
+        self.gather(calls, self._long_s, "restoring models")
 
     def load_checkpoint(self, directory: Path) -> None:
         """Restore every copy of each trained model from a checkpoint directory: the training
         copy whole, the others their weights and their own sampling RNG (``generators.pt``)."""
         calls = [
-            self.hosts[slot].load_models(str(directory), [model], None if training else ("weights",))
+            (slot, self.hosts[slot].load_models(str(directory), [model], None if training else ("weights",)))
             for model, slot, training in self._copies()
         ]
-        for call in calls:
-            call.result(timeout=600)
+        self.gather(calls, self._long_s, "loading a checkpoint")
         states: dict[str, dict[str, Any]] = {}
         restores = []
         for model, slot in self._other_copies():
@@ -297,9 +303,13 @@ class Session:
                 saved = Path(directory) / model / GENERATORS_FILE
                 states[model] = torch.load(saved, weights_only=True) if saved.is_file() else {}
             if slot in states[model]:  # a copy on a slot the checkpoint did not know keeps its seed
-                restores.append(self.hosts[slot].restore_state(model, {"generator": states[model][slot]}))
-        for call in restores:
-            call.result(timeout=600)
+                restores.append((slot, self.hosts[slot].restore_state(model, {"generator": states[model][slot]})))
+        self.gather(restores, self._long_s, "restoring sampling states")
+
+    @property
+    def _long_s(self) -> float:
+        """Deadline of a call that loads, saves or moves models: as long as a node may run."""
+        return self.executor.node_timeout_s
 
     def close(self) -> None:
         self.executor.close()

@@ -450,7 +450,15 @@ class RuntimeSpec(_Strict):
     when the trained models have at most 50 M parameters in all (a snapshot then costs
     milliseconds), else 0. Default None."""
     max_recoveries: int = Field(default=3, ge=0)
-    """Lost or hung workers a run survives before it stops (keeping its checkpoints). Default 3."""
+    """Faults (lost or hung workers) a run survives within ``recovery_window_steps`` steps;
+    one more stops it with a message naming its newest checkpoint (exit code 1). Default 3."""
+    recovery_window_steps: int = Field(default=100, ge=1)
+    """Faults count against ``max_recoveries`` while they lie within this many steps of
+    each other, so a long run survives faults spread over it. Default 100."""
+    standby_workers: int = Field(default=1, ge=0)
+    """Warm spare workers a local cluster keeps per kind of slot (CPU, each GPU): imports
+    done, no models. A spare takes a lost or hung worker's place at once, so a recovery does
+    not wait for a new process to import torch. Started after the models load. Default 1."""
     recovery_timeout_s: float = Field(default=120.0, gt=0)
     """How long to wait for a lost worker's replacement to register, in seconds. Default 120."""
     dashboard: bool = False

@@ -1,0 +1,425 @@
+"""The loop around the run's state machine: carry out one instruction, feed back one event.
+
+``api/lifecycle.py`` decides; this module only does what it is told, against the cluster
+and the run folder, and turns whatever happened into an event. Every remote call it makes
+has a deadline and notices a lost worker at once (``runtime/waiting.py``), so no fault can
+leave it waiting. Errors become ``Failed`` events; only the machine's ``Stop`` ends the run.
+
+A lost worker's slot goes to a warm spare worker when the local cluster has one (imports
+done, no models; ``runtime.standby_workers``), else to its replacement, else the plan is
+placed again onto the survivors. The trained models come back from the driver's in-memory
+snapshot (``runtime.snapshot_every``), else the newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from flowrl.api import lifecycle as lc
+from flowrl.api.evaluation import Evaluator
+from flowrl.api.faults import NonFiniteGuard
+from flowrl.api.metrics import step_metrics
+from flowrl.api.outputs import RunFolder
+from flowrl.api.recovery import FoundCheckpoint, newest_checkpoint
+from flowrl.api.replanning import Replanner
+from flowrl.api.reward_guard import RewardFailureGuard
+from flowrl.data import PromptSource
+from flowrl.errors import CheckpointError, FlowrlError, NodeTimeout, PlacementError, RunStopped, WorkerLost
+from flowrl.graph import PipelineGraph
+from flowrl.planner.placement import without_slots
+from flowrl.records import RunEvent, StepRecord
+from flowrl.runtime.cluster import Cluster
+from flowrl.runtime.session import Session
+
+LOSS_NOTICE_S = 15.0
+"""Longest wait for the scheduler to see a worker loss that the driver already saw."""
+AUTO_SNAPSHOT_PARAMETERS = 50_000_000
+"""Up to this many trained parameters, ``snapshot_every: null`` snapshots every step: pulling
+weights and optimizer to the driver costs little next to a step. Above, checkpoints serve."""
+
+
+class Watchers(Protocol):
+    def step(self, record: StepRecord) -> None: ...
+    def event(self, event: RunEvent) -> None: ...
+
+
+class KLState(Protocol):
+    def coefs(self) -> dict[str, float]: ...
+    def update(self, reports: dict[str, Any]) -> None: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class Recovery:
+    """Timings of the recovery under way, for its ``recovered`` event."""
+
+    noticed: float
+    step: int
+    what: list[str] = field(default_factory=list)
+    workers_s: float = 0.0
+    build_s: float = 0.0
+    faults: int = 0
+
+
+class Driver:
+    def __init__(
+        self, graph: PipelineGraph, cluster: Cluster, folder: RunFolder, source: PromptSource, watcher: Watchers,
+        base_dir: Path | None, replanner: Replanner, kl: KLState, evaluator: Evaluator,
+        start: FoundCheckpoint | None, records: list[StepRecord], evaluations: list[tuple[int, dict[str, float]]],
+    ) -> None:
+        self.graph = graph
+        self.cluster = cluster
+        self.folder = folder
+        self.source = source
+        self.watcher = watcher
+        self.base_dir = base_dir
+        self.replanner = replanner
+        self.kl = kl
+        self.initial_kl = kl.state_dict()
+        self.evaluator = evaluator
+        self.start = start
+        self.records = records
+        self.evaluations = evaluations
+        self.session: Session | None = None
+        self.addresses: dict[str, str] = {}
+        """Slot -> worker address the current session was built on."""
+        self.snapshot: dict[str, Any] | None = None
+        self.snapshot_kl: dict[str, Any] = {}
+        self.nonfinite = NonFiniteGuard(graph.spec.trainer.max_nonfinite_updates)
+        self.rewards = RewardFailureGuard(graph)
+        self.recovery: Recovery | None = None
+        self.started = time.perf_counter()
+        self.built_once = False
+        spec = graph.spec
+        self.machine = lc.Lifecycle(
+            num_steps=spec.trainer.steps,
+            first_step=start.step + 1 if start is not None else 1,
+            checkpoint_every=spec.trainer.checkpoint_every or 0,
+            evaluate_first=start is None and evaluator.due(0),
+            resumed_from=start.step if start is not None else None,
+            max_recoveries=spec.runtime.max_recoveries,
+            window_steps=spec.runtime.recovery_window_steps,
+        )
+
+    # ---- the loop ---------------------------------------------------------------------
+
+    def run(self) -> None:
+        instruction = self.machine.start()
+        error: BaseException | None = None
+        failed_at: lc.Instruction | None = None
+        while not isinstance(instruction, (lc.Stop, lc.Finish)):
+            try:
+                event = self.carry_out(instruction)
+            except KeyboardInterrupt:
+                event = lc.Interrupted()
+            except Exception as failure:  # noqa: BLE001 - every failure becomes an event
+                error, failed_at = failure, instruction
+                event = lc.Failed(self.fault_of(failure, instruction))
+                if event.fault.kind != "error":
+                    self._noticed(event.fault)
+            instruction = self.machine.handle(event)
+        if isinstance(instruction, lc.Stop):
+            self._stop(instruction, error, failed_at)
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.session.close()
+
+    def carry_out(self, instruction: lc.Instruction) -> lc.Event:
+        if isinstance(instruction, lc.Build):
+            return self._build()
+        if isinstance(instruction, lc.Restore):
+            return self._restore(instruction.source)
+        if isinstance(instruction, lc.Evaluate):
+            return self._evaluate_first()
+        if isinstance(instruction, lc.Snapshot):
+            return self._snapshot(instruction.step)
+        if isinstance(instruction, lc.Replan):
+            self.replanner.before_step(instruction.step)
+            return lc.Replanned(instruction.step)
+        if isinstance(instruction, lc.RunStep):
+            return self._run_step(instruction.step)
+        if isinstance(instruction, lc.Checkpoint):
+            return self._checkpoint(instruction.step)
+        if isinstance(instruction, lc.SaveFinal):
+            return self._save_final(instruction.step)
+        if isinstance(instruction, lc.AwaitWorkers):
+            return self._await_workers(instruction)
+        if isinstance(instruction, lc.ShrinkPlan):
+            return self._shrink(instruction.gone)
+        raise lc.LifecycleError(f"cannot carry out {instruction!r}")
+
+    # ---- instructions -----------------------------------------------------------------
+
+    def _build(self) -> lc.Event:
+        started = time.perf_counter()
+        if self.session is not None:
+            old, self.session = self.session, None
+            now = self.cluster.addresses()
+            old.release({slot for slot in old.hosts if now.get(slot) != old.addresses.get(slot)})
+        plan = self.replanner.plan
+        session = Session(self.cluster, self.graph, plan, self.base_dir)
+        self.session = session
+        self.addresses = dict(session.addresses)
+        infos = session.load_models()
+        self.replanner.session = session
+        if not self.built_once:
+            self.built_once = True
+            sizes = {}
+            for info in infos:
+                sizes[info["model"]] = info["num_parameters"]
+                self.watcher.event(RunEvent(
+                    "model", f"{info['model']} on {info['device']}: {info['num_parameters']:,} parameters", 0))
+            self.machine.snapshot_every = self._snapshot_every(sum(sizes.get(m, 0) for m in session.trained_models()))
+            self.cluster.keep_standby(self.graph.spec.runtime.standby_workers)
+        if self.recovery is not None:
+            self.recovery.build_s += time.perf_counter() - started
+        return lc.Built()
+
+    def _snapshot_every(self, trained_parameters: int) -> int:
+        every = self.graph.spec.runtime.snapshot_every
+        if every is None:
+            return 1 if trained_parameters <= AUTO_SNAPSHOT_PARAMETERS else 0
+        return every
+
+    def _restore(self, source: str) -> lc.Event:
+        session = self._session()
+        started = time.perf_counter()
+        back_to, what = 0, "the initial models"
+        if source == "snapshot" and self.snapshot is not None:
+            session.restore(self.snapshot)
+            self.kl.load_state_dict(self.snapshot_kl)
+            back_to, what = self.machine.snapshot_step or 0, f"the in-memory snapshot of step {self.machine.snapshot_step}"
+        elif source == "checkpoint" and (found := newest_checkpoint(self.folder.checkpoints)) is not None:
+            session.load_checkpoint(found.path)
+            self.kl.load_state_dict(found.trainer_state.get("kl", {}))
+            back_to, what = found.step, f"checkpoint {found.path.name}"
+        else:
+            self.kl.load_state_dict(self.initial_kl)
+        dropped = self.folder.truncate_logs(back_to)
+        self.records[:] = [record for record in self.records if record.step <= back_to]
+        if self.recovery is not None:
+            self._recovered(back_to, what, dropped, time.perf_counter() - started)
+        elif self.start is not None:
+            self.watcher.event(RunEvent(
+                "resume", f"resumed from {self.start.path} at step {back_to + 1} "
+                f"({dropped} logged steps after it will run again)", back_to))
+        return lc.Restored(back_to)
+
+    def _evaluate_first(self) -> lc.Event:
+        values, timings = self.evaluator.run(self._session(), 0, self.watcher.event)
+        if values:
+            self.evaluations.append((0, values))
+            self.folder.append_metrics(StepRecord(0, self.graph.spec.trainer.steps, values,
+                                                  elapsed_s=time.perf_counter() - self.started))
+        for timing in timings:
+            self.folder.append_node(0, timing)
+        return lc.Evaluated(0)
+
+    def _snapshot(self, step: int) -> lc.Event:
+        self.snapshot = self._session().snapshot()
+        self.snapshot_kl = self.kl.state_dict()
+        return lc.SnapshotTaken(step)
+
+    def _run_step(self, step: int) -> lc.Event:
+        """Every remote call of the step first; the record is written only when all of them
+        succeeded, so a fault leaves no trace of the step."""
+        session = self._session()
+        num_steps = self.graph.spec.trainer.steps
+        step_started = time.perf_counter()
+        batch = self.source.next_batch(step - 1)
+        reports = session.run_step(step, batch, self.kl.coefs())
+        step_s = time.perf_counter() - step_started
+        devices = session.sample_devices()
+        values: dict[str, float] = {}
+        timings: list[Any] = []
+        if self.evaluator.due(step):
+            values, timings = self.evaluator.run(session, step, self.watcher.event)
+        metrics, nodes = step_metrics(self.graph, reports, step_s, num_devices=session.num_slots_in_use)
+        self.kl.update(reports)
+        metrics.update(self.source.length_metrics(batch))
+        metrics.update(values)
+        if values:
+            self.evaluations.append((step, values))
+        for timing in timings:
+            self.folder.append_node(step, timing)
+        record = StepRecord(step, num_steps, metrics, nodes, devices, time.perf_counter() - self.started)
+        self.records.append(record)
+        self.watcher.step(record)
+        self.nonfinite.check(record, self.watcher)
+        self.rewards.check(step, reports, self.watcher.event)
+        self.replanner.after_step(record, step_s)
+        return lc.StepDone(step)
+
+    def _checkpoint(self, step: int) -> lc.Event:
+        staging = self.folder.checkpoint_staging(step)
+        try:
+            self._session().save_models(staging, with_state=True)
+        except BaseException:
+            self.folder.discard_staging(staging)
+            raise
+        final = self.folder.commit_checkpoint(staging, step, {"kl": self.kl.state_dict()},
+                                              self.graph.spec.trainer.keep_checkpoints)
+        self.watcher.event(RunEvent("checkpoint", f"saved {final}", step))
+        return lc.CheckpointWritten(step)
+
+    def _save_final(self, step: int) -> lc.Event:
+        """final/ is the trained policy's directory (ready for from_pretrained); any other
+        trained model (a critic, which AutoModelForTokenClassification opens) goes to
+        final/<name>/ inside it. Weights are split at ``trainer.max_shard_size``."""
+        session = self._session()
+        staging = self.folder.path / ".final.tmp"
+        final = self.folder.path / "final"
+        for path in (staging, final):
+            if path.exists():
+                shutil.rmtree(path)
+        session.save_models(staging, with_state=False)
+        kinds = {name: self.graph.spec.models[name].kind for name in session.trained_models()}
+        policies = sorted(name for name, kind in kinds.items() if kind == "policy")
+        if len(policies) == 1:
+            (staging / policies[0]).rename(final)
+            for name in sorted(kinds):
+                if name != policies[0]:
+                    (staging / name).rename(final / name)
+            shutil.rmtree(staging)
+        else:
+            staging.rename(final)
+        self.watcher.event(RunEvent("final", f"saved {final}", step))
+        self.folder.write_run_info({**self.folder.read_run_info(), "finished_steps": step})
+        return lc.FinalSaved(step)
+
+    def _await_workers(self, instruction: lc.AwaitWorkers) -> lc.Event:
+        started = time.perf_counter()
+        if instruction.backoff_s:
+            time.sleep(instruction.backoff_s)
+        runtime = self.graph.spec.runtime
+        wanted = set(instruction.slots)
+        taken = self.cluster.take_over(wanted, set(instruction.hung))
+        restart = sorted(set(instruction.hung) - set(taken))
+        if restart:
+            self.cluster.restart(restart, runtime.recovery_timeout_s)
+        if taken and self.recovery is not None:
+            self.recovery.what.append(f"spare worker for {', '.join(taken)}")
+        joined = self.cluster.wait_for(wanted, runtime.recovery_timeout_s)
+        if self.recovery is not None:
+            self.recovery.workers_s += time.perf_counter() - started
+        if joined:
+            return lc.WorkersJoined(instruction.slots)
+        return lc.DeadlinePassed(tuple(sorted(wanted - self.cluster.alive())))
+
+    def _shrink(self, gone: tuple[str, ...]) -> lc.Event:
+        """The replacements did not come in time: place the plan again onto the survivors."""
+        step = self.machine.step
+        alive = self.cluster.alive()
+        survivors = [slot.name for slot in self.cluster.slots if slot.name in alive]
+        try:
+            shrunk = without_slots(self.graph, self.replanner.plan, set(gone), survivors, step)
+        except PlacementError as problem:
+            raise RunStopped(
+                f"step {step}: {problem}; the run stopped. {self._resume_hint()} once the cluster has workers again"
+            ) from None
+        self.replanner.adopt(shrunk)
+        self.folder.write_plan(step, {"runtime": shrunk.to_dict(), "reason": f"lost {', '.join(gone)}"})
+        self.watcher.event(RunEvent(
+            "replan",
+            f"step {step}: {', '.join(gone)} did not come back within "
+            f"{self.graph.spec.runtime.recovery_timeout_s:g} s (runtime.recovery_timeout_s); re-planned onto "
+            f"{', '.join(sorted(set(shrunk.node_slots.values())))}: {'; '.join(shrunk.reasons)}",
+            step,
+        ))
+        return lc.Shrunk()
+
+    # ---- faults -----------------------------------------------------------------------
+
+    def fault_of(self, error: BaseException, instruction: lc.Instruction) -> lc.Fault:
+        """Whether ``error`` came from a lost or hung worker (retried) or from anything else
+        (not retried). The driver hears of a dead worker (its calls fail) before the
+        scheduler does: an error that looks like a connection loss waits up to
+        ``LOSS_NOTICE_S`` for the scheduler to agree."""
+        detail = f"{type(error).__name__}: {error}"
+        if isinstance(error, WorkerLost):
+            return lc.Fault("lost", error.slots, detail)
+        if isinstance(error, NodeTimeout):
+            return lc.Fault("hung", error.slots, detail)
+        if isinstance(error, FlowrlError) or isinstance(instruction, lc.ShrinkPlan):
+            return lc.Fault("error", (), detail)
+        in_use = set(self.addresses) if self.session is None else set(self.session.hosts) | set(self.addresses)
+        lost = self._lost(in_use, LOSS_NOTICE_S if _looks_lost(error) else 0.0)
+        if lost:
+            return lc.Fault("lost", tuple(lost), detail)
+        return lc.Fault("error", (), detail)
+
+    def _lost(self, in_use: set[str], wait_s: float) -> list[str]:
+        deadline = time.monotonic() + wait_s
+        while True:
+            now = self.cluster.addresses()
+            lost = sorted(slot for slot in in_use if now.get(slot) != self.addresses.get(slot))
+            if lost or time.monotonic() >= deadline:
+                return lost
+            time.sleep(0.1)
+
+    def _noticed(self, fault: lc.Fault) -> None:
+        step = self.machine.step
+        what = f"worker(s) {', '.join(fault.slots)} {'lost' if fault.kind == 'lost' else 'hung'}"
+        self.watcher.event(RunEvent("fault", f"step {step}: {what} ({fault.detail})", step))
+        if self.recovery is None:
+            self.recovery = Recovery(time.perf_counter(), step)
+        self.recovery.faults += 1
+
+    def _recovered(self, back_to: int, source: str, dropped: int, restore_s: float) -> None:
+        recovery = self.recovery
+        assert recovery is not None
+        self.recovery = None
+        lost_s = time.perf_counter() - recovery.noticed
+        how = f"; {', '.join(recovery.what)}" if recovery.what else ""
+        more = f" after {recovery.faults} faults" if recovery.faults > 1 else ""
+        session = self._session()
+        self.watcher.event(RunEvent(
+            "recovered",
+            f"step {recovery.step}: roles rebuilt on {', '.join(sorted(session.hosts))}{more}, state from {source}; "
+            f"running again from step {back_to + 1} ({dropped} logged step(s) dropped){how}; {lost_s:.1f} s lost "
+            f"({recovery.workers_s:.1f} s getting workers, {recovery.build_s:.1f} s starting role hosts and "
+            f"loading models, {restore_s:.1f} s restoring state)",
+            recovery.step,
+            {"lost_s": lost_s, "faults": recovery.faults, "workers_s": recovery.workers_s,
+             "build_s": recovery.build_s, "restore_s": restore_s, "back_to": back_to},
+        ))
+
+    def _stop(self, stop: lc.Stop, error: BaseException | None, failed_at: lc.Instruction | None) -> None:
+        if stop.reason == "interrupted":
+            raise KeyboardInterrupt
+        if stop.reason == "error" and error is not None:
+            if isinstance(failed_at, lc.Checkpoint) and not isinstance(error, FlowrlError):
+                raise CheckpointError(
+                    f"cannot write checkpoint step-{failed_at.step} to {self.folder.checkpoints}: {error}; "
+                    "the previous checkpoint is intact (free disk space or fix the folder, then resume)"
+                ) from error
+            raise error
+        found = newest_checkpoint(self.folder.checkpoints)
+        kept = f"the newest intact checkpoint is {found.path}" if found is not None else "no checkpoint was written yet"
+        self.watcher.event(RunEvent("stopped", stop.message, self.machine.step))
+        raise RunStopped(f"{stop.message}; the run stopped, {kept}. {self._resume_hint()}") from None
+
+    def _resume_hint(self) -> str:
+        return f"Resume it with `flowrl resume {self.folder.path}`"
+
+    def _session(self) -> Session:
+        if self.session is None:
+            raise lc.LifecycleError("no session: Build comes first")
+        return self.session
+
+
+def _looks_lost(error: BaseException) -> bool:
+    """A call that failed the way calls to a dead worker fail (connection, lost actor)."""
+    chain: BaseException | None = error
+    while chain is not None:
+        text = f"{type(chain).__name__}: {chain}"
+        if isinstance(chain, OSError) or "lost" in text or "CommClosed" in text or "contact" in text:
+            return True
+        chain = chain.__cause__ or chain.__context__
+    return False

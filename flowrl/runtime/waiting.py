@@ -1,0 +1,62 @@
+"""Every remote call the driver waits on has a deadline and notices a lost worker at once.
+
+A Dask future of a task pinned to a worker that died never finishes (the task waits for a
+worker that is not coming back), and an actor call can wait on a connection for long. So the
+driver never blocks on ``result()`` alone: it polls, and between polls it asks the scheduler
+whether the workers it waits on are still the ones the calls went to.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from flowrl.errors import NodeTimeout, WorkerLost
+
+POLL_S = 0.05
+"""How long the driver waits on one call before looking at the others."""
+LIVENESS_S = 0.5
+"""How often the driver asks the scheduler which workers are registered while it waits."""
+
+
+def gather(
+    calls: Sequence[tuple[str, Any]],
+    timeout_s: float,
+    what: str,
+    addresses: Mapping[str, str],
+    registered: Callable[[], Mapping[str, str]],
+) -> list[Any]:
+    """The results of ``(slot, future)`` calls, in order.
+
+    Raises ``WorkerLost`` as soon as a slot's worker is no longer the one in ``addresses``
+    (``registered()`` gives slot -> address now), ``NodeTimeout`` (the slots still busy count
+    as hung) past ``timeout_s``, and a call's own error when it fails.
+    """
+    deadline = time.monotonic() + timeout_s
+    check_at = time.monotonic() + LIVENESS_S
+    results: dict[int, Any] = {}
+    while len(results) < len(calls):
+        for index, (_, future) in enumerate(calls):
+            if index in results:
+                continue
+            try:
+                results[index] = future.result(timeout=POLL_S)
+            except TimeoutError:
+                pass
+        if len(results) == len(calls):
+            break
+        busy = sorted({slot for index, (slot, _) in enumerate(calls) if index not in results})
+        now = time.monotonic()
+        if now >= check_at:
+            check_at = now + LIVENESS_S
+            raise_if_lost(busy, addresses, registered(), what)
+        if now >= deadline:
+            raise NodeTimeout(f"{what} on {', '.join(busy)} did not finish within {timeout_s:.0f} s", tuple(busy))
+    return [results[index] for index in range(len(calls))]
+
+
+def raise_if_lost(slots: Sequence[str], addresses: Mapping[str, str], now: Mapping[str, str], what: str) -> None:
+    lost = sorted(slot for slot in set(slots) if now.get(slot) != addresses.get(slot))
+    if lost:
+        raise WorkerLost(f"{what}: the worker of {', '.join(lost)} left the cluster", tuple(lost))
