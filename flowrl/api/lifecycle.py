@@ -331,7 +331,8 @@ class Lifecycle:
         if len(recent) > self.max_recoveries:
             return self._stop(
                 "faults",
-                f"step {self.step}: {fault.detail}; {len(recent)} faults within {self.window_steps} steps "
+                f"step {self.step}: {fault.detail}; {len(recent)} fault{'s' if len(recent) != 1 else ''} within "
+                f"{self.window_steps} steps "
                 f"(runtime.max_recoveries: {self.max_recoveries} per runtime.recovery_window_steps)",
                 fault,
             )

@@ -88,7 +88,8 @@ def test_a_worker_killed_mid_step_is_replaced_and_the_run_completes(
 def test_a_worker_that_does_not_come_back_in_time_leaves_its_roles_to_the_survivor(tmp_path: Path) -> None:
     (tmp_path / "killer.py").write_text(KILLER)
     output = tmp_path / "out"
-    pipeline = tiny_grpo(output, steps=5, reward="killer:score", runtime={"recovery_timeout_s": 0.05})
+    pipeline = tiny_grpo(output, steps=5, reward="killer:score",
+                         runtime={"recovery_timeout_s": 0.05, "standby_workers": 0})  # no spare to take over
     run(pipeline, base_dir=tmp_path)
     assert _steps(output) == [1, 2, 3, 4, 5]
     replan = next(e for e in _events(output) if e["kind"] == "replan")
