@@ -82,7 +82,7 @@ class Chaos:
         self.stopped: list[int] = []
 
     def on_step(self, record: Any) -> None:
-        kind = self.plan.get(record.step)
+        kind = self.plan.pop(record.step, None)  # once: a step run again after a fault is not hit again
         if kind is None or record.step >= record.num_steps:
             return
         delay = 0.003 if kind == "checkpoint" else self.rng.uniform(0.0, 0.15)
@@ -131,7 +131,7 @@ def child(args: argparse.Namespace) -> None:
 
     work = Path(args.work)
     plan = schedule(args.steps, args.faults, args.checkpoint_every, args.seed)
-    chaos = Chaos(plan, args.seed)
+    chaos = Chaos(dict(plan), args.seed)
     start_local = Cluster.start_local.__func__  # type: ignore[attr-defined]
 
     def capture(cls: type, *a: Any, **k: Any) -> Any:
@@ -143,6 +143,7 @@ def child(args: argparse.Namespace) -> None:
         f"trainer.steps={args.steps}", f"trainer.checkpoint_every={args.checkpoint_every}", "trainer.keep_checkpoints=2",
         f"runtime.max_recoveries={args.max_recoveries}", "runtime.recovery_window_steps=50",
         f"runtime.node_timeout_s={args.node_timeout_s}", "runtime.recovery_timeout_s=30",
+        *([f"runtime.standby_workers={args.standby}"] if args.standby is not None else []),
     ]
     graph = load_pipeline(REPO / "pipelines" / f"{args.child}.yaml", overrides)
     outcome, message = "completed", ""
@@ -165,7 +166,7 @@ def analyse(work: Path) -> dict[str, Any]:
     steps = [line["step"] for line in lines if line["step"] > 0]
     events = [json.loads(line) for line in (output / "events.jsonl").read_text().splitlines()] \
         if (output / "events.jsonl").exists() else []
-    step_times = [line["time/step_s"] for line in lines if "time/step_s" in line]
+    step_times = [line["timing_s/step"] for line in lines if "timing_s/step" in line]
     median_step = statistics.median(step_times) if step_times else 0.0
     recoveries = [event["data"] | {"step": event["step"]} for event in events if event["kind"] == "recovered"]
     for item in recoveries:
@@ -204,7 +205,8 @@ def parent(args: argparse.Namespace) -> None:
         work = Path(tempfile.mkdtemp(prefix=f"flowrl-chaos-{name}-"))
         command = [sys.executable, __file__, "--child", name, "--work", str(work), "--steps", str(args.steps),
                    "--faults", str(faults), "--seed", str(args.seed), "--max-recoveries", str(max_recoveries),
-                   "--checkpoint-every", str(args.checkpoint_every), "--node-timeout-s", str(args.node_timeout_s)]
+                   "--checkpoint-every", str(args.checkpoint_every), "--node-timeout-s", str(args.node_timeout_s),
+                   *(["--standby", str(args.standby)] if args.standby is not None else [])]
         started = time.perf_counter()
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=args.max_minutes * 60, cwd=REPO)
@@ -230,7 +232,7 @@ def parent(args: argparse.Namespace) -> None:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": commit, "uncommitted_changes": dirty,
         "machine": f"{os.cpu_count()} cores, no GPU" if not args.gpu_note else args.gpu_note,
-        "settings": {k: v for k, v in vars(args).items() if k not in ("child", "work")},
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in ("child", "work")},
         "runs": results,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
@@ -247,6 +249,7 @@ def main() -> None:
     parser.add_argument("--max-recoveries", type=int, default=12)
     parser.add_argument("--checkpoint-every", type=int, default=25)
     parser.add_argument("--node-timeout-s", type=float, default=8.0)
+    parser.add_argument("--standby", type=int, default=None, help="runtime.standby_workers (default: the pipeline's)")
     parser.add_argument("--stop-run", action="store_true", help="one more run allowed fewer recoveries than it meets")
     parser.add_argument("--max-minutes", type=float, default=12.0, help="per run; past it the run counts as hung")
     parser.add_argument("--gpu-note", default="")

@@ -30,7 +30,6 @@ from flowrl.api.reward_guard import RewardFailureGuard
 from flowrl.data import PromptSource
 from flowrl.errors import CheckpointError, FlowrlError, NodeTimeout, PlacementError, RunStopped, WorkerLost
 from flowrl.graph import PipelineGraph
-from flowrl.planner.placement import without_slots
 from flowrl.records import RunEvent, StepRecord
 from flowrl.runtime.cluster import Cluster
 from flowrl.runtime.session import Session
@@ -198,6 +197,8 @@ class Driver:
         elif source == "checkpoint" and (found := newest_checkpoint(self.folder.checkpoints)) is not None:
             session.load_checkpoint(found.path)
             self.kl.load_state_dict(found.trainer_state.get("kl", {}))
+            if self.recovery is None:  # a resumed run: what the scheduler had learned (a live one still knows)
+                self.replanner.load_state_dict(found.trainer_state.get("scheduler", {}))
             back_to, what = found.step, f"checkpoint {found.path.name}"
         else:
             self.kl.load_state_dict(self.initial_kl)
@@ -263,7 +264,7 @@ class Driver:
         except BaseException:
             self.folder.discard_staging(staging)
             raise
-        final = self.folder.commit_checkpoint(staging, step, {"kl": self.kl.state_dict()},
+        final = self.folder.commit_checkpoint(staging, step, {"kl": self.kl.state_dict(), "scheduler": self.replanner.state_dict()},
                                               self.graph.spec.trainer.keep_checkpoints)
         self.watcher.event(RunEvent("checkpoint", f"saved {final}", step))
         return lc.CheckpointWritten(step)
@@ -318,12 +319,11 @@ class Driver:
         alive = self.cluster.alive()
         survivors = [slot.name for slot in self.cluster.slots if slot.name in alive]
         try:
-            shrunk = without_slots(self.graph, self.replanner.plan, set(gone), survivors, step)
+            shrunk = self.replanner.shrink(step, list(gone), survivors)
         except PlacementError as problem:
             raise RunStopped(
                 f"step {step}: {problem}; the run stopped. {self._resume_hint()} once the cluster has workers again"
             ) from None
-        self.replanner.adopt(shrunk)
         self.folder.write_plan(step, {"runtime": shrunk.to_dict(), "reason": f"lost {', '.join(gone)}"})
         self.watcher.event(RunEvent(
             "replan",

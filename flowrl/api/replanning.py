@@ -14,15 +14,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 from flowrl.api.metrics import timing_name
 from flowrl.api.outputs import RunFolder
 from flowrl.graph import PipelineGraph
-from flowrl.planner.placement import Plan, plan_from_compiled
+from flowrl.errors import PlacementError
+from flowrl.planner.placement import Plan, plan_from_compiled, without_slots
 from flowrl.profiler import NodeProfile, alpha_for_window
 from flowrl.records import RunEvent, StepRecord
 from flowrl.runtime.session import Session
 from flowrl.scheduler import Decision, SchedulerPolicy
+from flowrl.scheduler.events import DeviceLost
 from flowrl.scheduler.shares import rebalanced
 
 
@@ -61,10 +64,35 @@ class Replanner:
             if record.step < record.num_steps:
                 self._balance(record.step)
 
-    def adopt(self, plan: Plan) -> None:
-        """A plan the runtime chose without the policy (placed onto the survivors of a lost
-        worker): the next session runs it."""
-        self.plan = plan
+    def shrink(self, step: int, gone: list[str], survivors: list[str]) -> Plan:
+        """The plan without the slots in ``gone`` (their workers did not come back): the
+        policy re-plans when it can (it then knows the devices are gone), else each node
+        of a lost slot moves to the survivor that runs the fewest. The next session runs it."""
+        for decision in self.policy.decide(step, [DeviceLost(slot) for slot in gone]):
+            if decision.accepted and decision.plan is not None:
+                try:
+                    self.plan = plan_from_compiled(self.graph, decision.plan, survivors)
+                    return self.plan
+                except PlacementError:
+                    break
+        self.plan = without_slots(self.graph, self.plan, set(gone), survivors, step)
+        return self.plan
+
+    def state_dict(self) -> dict[str, Any]:
+        """The policy's learned state and the learned row shares of split nodes."""
+        return {"policy": self.policy.state_dict(), "shares": dict(self.plan.node_shares)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.policy.load_state_dict(state.get("policy", {}))
+        shares = {
+            node: [float(x) for x in values]
+            for node, values in state.get("shares", {}).items()
+            if node in self.plan.node_shards and len(values) == len(self.plan.slots_of(node))
+        }
+        if shares:
+            self.plan = replace(self.plan, node_shares={**self.plan.node_shares, **shares})
+            if self.session is not None:
+                self.session.set_shares(shares)
 
     def _balance(self, step: int) -> None:
         """Split nodes: rows per part proportional to the part's measured speed."""

@@ -62,6 +62,23 @@ class DeviceCalibration:
     _steps_seen: int = 0
     _samples: dict[str, list[float]] = field(default_factory=dict)
 
+    def state_dict(self) -> dict[str, object]:
+        """What was learned, as JSON-ready data (a checkpoint's ``trainer_state.json``)."""
+        return {"ratios": dict(self.ratios), "node_factors": dict(self.node_factors),
+                "steps_seen": self._steps_seen, "samples": {k: list(v) for k, v in self._samples.items()}}
+
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        ratios, factors, samples = state.get("ratios", {}), state.get("node_factors", {}), state.get("samples", {})
+        steps_seen = state.get("steps_seen", 0)
+        if isinstance(ratios, dict):
+            self.ratios = {str(k): float(v) for k, v in ratios.items()}
+        if isinstance(factors, dict):
+            self.node_factors = {str(k): float(v) for k, v in factors.items()}
+        if isinstance(samples, dict):
+            self._samples = {str(k): [float(x) for x in v] for k, v in samples.items()}
+        if isinstance(steps_seen, int):
+            self._steps_seen = steps_seen
+
     @property
     def calibrating(self) -> bool:
         return self.calibration_steps > 0 and self._steps_seen <= self.calibration_steps

@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from flowrl.devices.groups import pipeline_groups
 from flowrl.devices.inventory import Inventory
@@ -127,6 +127,10 @@ class SchedulerPolicy(Protocol):
 
     def observe_move(self, predicted_s: float, measured_s: float) -> None: ...
 
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
 
 def initial_plan(
     pipeline: PipelineGraph, inventory: Inventory, costs: CostSource
@@ -157,6 +161,12 @@ class StaticPolicy:
         return []
 
     def observe_move(self, predicted_s: float, measured_s: float) -> None:
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         return None
 
 
@@ -262,6 +272,16 @@ class DynamicPolicy:
         """A carried-out re-plan's measured cost corrects the restart estimate."""
         if predicted_s > 0:
             self._restart_s *= measured_s / predicted_s
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the policy learned (device calibration, the measured move cost), for a
+        checkpoint: a resumed run judges devices as the interrupted one did."""
+        return {"calibration": self.calibration.state_dict(), "restart_s": self._restart_s}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.calibration.load_state_dict(state.get("calibration", {}))
+        if isinstance(state.get("restart_s"), (int, float)):
+            self._restart_s = float(state["restart_s"])
 
     def _raise(self, trigger: str, device_id: str) -> None:
         self._flags.pending.append(trigger)
