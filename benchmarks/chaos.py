@@ -74,8 +74,9 @@ def schedule(steps: int, faults: int, checkpoint_every: int, seed: int) -> dict[
 class Chaos:
     """An observer of the run: after each planned step, does its action from a timer thread."""
 
-    def __init__(self, plan: dict[int, str], seed: int) -> None:
+    def __init__(self, plan: dict[int, str], seed: int, output: Path) -> None:
         self.plan = plan
+        self.output = output
         self.rng = random.Random(seed + 1)
         self.cluster: Any = None
         self.actions: list[dict[str, Any]] = []
@@ -102,7 +103,8 @@ class Chaos:
 
     def _signal(self, entry: dict[str, Any], which: signal.Signals) -> None:
         try:
-            slots = [slot for slot in self.cluster.slots]
+            used = self.slots_in_use()
+            slots = [slot for slot in self.cluster.slots if not used or slot.name in used]
             registered = self.cluster.addresses()
             slot = self.rng.choice([slot for slot in slots if slot.name in registered])
             address = registered[slot.name]
@@ -114,6 +116,18 @@ class Chaos:
                                      "signal": which.name, "time": time.time()})
         except Exception as error:  # noqa: BLE001 - a worker may be gone already: note it
             entry["signals"].append({"error": f"{type(error).__name__}: {error}", "time": time.time()})
+
+    def slots_in_use(self) -> set[str]:
+        """The slots the run's newest plan file places nodes on (a signal to an idle worker
+        tests nothing)."""
+        plans = sorted(self.output.glob("plan-*.json"), key=lambda path: int(path.stem.split("-")[1]))
+        if not plans:
+            return set()
+        runtime = json.loads(plans[-1].read_text()).get("runtime", {})
+        used = set(runtime.get("node_slots", {}).values())
+        for slots in runtime.get("node_shards", {}).values():
+            used.update(slots)
+        return used
 
     def release(self) -> None:
         for pid in self.stopped:  # a stopped process that nobody restarted must not linger
@@ -131,7 +145,7 @@ def child(args: argparse.Namespace) -> None:
 
     work = Path(args.work)
     plan = schedule(args.steps, args.faults, args.checkpoint_every, args.seed)
-    chaos = Chaos(dict(plan), args.seed)
+    chaos = Chaos(dict(plan), args.seed, work / "out")
     start_local = Cluster.start_local.__func__  # type: ignore[attr-defined]
 
     def capture(cls: type, *a: Any, **k: Any) -> Any:
@@ -194,7 +208,8 @@ def analyse(work: Path) -> dict[str, Any]:
 
 
 def parent(args: argparse.Namespace) -> None:
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    commit = args.commit or subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                                           text=True).stdout.strip()
     dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
                                 capture_output=True, text=True).stdout.strip())
     runs = [(name, args.max_recoveries, args.faults) for name in args.pipelines.split(",")]
@@ -253,6 +268,7 @@ def main() -> None:
     parser.add_argument("--stop-run", action="store_true", help="one more run allowed fewer recoveries than it meets")
     parser.add_argument("--max-minutes", type=float, default=12.0, help="per run; past it the run counts as hung")
     parser.add_argument("--gpu-note", default="")
+    parser.add_argument("--commit", default="", help="the commit measured, where the copy has no .git (device machines)")
     parser.add_argument("--output", type=Path, default=REPO / "benchmarks" / "results" / "chaos.json")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)

@@ -36,6 +36,9 @@ from flowrl.runtime.session import Session
 
 LOSS_NOTICE_S = 15.0
 """Longest wait for the scheduler to see a worker loss that the driver already saw."""
+NEW_WORKER_AFTER_S = 8.0
+"""A lost slot whose worker is not back after this long gets a newly started worker too (a
+replacement that imports torch takes about 5 s on 2 busy cores)."""
 AUTO_SNAPSHOT_PARAMETERS = 50_000_000
 """Up to this many trained parameters, ``snapshot_every: null`` snapshots every step: pulling
 weights and optimizer to the driver costs little next to a step. Above, checkpoints serve."""
@@ -295,6 +298,9 @@ class Driver:
         return lc.FinalSaved(step)
 
     def _await_workers(self, instruction: lc.AwaitWorkers) -> lc.Event:
+        """A warm spare takes each lost or hung slot at once when there is one; else the slot
+        waits for its worker's replacement, and a new worker is started for it when none
+        came within ``NEW_WORKER_AFTER_S`` (its nanny may be gone too)."""
         started = time.perf_counter()
         if instruction.backoff_s:
             time.sleep(instruction.backoff_s)
@@ -304,12 +310,21 @@ class Driver:
         restart = sorted(set(instruction.hung) - set(taken))
         if restart:
             self.cluster.restart(restart, runtime.recovery_timeout_s)
-        if taken and self.recovery is not None:
-            self.recovery.what.append(f"spare worker for {', '.join(taken)}")
-        joined = self.cluster.wait_for(wanted, runtime.recovery_timeout_s)
+        deadline = time.monotonic() + runtime.recovery_timeout_s
+        new_after = time.monotonic() + NEW_WORKER_AFTER_S
+        added: list[str] = []
+        while not wanted <= self.cluster.alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+            taken += self.cluster.take_over(wanted, set())
+            if not added and time.monotonic() > new_after:
+                added = self.cluster.add_workers(wanted - self.cluster.alive())
         if self.recovery is not None:
             self.recovery.workers_s += time.perf_counter() - started
-        if joined:
+            if taken:
+                self.recovery.what.append(f"spare worker for {', '.join(sorted(set(taken)))}")
+            if added:
+                self.recovery.what.append(f"new worker(s) {', '.join(added)} started")
+        if wanted <= self.cluster.alive():
             return lc.WorkersJoined(instruction.slots)
         return lc.DeadlinePassed(tuple(sorted(wanted - self.cluster.alive())))
 

@@ -48,6 +48,7 @@ class Cluster:
         self.client = client
         self.slots = slots
         self._local = local
+        self._added = 0
 
     @classmethod
     def start_local(cls, num_slots: int, dashboard: bool = False, pin_cpus: bool = False) -> "Cluster":
@@ -176,6 +177,23 @@ class Cluster:
                 name = f"{SPARE_PREFIX}{kind}-{number}"
                 self._local.worker_spec.setdefault(name, _worker_spec(name, visible))
         self._local.scale(len(self._local.worker_spec))
+
+    def add_workers(self, names: set[str]) -> list[str]:
+        """Start a new worker (a new nanny, as a spare) for each slot of ``names`` of a local
+        cluster: for slots whose worker's nanny does not bring it back. Returns their names."""
+        if self._local is None:
+            return []
+        started = []
+        for slot in self.slots:
+            if slot.name in names:
+                kind = _slot_kind(slot)
+                self._added += 1
+                name = f"{SPARE_PREFIX}{kind}-new-{self._added}"
+                self._local.worker_spec[name] = _worker_spec(name, kind.removeprefix("gpu-") if kind != "cpu" else "")
+                started.append(name)
+        if started:
+            self._local.scale(len(self._local.worker_spec))
+        return started
 
     def spares(self) -> dict[str, str]:
         """Registered workers of a local cluster that serve no slot: name -> slot kind."""
@@ -306,7 +324,13 @@ def _quiet_worker_config() -> None:
     # the time (measured: an update step of builtin:tiny-llama 41 ms -> 72-76 ms).
     environ = dict(dask.config.get("distributed.nanny.pre-spawn-environ"))
     environ.pop("MALLOC_TRIM_THRESHOLD_", None)
-    dask.config.set({"distributed.worker.profile.enabled": False, "distributed.nanny.pre-spawn-environ": environ})
+    #
+    # A local cluster closes the nanny of a worker that has not registered again within
+    # ``distributed.deploy.lost-worker-timeout`` (15 s) of its loss. Several replacements
+    # importing torch at once on a busy machine take longer than that, and a closed nanny
+    # never brings its worker back: the run's own deadline (runtime.recovery_timeout_s) decides.
+    dask.config.set({"distributed.worker.profile.enabled": False, "distributed.nanny.pre-spawn-environ": environ,
+                     "distributed.deploy.lost-worker-timeout": "24h"})
 
 
 def _report_devices() -> dict[str, Any]:
