@@ -98,3 +98,21 @@ def test_one_disturbed_calibration_step_does_not_set_the_baseline() -> None:
     for slowdown in (10.0, 1.0, 3.0, 1.0):  # warm-up, then one step 3x slower
         calibration.observe_step(timings(ACTOR_ON_0, {"gpu-0": slowdown}), DEVICES, {})
     assert calibration.node_factors == {"rollout": pytest.approx(0.3), "train": pytest.approx(0.9)}
+
+
+def test_what_was_learned_survives_a_trip_through_a_checkpoint_file() -> None:
+    import json
+
+    calibration = calibrated()
+    calibration.observe_step(timings(ACTOR_ON_0, {"gpu-0": 2.0}), DEVICES, {})
+    saved = json.loads(json.dumps(calibration.state_dict()))  # as trainer_state.json holds it
+    restored = DeviceCalibration(TableCosts(), alpha=0.5, calibration_steps=2)
+    assert restored.calibrating
+    restored.load_state_dict(saved)
+    assert not restored.calibrating
+    assert restored.ratios == pytest.approx(calibration.ratios) and restored.ratio("gpu-0") > 1.0
+    assert restored.node_factors == pytest.approx(calibration.node_factors)
+    # the next measurement moves both alike
+    for item in (calibration, restored):
+        item.observe_step(timings(ACTOR_ON_0, {"gpu-0": 3.0}), DEVICES, {})
+    assert restored.ratio("gpu-0") == pytest.approx(calibration.ratio("gpu-0"))
