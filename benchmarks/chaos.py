@@ -204,6 +204,8 @@ def analyse(work: Path) -> dict[str, Any]:
         "lost_s_all": spread([item["lost_s"] for item in recoveries]),
         "recovery_details": recoveries,
         "stop_events": [event["message"] for event in events if event["kind"] == "stopped"],
+        "fault_events": [{"step": event["step"], "time": event["time"], "message": event["message"]}
+                         for event in events if event["kind"] == "fault"],
     }
 
 

@@ -8,9 +8,12 @@ nanny would otherwise kill a worker that merely holds a model.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import multiprocessing.spawn
 import os
-import signal
+import shlex
+import tempfile
 import threading
 import time
 import warnings
@@ -19,7 +22,6 @@ from typing import Any
 
 import dask
 from distributed import Client, Nanny, Scheduler, SpecCluster
-from distributed.diagnostics.plugin import WorkerPlugin
 
 from flowrl.devices.inventory import Inventory, detect_local, inventory_from_dict, merge_inventories
 from flowrl.errors import ClusterError
@@ -63,6 +65,7 @@ class Cluster:
         gpus = [device.index for device in detect_local(num_cpu_slots=0).devices if device.kind == "gpu"]
         register()
         _quiet_worker_config()
+        _spawn_ignoring_interrupt()
         specs = {f"cpu-{number}": _worker_spec(f"cpu-{number}", "") for number in range(num_slots)}
         specs.update({f"gpu-{index}": _worker_spec(f"gpu-{index}", str(index)) for index in gpus})
         scheduler = {
@@ -73,15 +76,14 @@ class Cluster:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="Port 8787 is already in use")
                 local = SpecCluster(workers=specs, scheduler=scheduler, silence_logs=logging.CRITICAL)
+            client = Client(local, direct_to_workers=True)
         except Exception as error:  # any start-up failure is an environment problem
             raise ClusterError(
                 f"cannot start a local Dask cluster of {len(specs)} workers: {error}. Worker processes "
                 "import the main script again: when a script calls flowrl.run, put that call under "
                 "`if __name__ == \"__main__\":`."
             ) from error
-        client = Client(local, direct_to_workers=True)
         client.register_plugin(TorchSerializerPlugin())
-        client.register_plugin(IgnoreInterruptPlugin())
         slots = []
         for slot in _slots(client, prefix=None):
             if slot.name.startswith("gpu-"):
@@ -257,16 +259,28 @@ class Cluster:
             self._local.close()
 
 
-class IgnoreInterruptPlugin(WorkerPlugin):
-    """Embedded workers ignore Ctrl-C: the terminal sends it to the whole process group, and
-    the driver already stops them in order. Workers joined with --scheduler are the user's
-    and keep their own signal handling."""
+def _spawn_ignoring_interrupt() -> None:
+    """Start local worker processes with Ctrl-C ignored from their first instruction.
 
-    name = "flowrl-ignore-interrupt"
-
-    def setup(self, worker: Any) -> None:
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
+    A terminal sends Ctrl-C to every process of its foreground group, and the driver stops
+    the workers in order itself. A worker process that is still starting (a spare, a
+    replacement after a fault) would die of it with a traceback on the terminal. Python keeps
+    a signal that is ignored when it starts ignored, so worker processes are spawned through
+    a two-line shell script that ignores SIGINT and then runs this Python. Workers joined
+    with --scheduler are the user's and keep their own signal handling.
+    """
+    spawn_python = os.fsdecode(multiprocessing.spawn.get_executable())
+    if os.path.basename(spawn_python).startswith("flowrl-python-") or not os.path.exists("/bin/sh"):
+        return
+    digest = hashlib.sha256(spawn_python.encode()).hexdigest()[:12]
+    wrapper = os.path.join(tempfile.gettempdir(), f"flowrl-python-{os.getuid()}-{digest}")
+    if not os.path.exists(wrapper):
+        staging = f"{wrapper}.{os.getpid()}"
+        with open(staging, "w") as handle:
+            handle.write(f"#!/bin/sh\ntrap '' INT\nexec {shlex.quote(spawn_python)} \"$@\"\n")
+        os.chmod(staging, 0o755)
+        os.replace(staging, wrapper)
+    multiprocessing.spawn.set_executable(wrapper)
 
 
 def split_cores(cores: list[int], num_slots: int) -> list[tuple[int, ...]]:

@@ -25,8 +25,9 @@ def tiny_grpo(output_dir: Path, steps: int, kl_coef: float = 0.02, checkpoint_ev
     p.update(actor, rollout, advantage, *inputs[1:], lr=lr, kl_coef=kl_coef)
     p.trainer(steps=steps, output_dir=str(output_dir), seed=0, checkpoint_every=checkpoint_every, keep_checkpoints=2,
               **trainer)
-    if runtime:
-        p.runtime(**runtime)
+    # No warm spare unless a test asks: most runs here last seconds, and a spare importing
+    # torch beside them only slows the suite on 2 cores.
+    p.runtime(**{"standby_workers": 0, **(runtime or {})})
     return p
 
 

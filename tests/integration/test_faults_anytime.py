@@ -21,6 +21,7 @@ from flowrl.runtime.session import Session
 from tests.integration.conftest import tiny_grpo
 
 pytestmark = pytest.mark.integration
+SPARE = {"standby_workers": 1}
 
 
 def _steps(output: Path) -> list[int]:
@@ -62,7 +63,7 @@ def test_a_worker_killed_between_steps_while_the_devices_are_sampled(tmp_path: P
     calls = []
     killed = kill_before(monkeypatch, "sample_devices", "cpu-1", lambda: calls.append(1) or len(calls) == 3)
     output = tmp_path / "out"
-    result = run(tiny_grpo(output, steps=5), base_dir=tmp_path)
+    result = run(tiny_grpo(output, steps=5, runtime=SPARE), base_dir=tmp_path)
     assert killed
     assert _steps(output) == [1, 2, 3, 4, 5] and [r.step for r in result.records] == [1, 2, 3, 4, 5]
     fault, = _events(output, "fault")
@@ -77,7 +78,7 @@ def test_a_second_worker_killed_during_the_recovery_of_the_first(tmp_path: Path,
     # the first load after the fault (a recovery rebuilding roles) loses the other worker
     second = kill_before(monkeypatch, "load_models", "cpu-0", lambda: bool(first))
     output = tmp_path / "out"
-    run(tiny_grpo(output, steps=4, runtime={"max_recoveries": 2}), base_dir=tmp_path)
+    run(tiny_grpo(output, steps=4, runtime={**SPARE, "max_recoveries": 2}), base_dir=tmp_path)
     assert first and second
     assert _steps(output) == [1, 2, 3, 4]
     faults = _events(output, "fault")
@@ -91,7 +92,7 @@ def test_a_worker_killed_while_a_checkpoint_is_written(tmp_path: Path, monkeypat
     killed = kill_before(monkeypatch, "save_models", "cpu-0",
                          lambda directory, with_state: with_state and "step-2" in str(directory))
     output = tmp_path / "out"
-    run(tiny_grpo(output, steps=4, checkpoint_every=2), base_dir=tmp_path)
+    run(tiny_grpo(output, steps=4, checkpoint_every=2, runtime=SPARE), base_dir=tmp_path)
     assert killed
     assert _steps(output) == [1, 2, 3, 4]
     fault, = _events(output, "fault")
