@@ -193,8 +193,19 @@ class _Checker:
             return
         if not rollouts:
             self.add(f"{path}.inputs", "update needs a rollout: add a generate node to inputs")
-        if not self._inputs_with_role(name, "advantage"):
+        advantages = self._inputs_with_role(name, "advantage")
+        if not advantages:
             self.add(f"{path}.inputs", "update needs advantages: add an advantage node to inputs")
+        if kind == "value":
+            # a critic learns the returns, which only gae computes
+            for advantage in advantages:
+                estimator = getattr(self.spec.nodes[advantage], "estimator", None)
+                if estimator != "gae" and self.reliable(f"nodes.{advantage}.estimator"):
+                    self.add(
+                        f"{path}.inputs",
+                        f"a value model's update learns returns, which advantage '{advantage}' computes only "
+                        f"with estimator: gae (it has {estimator}); set estimator: gae there",
+                    )
         if kind != "policy":
             return
         for rollout in rollouts:

@@ -298,3 +298,13 @@ def test_pipeline_without_generate() -> None:
         "nodes.adv.inputs: advantage needs scores: add a score node to inputs",
         "nodes: a pipeline needs a generate node to produce rollouts",
     ]
+
+
+def test_a_critic_trained_on_advantages_without_returns_is_refused_by_validation() -> None:
+    data = ppo()
+    data["nodes"]["adv"]["estimator"] = "grpo"
+    data["nodes"]["adv"]["inputs"] = ["reward"]
+    assert issues(data) == [
+        "nodes.train_critic.inputs: a value model's update learns returns, which advantage 'adv' computes "
+        "only with estimator: gae (it has grpo); set estimator: gae there",
+    ]

@@ -34,7 +34,7 @@ class _TokenLogprobs(torch.autograd.Function):
     """``log_softmax(logits / t)[label]`` computed chunk by chunk, backward recomputed."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, logits: Tensor, labels: Tensor, temperature: float, chunk_size: int
     ) -> Tensor:
         flat_logits = logits.reshape(-1, logits.shape[-1])
@@ -53,7 +53,7 @@ class _TokenLogprobs(torch.autograd.Function):
         return out.view(labels.shape)
 
     @staticmethod
-    def backward(  # type: ignore[override]
+    def backward(
         ctx: Any, grad_out: Tensor
     ) -> tuple[Tensor | None, None, None, None]:
         logits, labels, logsumexp = ctx.saved_tensors

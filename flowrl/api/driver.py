@@ -39,6 +39,10 @@ LOSS_NOTICE_S = 15.0
 NEW_WORKER_AFTER_S = 8.0
 """A lost slot whose worker is not back after this long gets a newly started worker too (a
 replacement that imports torch takes about 5 s on 2 busy cores)."""
+STANDBY_MIN_REMAINING_S = 30.0
+"""Spare workers start once the run has at least this long to go (or after a first fault): a
+spare takes seconds of CPU to import torch, which a short run would only lose, and a cluster
+waits for a starting worker before it can close."""
 AUTO_SNAPSHOT_PARAMETERS = 50_000_000
 """Up to this many trained parameters, ``snapshot_every: null`` snapshots every step: pulling
 weights and optimizer to the driver costs little next to a step. Above, checkpoints serve."""
@@ -97,6 +101,7 @@ class Driver:
         self.recovery: Recovery | None = None
         self.started = time.perf_counter()
         self.built_once = False
+        self.standby_started = False
         spec = graph.spec
         self.machine = lc.Lifecycle(
             num_steps=spec.trainer.steps,
@@ -178,7 +183,8 @@ class Driver:
                 self.watcher.event(RunEvent(
                     "model", f"{info['model']} on {info['device']}: {info['num_parameters']:,} parameters", 0))
             self.machine.snapshot_every = self._snapshot_every(sum(sizes.get(m, 0) for m in session.trained_models()))
-            self.cluster.keep_standby(self.graph.spec.runtime.standby_workers)
+        elif not self.standby_started:
+            self._start_standby()  # after a fault: the next one should find a spare
         if self.recovery is not None:
             self.recovery.build_s += time.perf_counter() - started
         return lc.Built()
@@ -258,7 +264,14 @@ class Driver:
         self.nonfinite.check(record, self.watcher)
         self.rewards.check(step, reports, self.watcher.event)
         self.replanner.after_step(record, step_s)
+        remaining_s = (num_steps - step) * (time.perf_counter() - self.started) / max(1, step - self.machine.first_step + 1)
+        if not self.standby_started and remaining_s > STANDBY_MIN_REMAINING_S:
+            self._start_standby()
         return lc.StepDone(step)
+
+    def _start_standby(self) -> None:
+        self.standby_started = True
+        self.cluster.keep_standby(self.graph.spec.runtime.standby_workers)
 
     def _checkpoint(self, step: int) -> lc.Event:
         staging = self.folder.checkpoint_staging(step)

@@ -72,7 +72,7 @@ def newest_checkpoint(checkpoints: Path) -> FoundCheckpoint | None:
         suffix = path.name.removeprefix("step-")
         if path.is_dir() and suffix.isdigit():
             steps.append((int(suffix), path))
-    skipped = []
+    skipped: list[str] = []
     for step, path in sorted(steps, reverse=True):
         problem = checkpoint_problem(path)
         if problem is None:

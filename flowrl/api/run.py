@@ -111,7 +111,7 @@ def run(
     folder.write_run_info({"base_dir": str(base_dir or Path.cwd()), "finished_steps": None})
     if start is None:
         folder.reset_logs()
-    watcher = _Watchers(folder, observer)
+    watcher = _Watchers(folder, observer, spec.trainer.log_every)
     if resume:
         for line in start.skipped if start is not None else ():
             watcher.event(RunEvent("warning", f"checkpoint skipped: {line}", 0))
@@ -305,13 +305,15 @@ class RewardKL:
 
 
 class _Watchers:
-    def __init__(self, folder: RunFolder, observer: Observer | None) -> None:
+    def __init__(self, folder: RunFolder, observer: Observer | None, log_every: int = 1) -> None:
         self.folder = folder
         self.observer = observer
+        self.log_every = log_every
 
     def step(self, record: StepRecord) -> None:
         self.folder.append_metrics(record)
-        if self.observer is not None:
+        shown = record.step % self.log_every == 0 or record.step == record.num_steps
+        if self.observer is not None and shown:
             self.observer.on_step(record)
 
     def event(self, event: RunEvent) -> None:

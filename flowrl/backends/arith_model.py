@@ -50,7 +50,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from flowrl.backends.builtin import CACHE_ENV_VAR, cache_root, make_readable, quiet_progress_bars
 from flowrl.backends.generation import generate_tokens
-from flowrl.backends.tokenizer import build_char_tokenizer
+from flowrl.backends.tokenizer import build_char_tokenizer, char_ids
 from flowrl.errors import ModelLoadError
 
 FIT_FILE = "fit.json"
@@ -163,8 +163,8 @@ def encode_batch(
     eos, pad = int(tokenizer.eos_token_id), int(tokenizer.pad_token_id)
     rows, starts = [], []
     for problem in problems:
-        prompt = tokenizer.convert_tokens_to_ids(list(problem.prompt))
-        completion = tokenizer.convert_tokens_to_ids(list(problem.worked))
+        prompt = char_ids(tokenizer, problem.prompt)
+        completion = char_ids(tokenizer, problem.worked)
         rows.append([*prompt, *completion, eos])
         starts.append(len(prompt))
     width = max(len(row) for row in rows)
@@ -193,7 +193,7 @@ def greedy_completions(
         )
         for ids, keep in zip(output.completion_ids.tolist(), output.completion_mask.tolist()):
             kept = [token for token, flag in zip(ids, keep) if flag]
-            completions.append(tokenizer.decode(kept, skip_special_tokens=True))
+            completions.append(str(tokenizer.decode(kept, skip_special_tokens=True)))
     return completions
 
 

@@ -143,7 +143,7 @@ def _decode_loop(
 
 def sample_next_token(
     logits: torch.Tensor,
-    temperature: float,
+    temperature: float | torch.Tensor,
     top_p: float,
     top_k: int,
     greedy: bool,

@@ -147,7 +147,10 @@ def load_causal_lm(
     else:
         model, tokenizer = _load_hub_model(location, dtype, options)
     _set_padding(tokenizer, model, path)
-    return model.to(device), tokenizer
+    # Module.to moves in place; called on the base class, whose signature mypy knows
+    # (transformers wraps PreTrainedModel.to in a decorator that hides it).
+    torch.nn.Module.to(model, torch.device(device))
+    return model, tokenizer
 
 
 def _load_hub_model(

@@ -51,8 +51,9 @@ def unsupported_reason(model: Any) -> str | None:
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         return f"model type {model_type!r} is not one of {', '.join(SUPPORTED_MODEL_TYPES)}"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"activation {config.hidden_act!r} is not silu"
+    activation = getattr(config, "hidden_act", "silu")
+    if activation != "silu":
+        return f"activation {activation!r} is not silu"
     rope = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None) or {}
     rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
     if rope_type != "default":
@@ -82,9 +83,21 @@ class _Layer:
     down: torch.nn.Linear
 
 
+def _tensor(value: object) -> torch.Tensor:
+    """A module attribute that is a tensor (``Module.__getattr__`` is typed wider)."""
+    assert isinstance(value, torch.Tensor)
+    return value
+
+
+def _number(value: object) -> float:
+    """A module attribute that is a plain number (an RMSNorm's epsilon)."""
+    assert isinstance(value, (int, float))
+    return float(value)
+
+
 def _rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
     # The same order of operations as transformers' LlamaRMSNorm, so fp32 results match.
-    return _rms_norm_weights(x, norm.weight, float(norm.variance_epsilon))
+    return _rms_norm_weights(x, _tensor(norm.weight), _number(norm.variance_epsilon))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -318,9 +331,9 @@ class StaticDecoder:
         x = self.embed.weight.index_select(0, b.tokens[:batch])
         for index, (layer, stacked) in enumerate(zip(self.layers, self._stacked)):
             x = self._layer_fn(
-                x, layer.attn_norm.weight, float(layer.attn_norm.variance_epsilon),
+                x, layer.attn_norm.weight, _number(layer.attn_norm.variance_epsilon),
                 stacked.qkv_weight, stacked.qkv_bias, layer.o.weight,
-                layer.mlp_norm.weight, float(layer.mlp_norm.variance_epsilon),
+                layer.mlp_norm.weight, _number(layer.mlp_norm.variance_epsilon),
                 stacked.gate_up_weight, layer.down.weight,
                 b.keys[index, :batch], b.values[index, :batch], b.column, cos, sin, bias, self.scaling,
             )

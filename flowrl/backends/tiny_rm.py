@@ -40,7 +40,7 @@ import torch
 from transformers import LlamaConfig, LlamaModel, PreTrainedTokenizerBase
 
 from flowrl.backends.builtin import CACHE_ENV_VAR, cache_root, make_readable
-from flowrl.backends.tokenizer import build_char_tokenizer
+from flowrl.backends.tokenizer import build_char_tokenizer, char_ids
 from flowrl.backends.value_model import ScalarHeadModel, save_scalar_model
 from flowrl.errors import ModelLoadError
 
@@ -138,7 +138,7 @@ def synthetic_batch(
     The targets are the task's rule on the decoded completions.
     """
     rule = _check_task(task)
-    digit_ids = [tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)]
+    digit_ids = char_ids(tokenizer, string.digits)
     eos = int(tokenizer.eos_token_id)
     other_ids = [i for i in range(len(tokenizer)) if i not in digit_ids and i != eos]
     rows, completions = [], []
@@ -156,10 +156,10 @@ def synthetic_batch(
             rng.choice(digit_ids) if rng.random() < share else rng.choice(other_ids)
             for _ in range(length)
         ]
-        completions.append(tokenizer.decode(completion, skip_special_tokens=True))
+        completions.append(str(tokenizer.decode(completion, skip_special_tokens=True)))
         if length < TINY_RM_MAX_NEW_TOKENS:
             completion.append(eos)
-        rows.append(tokenizer.convert_tokens_to_ids(list(prompt)) + completion)
+        rows.append(char_ids(tokenizer, prompt) + completion)
     targets = [rule.reward(completion) for completion in completions]
     width = max(len(row) for row in rows)
     input_ids = torch.full((size, width), int(tokenizer.pad_token_id), dtype=torch.long)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import string
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 PAD_TOKEN = "<pad>"
 BOS_TOKEN = "<bos>"
@@ -33,6 +33,12 @@ PUNCTUATION = "=+-*/.,:;!?()'\"#"
 CHARACTERS: str = (
     string.ascii_lowercase + string.ascii_uppercase + string.digits + " " + PUNCTUATION
 )
+
+
+def char_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """The ids of ``text``'s characters, one token each (a character tokenizer's ids)."""
+    ids = tokenizer.convert_tokens_to_ids(list(text))
+    return [ids] if isinstance(ids, int) else list(ids)
 
 
 def char_vocab() -> dict[str, int]:

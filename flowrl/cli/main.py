@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
-import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
 
@@ -229,4 +228,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -110,7 +110,7 @@ def _load_file(path: Path, source: str, split: str) -> Any:
 
 
 def _load_folder(path: Path, source: str, split: str) -> Any:
-    import datasets  # type: ignore[import-untyped]
+    import datasets
 
     if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
         try:
@@ -143,7 +143,7 @@ def _load_folder(path: Path, source: str, split: str) -> Any:
 
 
 def _load_hub(name: str, split: str, subset: str | None) -> Any:
-    import datasets  # type: ignore[import-untyped]
+    import datasets
 
     offline = hub_offline() or os.environ.get("HF_DATASETS_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
     try:

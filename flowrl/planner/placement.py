@@ -138,9 +138,9 @@ def without_slots(pipeline: PipelineGraph, plan: Plan, lost: set[str], survivors
     shards = {node: [slot for slot in slots if slot not in lost] for node, slots in plan.node_shards.items()}
     load = {slot: 0 for slot in survivors}
     for node, slot in plan.node_slots.items():
-        for kept in shards.get(node, [slot]):
-            if kept in load:
-                load[kept] += 1
+        for part in shards.get(node, [slot]):
+            if part in load:
+                load[part] += 1
     node_slots: dict[str, str] = {}
     reasons = []
     for node, slot in plan.node_slots.items():

@@ -41,11 +41,15 @@ from flowrl.planner.simulate import Placement, Schedule, device_memory_gb, simul
 INFERENCE_ROLES = ("score", "reference_logprob", "value")
 
 
+MEMORY_RESERVE = 0.10
+"""Share of each device's memory the planner keeps free on top of the predicted peak."""
+
+
 @dataclass(frozen=True)
 class SearchOptions:
     """How hard to search."""
 
-    memory_reserve: float = 0.10
+    memory_reserve: float = MEMORY_RESERVE
     """Share of each device's memory kept free on top of the predicted peak. Default 0.10."""
     exact_limit: int = 4096
     """Try every combination when there are at most this many. Default 4096."""

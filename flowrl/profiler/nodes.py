@@ -124,10 +124,11 @@ class NodeProfile:
         for name, item in now.items():
             label = labels.get(item.node, item.node) + name[len(item.node):]
             before = self._shown.get(name)
-            same_place = before is not None and before.device == item.device
-            parts.append(f"{label} {_ms(item.compute_s)}{_change(item.compute_s, before.compute_s if same_place else None)}")
+            if before is not None and before.device != item.device:
+                before = None  # moved: a change against another device's time says nothing
+            parts.append(f"{label} {_ms(item.compute_s)}{_change(item.compute_s, before.compute_s if before else None)}")
             if item.role == "generate":
-                old_rate = before.tokens_per_s if same_place else None
+                old_rate = before.tokens_per_s if before else None
                 rates.append(f"{label} {item.tokens_per_s:,.0f} tok/s{_change(item.tokens_per_s, old_rate)}")
         self._shown = now
         on_gpu = [item for item in now.values() if item.peak_memory_gb > 0]

@@ -102,7 +102,7 @@ def _step(
         grad_norm = torch.nn.utils.clip_grad_norm_(parameters, node.max_grad_norm)
     else:
         grad_norm = (
-            torch.stack([p.grad.detach().norm() for p in parameters]).norm()
+            torch.stack([p.grad.detach().norm() for p in parameters if p.grad is not None]).norm()
             if parameters
             else torch.tensor(0.0)
         )

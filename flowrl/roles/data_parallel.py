@@ -67,16 +67,18 @@ class DataParallel:
         keeps ``grad = None``, as on one device, so the optimizer leaves it alone."""
         params = [p for p in module.parameters() if p.requires_grad]
         used = [p.grad is not None for p in params]
+        grads = []
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        flags = torch.tensor(used, dtype=params[0].grad.dtype if params else torch.float32)
-        flat = torch.cat([*(p.grad.reshape(-1) for p in params), flags.to(params[0].grad.device) if params else flags])
+            grads.append(p.grad)
+        flags = torch.tensor(used, dtype=grads[0].dtype if grads else torch.float32)
+        flat = torch.cat([*(grad.reshape(-1) for grad in grads), flags.to(grads[0].device) if grads else flags])
         self._all_reduce(flat)
         offset = 0
-        for p in params:
-            count = p.numel()
-            p.grad.copy_(flat[offset : offset + count].view_as(p.grad))
+        for grad in grads:
+            count = grad.numel()
+            grad.copy_(flat[offset : offset + count].view_as(grad))
             offset += count
         for p, anywhere in zip(params, flat[offset:].tolist()):
             if anywhere == 0:

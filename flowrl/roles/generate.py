@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import torch
+from transformers import PreTrainedModel
 
 from flowrl.backends.generation import GenerationOutput, generate_tokens
 from flowrl.backends.static_decode import decoder_for, unsupported_reason
@@ -113,7 +114,9 @@ def _engine(state: ModelState, node: Any) -> Callable[..., GenerationOutput]:
                 f"engine: static cannot run this model ({unsupported_reason(state.module)}); "
                 "set engine: loop (or auto) on the generate node"
             )
-    return lambda ids, mask, **settings: generate_tokens(state.module, ids, mask, **settings)
+    module = state.module
+    assert isinstance(module, PreTrainedModel)  # a generate node's model is a policy (schema)
+    return lambda ids, mask, **settings: generate_tokens(module, ids, mask, **settings)
 
 
 def rollout_metrics(rollout: Rollout) -> dict[str, float]:

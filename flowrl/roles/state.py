@@ -8,15 +8,17 @@ from typing import Any
 
 import torch
 
-from flowrl.backends.hf import HubOptions, load_causal_lm
-from flowrl.backends.value_model import load_scalar_model
+from transformers import PreTrainedModel
+
+from flowrl.backends.hf import DtypeName, HubOptions, load_causal_lm
+from flowrl.backends.value_model import ScalarHeadModel, load_scalar_model
 
 @dataclass
 class ModelState:
     """Everything a worker keeps about one model between node calls."""
 
     name: str
-    module: torch.nn.Module
+    module: PreTrainedModel | ScalarHeadModel
     tokenizer: Any
     device: torch.device
     generator: torch.Generator
@@ -30,7 +32,7 @@ class ModelState:
         cls,
         name: str,
         path: str,
-        dtype: str,
+        dtype: DtypeName,
         device: str,
         seed: int,
         base_dir: Path | None,
@@ -39,6 +41,7 @@ class ModelState:
         options: HubOptions = HubOptions(),
     ) -> "ModelState":
         """``options``: the model's hub revision and whether its own code may run."""
+        module: PreTrainedModel | ScalarHeadModel
         if kind == "policy":
             module, tokenizer = load_causal_lm(path, dtype=dtype, device=device, base_dir=base_dir, options=options)
         elif kind in ("value", "reward"):

@@ -18,9 +18,9 @@ from flowrl.errors import NodeTimeout
 from flowrl.graph import PipelineGraph
 from flowrl.planner.placement import Plan
 from flowrl.runtime.calls import InputRef, NodeCall, NodeReport, store_key
+from flowrl.spec.schema import SOURCE_NODE, GenerateNode
 from flowrl.runtime.waiting import gather
 
-PROMPTS = "prompts"
 Gather = Callable[[list[tuple[str, Any]], float, str], list[Any]]
 """(slot, future) calls, a deadline, what they are -> their results (``waiting.gather``)."""
 
@@ -56,18 +56,13 @@ class StepExecutor:
             # Split by rows: shard 0 joins the others' parts and serves the whole result; the
             # ranks of a data-parallel update each train on their rows, rank 0 pushes weights.
             peers = tuple(self.hosts[slot] for slot in slots[1:])
-            calls[node] = [
-                self.hosts[slot].run_node(
-                    replace(
-                        self._call(step, node, prompts, kl_coef, slot),
-                        shard=(index, len(slots)),
-                        shard_peers=peers if index == 0 else (),
-                        shares=self.plan.shares_of(node),
-                        **({} if index == 0 else {"weight_peers": ()}),
-                    )
-                )
-                for index, slot in enumerate(slots)
-            ]
+            calls[node] = []
+            for index, slot in enumerate(slots):
+                call = replace(self._call(step, node, prompts, kl_coef, slot), shard=(index, len(slots)),
+                               shard_peers=peers if index == 0 else (), shares=self.plan.shares_of(node))
+                if index > 0:
+                    call = replace(call, weight_peers=())
+                calls[node].append(self.hosts[slot].run_node(call))
         reports: dict[str, NodeReport] = {}
         # In dependency order: the first failure met is the one that caused the others.
         for node, futures in calls.items():
@@ -99,7 +94,7 @@ class StepExecutor:
         spec = self.pipeline.spec.nodes[node]
         inputs = []
         for producer in self._inputs[node]:
-            if producer == PROMPTS:
+            if producer == SOURCE_NODE:
                 continue
             producer_slot = self.plan.node_slots[producer]
             host = None if producer_slot == slot else self.hosts[producer_slot]
@@ -142,7 +137,7 @@ def _upstream_generate(pipeline: PipelineGraph, node: str) -> str | None:
     stack = [node]
     while stack:
         current = stack.pop()
-        if current in seen or current == PROMPTS:
+        if current in seen or current == SOURCE_NODE:
             continue
         seen.add(current)
         if pipeline.spec.nodes[current].role == "generate":
@@ -154,4 +149,8 @@ def _upstream_generate(pipeline: PipelineGraph, node: str) -> str | None:
 def _group_size(pipeline: PipelineGraph, node: str) -> int:
     """Samples per prompt of the generate node upstream of ``node`` (1 if none)."""
     rollout = _upstream_generate(pipeline, node)
-    return int(pipeline.spec.nodes[rollout].n) if rollout is not None else 1
+    if rollout is None:
+        return 1
+    spec = pipeline.spec.nodes[rollout]
+    assert isinstance(spec, GenerateNode)
+    return int(spec.n)

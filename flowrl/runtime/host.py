@@ -279,21 +279,26 @@ class RoleHost:
         spec = call.spec
         by_role = _inputs_by_role(call, inputs)
         if call.role == "generate":
-            return run_generate(self.models[call.model], call.prompts, spec)
+            return run_generate(self._model(call), call.prompts, spec)
         if call.role == "score":
             if spec.model is not None:
                 return run_reward_model(self.models[spec.model], by_role["generate"][0], spec.weight)
             reward_fn = self._reward(spec.fn)
             return run_score(by_role["generate"][0], reward_fn, spec.weight, spec.on_error, spec.fn_name, spec.params)
         if call.role == "reference_logprob":
-            return run_reference_logprob(self.models[call.model], by_role["generate"][0], spec.micro_batch_tokens)
+            return run_reference_logprob(self._model(call), by_role["generate"][0], spec.micro_batch_tokens)
         if call.role == "value":
-            return run_value(self.models[call.model], by_role["generate"][0], spec.micro_batch_tokens)
+            return run_value(self._model(call), by_role["generate"][0], spec.micro_batch_tokens)
         if call.role == "advantage":
             return self._advantage(call, by_role)
         if call.role == "update":
             return self._update(call, by_role)
         raise ValueError(f"role {call.role!r} cannot run on a host")
+
+    def _model(self, call: NodeCall) -> ModelState:
+        if call.model is None:
+            raise ValueError(f"node '{call.node}' ({call.role}) names no model")
+        return self.models[call.model]
 
     def _advantage(self, call: NodeCall, by_role: dict[str, list[Any]]) -> NodeOutput:
         spec = call.spec
@@ -312,7 +317,7 @@ class RoleHost:
         )
 
     def _update(self, call: NodeCall, by_role: dict[str, list[Any]]) -> NodeOutput:
-        state, rollout, advantage = self.models[call.model], by_role["generate"][0], by_role["advantage"][0]
+        state, rollout, advantage = self._model(call), by_role["generate"][0], by_role["advantage"][0]
         if isinstance(state.module, ScalarHeadModel):
             if not isinstance(advantage, PPOAdvantages) or advantage.returns is None:
                 raise ValueError(f"critic update '{call.node}' needs returns: its advantage node must use estimator gae")
@@ -324,7 +329,7 @@ class RoleHost:
         if call.shard[1] > 1:
             dp = DataParallel(self._groups[call.node], call.part_shares)
         output = run_update(state, rollout, advantages, ref, call.spec, self.seed, dp)
-        output.metrics.update(self._push_weights(call.model, call.weight_peers))
+        output.metrics.update(self._push_weights(state.name, call.weight_peers))
         return output
 
     def _push_weights(self, model: str, peers: tuple[Any, ...]) -> dict[str, float]:

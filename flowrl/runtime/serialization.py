@@ -28,7 +28,7 @@ def _serialize_tensor(tensor: torch.Tensor) -> tuple[dict[str, Any], list[memory
         "requires_grad": bool(tensor.requires_grad),
     }
     raw = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
-    return header, [memoryview(raw.numpy())]
+    return header, [memoryview(raw.numpy().data)]
 
 
 def _deserialize_tensor(header: dict[str, Any], frames: list[Any]) -> torch.Tensor:

@@ -221,10 +221,12 @@ class Session:
 
     def trained_models(self) -> dict[str, str]:
         """Model -> the slot of its update node (the copy whose weights are current)."""
-        return {
-            self.pipeline.spec.nodes[node].model: self.plan.node_slots[node]
-            for node in self.pipeline.nodes_with_role("update")
-        }
+        trained = {}
+        for node in self.pipeline.nodes_with_role("update"):
+            model = self.pipeline.spec.nodes[node].model
+            assert model is not None  # the schema requires an update node's model
+            trained[model] = self.plan.node_slots[node]
+        return trained
 
     def save_models(self, directory: Path, with_state: bool) -> None:
         """Each trained model is written by the worker that holds it, all at once, its weights

@@ -54,10 +54,9 @@ from flowrl.scheduler.events import (
 )
 from flowrl.scheduler.moves import plan_moves
 from flowrl.scheduler.replan import placement_of, prune_moves
+from flowrl.planner.search import MEMORY_RESERVE
 from flowrl.spec.schema import SchedulerSpec
 
-MEMORY_RESERVE = 0.10
-"""Share of each device's memory the planner keeps free (as ``SearchOptions``)."""
 RECORD_GAIN = 0.01
 """A re-plan that is not accepted is recorded when it would have gained this share per step."""
 

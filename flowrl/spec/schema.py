@@ -388,7 +388,8 @@ class TrainerSpec(_Strict):
     seed: int = Field(default=0, ge=0)
     """Seed of data order, sampling and initialisation. Default 0."""
     log_every: int = Field(default=1, ge=1)
-    """Log metrics every this many steps. Default 1."""
+    """Show a step's line in the terminal every this many steps (and the last step);
+    ``metrics.jsonl`` keeps every step. Default 1."""
     keep_checkpoints: int = Field(default=2, ge=1)
     """Newest checkpoints kept on disk. Default 2."""
     max_nonfinite_updates: int = Field(default=3, ge=1)
@@ -458,7 +459,8 @@ class RuntimeSpec(_Strict):
     standby_workers: int = Field(default=1, ge=0)
     """Warm spare workers a local cluster keeps per kind of slot (CPU, each GPU): imports
     done, no models. A spare takes a lost or hung worker's place at once, so a recovery does
-    not wait for a new process to import torch. Started after the models load. Default 1."""
+    not wait for a new process to import torch. They start once the run has 30 s or more to
+    go, or after a first fault (a short run would only lose the CPU they take). Default 1."""
     recovery_timeout_s: float = Field(default=120.0, gt=0)
     """How long to wait for a lost worker's replacement to register, in seconds. Default 120."""
     dashboard: bool = False

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from types import TracebackType
-from typing import TextIO
+from typing import IO
 
 from flowrl.records import RunEvent, StepRecord
 from flowrl.ui.format import (
@@ -71,7 +71,7 @@ class PlainLog:
     creation.
     """
 
-    def __init__(self, stream: TextIO, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, stream: IO[str], clock: Callable[[], float] = time.monotonic) -> None:
         self._stream = stream
         self._clock = clock
         self._started_s = clock()
