@@ -115,7 +115,10 @@ class Session:
                 allow_other_workers=False,
                 pure=False,
             )
-        started = self.gather(list(futures.items()), HOST_START_S, "starting role hosts")
+        # A stopped (hung) worker stays registered: only the deadline finds it, and a host starts
+        # in under a second on a warm worker, so the node deadline bounds this one too.
+        deadline_s = min(HOST_START_S, runtime.node_timeout_s)
+        started = self.gather(list(futures.items()), deadline_s, "starting role hosts")
         self.hosts.update(zip(futures, started))
 
     def _retune_threads(self, plan: Plan) -> None:
