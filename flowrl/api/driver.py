@@ -33,6 +33,7 @@ from flowrl.graph import PipelineGraph
 from flowrl.records import RunEvent, StepRecord
 from flowrl.runtime.cluster import Cluster
 from flowrl.runtime.session import Session
+from flowrl.runtime.waiting import lost_slots
 
 LOSS_NOTICE_S = 15.0
 """Longest wait for the scheduler to see a worker loss that the driver already saw."""
@@ -167,8 +168,7 @@ class Driver:
         started = time.perf_counter()
         if self.session is not None:
             old, self.session = self.session, None
-            now = self.cluster.addresses()
-            old.release({slot for slot in old.hosts if now.get(slot) != old.addresses.get(slot)})
+            old.release(set(lost_slots(old.hosts, old.addresses, self.cluster.addresses())))
         plan = self.replanner.plan
         session = Session(self.cluster, self.graph, plan, self.base_dir)
         self.session = session
@@ -385,8 +385,7 @@ class Driver:
     def _lost(self, in_use: set[str], wait_s: float) -> list[str]:
         deadline = time.monotonic() + wait_s
         while True:
-            now = self.cluster.addresses()
-            lost = sorted(slot for slot in in_use if now.get(slot) != self.addresses.get(slot))
+            lost = lost_slots(in_use, self.addresses, self.cluster.addresses())
             if lost or time.monotonic() >= deadline:
                 return lost
             time.sleep(0.1)

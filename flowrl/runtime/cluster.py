@@ -15,7 +15,6 @@ import os
 import shlex
 import tempfile
 import threading
-import time
 import warnings
 from dataclasses import dataclass, replace
 from typing import Any
@@ -241,15 +240,6 @@ class Cluster:
     def restart(self, names: list[str], timeout_s: float) -> None:
         """Restart the workers of ``names`` (hung ones): their nannies start fresh processes."""
         self.restart_workers([slot.worker for slot in self.slots if slot.name in names], timeout_s)
-
-    def wait_for(self, names: set[str], timeout_s: float) -> bool:
-        """Wait until every slot of ``names`` has a registered worker; False on timeout."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if names <= self.alive():
-                return True
-            time.sleep(0.2)
-        return names <= self.alive()
 
     def close(self) -> None:
         # Quiet shutdown: a closing cluster logs connection noise that means nothing here.

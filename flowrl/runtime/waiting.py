@@ -9,7 +9,7 @@ whether the workers it waits on are still the ones the calls went to.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from flowrl.errors import NodeTimeout, WorkerLost
@@ -56,7 +56,13 @@ def gather(
     return [results[index] for index in range(len(calls))]
 
 
+def lost_slots(slots: Iterable[str], addresses: Mapping[str, str], now: Mapping[str, str]) -> list[str]:
+    """The slots whose worker registered ``now`` is not the one in ``addresses`` (gone or
+    replaced)."""
+    return sorted(slot for slot in set(slots) if now.get(slot) != addresses.get(slot))
+
+
 def raise_if_lost(slots: Sequence[str], addresses: Mapping[str, str], now: Mapping[str, str], what: str) -> None:
-    lost = sorted(slot for slot in set(slots) if now.get(slot) != addresses.get(slot))
+    lost = lost_slots(slots, addresses, now)
     if lost:
         raise WorkerLost(f"{what}: the worker of {', '.join(lost)} left the cluster", tuple(lost))
