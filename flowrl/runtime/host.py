@@ -27,25 +27,15 @@ import psutil
 import torch
 
 from flowrl.backends.hf import HubOptions
-from flowrl.backends.value_model import ScalarHeadModel
 from flowrl.profiler import DeviceSampler
 from flowrl.records import DeviceSample
 from flowrl.rewards import resolve_reward
-from flowrl.roles.advantage import run_advantage
 from flowrl.roles.batch import NodeOutput
-from flowrl.roles.critic_update import run_critic_update
 from flowrl.roles.data_parallel import DataParallel, weighted_rows
 from flowrl.roles.evaluate import EvalScorer, run_evaluation
-from flowrl.roles.generate import run_generate
-from flowrl.roles.ppo_advantage import run_ppo_advantage
-from flowrl.roles.ppo_batch import PPOAdvantages
-from flowrl.roles.reference import run_reference_logprob
-from flowrl.roles.reward_model import run_reward_model
-from flowrl.roles.score import run_score
+from flowrl.roles import registry
 from flowrl.roles.shards import join_shards, shard_of
 from flowrl.roles.state import ModelState
-from flowrl.roles.update import run_update
-from flowrl.roles.value import run_value
 from flowrl.runtime import checkpoint
 from flowrl.runtime.collective import GlooGroup, free_port
 from flowrl.runtime.calls import EvalCall, NodeCall, NodeReport, key_step, store_key
@@ -276,60 +266,15 @@ class RoleHost:
         return output, time.perf_counter() - started - output.blocked_s, started - arrived + output.blocked_s
 
     def _dispatch(self, call: NodeCall, inputs: dict[str, Any]) -> NodeOutput:
-        spec = call.spec
-        by_role = _inputs_by_role(call, inputs)
-        if call.role == "generate":
-            return run_generate(self._model(call), call.prompts, spec)
-        if call.role == "score":
-            if spec.model is not None:
-                return run_reward_model(self.models[spec.model], by_role["generate"][0], spec.weight)
-            reward_fn = self._reward(spec.fn)
-            return run_score(by_role["generate"][0], reward_fn, spec.weight, spec.on_error, spec.fn_name, spec.params)
-        if call.role == "reference_logprob":
-            return run_reference_logprob(self._model(call), by_role["generate"][0], spec.micro_batch_tokens)
-        if call.role == "value":
-            return run_value(self._model(call), by_role["generate"][0], spec.micro_batch_tokens)
-        if call.role == "advantage":
-            return self._advantage(call, by_role)
-        if call.role == "update":
-            return self._update(call, by_role)
-        raise ValueError(f"role {call.role!r} cannot run on a host")
-
-    def _model(self, call: NodeCall) -> ModelState:
-        if call.model is None:
-            raise ValueError(f"node '{call.node}' ({call.role}) names no model")
-        return self.models[call.model]
-
-    def _advantage(self, call: NodeCall, by_role: dict[str, list[Any]]) -> NodeOutput:
-        spec = call.spec
-        if spec.estimator == "grpo" and call.kl_coef == 0:
-            return run_advantage(by_role["score"], call.group_size, spec)
-        rollout = by_role["generate"][0]
-        return run_ppo_advantage(
-            by_role["score"],
-            by_role.get("value", [None])[0],
-            by_role.get("reference_logprob", [None])[0],
-            rollout.sampled_logprobs,
-            rollout.completion_mask,
-            call.group_size,
-            spec,
-            kl_coef_for_reward=call.kl_coef,
-        )
-
-    def _update(self, call: NodeCall, by_role: dict[str, list[Any]]) -> NodeOutput:
-        state, rollout, advantage = self._model(call), by_role["generate"][0], by_role["advantage"][0]
-        if isinstance(state.module, ScalarHeadModel):
-            if not isinstance(advantage, PPOAdvantages) or advantage.returns is None:
-                raise ValueError(f"critic update '{call.node}' needs returns: its advantage node must use estimator gae")
-            old_values = by_role.get("value", [None])[0]
-            return run_critic_update(state, rollout, advantage.returns, old_values, call.spec, self.seed)
-        advantages = advantage.advantages if isinstance(advantage, PPOAdvantages) else advantage
-        ref = by_role.get("reference_logprob", [None])[0]
-        dp = None
-        if call.shard[1] > 1:
-            dp = DataParallel(self._groups[call.node], call.part_shares)
-        output = run_update(state, rollout, advantages, ref, call.spec, self.seed, dp)
-        output.metrics.update(self._push_weights(state.name, call.weight_peers))
+        """Run the call's role (``roles.registry``); after a role that trains, push the new
+        weights to the model's other copies."""
+        role = registry.role(call.role)
+        group = DataParallel(self._groups[call.node], call.part_shares) if call.shard[1] > 1 and role.trains else None
+        context = registry.RoleContext(self.models, self._reward, self.seed, group)
+        request = registry.RoleCall(call.node, call.spec, call.model, call.prompts, call.group_size, call.kl_coef)
+        output = role.run(context, _inputs_by_role(call, inputs), request)
+        if role.trains and call.model is not None and call.weight_peers:
+            output.metrics.update(self._push_weights(call.model, call.weight_peers))
         return output
 
     def _push_weights(self, model: str, peers: tuple[Any, ...]) -> dict[str, float]:
