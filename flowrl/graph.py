@@ -1,7 +1,10 @@
 """The pipeline as an immutable dataflow graph, and the rules a graph must follow.
 
 Nodes are the iteration's role nodes plus the implicit data source ``prompts``; an edge
-``producer -> consumer`` means the consumer reads the producer's output. The checks here
+``producer -> consumer`` means the consumer reads the producer's output. A node whose role
+reads the rollout without listing it (an advantage node reads the completion mask and the
+sampling log-probs) gets an edge from its rollout too, marked ``implicit``, so the planner,
+the executor and ``flowrl plan`` see every read. The checks here
 know nothing of files: they return ``(dotted path, message)`` pairs, and the loader maps
 paths to lines.
 """
@@ -16,7 +19,7 @@ import networkx as nx
 
 from flowrl.errors import SpecError, SpecIssue
 from flowrl.spec.messages import Issue, did_you_mean
-from flowrl.spec.schema import SOURCE_NODE, PipelineSpec
+from flowrl.spec.schema import SOURCE_NODE, GenerateNode, NodeBase, PipelineSpec, ScoreNode
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
@@ -126,112 +129,8 @@ class _Checker:
                 judged = False
         return judged
 
-    def _inputs_with_role(self, name: str, role: str) -> list[str]:
-        nodes = self.spec.nodes
-        return [
-            item
-            for item in nodes[name].inputs
-            if item != SOURCE_NODE and item in nodes and nodes[item].role == role
-        ]
-
     def _check_role(self, name: str) -> None:
-        node = self.spec.nodes[name]
-        path = f"nodes.{name}"
-        kind = self._model_kind(name)
-        rollouts = self._inputs_with_role(name, "generate")
-
-        def need(role: str, what: str) -> None:
-            if not self._inputs_with_role(name, role):
-                self.add(f"{path}.inputs", f"{node.role} needs {what}: add a {role} node to inputs")
-
-        def need_kind(wanted: str) -> None:
-            if kind is not None and kind != wanted:
-                self.add(
-                    f"{path}.model",
-                    f"{node.role} needs a {wanted} model; '{node.model}' is kind {kind}",
-                )
-
-        if node.role == "generate":
-            if SOURCE_NODE not in node.inputs:
-                self.add(f"{path}.inputs", "generate needs the prompts: add 'prompts' to inputs")
-            for item in node.inputs:
-                if item not in (SOURCE_NODE, name) and item in self.spec.nodes:
-                    self.add(f"{path}.inputs", f"generate reads only 'prompts'; drop '{item}'")
-            need_kind("policy")
-        elif node.role in ("score", "reference_logprob", "value"):
-            need("generate", "a rollout")
-            if node.role == "score" and node.model is not None:
-                need_kind("reward")
-            elif node.role == "reference_logprob":
-                need_kind("policy")
-            elif node.role == "value":
-                need_kind("value")
-        elif node.role == "advantage":
-            if node.model is not None:
-                self.add(f"{path}.model", "an advantage node runs no model; remove 'model'")
-            need("score", "scores")
-            if getattr(node, "estimator", None) == "gae" and self.reliable(f"{path}.estimator"):
-                need("value", "values (gae)")
-            kl_coef = getattr(node, "kl_coef", 0.0)
-            if kl_coef > 0 and self.reliable(f"{path}.kl_coef") and not self._inputs_with_role(name, "reference_logprob"):
-                self.add(
-                    f"{path}.inputs",
-                    f"kl_coef is {kl_coef}, so the KL reward penalty needs reference log-probs: add a "
-                    "reference_logprob node to inputs (or set kl_coef: 0)",
-                )
-        elif node.role == "update":
-            self._check_update(name, kind, rollouts)
-
-    def _check_update(self, name: str, kind: str | None, rollouts: list[str]) -> None:
-        node = self.spec.nodes[name]
-        path = f"nodes.{name}"
-        if kind == "reward":
-            self.add(
-                f"{path}.model",
-                f"update trains a policy or value model; '{node.model}' is kind reward",
-            )
-            return
-        if not rollouts:
-            self.add(f"{path}.inputs", "update needs a rollout: add a generate node to inputs")
-        advantages = self._inputs_with_role(name, "advantage")
-        if not advantages:
-            self.add(f"{path}.inputs", "update needs advantages: add an advantage node to inputs")
-        if kind == "value":
-            # a critic learns the returns, which only gae computes
-            for advantage in advantages:
-                estimator = getattr(self.spec.nodes[advantage], "estimator", None)
-                if estimator != "gae" and self.reliable(f"nodes.{advantage}.estimator"):
-                    self.add(
-                        f"{path}.inputs",
-                        f"a value model's update learns returns, which advantage '{advantage}' computes only "
-                        f"with estimator: gae (it has {estimator}); set estimator: gae there",
-                    )
-        if kind != "policy":
-            return
-        for rollout in rollouts:
-            source_model = self.spec.nodes[rollout].model
-            if source_model != node.model:
-                self.add(
-                    f"{path}.model",
-                    f"update trains '{node.model}' but its rollout '{rollout}' comes from "
-                    f"'{source_model}'; a policy update trains the model that generated",
-                )
-        references = self._inputs_with_role(name, "reference_logprob")
-        kl_coef = getattr(node, "kl_coef", 0.0)
-        if not self.reliable(f"{path}.kl_coef"):
-            return
-        if kl_coef > 0 and not references:
-            self.add(
-                f"{path}.inputs",
-                f"kl_coef is {kl_coef}, so update needs reference log-probs: add a "
-                "reference_logprob node to inputs (or set kl_coef: 0)",
-            )
-        for reference in references if kl_coef == 0 else []:
-            self.add(
-                f"{path}.inputs",
-                f"kl_coef is 0, so the reference is never used; set kl_coef > 0 or drop "
-                f"'{reference}' from inputs",
-            )
+        self.spec.nodes[name].check(_View(self, name))
 
     def _check_cycles(self) -> None:
         """One message per group of nodes that feed each other: its shortest cycle."""
@@ -266,7 +165,7 @@ class _Checker:
         evaluation = getattr(self.spec, "eval", None)
         if evaluation is None or "eval" in self.broken:
             return
-        with_fn = [name for name, node in self.spec.nodes.items() if node.role == "score" and node.fn is not None]
+        with_fn = [name for name, node in self.spec.nodes.items() if isinstance(node, ScoreNode) and node.fn is not None]
         if evaluation.scores is None:
             if not with_fn and "nodes" not in self.broken:
                 self.add("eval", "evaluation scores completions with reward functions, and no score node has 'fn'; "
@@ -298,8 +197,29 @@ class _Checker:
                 self.add(
                     f"devices.{name}", f"no model or node uses device group '{name}'; remove it"
                 )
-        if not any(node.role == "generate" for node in self.spec.nodes.values()):
+        if not any(isinstance(node, GenerateNode) for node in self.spec.nodes.values()):
             self.add("nodes", "a pipeline needs a generate node to produce rollouts")
+
+
+class _View:
+    """One node's view of the pipeline for its own rules (``NodeView``)."""
+
+    def __init__(self, checker: _Checker, name: str) -> None:
+        self._checker, self.name = checker, name
+        self.model_kind = checker._model_kind(name)
+
+    def inputs_of(self, role: type[NodeBase]) -> list[str]:
+        nodes = self._checker.spec.nodes
+        return [item for item in nodes[self.name].inputs if item != SOURCE_NODE and isinstance(nodes.get(item), role)]
+
+    def node(self, name: str) -> NodeBase | None:
+        return self._checker.spec.nodes.get(name)
+
+    def reliable(self, path: str) -> bool:
+        return self._checker.reliable(path)
+
+    def add(self, path: str, message: str) -> None:
+        self._checker.add(path, message)
 
 
 class PipelineGraph:
@@ -309,10 +229,11 @@ class PipelineGraph:
     Two graphs are equal when their specs are equal.
     """
 
-    __slots__ = ("_spec", "_graph", "_order")
+    __slots__ = ("_spec", "_graph", "_order", "_rollouts")
     _spec: PipelineSpec
     _graph: nx.DiGraph
     _order: tuple[str, ...]
+    _rollouts: dict[str, str | None]
 
     def __init__(self, spec: PipelineSpec) -> None:
         issues = find_graph_issues(spec)
@@ -326,9 +247,15 @@ class PipelineGraph:
             graph.add_edges_from((item, name) for item in node.inputs)
         rank = {name: index for index, name in enumerate([SOURCE_NODE, *spec.nodes])}
         order = list(nx.lexicographical_topological_sort(graph, key=rank.__getitem__))
+        rollouts = {name: _rollout_of(graph, order, name) for name in spec.nodes}
+        for name, node in spec.nodes.items():
+            rollout = rollouts[name]
+            if node.reads_rollout and rollout is not None and rollout not in node.inputs:
+                graph.add_edge(rollout, name, implicit=True)
         object.__setattr__(self, "_spec", spec)
         object.__setattr__(self, "_graph", nx.freeze(graph))
         object.__setattr__(self, "_order", tuple(name for name in order if name != SOURCE_NODE))
+        object.__setattr__(self, "_rollouts", rollouts)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("a PipelineGraph cannot be changed; build a new one")
@@ -353,18 +280,25 @@ class PipelineGraph:
         return list(self._order)
 
     def producers(self, node: str) -> list[str]:
-        """Names whose output ``node`` reads, in the order of its inputs (may include prompts)."""
+        """Names whose output ``node`` reads: its inputs in order (may include prompts), then
+        the rollout its role reads without listing it."""
         if node == SOURCE_NODE:
             return []
-        return list(self._spec.nodes[node].inputs)
+        listed = list(self._spec.nodes[node].inputs)
+        return listed + [item for item in self._graph.predecessors(node) if item not in listed]
 
     def consumers(self, node: str) -> list[str]:
         """Nodes that read ``node``'s output, in file order."""
-        return [name for name, spec in self._spec.nodes.items() if node in spec.inputs]
+        return [name for name in self._spec.nodes if self._graph.has_edge(node, name)]
 
-    def nodes_with_role(self, role: str) -> list[str]:
-        """Names of the nodes with ``role``, in file order."""
-        return [name for name, node in self._spec.nodes.items() if node.role == role]
+    def rollout_of(self, node: str) -> str | None:
+        """The generate node ``node`` is or descends from (the first in file order); None
+        for a node that reads no rollout."""
+        return self._rollouts[node]
+
+    def nodes_of(self, role: type[NodeBase]) -> list[str]:
+        """Names of the nodes of ``role`` (a spec class such as ``UpdateNode``), in file order."""
+        return [name for name, node in self._spec.nodes.items() if isinstance(node, role)]
 
     def to_dict(self) -> dict[str, Any]:
         """The spec as plain data (lists, dicts, strings, numbers); loads back to an equal graph."""
@@ -379,3 +313,9 @@ class PipelineGraph:
 
     def __repr__(self) -> str:
         return f"PipelineGraph(name={self.name!r}, nodes={list(self._spec.nodes)})"
+
+
+def _rollout_of(graph: nx.DiGraph, order: list[str], node: str) -> str | None:
+    """The first generate node in ``order`` that is ``node`` or one of its ancestors."""
+    ancestors = nx.ancestors(graph, node) | {node}
+    return next((name for name in order if name in ancestors and isinstance(graph.nodes[name]["spec"], GenerateNode)), None)

@@ -30,11 +30,13 @@ class NodeTiming:
     """Most GPU memory the call's tensors held at once; 0 off a GPU."""
     memory_headroom_gb: float = 0.0
     """The GPU's memory minus that peak: what a larger batch could still use; 0 off a GPU."""
+    rate_of_output: bool = False
+    """Its throughput counts the tokens it produced (generation, evaluation), else those it read."""
 
     @property
     def tokens_per_s(self) -> float:
-        """Generated tokens/s for generate and eval, tokens read/s for every other role."""
-        tokens = self.tokens_out if self.role in ("generate", "eval") else self.tokens_in
+        """Generated tokens/s where ``rate_of_output``, tokens read/s for every other node."""
+        tokens = self.tokens_out if self.rate_of_output else self.tokens_in
         return tokens / self.compute_s if self.compute_s > 0 else 0.0
 
     def to_dict(self) -> dict[str, Any]:

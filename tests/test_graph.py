@@ -11,7 +11,7 @@ import pytest
 from flowrl.errors import SpecError
 from flowrl.graph import PipelineGraph, find_graph_issues
 from flowrl.spec.loader import pipeline_from_dict
-from flowrl.spec.schema import PipelineSpec
+from flowrl.spec.schema import PipelineSpec, UpdateNode
 
 
 def grpo() -> dict[str, Any]:
@@ -55,8 +55,12 @@ def test_valid_pipeline_builds() -> None:
     assert graph.producers("train") == ["rollout", "adv", "ref"]
     assert graph.producers("rollout") == ["prompts"]
     assert graph.producers("prompts") == []
-    assert graph.consumers("rollout") == ["ref", "reward", "train"]
-    assert graph.nodes_with_role("update") == ["train"]
+    # adv reads the rollout (mask, sampling log-probs) without listing it: an implicit edge
+    assert graph.consumers("rollout") == ["ref", "reward", "adv", "train"]
+    assert graph.producers("adv")[-1] == "rollout" and "rollout" not in graph.spec.nodes["adv"].inputs
+    assert graph.graph.edges["rollout", "adv"]["implicit"] is True
+    assert graph.rollout_of("adv") == "rollout" and graph.rollout_of("rollout") == "rollout"
+    assert graph.nodes_of(UpdateNode) == ["train"]
     assert graph.graph.nodes["prompts"]["role"] == "source"
     assert graph.graph.nodes["adv"]["role"] == "advantage"
     assert set(graph.graph.edges) == {
@@ -65,6 +69,7 @@ def test_valid_pipeline_builds() -> None:
         ("rollout", "reward"),
         ("rollout", "train"),
         ("reward", "adv"),
+        ("rollout", "adv"),
         ("adv", "train"),
         ("ref", "train"),
     }
@@ -261,7 +266,7 @@ def ppo() -> dict[str, Any]:
 
 def test_ppo_graph_is_valid() -> None:
     graph = pipeline_from_dict(ppo())
-    assert graph.nodes_with_role("update") == ["train_actor", "train_critic"]
+    assert graph.nodes_of(UpdateNode) == ["train_actor", "train_critic"]
     assert graph.topological_order()[-2:] == ["train_actor", "train_critic"]
 
 

@@ -23,7 +23,7 @@ def test_the_shipped_set() -> None:
 @pytest.mark.parametrize("path", PIPELINES, ids=lambda path: path.name)
 def test_pipeline_validates(path: Path) -> None:
     graph = load_pipeline(path)
-    assert graph.nodes_with_role("generate")
+    assert graph.nodes_of(GenerateNode)
 
 
 def test_grpo_tiny_is_the_documented_default() -> None:

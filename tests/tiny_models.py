@@ -38,4 +38,6 @@ def tiny_scalar_model(seed: int = 0) -> ScalarHeadModel:
 
 
 def model_state(name: str, module: torch.nn.Module, seed: int = 0) -> ModelState:
-    return ModelState(name, module, build_char_tokenizer(), torch.device("cpu"), torch.Generator().manual_seed(seed))
+    kind = "value" if isinstance(module, ScalarHeadModel) else "policy"
+    return ModelState(name, module, build_char_tokenizer(), torch.device("cpu"), torch.Generator().manual_seed(seed),
+                      kind=kind)

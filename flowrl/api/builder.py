@@ -22,7 +22,7 @@ from flowrl.errors import SpecError, SpecIssue
 from flowrl.graph import PipelineGraph
 from flowrl.spec.dump import to_yaml
 from flowrl.spec.loader import pipeline_from_dict
-from flowrl.spec.schema import SOURCE_NODE, PythonFunction
+from flowrl.spec.schema import NODE_CLASSES, SOURCE_NODE, PythonFunction
 
 
 class ModelRef(str):
@@ -33,15 +33,6 @@ class NodeRef(str):
     """The name of a node (or ``prompts``); pass it as an input of later nodes."""
 
 
-# Name each node gets when ``name=`` is not given; a second node of a role gets ``_2``.
-_DEFAULT_NAMES = {
-    "generate": "rollout",
-    "score": "reward",
-    "reference_logprob": "ref",
-    "value": "values",
-    "advantage": "adv",
-    "update": "train",
-}
 
 
 class Pipeline:
@@ -166,10 +157,10 @@ class Pipeline:
         self, role: str, name: str | None, inputs: tuple[str, ...], fields: dict[str, Any]
     ) -> NodeRef:
         if name is None:
-            name = _DEFAULT_NAMES[role]
+            name = NODE_CLASSES[role].default_name
             suffix = 2
             while name in self._nodes:
-                name = f"{_DEFAULT_NAMES[role]}_{suffix}"
+                name = f"{NODE_CLASSES[role].default_name}_{suffix}"
                 suffix += 1
         elif name in self._nodes:
             raise SpecError([SpecIssue(f"nodes.{name}", f"a node named '{name}' already exists")])

@@ -17,6 +17,7 @@ from flowrl.graph import PipelineGraph
 from flowrl.rewards import FLOWRL_KEYWORDS, resolve_reward, signature_problem
 from flowrl.spec.lines import LineMap, line_of
 from flowrl.spec.messages import Issue
+from flowrl.spec.schema import ScoreNode
 
 SAMPLED_ROWS = 1000
 """Examples whose columns are read to learn what keywords reward functions will get."""
@@ -37,7 +38,7 @@ def reward_issues(graph: PipelineGraph, base_dir: Path | None, offered: set[str]
     ``offered`` keywords (None: do not check signatures)."""
     issues: list[Issue] = []
     for name, node in graph.spec.nodes.items():
-        if node.role != "score" or node.fn is None:
+        if not isinstance(node, ScoreNode) or node.fn is None:
             continue
         try:
             fn = resolve_reward(node.fn, base_dir)

@@ -13,13 +13,14 @@ from typing import Any
 from flowrl.backends.policy_tokenizer import load_tokenizer
 from flowrl.data import PromptExample, PromptFormatter, PromptSource, eval_split, read_examples
 from flowrl.graph import PipelineGraph
+from flowrl.spec.schema import GenerateNode
 
 
 class _LazyTokenizer:
     """The policy's tokenizer, loaded on first use."""
 
     def __init__(self, graph: PipelineGraph, base_dir: Path | None) -> None:
-        generate = next(n for n in graph.topological_order() if graph.spec.nodes[n].role == "generate")
+        generate = graph.nodes_of(GenerateNode)[0]
         self.model_name = str(graph.spec.nodes[generate].model)
         self._model = graph.spec.models[self.model_name]
         self._base_dir = base_dir

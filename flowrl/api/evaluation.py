@@ -28,7 +28,7 @@ class Evaluator:
         self.spec = spec.eval
         self.examples = tuple(examples)
         self.num_steps = spec.trainer.steps
-        generate = next(n for n in graph.topological_order() if spec.nodes[n].role == "generate")
+        generate = graph.nodes_of(GenerateNode)[0]
         node = spec.nodes[generate]
         assert isinstance(node, GenerateNode)
         self.model = str(node.model)
@@ -36,7 +36,7 @@ class Evaluator:
         self.scorers: tuple[tuple[str, Any, dict[str, Any]], ...] = ()
         if self.spec is not None:
             wanted = self.spec.scores or [
-                name for name, item in spec.nodes.items() if item.role == "score" and item.fn is not None
+                name for name, item in spec.nodes.items() if isinstance(item, ScoreNode) and item.fn is not None
             ]
             score_nodes = {name: item for name, item in spec.nodes.items() if isinstance(item, ScoreNode)}
             self.scorers = tuple((name, score_nodes[name].fn, dict(score_nodes[name].params)) for name in wanted)
@@ -80,7 +80,8 @@ class Evaluator:
             return {}, []
         metrics = merge_parts([report.metrics for report in reports])
         timings = [
-            NodeTiming("eval", "eval", r.device, r.wall_s, r.compute_s, r.wait_s, r.tokens_in, r.tokens_out)
+            NodeTiming("eval", "eval", r.device, r.wall_s, r.compute_s, r.wait_s, r.tokens_in, r.tokens_out,
+                       rate_of_output=True)
             for r in reports
         ]
         on_event(RunEvent("eval", self.describe(step, metrics, time.perf_counter() - started), step, {"metrics": metrics}))

@@ -5,22 +5,11 @@ from __future__ import annotations
 from flowrl.graph import PipelineGraph
 from flowrl.records import NodeTiming
 from flowrl.runtime.calls import NodeReport
-
-TIMING_NAMES = {
-    "generate": "gen",
-    "score": "reward",
-    "reference_logprob": "ref",
-    "value": "values",
-    "advantage": "adv",
-}
-
+from flowrl.spec.schema import GenerateNode, ScoreNode
 
 def timing_name(graph: PipelineGraph, node: str) -> str:
     spec = graph.spec.nodes[node]
-    if spec.role == "update":
-        kind = graph.spec.models[spec.model].kind if spec.model else "policy"
-        return "update_actor" if kind == "policy" else "update_critic"
-    return TIMING_NAMES.get(spec.role, spec.role)
+    return spec.timing_name(graph.spec.models[spec.model].kind if spec.model else None)
 
 
 def step_metrics(
@@ -29,9 +18,9 @@ def step_metrics(
     metrics: dict[str, float] = {}
     nodes: list[NodeTiming] = []
     generated_tokens = 0
-    score_nodes = [name for name, report in reports.items() if report.role == "score"]
+    score_nodes = [name for name in reports if isinstance(graph.spec.nodes[name], ScoreNode)]
     for name, report in reports.items():
-        if report.role == "score" and len(score_nodes) > 1:
+        if name in score_nodes and len(score_nodes) > 1:
             continue  # several scores add up: see _summed_scores
         for key, value in report.metrics.items():
             metrics[key] = value
@@ -39,7 +28,7 @@ def step_metrics(
         key = f"timing_s/{timing_name(graph, name)}"
         # a node split over devices takes as long as its slowest part
         metrics[key] = metrics.get(key, 0.0) + max(part.compute_s for part in parts)
-        if report.role == "generate":
+        if isinstance(graph.spec.nodes[name], GenerateNode):
             generated_tokens += sum(part.tokens_in + part.tokens_out for part in parts)
         for part in parts:
             nodes.append(
@@ -54,6 +43,7 @@ def step_metrics(
                     part.tokens_out,
                     part.peak_memory_gb,
                     part.device_memory_gb - part.peak_memory_gb if part.device_memory_gb else 0.0,
+                    graph.spec.nodes[name].rate_of_output,
                 )
             )
     peaks = [timing for timing in nodes if timing.peak_memory_gb > 0]

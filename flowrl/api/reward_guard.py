@@ -13,13 +13,16 @@ from typing import Any, Callable
 from flowrl.errors import RewardError
 from flowrl.graph import PipelineGraph
 from flowrl.records import RunEvent
+from flowrl.spec.schema import ScoreNode
 
 
 class RewardFailureGuard:
     def __init__(self, graph: PipelineGraph) -> None:
         self.limit = graph.spec.trainer.max_failed_reward_steps
         self.functions = {
-            name: str(node.fn_name) for name, node in graph.spec.nodes.items() if node.role == "score" and node.fn is not None
+            name: str(node.fn_name)
+            for name, node in graph.spec.nodes.items()
+            if isinstance(node, ScoreNode) and node.fn is not None
         }
         self.streaks = {name: 0 for name in self.functions}
         self.first_errors: dict[str, str] = {}

@@ -35,12 +35,11 @@ from flowrl.records import RunEvent, StepRecord
 from flowrl.runtime.cluster import Cluster
 from flowrl.scheduler import make_policy, settings_from_spec
 from flowrl.spec.dump import to_yaml
-from flowrl.spec.schema import SHARDABLE_ROLES
+from flowrl.spec.schema import AdvantageNode, GenerateNode
 
 CALIBRATION_STEPS = 4
 """Steps after the first that learn how far the cost model is off per node, before device
 speeds are judged (see ``flowrl.scheduler.calibration``)."""
-SUPPORTED_ROLES = ("generate", "score", "reference_logprob", "value", "advantage", "update")
 
 
 class Observer(Protocol):
@@ -220,9 +219,6 @@ def replace_model(model: Any, **changes: Any) -> Any:
 def check_runnable(graph: PipelineGraph) -> None:
     """Refuse, before any work, what this version validates but cannot run."""
     problems = []
-    for name, node in graph.spec.nodes.items():
-        if node.role not in SUPPORTED_ROLES:
-            problems.append(f"nodes.{name}.role: '{node.role}' nodes cannot run yet (runnable: {', '.join(SUPPORTED_ROLES)})")
     no_gpu = _no_local_gpu(graph)
     for name, group in graph.spec.devices.items():
         unsplittable = sorted(
@@ -230,8 +226,8 @@ def check_runnable(graph: PipelineGraph) -> None:
         )
         if (group.count or group.min_count or 1) > 1 and unsplittable:
             problems.append(
-                f"devices.{name}.count: several devices can run generate, {', '.join(SHARDABLE_ROLES)} nodes and "
-                f"policy updates in this version, and this group runs {', '.join(unsplittable)}; set count: 1"
+                f"devices.{name}.count: several devices can run nodes that run a model, and this group runs "
+                f"{', '.join(unsplittable)}, which runs none; set count: 1"
             )
         if group.type == "gpu" and no_gpu is not None:
             problems.append(f"devices.{name}.type: this machine has no GPU ({no_gpu}); set type: cpu")
@@ -276,10 +272,10 @@ class RewardKL:
     def __init__(self, graph: PipelineGraph) -> None:
         self.controllers: dict[str, FixedKLController | AdaptiveKLController] = {}
         self.samples_per_step = graph.spec.data.batch_size * max(
-            (node.n for node in graph.spec.nodes.values() if node.role == "generate"), default=1
+            (node.n for node in graph.spec.nodes.values() if isinstance(node, GenerateNode)), default=1
         )
         for name, node in graph.spec.nodes.items():
-            if node.role == "advantage" and node.kl_coef > 0:
+            if isinstance(node, AdvantageNode) and node.kl_coef > 0:
                 self.controllers[name] = (
                     AdaptiveKLController(node.kl_coef, node.kl_target, node.kl_horizon)
                     if node.kl_target is not None

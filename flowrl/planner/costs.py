@@ -150,7 +150,7 @@ class EstimatedCosts:
         work = self._work[node]
         width = max(1, len(devices))
         slowest = max((self._on_device(work, device, width) for device in devices), default=0.0)
-        if work.shape is not None and width > 1 and work.role == "update":
+        if work.shape is not None and width > 1 and work.work == "train":
             # data-parallel update: a ring all-reduce of the gradients per optimizer step
             grads = weight_bytes(work.shape, work.kind, work.dtype)
             ring = transfer_s(2 * (width - 1) / width * grads, devices[:1], devices[1:])
@@ -163,18 +163,18 @@ class EstimatedCosts:
         return CALL_OVERHEAD_S + slowest
 
     def _on_device(self, work: NodeWork, device: Device, width: int) -> float:
-        if work.role == "score" and work.shape is None:
+        if work.work == "function":
             return work.num_sequences * self.cpu_rates.reward_s_per_sequence
-        if work.role == "advantage":
+        if work.work == "elementwise":
             return work.num_sequences * ADVANTAGE_S_PER_SEQUENCE
-        assert work.shape is not None, f"{work.role} node without a model shape"
+        assert work.shape is not None, f"{work.work} node without a model shape"
         flops_per_s, bytes_per_s, layer_s = self._rates(device, work.dtype)
         shape, kind, dtype = work.shape, work.kind, work.dtype
         share = work.num_sequences / width
         prompt, response = work.prompt_tokens, work.response_tokens
         weights = weight_bytes(shape, kind, dtype)
         layers = shape.num_layers
-        if work.role == "generate":
+        if work.work == "decode":
             prefill = forward_flops(shape, kind, share, prompt) / flops_per_s + layers * layer_s
             context = prompt + (response + 1) / 2  # mean context over the decode steps
             step_bytes = weights + kv_cache_bytes(shape, dtype, share, 1) * context
@@ -184,7 +184,7 @@ class EstimatedCosts:
             step = max(step_bytes / bytes_per_s, step_flops / flops_per_s) + layers * layer_s
             return prefill + response * step
         seq_len = prompt + response
-        if work.role == "update":
+        if work.work == "train":
             passes = 4 if work.checkpointing else 3  # forward + backward (+ recompute)
             compute = passes * forward_flops(shape, kind, share, seq_len) / flops_per_s
             optimizer = 7 * weights / bytes_per_s  # read p, g, m, v; write p, m, v
@@ -215,28 +215,28 @@ class EstimatedCosts:
         share = work.num_sequences / max(1, width)
         seq_len = work.prompt_tokens + work.response_tokens
         weights = weight_bytes(shape, kind, dtype)
-        if work.role == "generate":
+        if work.work == "decode":
             transient = kv_cache_bytes(shape, dtype, share, seq_len) + logits_bytes(shape, kind, share)
             return NodeMemory(weights / GB, 0.0, transient / GB)
-        if work.role == "update":
-            micro = min(share, work.mini_batch_sequences / max(1, width))
+        if work.work == "train":
+            micro = work.pass_sequences(min(share, work.mini_batch_sequences / max(1, width)))
             transient = activation_bytes(shape, dtype, micro, seq_len, work.checkpointing)
             transient += logits_bytes(shape, kind, micro * seq_len)
             return NodeMemory(weights / GB, training_state_bytes(shape, kind, dtype) / GB, transient / GB)
-        transient = inference_bytes(shape, kind, dtype, share, seq_len)
+        transient = inference_bytes(shape, kind, dtype, work.pass_sequences(share), seq_len)
         return NodeMemory(weights / GB, 0.0, transient / GB)
 
     def output_bytes(self, node: str) -> float:
         work = self._work[node]
         sequences, response = work.num_sequences, work.response_tokens
-        if work.role == "generate":
+        if work.output == "rollout":
             # token ids and attention mask (int64) of prompt + completion, fp32 logprobs
             return sequences * (work.prompt_tokens + response) * 16 + sequences * response * 4
-        if work.role == "score":
+        if work.output == "per_sequence":
             return sequences * 4.0
-        if work.role in ("reference_logprob", "value", "advantage"):
+        if work.output == "per_token":
             return sequences * response * 4.0
-        return 0.0  # update: metrics only
+        return 0.0  # metrics only
 
 
 @dataclass

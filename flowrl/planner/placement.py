@@ -13,7 +13,6 @@ from flowrl.devices.groups import model_group
 from flowrl.errors import PlacementError
 from flowrl.graph import PipelineGraph
 from flowrl.planner.compiled import CompiledPlan
-from flowrl.spec.schema import SHARDABLE_ROLES
 
 
 @dataclass(frozen=True)
@@ -73,8 +72,7 @@ def plan_from_compiled(pipeline: PipelineGraph, compiled: CompiledPlan, slots: l
                 group = node_group(pipeline, node.node) or node.node
                 raise PlacementError(
                     f"devices.{group}: node '{node.node}' is planned over {len(node.devices)} devices; "
-                    "only generate, score, reference_logprob, value and a policy's update run over several "
-                    "devices in this version. Set `count: 1`."
+                    "it runs no model, and only nodes that run a model run over several devices. Set `count: 1`."
                 )
             node_shards[node.node] = list(node.devices)
         missing = [device for device in node.devices if device not in slots]
@@ -115,12 +113,10 @@ def plan_for(
 
 
 def splittable(pipeline: PipelineGraph, node: str) -> bool:
-    """Whether ``node`` can run over several devices: generation and inference split by rows,
-    and a policy's update trains data-parallel."""
+    """Whether ``node`` can run over several devices: generation splits by prompts, inference
+    by rows, an update trains data-parallel (its role's ``split``)."""
     spec = pipeline.spec.nodes[node]
-    if spec.role in SHARDABLE_ROLES or spec.role == "generate":
-        return True
-    return spec.role == "update" and spec.model is not None and pipeline.spec.models[spec.model].kind == "policy"
+    return spec.split != "none" and (spec.split != "rows" or spec.model is not None)
 
 
 def node_group(pipeline: PipelineGraph, node: str) -> str | None:

@@ -38,8 +38,6 @@ from flowrl.planner.costs import CostSource
 from flowrl.devices.groups import model_group
 from flowrl.planner.simulate import Placement, Schedule, device_memory_gb, simulate
 
-INFERENCE_ROLES = ("score", "reference_logprob", "value")
-
 
 MEMORY_RESERVE = 0.10
 """Share of each device's memory the planner keeps free on top of the predicted peak."""
@@ -116,14 +114,14 @@ def candidates(
 
         if group is not None and group in spec.devices:
             devices = match.assignment.get(group, [])
-            if node_spec.role in INFERENCE_ROLES and node_spec.model is not None:
+            if node_spec.inference:
                 for width in _widths(len(devices)):
                     add(devices[:width], f"{group}, width {width} of {len(devices)}")
             elif node_spec.model is None:
                 add(devices[:1], f"its device_group {group}")
             else:
                 add(devices, f"{group}")
-            if offload and options.move_offloaded and node_spec.role in INFERENCE_ROLES:
+            if offload and options.move_offloaded and node_spec.inference:
                 host = by_id[devices[0]].host if devices else None
                 for device_id in pinned_devices:
                     add([device_id], f"offloaded model paged onto {device_id}")

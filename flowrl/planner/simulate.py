@@ -25,7 +25,7 @@ from flowrl.devices.inventory import Device, Inventory
 from flowrl.graph import PipelineGraph
 from flowrl.planner.cost import weight_bytes
 from flowrl.planner.costs import CostSource, transfer_s
-from flowrl.spec.schema import SOURCE_NODE
+from flowrl.spec.schema import SOURCE_NODE, GenerateNode, UpdateNode
 
 GPU_CONTEXT_GB = 0.5
 """Memory a CUDA context and the allocator's slack take on each GPU a worker uses."""
@@ -124,12 +124,12 @@ def _weight_syncs(
     free_at: dict[str, tuple[float, str | None]],
 ) -> list[Task]:
     syncs: list[Task] = []
-    for update in pipeline.nodes_with_role("update"):
+    for update in pipeline.nodes_of(UpdateNode):
         work = costs.work(update)
         if work.shape is None or work.model is None:
             continue
         sources = placement[update].devices
-        for generate in pipeline.nodes_with_role("generate"):
+        for generate in pipeline.nodes_of(GenerateNode):
             if pipeline.spec.nodes[generate].model != work.model:
                 continue
             targets = tuple(d for d in placement[generate].devices if d not in sources)

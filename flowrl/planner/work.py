@@ -13,14 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import networkx as nx
-
 from flowrl.data.builtin import BUILTIN_DATASETS, BUILTIN_TASKS, PROMPT_LETTERS
 from flowrl.data.files import load_split
 from flowrl.errors import DataError
 from flowrl.graph import PipelineGraph
 from flowrl.planner.cost import ModelShape, resolve_shape
-from flowrl.spec.schema import GenerateNode, UpdateNode
+from flowrl.spec.schema import GenerateNode, Output, UpdateNode, Work
 
 CHARS_PER_TOKEN = 4.0
 """Characters per token of a subword tokenizer (English text); the builtin one uses 1."""
@@ -32,7 +30,10 @@ DEFAULT_PROMPT_TOKENS = 128
 class NodeWork:
     """One node's work per iteration."""
 
-    role: str
+    work: Work
+    """What the node's role does (``_NodeBase.work``), which decides how it is priced."""
+    output: Output
+    """What its output holds per completion (``_NodeBase.output``)."""
     model: str | None
     """Model name, None for a function score or an advantage."""
     kind: str
@@ -51,6 +52,16 @@ class NodeWork:
     """Optimizer steps per epoch (update nodes)."""
     mini_batch_sequences: int = 1
     """Sequences per optimizer step (update nodes)."""
+    micro_batch_tokens: int | None = None
+    """Most padded tokens in one pass (update, reference_logprob, value); None: no limit."""
+
+    def pass_sequences(self, sequences: float) -> float:
+        """Sequences of ``sequences`` that one pass holds at once (``micro_batch_tokens``
+        of full-length rows; at least one row)."""
+        if self.micro_batch_tokens is None:
+            return sequences
+        rows = max(1, self.micro_batch_tokens // max(1, self.prompt_tokens + self.response_tokens))
+        return min(sequences, float(rows))
 
 
 def node_work(
@@ -59,7 +70,8 @@ def node_work(
 ) -> NodeWork:
     spec = pipeline.spec
     node_spec = spec.nodes[node]
-    rollout = _rollout_of(pipeline, node)
+    rollout = pipeline.rollout_of(node)
+    assert rollout is not None  # validation guarantees every node a rollout
     rollout_spec = spec.nodes[rollout]
     assert isinstance(rollout_spec, GenerateNode)
     sequences = spec.data.batch_size * rollout_spec.n
@@ -74,7 +86,8 @@ def node_work(
         mini_batches = -(-sequences // mini_sequences)  # ceiling division
         epochs = node_spec.ppo_epochs
     return NodeWork(
-        role=node_spec.role,
+        work=node_spec.work,
+        output=node_spec.output,
         model=model_name,
         kind=model.kind if model is not None else "policy",
         dtype=model.dtype if model is not None else "fp32",
@@ -87,18 +100,8 @@ def node_work(
         ppo_epochs=epochs,
         num_mini_batches=mini_batches,
         mini_batch_sequences=mini_sequences,
+        micro_batch_tokens=getattr(node_spec, "micro_batch_tokens", None),
     )
-
-
-def _rollout_of(pipeline: PipelineGraph, node: str) -> str:
-    """The generate node ``node`` is (or descends from); the first in file order."""
-    if pipeline.spec.nodes[node].role == "generate":
-        return node
-    ancestors = nx.ancestors(pipeline.graph, node)
-    for name in pipeline.topological_order():
-        if name in ancestors and pipeline.spec.nodes[name].role == "generate":
-            return name
-    return pipeline.nodes_with_role("generate")[0]  # validation guarantees one exists
 
 
 def estimate_prompt_tokens(pipeline: PipelineGraph, base_dir: Path | None = None) -> int:

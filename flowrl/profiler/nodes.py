@@ -35,6 +35,8 @@ class NodeSummary:
     """The most GPU memory one call held, over the calls seen (0 off a GPU)."""
     memory_headroom_gb: float = 0.0
     """The least memory left free by one call's peak (0 off a GPU)."""
+    rate_of_output: bool = False
+    """``tokens_per_s`` counts tokens produced (generation), else tokens read."""
 
 
 @dataclass
@@ -48,6 +50,7 @@ class _NodeAverages:
     calls: int = 0
     peak_memory_gb: float = 0.0
     memory_headroom_gb: float = 0.0
+    rate_of_output: bool = False
 
 
 @dataclass
@@ -73,7 +76,8 @@ class NodeProfile:
             averages = self._nodes.get((timing.node, timing.device))
             if averages is None:
                 averages = _NodeAverages(
-                    timing.role, timing.device, Ewma(self.alpha), Ewma(self.alpha), Ewma(self.alpha), Ewma(self.alpha)
+                    timing.role, timing.device, Ewma(self.alpha), Ewma(self.alpha), Ewma(self.alpha), Ewma(self.alpha),
+                    rate_of_output=timing.rate_of_output,
                 )
                 self._nodes[(timing.node, timing.device)] = averages
             averages.wall.update(timing.wall_s)
@@ -111,6 +115,7 @@ class NodeProfile:
                 item.calls,
                 item.peak_memory_gb,
                 item.memory_headroom_gb,
+                item.rate_of_output,
             )
             for (node, device), item in self._nodes.items()
         }
@@ -127,7 +132,7 @@ class NodeProfile:
             if before is not None and before.device != item.device:
                 before = None  # moved: a change against another device's time says nothing
             parts.append(f"{label} {_ms(item.compute_s)}{_change(item.compute_s, before.compute_s if before else None)}")
-            if item.role == "generate":
+            if item.rate_of_output:
                 old_rate = before.tokens_per_s if before else None
                 rates.append(f"{label} {item.tokens_per_s:,.0f} tok/s{_change(item.tokens_per_s, old_rate)}")
         self._shown = now

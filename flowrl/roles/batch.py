@@ -108,6 +108,30 @@ class Scores:
 
 
 @dataclass
+class Advantages:
+    """What an advantage node leaves for the update nodes.
+
+    A policy update reads ``advantages`` (``[N]`` or ``[N, T]``); a critic update reads
+    ``returns`` as its targets.
+    """
+
+    advantages: torch.Tensor
+    """``[N]`` (grpo, rloo) or ``[N, T]`` (gae, reinforce_pp) float32, 0 on padding."""
+    returns: torch.Tensor | None
+    """``[N, T]`` float32 value targets (gae), else None."""
+    scores: torch.Tensor
+    """``[N]`` summed score of every completion, before any KL penalty."""
+    kl: torch.Tensor | None = None
+    """``[N, T]`` per-token ``log p_policy - log p_ref`` used for the reward penalty, else None."""
+    kl_coef: float = 0.0
+    """Coefficient the KL reward penalty had this step (0 = off)."""
+
+    @property
+    def token_level(self) -> bool:
+        return self.advantages.dim() == 2
+
+
+@dataclass
 class NodeOutput:
     """What a node leaves in its worker's store, plus what the driver is told."""
 

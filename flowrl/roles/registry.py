@@ -1,42 +1,54 @@
-"""Every role, behind one protocol, by name.
+"""Every role's run-time half, behind one protocol, by name.
 
-A role says what it reads (the roles of its producers), whether it can be split by rows over
-several workers, whether it trains a model (the runtime then pushes the new weights to the
-model's other copies), and how it runs one node call. The host only moves data and state: it
-fetches a call's inputs, asks the registry for the role, and runs it on its compute thread.
+What a role *is* (its typed node spec, what it reads, how it splits over devices, whether it
+trains, the work the planner prices) is its spec class in ``flowrl.spec.schema``, which every
+layer can read without torch. Here is how it runs on a worker: one node call from its inputs
+(``run``) and, for a node split over devices, how the parts become one output (``join``). The
+host only moves data and state: it fetches a call's inputs, asks this registry for the role,
+and runs it on its compute thread.
 
     host: inputs by producer role -> ROLES[call.role].run(context, inputs, call) -> NodeOutput
+          split node, shard 0: ROLES[call.role].join(parts, rollout, spec) -> whole output
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
-from flowrl.backends.value_model import ScalarHeadModel
+import torch
+
 from flowrl.roles.advantage import run_advantage
-from flowrl.roles.batch import NodeOutput
-from flowrl.roles.critic_update import run_critic_update
+from flowrl.roles.batch import Advantages, NodeOutput, Rollout, Scores
 from flowrl.roles.data_parallel import DataParallel
-from flowrl.roles.generate import run_generate
-from flowrl.roles.ppo_advantage import run_ppo_advantage
-from flowrl.roles.ppo_batch import PPOAdvantages
+from flowrl.roles.generate import rollout_metrics, run_generate
 from flowrl.roles.reference import run_reference_logprob
 from flowrl.roles.reward_model import run_reward_model
-from flowrl.roles.score import run_score
+from flowrl.roles.score import run_score, score_metrics
+from flowrl.roles.shards import join_rollouts
 from flowrl.roles.state import ModelState
-from flowrl.roles.update import run_update
-from flowrl.roles.value import run_value
+from flowrl.roles.update import update_critic, update_policy
+from flowrl.roles.value import run_value, value_metrics
+from flowrl.spec.schema import (
+    AdvantageNode,
+    GenerateNode,
+    NodeBase,
+    ReferenceLogprobNode,
+    ScoreNode,
+    UpdateNode,
+    ValueNode,
+)
+
+SpecT = TypeVar("SpecT", bound=NodeBase)
 
 
 @dataclass(frozen=True)
-class RoleCall:
+class RoleCall(Generic[SpecT]):
     """What a role needs of one node call (the runtime's ``NodeCall`` carries more)."""
 
     node: str
-    spec: Any
-    model: str | None
+    spec: SpecT
     prompts: tuple[Any, ...]
     group_size: int
     kl_coef: float
@@ -53,10 +65,11 @@ class RoleContext:
     group: DataParallel | None = None
     """The data-parallel group of a split update; None on one worker."""
 
-    def model(self, call: RoleCall) -> ModelState:
-        if call.model is None:
+    def model(self, call: RoleCall[Any]) -> ModelState:
+        name = call.spec.model
+        if name is None:
             raise ValueError(f"node '{call.node}' names no model")
-        return self.models[call.model]
+        return self.models[name]
 
 
 Inputs = Mapping[str, list[Any]]
@@ -65,76 +78,113 @@ Inputs = Mapping[str, list[Any]]
 
 class Role(Protocol):
     name: str
-    trains: bool
-    """Its calls change a model's weights (the runtime then pushes them to other copies)."""
 
-    def run(self, context: RoleContext, inputs: Inputs, call: RoleCall) -> NodeOutput: ...
+    def run(self, context: RoleContext, inputs: Inputs, call: RoleCall[Any]) -> NodeOutput: ...
+
+    def join(self, parts: list[Any], rollout: Rollout | None, spec: Any) -> tuple[Any, dict[str, float]]:
+        """The output of a node split over devices from its parts (in row order; parts that
+        got no rows left out), with its whole-batch metrics."""
+        ...
+
+
+def _rollout(inputs: Inputs) -> Rollout:
+    rollout: Rollout = inputs[GenerateNode.role_name()][0]
+    return rollout
+
+
+def _optional(inputs: Inputs, role: type[NodeBase]) -> Any:
+    return inputs.get(role.role_name(), [None])[0]
+
+
+class _Unsplit:
+    def join(self, parts: list[Any], rollout: Rollout | None, spec: Any) -> tuple[Any, dict[str, float]]:
+        raise ValueError(f"'{getattr(self, 'name')}' nodes are not split by rows over devices")
 
 
 class Generate:
-    name, trains = "generate", False
+    name = GenerateNode.role_name()
 
-    def run(self, context: RoleContext, inputs: Inputs, call: RoleCall) -> NodeOutput:
+    def run(self, context: RoleContext, inputs: Inputs, call: RoleCall[GenerateNode]) -> NodeOutput:
         return run_generate(context.model(call), call.prompts, call.spec)
+
+    def join(self, parts: list[Any], rollout: Rollout | None, spec: GenerateNode) -> tuple[Any, dict[str, float]]:
+        joined = join_rollouts(parts)
+        return joined, rollout_metrics(joined)
 
 
 class Score:
-    name, trains = "score", False
+    name = ScoreNode.role_name()
 
-    def run(self, context: RoleContext, inputs: Inputs, call: RoleCall) -> NodeOutput:
-        spec, rollout = call.spec, inputs["generate"][0]
+    def run(self, context: RoleContext, inputs: Inputs, call: RoleCall[ScoreNode]) -> NodeOutput:
+        spec, rollout = call.spec, _rollout(inputs)
         if spec.model is not None:
-            return run_reward_model(context.models[spec.model], rollout, spec.weight)
+            return run_reward_model(context.model(call), rollout, spec.weight)
         return run_score(rollout, context.reward(spec.fn), spec.weight, spec.on_error, spec.fn_name, spec.params)
+
+    def join(self, parts: list[Any], rollout: Rollout | None, spec: ScoreNode) -> tuple[Any, dict[str, float]]:
+        scores = Scores(
+            torch.cat([part.values for part in parts]),
+            sum(part.num_failed for part in parts),
+            sum(part.num_none for part in parts),
+            next((part.first_error for part in parts if part.first_error), None),
+        )
+        return scores, score_metrics(scores, spec.fn is not None)
 
 
 class ReferenceLogprob:
-    name, trains = "reference_logprob", False
+    name = ReferenceLogprobNode.role_name()
 
-    def run(self, context: RoleContext, inputs: Inputs, call: RoleCall) -> NodeOutput:
-        return run_reference_logprob(context.model(call), inputs["generate"][0], call.spec.micro_batch_tokens)
+    def run(self, context: RoleContext, inputs: Inputs, call: RoleCall[ReferenceLogprobNode]) -> NodeOutput:
+        return run_reference_logprob(context.model(call), _rollout(inputs), call.spec.micro_batch_tokens)
+
+    def join(self, parts: list[Any], rollout: Rollout | None, spec: Any) -> tuple[Any, dict[str, float]]:
+        return torch.cat(parts), {}
 
 
 class Value:
-    name, trains = "value", False
+    name = ValueNode.role_name()
 
-    def run(self, context: RoleContext, inputs: Inputs, call: RoleCall) -> NodeOutput:
-        return run_value(context.model(call), inputs["generate"][0], call.spec.micro_batch_tokens)
+    def run(self, context: RoleContext, inputs: Inputs, call: RoleCall[ValueNode]) -> NodeOutput:
+        return run_value(context.model(call), _rollout(inputs), call.spec.micro_batch_tokens)
+
+    def join(self, parts: list[Any], rollout: Rollout | None, spec: Any) -> tuple[Any, dict[str, float]]:
+        assert rollout is not None
+        values = torch.cat(parts)
+        return values, value_metrics(values, rollout)
 
 
-class Advantage:
-    name, trains = "advantage", False
+class Advantage(_Unsplit):
+    name = AdvantageNode.role_name()
 
-    def run(self, context: RoleContext, inputs: Inputs, call: RoleCall) -> NodeOutput:
-        spec = call.spec
-        if spec.estimator == "grpo" and call.kl_coef == 0:
-            return run_advantage(inputs["score"], call.group_size, spec)
-        rollout = inputs["generate"][0]
-        return run_ppo_advantage(
-            inputs["score"],
-            inputs.get("value", [None])[0],
-            inputs.get("reference_logprob", [None])[0],
+    def run(self, context: RoleContext, inputs: Inputs, call: RoleCall[AdvantageNode]) -> NodeOutput:
+        rollout = _rollout(inputs)
+        return run_advantage(
+            inputs[ScoreNode.role_name()],
+            _optional(inputs, ValueNode),
+            _optional(inputs, ReferenceLogprobNode),
             rollout.sampled_logprobs,
             rollout.completion_mask,
             call.group_size,
-            spec,
-            kl_coef_for_reward=call.kl_coef,
+            call.spec,
+            kl_coef=call.kl_coef,
         )
 
 
-class Update:
-    name, trains = "update", True
+class Update(_Unsplit):
+    """A policy follows the advantages; a value model learns the returns. Both through one optimizer loop (``roles.update``)."""
 
-    def run(self, context: RoleContext, inputs: Inputs, call: RoleCall) -> NodeOutput:
-        state, rollout, advantage = context.model(call), inputs["generate"][0], inputs["advantage"][0]
-        if isinstance(state.module, ScalarHeadModel):
-            if not isinstance(advantage, PPOAdvantages) or advantage.returns is None:
+    name = UpdateNode.role_name()
+
+    def run(self, context: RoleContext, inputs: Inputs, call: RoleCall[UpdateNode]) -> NodeOutput:
+        state, rollout = context.model(call), _rollout(inputs)
+        advantage: Advantages = inputs[AdvantageNode.role_name()][0]
+        if state.kind == "value":
+            if advantage.returns is None:
                 raise ValueError(f"critic update '{call.node}' needs returns: its advantage node must use estimator gae")
-            return run_critic_update(state, rollout, advantage.returns, inputs.get("value", [None])[0], call.spec,
-                                     context.seed)
-        advantages = advantage.advantages if isinstance(advantage, PPOAdvantages) else advantage
-        reference = inputs.get("reference_logprob", [None])[0]
-        return run_update(state, rollout, advantages, reference, call.spec, context.seed, context.group)
+            return update_critic(state, rollout, advantage.returns, _optional(inputs, ValueNode), call.spec,
+                                 context.seed, context.group)
+        return update_policy(state, rollout, advantage.advantages, _optional(inputs, ReferenceLogprobNode), call.spec,
+                             context.seed, context.group)
 
 
 ROLES: dict[str, Role] = {role.name: role for role in (Generate(), Score(), ReferenceLogprob(), Value(), Advantage(), Update())}

@@ -2,25 +2,20 @@
 
 A ``score``, ``reference_logprob`` or ``value`` node planned on k devices runs k calls; call
 i reads its rows of the rollout (contiguous, in order; ``weighted_rows``), and the first call
-joins the k results in row order and computes the node's metrics on the whole batch, so
-consumers see exactly what one device would have produced. A ``generate`` node splits its
+joins the k results in row order (its role's ``join`` in ``flowrl.roles.registry``) and computes
+the node's metrics on the whole batch, so consumers see exactly what one device would have
+produced. A ``generate`` node splits its
 prompts the same way (whole prompts, so each prompt's samples stay together) and its parts
 are joined into one rollout.
 """
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 
-from flowrl.roles.batch import Rollout, Scores
+from flowrl.roles.batch import Rollout
 from flowrl.roles.data_parallel import weighted_rows
-from flowrl.roles.generate import rollout_metrics
-from flowrl.roles.score import score_metrics
-from flowrl.roles.value import value_metrics
-from flowrl.spec.schema import SHARDABLE_ROLES
-
 
 
 def shard_rows(num_rows: int, index: int, count: int) -> slice:
@@ -73,27 +68,3 @@ def join_rollouts(parts: list[Rollout]) -> Rollout:
         columns={name: [value for p in parts for value in p.columns[name]] for name in first.columns},
         chat=first.chat,
     )
-
-
-def join_shards(role: str, parts: list[Any], rollout: Rollout | None, with_failures: bool) -> tuple[Any, dict[str, float]]:
-    """The joined output of a sharded node (parts in shard order; None for a part that got
-    no rows) and its whole-batch metrics."""
-    parts = [part for part in parts if part is not None]
-    if role == "generate":
-        joined = join_rollouts(parts)
-        return joined, rollout_metrics(joined)
-    if role == "score":
-        scores = Scores(
-            torch.cat([part.values for part in parts]),
-            sum(part.num_failed for part in parts),
-            sum(part.num_none for part in parts),
-            next((part.first_error for part in parts if part.first_error), None),
-        )
-        return scores, score_metrics(scores, with_failures)
-    if role == "reference_logprob":
-        return torch.cat(parts), {}
-    if role == "value":
-        assert rollout is not None
-        values = torch.cat(parts)
-        return values, value_metrics(values, rollout)
-    raise ValueError(f"'{role}' nodes cannot be split over devices (only {', '.join(SHARDABLE_ROLES)})")

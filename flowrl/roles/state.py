@@ -26,6 +26,8 @@ class ModelState:
     optimizer: torch.optim.Optimizer | None = None
     num_updates: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    kind: str = "policy"
+    """``ModelSpec.kind``: policy, value or reward."""
 
     @classmethod
     def load(
@@ -56,7 +58,8 @@ class ModelState:
             module.gradient_checkpointing_enable()
         generator = torch.Generator(device=device)
         generator.manual_seed(seed)
-        return cls(name=name, module=module, tokenizer=tokenizer, device=torch.device(device), generator=generator)
+        return cls(name=name, module=module, tokenizer=tokenizer, device=torch.device(device), generator=generator,
+                   kind=kind)
 
     def ensure_optimizer(self, lr: float, betas: tuple[float, float], weight_decay: float) -> torch.optim.Optimizer:
         """The optimizer is created by the first update, with that node's settings."""

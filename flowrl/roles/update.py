@@ -1,74 +1,193 @@
-"""The ``update`` role for a policy: PPO-clipped GRPO loss with an optional KL term.
+"""The ``update`` role: one optimizer loop for a policy (PPO-clipped policy gradient with an
+optional KL term) and for a value model (clipped regression on gae's returns).
 
 One call consumes one rollout: ``ppo_epochs`` passes over it in shuffled mini-batches of
-``mini_batch_size`` sequences, one optimizer step per mini-batch. The "old" log-probs of
-the ratio are computed once per rollout, before the first step; when there is a single
-step (one epoch, one mini-batch) they equal the current ones, so the forward pass that
-computes the loss provides them (detached) and no extra pass is made.
+``mini_batch_size`` sequences, one optimizer step per mini-batch. A mini-batch runs in passes
+of at most ``micro_batch_tokens`` padded tokens whose gradients add up (accumulation); over a
+data-parallel group each rank computes its rows and the gradients are summed. A step whose
+loss or gradient is not finite is skipped. What differs between a policy and a critic is only
+the objective (``PolicyObjective``, ``ValueObjective``): its loss on a piece of the rollout and
+what it computes once before the first step.
+
+    rollout, advantages --> for epoch: for mini-batch: for pass: objective.loss -> backward
+                                       (all-reduce) -> clip -> finite? optimizer.step
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Protocol
 
 import torch
 
 from flowrl.algorithms.kl import kl_penalty
-from flowrl.algorithms.losses import aggregate, policy_loss
+from flowrl.algorithms.losses import aggregate, masked_mean, policy_loss, value_loss
 from flowrl.roles.batch import NodeOutput, Rollout
 from flowrl.roles.data_parallel import DataParallel
 from flowrl.roles.forward import completion_logprobs, micro_batches
 from flowrl.roles.state import ModelState
+from flowrl.roles.value import completion_values
+from flowrl.spec.schema import UpdateNode
 
 
-TOKEN_MEANS = ("actor/clipfrac", "actor/ratio_mean")
 NONFINITE_METRIC = "actor/nonfinite_skipped"
-"""1.0 when an optimizer step was skipped because its loss or gradient was NaN or infinite."""
+"""1.0 when a policy's optimizer step was skipped because its loss or gradient was NaN or
+infinite (``critic/nonfinite_skipped`` for a value model)."""
+
+
+class Objective(Protocol):
+    prefix: str
+    """Metric prefix: ``actor`` or ``critic``."""
+    keys: tuple[str, ...]
+    """The loss's numbers, in order (without the prefix)."""
+    token_means: tuple[str, ...]
+    """Those of ``keys`` that are token means whatever the loss aggregation."""
+
+    def prepare(self, state: ModelState, rollout: Rollout, dp: DataParallel | None, single_step: bool) -> None:
+        """Compute what every step reads from the model before any step changes it."""
+
+    def loss(self, state: ModelState, piece: Rollout, rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        """The loss of ``piece`` (rows ``rows`` of the rollout) and its numbers by key."""
+        ...
+
+    def finish(self, metrics: dict[str, float]) -> None:
+        """Add numbers of the whole call."""
+
+
+class PolicyObjective:
+    """PPO's clipped surrogate on the advantages, plus ``kl_coef`` x KL to the reference."""
+
+    prefix = "actor"
+    token_means: tuple[str, ...] = ("clipfrac", "ratio_mean")
+
+    def __init__(self, node: UpdateNode, advantages: torch.Tensor, ref_logprobs: torch.Tensor | None) -> None:
+        self.node, self.advantages, self.ref_logprobs = node, advantages, ref_logprobs
+        self.use_kl = ref_logprobs is not None and node.kl_coef > 0
+        self.keys: tuple[str, ...] = ("clipfrac", "ratio_mean", "pg_loss", *(("kl",) if self.use_kl else ()), "loss")
+        self.old_logprobs: torch.Tensor | None = None
+
+    def prepare(self, state: ModelState, rollout: Rollout, dp: DataParallel | None, single_step: bool) -> None:
+        # The "old" log-probs of the ratio are those before the first step; with a single step
+        # they equal the current ones, which the loss's own forward pass gives (detached).
+        if not single_step:
+            with torch.no_grad():
+                self.old_logprobs = _old_logprobs(state, rollout, dp)
+
+    def loss(self, state: ModelState, piece: Rollout, rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        device, node = state.device, self.node
+        mask = piece.completion_mask.to(device).float()
+        logprobs = completion_logprobs(state.module, piece, device)
+        old = logprobs.detach() if self.old_logprobs is None else self.old_logprobs[rows].to(device)
+        loss, stats = policy_loss(
+            logprobs, old, self.advantages[rows].to(device), mask, clip_eps=node.clip_eps, loss_agg=node.loss_agg
+        )
+        numbers = dict(stats)
+        if self.use_kl:
+            assert self.ref_logprobs is not None
+            kl = kl_penalty(logprobs, self.ref_logprobs[rows].to(device), estimator=node.kl_estimator)
+            kl_term = aggregate(kl, mask, node.loss_agg)
+            loss = loss + node.kl_coef * kl_term
+            numbers["kl"] = float(kl_term.detach())
+        numbers["loss"] = float(loss.detach())
+        return loss, numbers
+
+    def finish(self, metrics: dict[str, float]) -> None:
+        pass
+
+
+class ValueObjective:
+    """Clipped value regression towards the returns; the clip is around the values the value
+    node gave this rollout (the critic before this update)."""
+
+    prefix = "critic"
+    keys: tuple[str, ...] = ("vf_loss", "vf_clipfrac", "values_mean")
+    token_means: tuple[str, ...] = ("vf_clipfrac", "values_mean")
+
+    def __init__(self, node: UpdateNode, returns: torch.Tensor, old_values: torch.Tensor | None) -> None:
+        self.node, self.returns, self.old_values = node, returns, old_values
+        self.mask: torch.Tensor | None = None
+
+    def prepare(self, state: ModelState, rollout: Rollout, dp: DataParallel | None, single_step: bool) -> None:
+        self.mask = rollout.completion_mask.bool()
+        if self.old_values is None:  # no value node read: the critic's values before this update
+            state.module.eval()
+            with torch.no_grad():
+                self.old_values = completion_values(state.module, rollout, state.device).cpu()
+            state.module.train()
+
+    def loss(self, state: ModelState, piece: Rollout, rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        assert self.old_values is not None
+        device = state.device
+        values = completion_values(state.module, piece, device)
+        return value_loss(
+            values,
+            self.old_values[rows].to(device),
+            self.returns[rows].to(device),
+            piece.completion_mask.to(device).bool(),
+            clip_range_value=self.node.clip_range_value,
+            loss_agg=self.node.loss_agg,
+        )
+
+    def finish(self, metrics: dict[str, float]) -> None:
+        assert self.old_values is not None and self.mask is not None
+        metrics["critic/explained_variance"] = _explained_variance(self.old_values, self.returns, self.mask)
+
+
+def update_policy(
+    state: ModelState, rollout: Rollout, advantages: torch.Tensor, ref_logprobs: torch.Tensor | None,
+    node: UpdateNode, seed: int, dp: DataParallel | None = None,
+) -> NodeOutput:
+    """Train a policy on ``advantages`` (``[N]`` or ``[N, T]``)."""
+    return run_update(state, rollout, PolicyObjective(node, advantages, ref_logprobs), node, seed, dp)
+
+
+def update_critic(
+    state: ModelState, rollout: Rollout, returns: torch.Tensor, old_values: torch.Tensor | None,
+    node: UpdateNode, seed: int, dp: DataParallel | None = None,
+) -> NodeOutput:
+    """Train a value model towards ``returns`` ``[N, T]``; ``old_values`` are the value node's
+    output for this rollout (None: computed here, before the first step)."""
+    return run_update(state, rollout, ValueObjective(node, returns, old_values), node, seed, dp)
 
 
 def run_update(
     state: ModelState,
     rollout: Rollout,
-    advantages: torch.Tensor,
-    ref_logprobs: torch.Tensor | None,
-    node: Any,
+    objective: Objective,
+    node: UpdateNode,
     seed: int,
     dp: DataParallel | None = None,
 ) -> NodeOutput:
     """One update from one rollout; with ``dp``, this rank's part of a data-parallel update
     (see :mod:`flowrl.roles.data_parallel`): every rank returns the same whole-batch metrics."""
-    optimizer = state.ensure_optimizer(node.lr, tuple(node.betas), node.weight_decay)
+    optimizer = state.ensure_optimizer(node.lr, node.betas, node.weight_decay)
     for group in optimizer.param_groups:
         group["lr"] = node.lr
-    module = state.module
-    module.train()
+    state.module.train()
     num_rows = rollout.num_sequences
     mini_batch = min(node.mini_batch_size or num_rows, num_rows)
     single_step = node.ppo_epochs == 1 and mini_batch == num_rows
-
-    old_logprobs: torch.Tensor | None = None
-    if not single_step:
-        with torch.no_grad():
-            old_logprobs = _old_logprobs(state, rollout, dp)
+    objective.prepare(state, rollout, dp, single_step)
 
     # The shuffle of mini-batches is a function of (seed, update count): resumable.
     shuffle = torch.Generator().manual_seed(seed * 1_000_003 + state.num_updates)
     totals: dict[str, float] = {}
     num_steps = 0
     for _ in range(node.ppo_epochs):
-        order = torch.randperm(num_rows, generator=shuffle) if not single_step else torch.arange(num_rows)
+        order = torch.arange(num_rows) if single_step else torch.randperm(num_rows, generator=shuffle)
         for start in range(0, num_rows, mini_batch):
             rows = order[start : start + mini_batch]
             part = rollout if single_step else rollout.select(rows)
-            stats = _step(state, optimizer, part, advantages[rows], old_logprobs, ref_logprobs, rows, node, dp)
+            stats = _step(state, optimizer, objective, part, rows, node, dp)
             for key, value in stats.items():
                 totals[key] = totals.get(key, 0.0) + value
             num_steps += 1
     state.num_updates += 1
-    metrics = {key: value / num_steps for key, value in totals.items()}
-    metrics["actor/lr"] = node.lr
-    metrics["actor/num_optimizer_steps"] = float(num_steps)
+    prefix = objective.prefix
+    metrics = {f"{prefix}/{key}": value / num_steps for key, value in totals.items()}
+    metrics[f"{prefix}/lr"] = node.lr
+    metrics[f"{prefix}/num_optimizer_steps"] = float(num_steps)
+    objective.finish(metrics)
     mine = dp.rows(num_rows) if dp is not None else slice(0, num_rows)
     tokens = int(rollout.prompt_mask[mine].sum() + rollout.completion_mask[mine].sum())
     blocked = dp.blocked_s if dp is not None else 0.0
@@ -103,36 +222,37 @@ def _share(mask: torch.Tensor, mine: slice | torch.Tensor, loss_agg: str) -> flo
 def _step(
     state: ModelState,
     optimizer: torch.optim.Optimizer,
+    objective: Objective,
     part: Rollout,
-    advantages: torch.Tensor,
-    old_logprobs: torch.Tensor | None,
-    ref_logprobs: torch.Tensor | None,
     rows: torch.Tensor,
-    node: Any,
+    node: UpdateNode,
     dp: DataParallel | None,
 ) -> dict[str, float]:
+    """One optimizer step on mini-batch ``part`` (rows ``rows`` of the rollout)."""
     mine = dp.rows(part.num_sequences) if dp is not None else slice(0, part.num_sequences)
     weight = _share(part.completion_mask, mine, node.loss_agg) if dp is not None else 1.0
-    # clipfrac and ratio_mean are token means whatever the loss aggregation
+    # token means (clip fractions, means of ratios and values) whatever the loss aggregation
     token_weight = _share(part.completion_mask, mine, "token_mean") if dp is not None else 1.0
-    use_kl = ref_logprobs is not None and node.kl_coef > 0
-    keys = ["actor/clipfrac", "actor/ratio_mean", "actor/pg_loss", *(["actor/kl"] if use_kl else []), "actor/loss"]
+    keys = objective.keys
     values = [0.0] * len(keys)
     optimizer.zero_grad(set_to_none=True)
     if mine.stop > mine.start:
         sub = part if dp is None else part.select(torch.arange(mine.start, mine.stop))
-        local_rows = rows[mine]
-        context = _StepContext(state, sub, advantages[mine], old_logprobs, ref_logprobs, local_rows, node, use_kl)
-        groups = micro_batches(sub, getattr(node, "micro_batch_tokens", None))
+        sub_rows = rows[mine]
+        groups = micro_batches(sub, node.micro_batch_tokens)
         for group in groups:
             # Each pass's loss, weighted by its share of the mini-batch's normaliser: the
             # gradients of the passes add up to the gradient of the whole mini-batch's loss.
-            share = _share(sub.completion_mask, group, node.loss_agg) if len(groups) > 1 else 1.0
-            tokens_share = _share(sub.completion_mask, group, "token_mean") if len(groups) > 1 else 1.0
-            numbers = context.backward(group if len(groups) > 1 else None, share * weight)
+            whole = len(groups) == 1
+            share = 1.0 if whole else _share(sub.completion_mask, group, node.loss_agg)
+            tokens_share = 1.0 if whole else _share(sub.completion_mask, group, "token_mean")
+            piece = sub if whole else sub.select(group)
+            loss, numbers = objective.loss(state, piece, sub_rows if whole else sub_rows[group])
+            scale = share * weight
+            (loss * scale if scale != 1.0 else loss).backward()
             for index, key in enumerate(keys):
-                scale = tokens_share * token_weight if key in TOKEN_MEANS else share * weight
-                values[index] += numbers[key] * scale
+                factor = tokens_share * token_weight if key in objective.token_means else share * weight
+                values[index] += numbers[key] * factor
     if dp is not None:
         # the whole mini-batch's gradient and numbers: each rank's part, weighted, summed
         dp.sum_gradients(state.module)
@@ -142,7 +262,7 @@ def _step(
     else:
         grad_norm = _grad_norm(state.module)
     result = dict(zip(keys, values))
-    result["actor/grad_norm"] = float(grad_norm)
+    result["grad_norm"] = float(grad_norm)
     # A NaN or infinite loss or gradient would poison the weights and the optimizer's moments
     # for good: the step is skipped instead (every data-parallel rank sees the same sums).
     finite = all(math.isfinite(value) for value in result.values())
@@ -150,45 +270,25 @@ def _step(
         optimizer.step()
     else:
         optimizer.zero_grad(set_to_none=True)
-    result[NONFINITE_METRIC] = 0.0 if finite else 1.0
+    result["nonfinite_skipped"] = 0.0 if finite else 1.0
     return result
-
-
-class _StepContext:
-    """What every forward/backward pass of one optimizer step reads."""
-
-    def __init__(self, state: ModelState, sub: Rollout, advantages: torch.Tensor,
-                 old_logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor | None,
-                 rows: torch.Tensor, node: Any, use_kl: bool) -> None:
-        self.state, self.sub, self.advantages = state, sub, advantages
-        self.old_logprobs, self.ref_logprobs, self.rows = old_logprobs, ref_logprobs, rows
-        self.node, self.use_kl = node, use_kl
-
-    def backward(self, group: torch.Tensor | None, scale: float) -> dict[str, float]:
-        """Loss of rows ``group`` of the sub-batch (None: all), backward of ``loss * scale``;
-        returns the pass's own (unweighted) numbers."""
-        device, node = self.state.device, self.node
-        piece = self.sub if group is None else self.sub.select(group)
-        local = slice(None) if group is None else group
-        rows = self.rows[local]
-        mask = piece.completion_mask.to(device).float()
-        logprobs = completion_logprobs(self.state.module, piece, device)
-        old = logprobs.detach() if self.old_logprobs is None else self.old_logprobs[rows].to(device)
-        loss, stats = policy_loss(
-            logprobs, old, self.advantages[local].to(device), mask, clip_eps=node.clip_eps, loss_agg=node.loss_agg
-        )
-        numbers = {f"actor/{key}": value for key, value in stats.items()}
-        if self.use_kl:
-            assert self.ref_logprobs is not None
-            kl = kl_penalty(logprobs, self.ref_logprobs[rows].to(device), estimator=node.kl_estimator)
-            kl_term = aggregate(kl, mask, node.loss_agg)
-            loss = loss + node.kl_coef * kl_term
-            numbers["actor/kl"] = float(kl_term.detach())
-        numbers["actor/loss"] = float(loss.detach())
-        (loss * scale if scale != 1.0 else loss).backward()
-        return numbers
 
 
 def _grad_norm(module: torch.nn.Module) -> torch.Tensor:
     norms = [p.grad.detach().norm() for p in module.parameters() if p.grad is not None]
     return torch.stack(norms).norm() if norms else torch.tensor(0.0)
+
+
+def _explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """``1 - Var(returns - values) / Var(returns)`` over unmasked tokens.
+
+    1 = a perfect critic, 0 or less = no better than predicting the mean return.
+    """
+    values = torch.where(mask, values.float(), torch.zeros_like(values, dtype=torch.float32))
+    returns = torch.where(mask, returns.float(), torch.zeros_like(returns, dtype=torch.float32))
+    residual = returns - values
+    residual_var = masked_mean((residual - masked_mean(residual, mask)) ** 2, mask)
+    returns_var = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
+    if float(returns_var) == 0.0:
+        return 0.0
+    return float(1.0 - residual_var / returns_var)

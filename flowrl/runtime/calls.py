@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from flowrl.spec.schema import NodeBase
+
 
 @dataclass(frozen=True)
 class InputRef:
@@ -12,9 +14,12 @@ class InputRef:
 
     name: str
     role: str
+    """The producer's role: a role reads its inputs by it (``roles.registry``)."""
     key: str
     host: Any | None
     """The Dask actor handle of the host that holds it; None when it is the caller."""
+    rollout: bool = False
+    """It is the rollout the consumer descends from (a node split by rows divides it)."""
 
 
 @dataclass(frozen=True)
@@ -22,8 +27,8 @@ class NodeCall:
     step: int
     node: str
     role: str
-    spec: Any
-    """The node's spec (a pydantic model from flowrl.spec.schema)."""
+    spec: NodeBase
+    """The node's spec: its role's class in ``flowrl.spec.schema``."""
     model: str | None
     inputs: tuple[InputRef, ...] = ()
     prompts: tuple[Any, ...] = ()

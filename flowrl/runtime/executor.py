@@ -39,7 +39,6 @@ class StepExecutor:
         self.gather = gather or _plain_gather
         self._order = pipeline.topological_order()
         self._group_size = {node: _group_size(pipeline, node) for node in self._order}
-        self._inputs = {node: _inputs(pipeline, node) for node in self._order}
 
     def run_step(
         self, step: int, prompts: Sequence[Any], kl_coefs: dict[str, float] | None = None
@@ -93,15 +92,16 @@ class StepExecutor:
         """The call of ``node`` as the host on ``slot`` runs it (inputs held there are local)."""
         spec = self.pipeline.spec.nodes[node]
         inputs = []
-        for producer in self._inputs[node]:
+        for producer in self.pipeline.producers(node):
             if producer == SOURCE_NODE:
                 continue
             producer_slot = self.plan.node_slots[producer]
             host = None if producer_slot == slot else self.hosts[producer_slot]
             role = self.pipeline.spec.nodes[producer].role
-            inputs.append(InputRef(name=producer, role=role, key=store_key(step, producer), host=host))
+            inputs.append(InputRef(name=producer, role=role, key=store_key(step, producer), host=host,
+                                   rollout=producer == self.pipeline.rollout_of(node)))
         peers: tuple[Any, ...] = ()
-        if spec.role == "update" and spec.model is not None:
+        if spec.trains and spec.model is not None:
             peers = tuple(self.hosts[s] for s in self.plan.weight_peers(node, spec.model))
         return NodeCall(
             step=step,
@@ -110,7 +110,7 @@ class StepExecutor:
             spec=spec,
             model=spec.model,
             inputs=tuple(inputs),
-            prompts=tuple(prompts) if spec.role == "generate" else (),
+            prompts=tuple(prompts) if SOURCE_NODE in spec.inputs else (),
             group_size=self._group_size[node],
             weight_peers=peers,
             kl_coef=kl_coef,
@@ -120,35 +120,9 @@ class StepExecutor:
         """Nothing to release: calls live in the hosts."""
 
 
-def _inputs(pipeline: PipelineGraph, node: str) -> list[str]:
-    """A node's producers; an advantage node also reads its rollout (the completion mask and
-    sampling log-probs that token-level estimators and the KL penalty need), even when the
-    file lists only scores, values and reference."""
-    producers = list(pipeline.producers(node))
-    if pipeline.spec.nodes[node].role == "advantage":
-        rollout = _upstream_generate(pipeline, node)
-        if rollout is not None and rollout not in producers:
-            producers.append(rollout)
-    return producers
-
-
-def _upstream_generate(pipeline: PipelineGraph, node: str) -> str | None:
-    seen: set[str] = set()
-    stack = [node]
-    while stack:
-        current = stack.pop()
-        if current in seen or current == SOURCE_NODE:
-            continue
-        seen.add(current)
-        if pipeline.spec.nodes[current].role == "generate":
-            return current
-        stack.extend(pipeline.producers(current))
-    return None
-
-
 def _group_size(pipeline: PipelineGraph, node: str) -> int:
     """Samples per prompt of the generate node upstream of ``node`` (1 if none)."""
-    rollout = _upstream_generate(pipeline, node)
+    rollout = pipeline.rollout_of(node)
     if rollout is None:
         return 1
     spec = pipeline.spec.nodes[rollout]

@@ -34,13 +34,13 @@ from flowrl.roles.batch import NodeOutput
 from flowrl.roles.data_parallel import DataParallel, weighted_rows
 from flowrl.roles.evaluate import EvalScorer, run_evaluation
 from flowrl.roles import registry
-from flowrl.roles.shards import join_shards, shard_of
+from flowrl.roles.shards import shard_of
 from flowrl.roles.state import ModelState
 from flowrl.runtime import checkpoint
 from flowrl.runtime.collective import GlooGroup, free_port
 from flowrl.runtime.calls import EvalCall, NodeCall, NodeReport, key_step, store_key
 from flowrl.runtime.serialization import register
-from flowrl.spec.schema import SHARDABLE_ROLES, PythonFunction
+from flowrl.spec.schema import PythonFunction
 
 
 class RoleHost:
@@ -172,17 +172,19 @@ class RoleHost:
             for name, value in inputs.items():
                 if isinstance(value, _Failed):
                     raise UpstreamFailed(f"node '{call.node}' did not run: its input '{name}' failed ({value.message})")
-            whole = _rollout_input(call, inputs) if call.role in SHARDABLE_ROLES else None
-            split = count > 1 and (whole is not None or call.role == "generate")
+            # A node split by rows computes its rows of the rollout, generation its share of
+            # whole prompts (so each prompt's samples stay together); a data-parallel update's
+            # ranks all read the whole rollout and divide it themselves (``DataParallel``).
+            how = call.spec.split if count > 1 else "none"
+            whole = _rollout_input(call, inputs) if how == "rows" else None
+            split = how in ("rows", "prompts")
             rows = slice(0, 0)
-            if split:
-                shares = call.part_shares
-                if whole is not None:
-                    rows = weighted_rows(whole[1].num_sequences, index, shares)
-                    inputs = {**inputs, whole[0]: shard_of(whole[1], index, shares)}
-                else:  # generate: whole prompts, so each prompt's samples stay together
-                    rows = weighted_rows(len(call.prompts), index, shares)
-                    call = replace(call, prompts=call.prompts[rows])
+            if whole is not None:
+                rows = weighted_rows(whole[1].num_sequences, index, call.part_shares)
+                inputs = {**inputs, whole[0]: shard_of(whole[1], index, call.part_shares)}
+            elif how == "prompts":
+                rows = weighted_rows(len(call.prompts), index, call.part_shares)
+                call = replace(call, prompts=call.prompts[rows])
             loop = asyncio.get_running_loop()
             if split and rows.stop == rows.start:
                 # a share too small for a single row: nothing to compute, an empty part
@@ -244,8 +246,7 @@ class RoleHost:
             if isinstance(part, _Failed):
                 raise UpstreamFailed(f"node '{call.node}' shard {number} failed ({part.message})")
             parts.append(part)
-        with_failures = call.role == "score" and getattr(call.spec, "fn", None) is not None
-        value, metrics = join_shards(call.role, parts, rollout, with_failures)
+        value, metrics = registry.role(call.role).join([part for part in parts if part is not None], rollout, call.spec)
         first_error = getattr(value, "first_error", None)
         return NodeOutput(value=value, metrics=metrics, tokens_in=own.tokens_in, tokens_out=own.tokens_out,
                           messages=(first_error,) if first_error else ())
@@ -268,12 +269,12 @@ class RoleHost:
     def _dispatch(self, call: NodeCall, inputs: dict[str, Any]) -> NodeOutput:
         """Run the call's role (``roles.registry``); after a role that trains, push the new
         weights to the model's other copies."""
-        role = registry.role(call.role)
-        group = DataParallel(self._groups[call.node], call.part_shares) if call.shard[1] > 1 and role.trains else None
+        role, trains = registry.role(call.role), call.spec.trains
+        group = DataParallel(self._groups[call.node], call.part_shares) if call.shard[1] > 1 and trains else None
         context = registry.RoleContext(self.models, self._reward, self.seed, group)
-        request = registry.RoleCall(call.node, call.spec, call.model, call.prompts, call.group_size, call.kl_coef)
+        request = registry.RoleCall(call.node, call.spec, call.prompts, call.group_size, call.kl_coef)
         output = role.run(context, _inputs_by_role(call, inputs), request)
-        if role.trains and call.model is not None and call.weight_peers:
+        if trains and call.model is not None and call.weight_peers:
             output.metrics.update(self._push_weights(call.model, call.weight_peers))
         return output
 
@@ -377,7 +378,7 @@ def _state_bytes(exported: dict[str, Any]) -> int:
 def _rollout_input(call: NodeCall, inputs: dict[str, Any]) -> tuple[str, Any] | None:
     """The (input name, rollout) a split node divides by rows."""
     for ref in call.inputs:
-        if ref.role == "generate":
+        if ref.rollout:
             return ref.name, inputs[ref.name]
     return None
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from flowrl.graph import PipelineGraph
 from flowrl.planner.placement import Plan
+from flowrl.spec.schema import GenerateNode, NodeBase, UpdateNode
 
 
 RESEED_BASE = 1000
@@ -44,14 +45,14 @@ def plan_transfers(pipeline: PipelineGraph, old: Plan, new: Plan, alive: set[str
     """What each slot of ``new`` pulls; only slots in ``alive`` (None: all) can send."""
     transfers = []
     for model in sorted(new.model_slots):
-        ranks_old = _role_slots(pipeline, old, model, "update")
-        ranks_new = _role_slots(pipeline, new, model, "update")
+        ranks_old = _role_slots(pipeline, old, model, UpdateNode)
+        ranks_new = _role_slots(pipeline, new, model, UpdateNode)
         # Every rank of a data-parallel update holds the same weights and optimizer state:
         # any live one can send them.
         live_ranks = [slot for slot in ranks_old if alive is None or slot in alive]
         train_old = live_ranks[0] if live_ranks else None
-        gen_old = _role_slots(pipeline, old, model, "generate")
-        gen_new = _role_slots(pipeline, new, model, "generate")
+        gen_old = _role_slots(pipeline, old, model, GenerateNode)
+        gen_new = _role_slots(pipeline, new, model, GenerateNode)
         holders_old = old.model_slots.get(model, [])
         for slot in new.model_slots[model]:
             wanted: dict[str, list[str]] = {}
@@ -78,15 +79,15 @@ def plan_transfers(pipeline: PipelineGraph, old: Plan, new: Plan, alive: set[str
 def stream_offset(pipeline: PipelineGraph, plan: Plan, model: str, slot: str) -> int:
     """Seed offset of ``slot``'s sampling stream for ``model``: its part of the split
     generate node (0 when generation is not split or runs elsewhere)."""
-    parts = _role_slots(pipeline, plan, model, "generate")
+    parts = _role_slots(pipeline, plan, model, GenerateNode)
     return parts.index(slot) if slot in parts else 0
 
 
-def _role_slots(pipeline: PipelineGraph, plan: Plan, model: str, role: str) -> list[str]:
-    """Every slot of ``model``'s first node with ``role`` (several for a split node)."""
-    for node in pipeline.topological_order():
+def _role_slots(pipeline: PipelineGraph, plan: Plan, model: str, role: type[NodeBase]) -> list[str]:
+    """Every slot of ``model``'s first node of ``role`` (several for a split node)."""
+    for node in pipeline.nodes_of(role):
         spec = pipeline.spec.nodes[node]
-        if spec.model == model and spec.role == role and node in plan.node_slots:
+        if spec.model == model and node in plan.node_slots:
             return plan.slots_of(node)
     return []
 

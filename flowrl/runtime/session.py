@@ -23,6 +23,7 @@ from flowrl.runtime.executor import StepExecutor
 from flowrl.runtime.host import RoleHost
 from flowrl.runtime.migration import Transfer, plan_transfers, stream_offset
 from flowrl.runtime.waiting import gather
+from flowrl.spec.schema import GenerateNode, UpdateNode
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ class Session:
         whose members changed is formed again on a new port, one that is gone is left."""
         wanted = {
             node: tuple(plan.slots_of(node))
-            for node in self.pipeline.nodes_with_role("update")
+            for node in self.pipeline.nodes_of(UpdateNode)
             if node in plan.node_slots and len(plan.slots_of(node)) > 1
         }
         for node, members in list(self._groups.items()):
@@ -167,8 +168,7 @@ class Session:
     def evaluate(self, call: EvalCall, timeout_s: float) -> list[NodeReport]:
         """Run an evaluation on the generate node's workers, each on its consecutive share
         of the prompts, all at once; one report per worker, in prompt order."""
-        generate = next(node for node in self.pipeline.topological_order()
-                        if self.pipeline.spec.nodes[node].role == "generate")
+        generate = self.pipeline.nodes_of(GenerateNode)[0]
         slots = self.plan.slots_of(generate)
         parts = [call.examples[rows] for rows in _even_parts(len(call.examples), len(slots))]
         futures = [(slot, self.hosts[slot].evaluate(replace(call, examples=part))) for slot, part in zip(slots, parts) if part]
@@ -225,7 +225,7 @@ class Session:
     def trained_models(self) -> dict[str, str]:
         """Model -> the slot of its update node (the copy whose weights are current)."""
         trained = {}
-        for node in self.pipeline.nodes_with_role("update"):
+        for node in self.pipeline.nodes_of(UpdateNode):
             model = self.pipeline.spec.nodes[node].model
             assert model is not None  # the schema requires an update node's model
             trained[model] = self.plan.node_slots[node]

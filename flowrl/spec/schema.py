@@ -8,23 +8,9 @@ are checked on the graph (``flowrl.graph``), not here, so that all problems are 
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, InstanceOf, field_serializer, model_validator
-
-ROLES: tuple[str, ...] = (
-    "generate",
-    "score",
-    "reference_logprob",
-    "value",
-    "advantage",
-    "update",
-)
-"""Every node role, in the order an iteration usually runs them."""
-
-SHARDABLE_ROLES = ("score", "reference_logprob", "value")
-"""Roles whose batch rows are independent of each other: a node of one of them can be split
-by rows over several devices and joined, giving what one device would (data-parallel inference)."""
 
 SOURCE_NODE = "prompts"
 """The name of the data source's output; node inputs use it to read prompts."""
@@ -108,7 +94,61 @@ class DeviceGroupSpec(_Strict):
         return self.min_count if self.min_count is not None else 1
 
 
+Split = Literal["none", "prompts", "rows", "ranks"]
+"""How a node runs over several devices: not at all; by whole prompts (generation); by rollout
+rows, each part computed alone and the parts joined (inference); as the ranks of one
+data-parallel optimisation (training)."""
+
+Work = Literal["decode", "forward", "train", "function", "elementwise"]
+"""What a node's call costs (``flowrl.planner.costs`` prices each): token-by-token sampling, one
+no-grad pass of a model over the rollout, forward and backward passes plus optimizer steps, a
+Python reward function per completion, or a little tensor arithmetic on the CPU."""
+
+Output = Literal["rollout", "per_sequence", "per_token", "none"]
+"""What a node's output holds per completion: the sequences themselves, one number, one number
+per completion token, or nothing (metrics only)."""
+
+
+class NodeView(Protocol):
+    """What a node's own rules see of the pipeline around it (``flowrl.graph`` answers)."""
+
+    name: str
+    model_kind: str | None
+    """Kind of the node's model; None when it has none or the model is unknown or broken."""
+
+    def inputs_of(self, role: type[_NodeBase]) -> list[str]:
+        """The node's inputs that are nodes of ``role``, in input order."""
+        ...
+
+    def node(self, name: str) -> _NodeBase | None:
+        """Another node of the pipeline; None when there is none of that name."""
+        ...
+
+    def reliable(self, path: str) -> bool:
+        """False when ``path`` (dotted, from the file's top) failed schema validation."""
+        ...
+
+    def add(self, path: str, message: str) -> None:
+        """Report a problem at ``path`` (dotted, from the file's top)."""
+        ...
+
+
 class _NodeBase(_Strict):
+    """What every node has. The class variables below say what the role is, for every layer
+    (no torch here); how a role runs on a worker is ``flowrl.roles.registry``."""
+
+    split: ClassVar[Split] = "none"
+    trains: ClassVar[bool] = False
+    """Its calls change the weights of its model (the runtime then sends them to the copies)."""
+    reads_rollout: ClassVar[bool] = True
+    """It reads the rollout of the generate node it descends from, listed in ``inputs`` or not."""
+    rate_of_output: ClassVar[bool] = False
+    """Its throughput counts the tokens it produces (generation), not those it reads."""
+    timing_label: ClassVar[str] = ""
+    """Short name of its time in the metrics (``timing_s/gen``), verl's where verl has one."""
+    default_name: ClassVar[str] = ""
+    """The node name the Python builder gives when none is given."""
+
     inputs: list[str] = []
     """Names of the nodes (or ``prompts``) whose outputs this node reads. Default []."""
     model: str | None = None
@@ -116,12 +156,49 @@ class _NodeBase(_Strict):
     device_group: str | None = None
     """Run this node on this group instead of its model's. Default None (the model's group)."""
 
+    @classmethod
+    def role_name(cls) -> str:
+        return str(cls.model_fields["role"].default)
+
+    @property
+    def work(self) -> Work:
+        return "forward"
+
+    @property
+    def output(self) -> Output:
+        return "per_token"
+
+    @property
+    def inference(self) -> bool:
+        """One no-grad pass of a model (the planner may page such a model in and out)."""
+        return self.work == "forward" and self.model is not None
+
+    def timing_name(self, model_kind: str | None) -> str:
+        return self.timing_label
+
+    def check(self, view: NodeView) -> None:
+        """Report what is wrong with this node's inputs and model for its role."""
+
+    def _need(self, view: NodeView, role: type[_NodeBase], what: str) -> None:
+        if not view.inputs_of(role):
+            view.add(f"nodes.{view.name}.inputs", f"{self.role_name()} needs {what}: add a {role.role_name()} node to inputs")
+
+    def _need_kind(self, view: NodeView, wanted: str) -> None:
+        if view.model_kind is not None and view.model_kind != wanted:
+            view.add(f"nodes.{view.name}.model",
+                     f"{self.role_name()} needs a {wanted} model; '{self.model}' is kind {view.model_kind}")
+
 
 class GenerateNode(_NodeBase):
     """Sample completions of the prompts from a policy model (a rollout)."""
 
     role: Literal["generate"] = "generate"
     """Always ``generate``."""
+    split: ClassVar[Split] = "prompts"
+    reads_rollout: ClassVar[bool] = False
+    rate_of_output: ClassVar[bool] = True
+    timing_label: ClassVar[str] = "gen"
+    default_name: ClassVar[str] = "rollout"
     model: str
     """Name of the policy model that samples. Required."""
     n: int = Field(default=8, ge=1)
@@ -138,6 +215,23 @@ class GenerateNode(_NodeBase):
     """Decode engine. ``static``: a static KV cache whose per-token step replays one CUDA graph on
     a GPU (Llama and Qwen2 models). ``loop``: one transformers forward per token (any causal
     LM). ``auto``: static on a GPU when the model supports it, else loop. Default auto."""
+
+    @property
+    def work(self) -> Work:
+        return "decode"
+
+    @property
+    def output(self) -> Output:
+        return "rollout"
+
+    def check(self, view: NodeView) -> None:
+        path = f"nodes.{view.name}.inputs"
+        if SOURCE_NODE not in self.inputs:
+            view.add(path, "generate needs the prompts: add 'prompts' to inputs")
+        for item in self.inputs:
+            if item not in (SOURCE_NODE, view.name) and view.node(item) is not None:
+                view.add(path, f"generate reads only 'prompts'; drop '{item}'")
+        self._need_kind(view, "policy")
 
 
 class PythonFunction(BaseModel):
@@ -161,6 +255,9 @@ class ScoreNode(_NodeBase):
 
     role: Literal["score"] = "score"
     """Always ``score``."""
+    split: ClassVar[Split] = "rows"
+    timing_label: ClassVar[str] = "reward"
+    default_name: ClassVar[str] = "reward"
     fn: str | InstanceOf[PythonFunction] | None = None
     """Reward function: a registry name (``math_answer``), ``module:function`` (a ``.py`` file
     next to the pipeline or an installed module), or, from the Python builder, the function
@@ -184,6 +281,19 @@ class ScoreNode(_NodeBase):
         """The reward function's name as logs show it."""
         return self.fn.name if isinstance(self.fn, PythonFunction) else self.fn
 
+    @property
+    def work(self) -> Work:
+        return "function" if self.model is None else "forward"
+
+    @property
+    def output(self) -> Output:
+        return "per_sequence"
+
+    def check(self, view: NodeView) -> None:
+        self._need(view, GenerateNode, "a rollout")
+        if self.model is not None:
+            self._need_kind(view, "reward")
+
     @model_validator(mode="after")
     def _one_scorer(self) -> ScoreNode:
         if self.fn is None and self.model is None:
@@ -200,11 +310,18 @@ class ReferenceLogprobNode(_NodeBase):
 
     role: Literal["reference_logprob"] = "reference_logprob"
     """Always ``reference_logprob``."""
+    split: ClassVar[Split] = "rows"
+    timing_label: ClassVar[str] = "ref"
+    default_name: ClassVar[str] = "ref"
     model: str
     """Name of the reference model. Required."""
     micro_batch_tokens: Annotated[int, Field(ge=1)] | None = None
     """Most padded tokens (rows x longest row) in one forward pass; rows are sorted by length,
     so little padding is computed. None: the whole batch in one pass. Default None."""
+
+    def check(self, view: NodeView) -> None:
+        self._need(view, GenerateNode, "a rollout")
+        self._need_kind(view, "policy")
 
 
 class ValueNode(_NodeBase):
@@ -212,11 +329,18 @@ class ValueNode(_NodeBase):
 
     role: Literal["value"] = "value"
     """Always ``value``."""
+    split: ClassVar[Split] = "rows"
+    timing_label: ClassVar[str] = "values"
+    default_name: ClassVar[str] = "values"
     model: str
     """Name of the value model (kind value). Required."""
     micro_batch_tokens: Annotated[int, Field(ge=1)] | None = None
     """Most padded tokens (rows x longest row) in one forward pass; rows are sorted by length,
     so little padding is computed. None: the whole batch in one pass. Default None."""
+
+    def check(self, view: NodeView) -> None:
+        self._need(view, GenerateNode, "a rollout")
+        self._need_kind(view, "value")
 
 
 class AdvantageNode(_NodeBase):
@@ -224,6 +348,8 @@ class AdvantageNode(_NodeBase):
 
     role: Literal["advantage"] = "advantage"
     """Always ``advantage``."""
+    timing_label: ClassVar[str] = "adv"
+    default_name: ClassVar[str] = "adv"
     estimator: Literal["grpo", "gae", "rloo", "reinforce_pp"] = "grpo"
     """Advantage estimator. Default grpo."""
     scale_by_std: bool = True
@@ -246,12 +372,33 @@ class AdvantageNode(_NodeBase):
     kl_horizon: int = Field(default=10000, ge=1)
     """Adaptive KL horizon, in samples. Default 10000."""
 
+    @property
+    def work(self) -> Work:
+        return "elementwise"
+
+    def check(self, view: NodeView) -> None:
+        path = f"nodes.{view.name}"
+        if self.model is not None:
+            view.add(f"{path}.model", "an advantage node runs no model; remove 'model'")
+        self._need(view, ScoreNode, "scores")
+        if self.estimator == "gae" and view.reliable(f"{path}.estimator"):
+            self._need(view, ValueNode, "values (gae)")
+        if self.kl_coef > 0 and view.reliable(f"{path}.kl_coef") and not view.inputs_of(ReferenceLogprobNode):
+            view.add(
+                f"{path}.inputs",
+                f"kl_coef is {self.kl_coef}, so the KL reward penalty needs reference log-probs: add a "
+                "reference_logprob node to inputs (or set kl_coef: 0)",
+            )
+
 
 class UpdateNode(_NodeBase):
     """One optimisation pass of a model on the rollout (policy gradient or value regression)."""
 
     role: Literal["update"] = "update"
     """Always ``update``."""
+    split: ClassVar[Split] = "ranks"
+    trains: ClassVar[bool] = True
+    default_name: ClassVar[str] = "train"
     model: str
     """Name of the model trained. Required."""
     lr: float = Field(default=1e-5, gt=0)
@@ -285,6 +432,65 @@ class UpdateNode(_NodeBase):
     )
     """AdamW moment decay rates. Default (0.9, 0.999)."""
 
+    @property
+    def work(self) -> Work:
+        return "train"
+
+    @property
+    def output(self) -> Output:
+        return "none"
+
+    def timing_name(self, model_kind: str | None) -> str:
+        return "update_critic" if model_kind == "value" else "update_actor"
+
+    def check(self, view: NodeView) -> None:
+        path, kind = f"nodes.{view.name}", view.model_kind
+        if kind == "reward":
+            view.add(f"{path}.model", f"update trains a policy or value model; '{self.model}' is kind reward")
+            return
+        rollouts = view.inputs_of(GenerateNode)
+        if not rollouts:
+            view.add(f"{path}.inputs", "update needs a rollout: add a generate node to inputs")
+        advantages = view.inputs_of(AdvantageNode)
+        if not advantages:
+            view.add(f"{path}.inputs", "update needs advantages: add an advantage node to inputs")
+        if kind == "value":
+            # a critic learns the returns, which only gae computes
+            for advantage in advantages:
+                estimator = getattr(view.node(advantage), "estimator", None)
+                if estimator != "gae" and view.reliable(f"nodes.{advantage}.estimator"):
+                    view.add(
+                        f"{path}.inputs",
+                        f"a value model's update learns returns, which advantage '{advantage}' computes only "
+                        f"with estimator: gae (it has {estimator}); set estimator: gae there",
+                    )
+        if kind != "policy":
+            return
+        for rollout in rollouts:
+            source = view.node(rollout)
+            source_model = source.model if source is not None else None
+            if source_model != self.model:
+                view.add(
+                    f"{path}.model",
+                    f"update trains '{self.model}' but its rollout '{rollout}' comes from "
+                    f"'{source_model}'; a policy update trains the model that generated",
+                )
+        if not view.reliable(f"{path}.kl_coef"):
+            return
+        references = view.inputs_of(ReferenceLogprobNode)
+        if self.kl_coef > 0 and not references:
+            view.add(
+                f"{path}.inputs",
+                f"kl_coef is {self.kl_coef}, so update needs reference log-probs: add a "
+                "reference_logprob node to inputs (or set kl_coef: 0)",
+            )
+        for reference in references if self.kl_coef == 0 else []:
+            view.add(
+                f"{path}.inputs",
+                f"kl_coef is 0, so the reference is never used; set kl_coef > 0 or drop "
+                f"'{reference}' from inputs",
+            )
+
 
 NodeSpec = Annotated[
     GenerateNode | ScoreNode | ReferenceLogprobNode | ValueNode | AdvantageNode | UpdateNode,
@@ -293,13 +499,16 @@ NodeSpec = Annotated[
 """A node of the iteration graph; ``role`` picks which fields it has."""
 
 NODE_CLASSES: dict[str, type[_NodeBase]] = {
-    "generate": GenerateNode,
-    "score": ScoreNode,
-    "reference_logprob": ReferenceLogprobNode,
-    "value": ValueNode,
-    "advantage": AdvantageNode,
-    "update": UpdateNode,
+    cls.role_name(): cls
+    for cls in (GenerateNode, ScoreNode, ReferenceLogprobNode, ValueNode, AdvantageNode, UpdateNode)
 }
+"""The spec class of each role, in the order an iteration usually runs them."""
+
+ROLES: tuple[str, ...] = tuple(NODE_CLASSES)
+"""Every node role."""
+
+NodeBase = _NodeBase
+"""The base of every node spec (the type of a node whatever its role)."""
 
 
 SHARD_SIZE_PATTERN = r"^[1-9][0-9]*(KB|MB|GB|KiB|MiB|GiB)$"

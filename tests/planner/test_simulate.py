@@ -30,7 +30,7 @@ class FixedCosts:
         return 1e9 if node == "rollout" else 0.0
 
     def work(self, node: str) -> NodeWork:
-        return NodeWork(node, None, "policy", "fp32", None, 16, 9, 16)
+        return NodeWork("forward", "per_token", None, "policy", "fp32", None, 16, 9, 16)
 
 
 def test_schedule_of_a_grpo_step_on_two_cpu_slots() -> None:

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import itertools
-from types import SimpleNamespace
 
 import torch
 
 from flowrl.roles.batch import Rollout
-from flowrl.roles.critic_update import run_critic_update
+from flowrl.roles.update import update_critic
 from flowrl.roles.state import ModelState
 from flowrl.roles.value import run_value
 from flowrl.spec.schema import UpdateNode
@@ -62,7 +61,7 @@ def test_updates_on_constant_returns_move_values_toward_them_with_falling_loss()
     losses = []
     for _ in range(20):
         old_values = run_value(state, rollout).value
-        output = run_critic_update(state, rollout, returns, old_values, node, seed=0)
+        output = update_critic(state, rollout, returns, old_values, node, seed=0)
         losses.append(output.metrics["critic/vf_loss"])
     end = run_value(state, rollout).value
     # Loss at step 0: 0.5 * (0 - 0.5)^2 = 0.125 on every token.
@@ -91,7 +90,8 @@ def test_mini_batches_and_epochs_make_that_many_steps_and_the_clip_binds() -> No
     rollout = _rollout(state.tokenizer)
     mask = rollout.completion_mask.float()
     returns = 1.0 * mask
-    node = SimpleNamespace(
+    node = UpdateNode(
+        model="critic",
         lr=5e-2,
         betas=(0.9, 0.999),
         weight_decay=0.0,
@@ -102,7 +102,7 @@ def test_mini_batches_and_epochs_make_that_many_steps_and_the_clip_binds() -> No
         clip_range_value=1e-3,
     )
     old_values = run_value(state, rollout).value
-    output = run_critic_update(state, rollout, returns, old_values, node, seed=0)
+    output = update_critic(state, rollout, returns, old_values, node, seed=0)
     # 3 epochs x (4 sequences / 2 per mini-batch) = 6 optimizer steps.
     assert output.metrics["critic/num_optimizer_steps"] == 6.0
     # With a clip of 0.001 the values leave the band after the first steps, so some tokens
@@ -114,7 +114,8 @@ def test_without_old_values_they_are_computed_and_clipping_can_be_off() -> None:
     state = _state()
     rollout = _rollout(state.tokenizer)
     returns = rollout.completion_mask.float()
-    node = SimpleNamespace(
+    node = UpdateNode(
+        model="critic",
         lr=1e-2,
         betas=(0.9, 0.999),
         weight_decay=0.0,
@@ -124,7 +125,7 @@ def test_without_old_values_they_are_computed_and_clipping_can_be_off() -> None:
         loss_agg="seq_mean",
         clip_range_value=None,
     )
-    output = run_critic_update(state, rollout, returns, None, node, seed=0)
+    output = update_critic(state, rollout, returns, None, node, seed=0)
     # Fresh head: values 0, returns 1 -> 0.5 * 1^2 per token, 0.5 whatever the aggregation.
     assert abs(output.metrics["critic/vf_loss"] - 0.5) < 1e-6
     assert output.metrics["critic/vf_clipfrac"] == 0.0

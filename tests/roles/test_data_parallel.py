@@ -16,7 +16,7 @@ import torch
 from flowrl.roles.batch import Rollout
 from flowrl.roles.data_parallel import DataParallel, weighted_rows
 from flowrl.roles.state import ModelState
-from flowrl.roles.update import run_update
+from flowrl.roles.update import update_policy
 from flowrl.runtime.collective import GlooGroup, free_port
 from flowrl.spec.schema import UpdateNode
 from tests.tiny_models import model_state, tiny_policy
@@ -51,7 +51,7 @@ def _train_alone(node: UpdateNode, updates: int) -> tuple[ModelState, list[dict[
     state = model_state("actor", tiny_policy(0), 0)
     rollout = _rollout(state)
     reference = torch.randn(6, rollout.completion_ids.shape[1], generator=torch.Generator().manual_seed(1)) * 0.1 - 2.0
-    metrics = [run_update(state, rollout, ADVANTAGES, reference, node, seed=0).metrics for _ in range(updates)]
+    metrics = [update_policy(state, rollout, ADVANTAGES, reference, node, seed=0).metrics for _ in range(updates)]
     return state, metrics
 
 
@@ -69,7 +69,7 @@ def _train_data_parallel(node: UpdateNode, updates: int, shares: tuple[float, ..
             rollout = _rollout(state)
             reference = torch.randn(6, rollout.completion_ids.shape[1], generator=torch.Generator().manual_seed(1)) * 0.1 - 2.0
             dp = DataParallel(group, shares)
-            metrics = [run_update(state, rollout, ADVANTAGES, reference, node, seed=0, dp=dp).metrics for _ in range(updates)]
+            metrics = [update_policy(state, rollout, ADVANTAGES, reference, node, seed=0, dp=dp).metrics for _ in range(updates)]
             results[index] = (state, metrics)
         except BaseException as error:  # surfaced below, in the test's thread
             errors.append(error)

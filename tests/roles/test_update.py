@@ -9,7 +9,7 @@ import torch
 from flowrl.roles.batch import Rollout
 from flowrl.roles.forward import completion_logprobs
 from flowrl.roles.state import ModelState
-from flowrl.roles.update import run_update
+from flowrl.roles.update import update_policy
 from flowrl.spec.schema import UpdateNode
 from tests.tiny_models import model_state, tiny_policy
 
@@ -39,7 +39,7 @@ def test_single_step_update_has_ratio_one_and_raises_the_favoured_completion() -
     advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])
     before = completion_logprobs(state.module, rollout, state.device).detach()
     node = UpdateNode(model="actor", inputs=["rollout", "adv"], lr=1e-2)
-    output = run_update(state, rollout, advantages, None, node, seed=0)
+    output = update_policy(state, rollout, advantages, None, node, seed=0)
     after = completion_logprobs(state.module, rollout, state.device).detach()
 
     # one epoch, one mini-batch: old log-probs are the new ones detached, so ratio == 1 exactly
@@ -57,7 +57,7 @@ def test_epochs_and_mini_batches_make_that_many_optimizer_steps_against_fixed_ol
     rollout = _rollout(state)
     advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])
     node = UpdateNode(model="actor", inputs=["rollout", "adv"], lr=5e-2, ppo_epochs=3, mini_batch_size=2)
-    output = run_update(state, rollout, advantages, None, node, seed=0)
+    output = update_policy(state, rollout, advantages, None, node, seed=0)
     # 3 epochs x (4 sequences / 2 per mini-batch) = 6 optimizer steps
     assert output.metrics["actor/num_optimizer_steps"] == 6.0
     # After the first step the policy has moved away from the fixed old log-probs, so the
@@ -70,7 +70,7 @@ def test_kl_term_is_reported_and_zero_against_itself() -> None:
     rollout = _rollout(state)
     reference = completion_logprobs(state.module, rollout, state.device).detach()
     node = UpdateNode(model="actor", inputs=["rollout", "adv", "ref"], lr=1e-3, kl_coef=0.1, kl_estimator="k3")
-    output = run_update(state, rollout, torch.zeros(4), reference, node, seed=0)
+    output = update_policy(state, rollout, torch.zeros(4), reference, node, seed=0)
     # the reference equals the policy before the step, so k3 = exp(0) - 0 - 1 = 0
     assert output.metrics["actor/kl"] == pytest.approx(0.0, abs=1e-6)
 
@@ -132,7 +132,7 @@ def test_micro_batches_give_the_whole_batch_gradient(loss_agg: str) -> None:
         reference = completion_logprobs(state.module, rollout, state.device).detach() + 0.1
         node = UpdateNode(model="actor", inputs=["rollout", "adv", "ref"], lr=1e-3, kl_coef=0.1,
                           loss_agg=loss_agg, micro_batch_tokens=budget, max_grad_norm=0.0)
-        output = run_update(state, rollout, advantages, reference, node, seed=0)
+        output = update_policy(state, rollout, advantages, reference, node, seed=0)
         grads = torch.cat([p.grad.flatten() for p in state.module.parameters() if p.grad is not None])
         results.append((output.metrics, grads))
     (whole, whole_grad), (parts, parts_grad) = results

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,17 +9,15 @@ import torch
 from flowrl.algorithms.advantages import grpo_advantages
 from flowrl.roles.batch import Rollout, Scores
 from flowrl.roles.forward import completion_logprobs
-from flowrl.roles.ppo_advantage import run_ppo_advantage
-from flowrl.roles.ppo_batch import PPOAdvantages
-from flowrl.roles.update import run_update
+from flowrl.roles.advantage import run_advantage
+from flowrl.roles.batch import Advantages
+from flowrl.roles.update import update_policy
 from flowrl.spec.schema import AdvantageNode, UpdateNode
 from tests.tiny_models import model_state, tiny_policy
 
 
-def _node(estimator: str, **settings: object) -> SimpleNamespace:
-    fields = {"estimator": estimator, "scale_by_std": True, "epsilon": 1e-6}
-    fields.update(settings)
-    return SimpleNamespace(**fields)
+def _node(estimator: str, **settings: object) -> AdvantageNode:
+    return AdvantageNode.model_validate({"inputs": ["reward"], "estimator": estimator, **settings})
 
 
 def test_grpo_from_the_schema_node_equals_the_plain_function() -> None:
@@ -29,9 +26,9 @@ def test_grpo_from_the_schema_node_equals_the_plain_function() -> None:
         Scores(torch.tensor([0.0, 1.0, 0.0, 0.0])),
     ]
     node = AdvantageNode(inputs=["reward"], estimator="grpo")
-    output = run_ppo_advantage(scores, None, None, None, None, 2, node)
+    output = run_advantage(scores, None, None, None, None, 2, node)
     result = output.value
-    assert isinstance(result, PPOAdvantages) and result.returns is None and not result.token_level
+    assert isinstance(result, Advantages) and result.returns is None and not result.token_level
     # Summed scores [1, 1, 0.5, 0.25]: group 0 constant -> 0; group 1 -> +-1/sqrt(2) / (std + eps).
     assert torch.equal(result.scores, torch.tensor([1.0, 1.0, 0.5, 0.25]))
     torch.testing.assert_close(result.advantages, grpo_advantages(result.scores, 2))
@@ -41,7 +38,7 @@ def test_grpo_from_the_schema_node_equals_the_plain_function() -> None:
 def test_rloo_by_hand() -> None:
     # Groups of 2: A_i = r_i - r_other. [1, 0] -> [1, -1]; [0.5, 0.5] -> [0, 0].
     scores = [Scores(torch.tensor([1.0, 0.0, 0.5, 0.5]))]
-    result = run_ppo_advantage(scores, None, None, None, None, 2, _node("rloo")).value
+    result = run_advantage(scores, None, None, None, None, 2, _node("rloo")).value
     assert result.advantages.tolist() == [1.0, -1.0, 0.0, 0.0]
 
 
@@ -54,7 +51,7 @@ def test_gae_by_hand_with_padding() -> None:
     mask = torch.tensor([[1, 1, 0]])
     values = torch.tensor([[0.5, 0.8, 123.0]])
     node = _node("gae", gamma=1.0, lam=1.0, whiten=False)
-    output = run_ppo_advantage([Scores(torch.tensor([1.0]))], values, None, None, mask, 1, node)
+    output = run_advantage([Scores(torch.tensor([1.0]))], values, None, None, mask, 1, node)
     result = output.value
     assert result.token_level
     torch.testing.assert_close(result.advantages, torch.tensor([[0.5, 0.2, 0.0]]))
@@ -69,7 +66,7 @@ def test_gae_with_a_kl_reward_penalty_by_hand() -> None:
     policy = torch.tensor([[-1.0, -2.0]])
     reference = torch.tensor([[-1.2, -2.4]])
     node = _node("gae", gamma=1.0, lam=1.0, whiten=False)
-    output = run_ppo_advantage(
+    output = run_advantage(
         [Scores(torch.tensor([1.0]))],
         torch.zeros(1, 2),
         reference,
@@ -77,7 +74,7 @@ def test_gae_with_a_kl_reward_penalty_by_hand() -> None:
         mask,
         1,
         node,
-        kl_coef_for_reward=0.1,
+        kl_coef=0.1,
     )
     torch.testing.assert_close(output.value.advantages, torch.tensor([[0.94, 0.96]]))
     torch.testing.assert_close(output.value.returns, torch.tensor([[0.94, 0.96]]))
@@ -89,7 +86,7 @@ def test_gae_with_a_kl_reward_penalty_by_hand() -> None:
 
 def test_reinforce_pp_is_token_level_and_zero_on_padding() -> None:
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
-    output = run_ppo_advantage(
+    output = run_advantage(
         [Scores(torch.tensor([1.0, 0.0]))], None, None, None, mask, 1, _node("reinforce_pp")
     )
     advantages = output.value.advantages
@@ -102,10 +99,10 @@ def test_missing_inputs_are_named() -> None:
     scores = [Scores(torch.tensor([1.0]))]
     mask = torch.ones(1, 2)
     with pytest.raises(ValueError, match="values"):
-        run_ppo_advantage(scores, None, None, None, mask, 1, _node("gae"))
+        run_advantage(scores, None, None, None, mask, 1, _node("gae"))
     with pytest.raises(ValueError, match="reference"):
-        run_ppo_advantage(
-            scores, torch.zeros(1, 2), None, None, mask, 1, _node("gae"), kl_coef_for_reward=0.1
+        run_advantage(
+            scores, torch.zeros(1, 2), None, None, mask, 1, _node("gae"), kl_coef=0.1
         )
 
 
@@ -140,7 +137,7 @@ def test_policy_update_takes_token_level_advantages() -> None:
     node = UpdateNode(
         model="actor", inputs=["rollout", "adv"], lr=1e-2, ppo_epochs=2, mini_batch_size=2
     )
-    output = run_update(state, rollout, advantages, None, node, seed=0)
+    output = update_policy(state, rollout, advantages, None, node, seed=0)
     after = completion_logprobs(state.module, rollout, state.device).detach()
     gain = ((after - before) * rollout.completion_mask).sum(dim=1)
     assert output.metrics["actor/num_optimizer_steps"] == 4.0
