@@ -47,6 +47,7 @@ class _Checker:
                 self._check_name(section, name)
         for name, model in self.spec.models.items():
             self._check_group(f"models.{name}.device_group", model.device_group)
+            self._check_offload(name)
         for name in self.spec.nodes:
             self._check_node(name)
         self._check_cycles()
@@ -80,6 +81,19 @@ class _Checker:
                 f"names are lower_snake_case (a-z, digits, _; starting with a letter), "
                 f"found '{name}'; try '{suggestion}'",
             )
+
+    def _check_offload(self, model: str) -> None:
+        """Paged weights suit only inference: a sampled or trained model stays on its device."""
+        if not self.spec.models[model].offload_to_cpu or not self.reliable(f"models.{model}.offload_to_cpu"):
+            return
+        for name, node in self.spec.nodes.items():
+            if node.model == model and not node.inference:
+                self.add(
+                    f"models.{model}.offload_to_cpu",
+                    f"node '{name}' ({node.role_name()}) samples from or trains '{model}', and offloaded weights "
+                    "serve only inference (reference, reward or value nodes); set offload_to_cpu: false",
+                )
+                return
 
     def _check_group(self, path: str, group: str | None) -> None:
         if group is None or self.known("devices", group):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "flowrl"
@@ -60,3 +62,16 @@ def test_no_module_imports_a_higher_layer() -> None:
             if allowed is not None and own not in allowed:
                 problems.append(f"{path.relative_to(PACKAGE)} imports {parts[0]} (only in {sorted(allowed)})")
     assert problems == []
+
+
+def test_spec_graph_and_planner_run_without_torch() -> None:
+    """The planner works on numbers only: it plans clusters it does not have, on machines
+    without torch's import cost (DESIGN.md section 3)."""
+    code = (
+        "import sys\n"
+        "import flowrl.spec.loader, flowrl.graph, flowrl.planner.search, flowrl.planner.placement\n"
+        "import flowrl.planner.compiled, flowrl.planner.costs, flowrl.devices.matching\n"
+        "print(sorted(name for name in ('torch', 'transformers', 'dask') if name in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"

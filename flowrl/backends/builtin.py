@@ -30,11 +30,11 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen2Config
 from transformers.utils import logging as hf_logging
 
+from flowrl.backends.cache import BUILTIN_PREFIX, CACHE_ENV_VAR, cache_root, make_readable
 from flowrl.backends.tokenizer import build_char_tokenizer
 from flowrl.errors import ModelLoadError
 
-CACHE_ENV_VAR = "FLOWRL_CACHE"
-BUILTIN_PREFIX = "builtin:"
+__all__ = ["BUILTIN_PREFIX", "CACHE_ENV_VAR", "cache_root", "make_readable"]
 
 
 @dataclass(frozen=True)
@@ -98,16 +98,6 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         tie_word_embeddings=True,
     ),
 }
-
-
-def cache_root(cache_dir: Path | None = None) -> Path:
-    """The cache root: ``cache_dir``, else ``$FLOWRL_CACHE``, else ``~/.cache/flowrl``."""
-    if cache_dir is not None:
-        return Path(cache_dir)
-    from_env = os.environ.get(CACHE_ENV_VAR)
-    if from_env:
-        return Path(from_env)
-    return Path.home() / ".cache" / "flowrl"
 
 
 def lookup_builtin(name: str) -> BuiltinModel:
@@ -196,10 +186,3 @@ def quiet_progress_bars() -> Iterator[None]:
     finally:
         if were_enabled:
             hf_logging.enable_progress_bar()
-
-
-def make_readable(directory: Path) -> None:
-    """Open the private temporary directory (mode 0700) to other users of a shared cache."""
-    directory.chmod(0o755)
-    for path in directory.iterdir():
-        path.chmod(0o644)

@@ -19,16 +19,11 @@ asks on stdin whether to run a model's own code, which would hang a worker.
 
 from __future__ import annotations
 
-import os
-import re
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import huggingface_hub.constants as hub_constants
 import torch
-from huggingface_hub.utils import get_session
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -36,6 +31,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from flowrl.backends.hub import HUB_NAME_PATTERN, HUB_PROBE_TIMEOUT_S, hub_offline, hub_reachable
 from flowrl.backends.builtin import BUILTIN_PREFIX, builtin_model_dir, quiet_progress_bars
 from flowrl.errors import ModelLoadError, RemoteCodeNotTrusted
 
@@ -47,11 +43,6 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
 }
 
-HUB_PROBE_TIMEOUT_S = 10.0
-"""Longest wait, in seconds, for the hub to answer before a hub name counts as unreachable."""
-
-# A hub repo id: one optional "org/" then a name, of letters, digits, "-", "_" and ".".
-HUB_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
 
 
 def resolve_model_path(path: str, base_dir: Path | None = None) -> Path | str:
@@ -226,34 +217,3 @@ def _set_padding(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel, pat
     tokenizer.padding_side = "left"
     if model.generation_config is not None and model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
-
-
-def hub_offline() -> bool:
-    """Whether offline mode is set, read now (huggingface_hub reads it once, at import)."""
-    for variable in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        if os.environ.get(variable, "").strip().upper() in {"1", "ON", "YES", "TRUE"}:
-            return True
-    return bool(hub_constants.HF_HUB_OFFLINE)
-
-
-def hub_reachable(timeout_s: float) -> bool:
-    """Whether the hub endpoint answers one HEAD request within ``timeout_s`` seconds.
-
-    The request runs in a daemon thread so that a slow DNS lookup (not covered by the HTTP
-    timeout) cannot hold the caller past ``timeout_s`` either.
-    """
-    finished = threading.Event()
-    outcome: list[bool] = []
-
-    def probe() -> None:
-        try:
-            # Any HTTP status means the network works; only connection failures count.
-            get_session().head(hub_constants.ENDPOINT, timeout=timeout_s)
-            outcome.append(True)
-        except Exception:  # noqa: BLE001 - every failure here means "unreachable"
-            outcome.append(False)
-        finally:
-            finished.set()
-
-    threading.Thread(target=probe, name="flowrl-hub-probe", daemon=True).start()
-    return finished.wait(timeout_s) and outcome == [True]

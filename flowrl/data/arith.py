@@ -23,8 +23,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from flowrl.backends.arith_model import ArithData, arith_problems
-from flowrl.backends.builtin import CACHE_ENV_VAR, cache_root, make_readable
+from flowrl.backends.arith_problems import ArithData, arith_problems
+from flowrl.backends.cache import CACHE_ENV_VAR, cache_root, make_readable
 from flowrl.errors import DataError
 
 SPLITS: tuple[str, ...] = ("train", "test")

@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from flowrl.backends.hf import HUB_NAME_PATTERN, HUB_PROBE_TIMEOUT_S, hub_offline, hub_reachable
+from flowrl.backends.hub import HUB_NAME_PATTERN, HUB_PROBE_TIMEOUT_S, hub_offline, hub_reachable
 from flowrl.data.jsonl import check_json_lines
 from flowrl.errors import DataError
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,37 @@ class ModelState:
     extra: dict[str, Any] = field(default_factory=dict)
     kind: str = "policy"
     """``ModelSpec.kind``: policy, value or reward."""
+    offloaded: bool = False
+    """``ModelSpec.offload_to_cpu`` on a GPU: the weights live in pinned host memory and are
+    on ``device`` only during a call (``paged_in``)."""
+
+    def page_out(self) -> None:
+        """Keep the weights in pinned host memory until the next call (``paged_in``)."""
+        if self.device.type != "cuda":
+            return  # a CPU slot's weights are in host memory already
+        module: torch.nn.Module = self.module  # transformers' typing of ``to`` takes no device
+        module.to("cpu")
+        for tensor in [*self.module.parameters(), *self.module.buffers()]:
+            tensor.data = tensor.data.pin_memory()
+        self.offloaded = True
+        torch.cuda.empty_cache()
+
+    @contextmanager
+    def paged_in(self) -> Iterator[None]:
+        """The weights on ``device`` for the duration of one call, when offloaded."""
+        if not self.offloaded:
+            yield
+            return
+        host = {name: tensor.data for name, tensor in [*self.module.named_parameters(), *self.module.named_buffers()]}
+        module: torch.nn.Module = self.module
+        module.to(self.device, non_blocking=True)
+        try:
+            yield
+        finally:
+            # back to the pinned copies (an offloaded model is never trained, so they are current)
+            for name, tensor in [*self.module.named_parameters(), *self.module.named_buffers()]:
+                tensor.data = host[name]
+            torch.cuda.empty_cache()
 
     @classmethod
     def load(

@@ -90,6 +90,8 @@ class RoleHost:
             kind=spec.kind,
             options=HubOptions(revision=spec.revision, trust_remote_code=spec.trust_remote_code),
         )
+        if spec.offload_to_cpu:
+            state.page_out()
         self.models[name] = state
         num_parameters = sum(p.numel() for p in state.module.parameters())
         return {"model": name, "device": self.device_name, "num_parameters": num_parameters}
@@ -258,7 +260,12 @@ class RoleHost:
             # resets is this call's own.
             torch.cuda.reset_peak_memory_stats()
         started = time.perf_counter()
-        output = self._dispatch(call, inputs)
+        state = self.models.get(call.model) if call.model is not None else None
+        if state is not None:
+            with state.paged_in():  # an offloaded model's weights are on the device only now
+                output = self._dispatch(call, inputs)
+        else:
+            output = self._dispatch(call, inputs)
         if on_gpu:
             free, total = torch.cuda.mem_get_info()
             output = replace(output, peak_memory_gb=torch.cuda.max_memory_allocated() / 1e9,

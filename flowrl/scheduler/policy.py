@@ -61,28 +61,17 @@ RECORD_GAIN = 0.01
 """A re-plan that is not accepted is recorded when it would have gained this share per step."""
 
 
-@dataclass(frozen=True)
-class PolicySettings:
-    """How eagerly the dynamic policy re-plans, and what a move must gain."""
+class PolicySettings(SchedulerSpec):
+    """How eagerly the dynamic policy re-plans, and what a move must gain: the pipeline's
+    ``scheduler:`` section (``SchedulerSpec``, whose fields say what each does) plus what the
+    run measures or the simulator sets."""
 
-    every_steps: int = 10
-    """Re-plan every this many steps; also the interval a move's gain is counted over. Default 10."""
-    min_gain: float = 0.10
-    """A move's predicted gain over the interval must exceed its cost by this share. Default 0.10."""
-    max_moves_per_replan: int = 4
-    """Most moves (models changing devices) one re-plan may make; a lost device ignores it. Default 4."""
     restart_s: float = 0.05
     """Predicted seconds to restart a moved role on its new device, beyond sending its
     weights; replaced by measured move times when there are some. Default 0.05."""
     slow_ratio: float = 1.25
     """A device whose measured node times exceed the predicted ones by this ratio is slow
     (a trigger); it counts as recovered below half that excess. Default 1.25."""
-    low_util: float = 0.4
-    """Utilisation (0..1) below which a used device counts as under-used. Default 0.4."""
-    low_util_window_s: float = 30.0
-    """Seconds a device must stay under-used before it triggers a re-plan. Default 30."""
-    high_memory: float = 0.9
-    """Memory share (0..1) above which a device triggers a re-plan. Default 0.9."""
     alpha: float = 0.3
     """Weight of the newest step in the measured device speeds (EWMA). Default 0.3."""
     horizon_steps: int | None = None
@@ -97,18 +86,9 @@ class PolicySettings:
 def settings_from_spec(
     spec: SchedulerSpec, restart_s: float | None = None, calibration_steps: int = 0
 ) -> PolicySettings:
-    """Settings from a pipeline's ``scheduler:`` section (fields it lacks keep defaults)."""
-    defaults = PolicySettings()
-    return PolicySettings(
-        every_steps=spec.every_steps,
-        min_gain=spec.min_gain,
-        max_moves_per_replan=spec.max_moves_per_replan,
-        restart_s=defaults.restart_s if restart_s is None else restart_s,
-        low_util=spec.low_util,
-        low_util_window_s=spec.low_util_window_s,
-        high_memory=spec.high_memory,
-        calibration_steps=calibration_steps,
-    )
+    """Settings from a pipeline's ``scheduler:`` section."""
+    settings = PolicySettings.model_validate({**spec.model_dump(), "calibration_steps": calibration_steps})
+    return settings if restart_s is None else settings.model_copy(update={"restart_s": restart_s})
 
 
 class SchedulerPolicy(Protocol):

@@ -34,7 +34,9 @@ class ModelSpec(_Strict):
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory (update nodes only). Default false."""
     offload_to_cpu: bool = False
-    """Keep the weights in host memory between uses, on the device only when used. Default false."""
+    """On a GPU, keep the weights in pinned host memory between calls and copy them to the GPU
+    for each call (the planner then counts no resident weights). Only for models that are
+    never trained or sampled from: a reference, a reward model. Default false."""
     revision: str | None = None
     """Branch, tag or commit of a hub model (``path: org/name``); None takes the default
     branch. Default None."""
@@ -420,8 +422,8 @@ class UpdateNode(_NodeBase):
     micro_batch_tokens: Annotated[int, Field(ge=1)] | None = None
     """Most padded tokens (rows x longest row) in one forward and backward pass; the gradients
     of a mini-batch's passes add up to the whole mini-batch's (gradient accumulation), rows
-    sorted by length so little padding is computed. Policy updates only (a critic update runs
-    each mini-batch in one pass). None: the whole mini-batch in one pass. Default None."""
+    sorted by length so little padding is computed. None: the whole mini-batch in one pass.
+    Default None."""
     max_grad_norm: float = Field(default=1.0, ge=0)
     """Clip the gradient's global norm to this; 0 turns clipping off. Default 1.0."""
     weight_decay: float = Field(default=0.0, ge=0)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import dynamic_module_utils
 
-from flowrl.backends import hf, value_model
+from flowrl.backends import hf, hub, value_model
 from flowrl.backends.hf import HubOptions, load_causal_lm, resolve_model_path
 from flowrl.errors import ModelLoadError, RemoteCodeNotTrusted
 from flowrl.roles.state import ModelState
@@ -91,14 +91,14 @@ def test_hub_name_offline(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_hub_name_without_network(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
-    monkeypatch.setattr(hf.hub_constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hub.hub_constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(hf, "hub_reachable", lambda timeout_s: False)
     with pytest.raises(ModelLoadError, match="cannot be downloaded \\(no network\\)"):
         load_causal_lm(MISSING_HUB_NAME, "fp32")
 
 
 def test_offline_flag_is_read_at_call_time(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(hf.hub_constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hub.hub_constants, "HF_HUB_OFFLINE", False)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "yes")
     assert hf.hub_offline()
