@@ -8,6 +8,7 @@ through gloo's all-reduce.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -16,10 +17,10 @@ import torch
 from flowrl.roles.batch import Rollout
 from flowrl.roles.data_parallel import DataParallel, weighted_rows
 from flowrl.roles.state import ModelState
-from flowrl.roles.update import update_policy
+from flowrl.roles.update import update_critic, update_policy
 from flowrl.runtime.collective import GlooGroup, free_port
 from flowrl.spec.schema import UpdateNode
-from tests.tiny_models import model_state, tiny_policy
+from tests.tiny_models import model_state, tiny_policy, tiny_scalar_model
 
 
 def test_weighted_rows_give_each_rank_its_share_in_order() -> None:
@@ -55,22 +56,19 @@ def _train_alone(node: UpdateNode, updates: int) -> tuple[ModelState, list[dict[
     return state, metrics
 
 
-def _train_data_parallel(node: UpdateNode, updates: int, shares: tuple[float, ...]) -> list[tuple[ModelState, list[dict[str, float]]]]:
+def _ranks(make_state: Callable[[], ModelState], train: Callable[[ModelState, DataParallel], list[dict[str, float]]],
+           shares: tuple[float, ...]) -> list[tuple[ModelState, list[dict[str, float]]]]:
+    """Two gloo ranks (threads of this process), each training its state with ``train``."""
     port = free_port("127.0.0.1")
     results: list[Any] = [None, None]
     errors: list[BaseException] = []
     # built here, one after the other: torch's global RNG seeds the initial weights
-    states = [model_state("actor", tiny_policy(0), 0) for _ in range(2)]
+    states = [make_state() for _ in range(2)]
 
     def rank(index: int) -> None:
         try:
             group = GlooGroup("127.0.0.1", port, index, 2, timeout_s=60)
-            state = states[index]
-            rollout = _rollout(state)
-            reference = torch.randn(6, rollout.completion_ids.shape[1], generator=torch.Generator().manual_seed(1)) * 0.1 - 2.0
-            dp = DataParallel(group, shares)
-            metrics = [update_policy(state, rollout, ADVANTAGES, reference, node, seed=0, dp=dp).metrics for _ in range(updates)]
-            results[index] = (state, metrics)
+            results[index] = (states[index], train(states[index], DataParallel(group, shares)))
         except BaseException as error:  # surfaced below, in the test's thread
             errors.append(error)
 
@@ -82,6 +80,15 @@ def _train_data_parallel(node: UpdateNode, updates: int, shares: tuple[float, ..
     if errors:
         raise errors[0]
     return results
+
+
+def _train_data_parallel(node: UpdateNode, updates: int, shares: tuple[float, ...]) -> list[tuple[ModelState, list[dict[str, float]]]]:
+    def train(state: ModelState, dp: DataParallel) -> list[dict[str, float]]:
+        rollout = _rollout(state)
+        reference = torch.randn(6, rollout.completion_ids.shape[1], generator=torch.Generator().manual_seed(1)) * 0.1 - 2.0
+        return [update_policy(state, rollout, ADVANTAGES, reference, node, seed=0, dp=dp).metrics for _ in range(updates)]
+
+    return _ranks(lambda: model_state("actor", tiny_policy(0), 0), train, shares)
 
 
 @pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean"])
@@ -109,3 +116,28 @@ def test_two_ranks_train_to_the_same_weights_as_one_device(loss_agg: str, shares
             for key in ("actor/loss", "actor/pg_loss", "actor/kl", "actor/grad_norm", "actor/clipfrac"):
                 assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
         assert state.num_updates == 2
+
+
+def test_a_critic_trains_over_two_ranks_like_on_one_device() -> None:
+    # the critic shares the policy's optimizer loop: mini-batches, micro-batches, data parallelism
+    node = UpdateNode(model="critic", inputs=["rollout", "adv"], lr=1e-2, ppo_epochs=2, mini_batch_size=4,
+                      micro_batch_tokens=12, max_grad_norm=0.5, clip_range_value=0.2)
+
+    def returns(rollout: Rollout) -> torch.Tensor:
+        return rollout.completion_mask.float() * torch.linspace(-1.0, 1.0, rollout.completion_mask.shape[1])
+
+    def train(state: ModelState, dp: DataParallel | None) -> list[dict[str, float]]:
+        rollout = _rollout(state)
+        return [update_critic(state, rollout, returns(rollout), None, node, seed=0, dp=dp).metrics for _ in range(2)]
+
+    alone = model_state("critic", tiny_scalar_model(0), 0)
+    alone_metrics = train(alone, None)
+    ranks = _ranks(lambda: model_state("critic", tiny_scalar_model(0), 0), train, (0.7, 0.3))
+    expected = alone.module.state_dict()
+    for state, metrics in ranks:
+        for name, tensor in state.module.state_dict().items():
+            torch.testing.assert_close(tensor, expected[name], rtol=1e-4, atol=2e-5, msg=name)
+        for got, want in zip(metrics, alone_metrics):
+            for key in ("critic/vf_loss", "critic/grad_norm", "critic/vf_clipfrac", "critic/values_mean"):
+                assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
+            assert got["critic/num_optimizer_steps"] == 4.0 and got["critic/nonfinite_skipped"] == 0.0

@@ -12,7 +12,9 @@ from flowrl.data import PromptSource
 from flowrl.errors import FlowrlError
 from flowrl.planner.placement import plan_for
 from flowrl.roles.batch import Scores
-from flowrl.roles.shards import join_shards, shard_rows
+from flowrl.roles import registry
+from flowrl.roles.shards import shard_rows
+from flowrl.spec.schema import ScoreNode, UpdateNode
 from flowrl.runtime.cluster import Cluster
 from flowrl.spec.loader import load_pipeline, pipeline_from_dict
 from tests.integration.conftest import tiny_grpo
@@ -28,12 +30,12 @@ def test_rows_are_split_in_order_the_first_shards_one_longer() -> None:
 
 def test_joined_scores_and_their_metrics_are_the_whole_batch_ones() -> None:
     parts = [Scores(torch.tensor([0.5, 1.0]), 1), Scores(torch.tensor([0.0]), 0)]
-    scores, metrics = join_shards("score", parts, rollout=None, with_failures=True)  # type: ignore[arg-type]
+    scores, metrics = registry.role("score").join(parts, None, ScoreNode(fn="digits", inputs=["rollout"]))
     assert scores.values.tolist() == [0.5, 1.0, 0.0] and scores.num_failed == 1
     assert metrics == {"critic/score/mean": 0.5, "critic/score/max": 1.0, "critic/score/min": 0.0, "reward/num_failed": 1.0,
                        "reward/failed_share": 1 / 3, "reward/num_none": 0.0}
-    with pytest.raises(ValueError, match="cannot be split"):
-        join_shards("update", [], rollout=None, with_failures=False)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="not split by rows"):
+        registry.role("update").join([], None, UpdateNode(model="actor"))
 
 
 def test_a_split_node_puts_its_model_on_every_part(tmp_path: Path) -> None:
@@ -44,7 +46,7 @@ def test_a_split_node_puts_its_model_on_every_part(tmp_path: Path) -> None:
     assert plan.model_slots == {"actor": ["cpu-0"], "reference": ["cpu-1", "cpu-0"]}
 
 
-def test_groups_of_several_devices_may_not_train_a_critic_yet(tmp_path: Path) -> None:
+def test_groups_of_several_devices_run_every_node_with_a_model(tmp_path: Path) -> None:
     spec = tiny_grpo(tmp_path, steps=1).to_dict()
     spec["devices"]["ref_group"]["count"] = 2
     spec["devices"]["actor_group"]["count"] = 2
@@ -54,7 +56,9 @@ def test_groups_of_several_devices_may_not_train_a_critic_yet(tmp_path: Path) ->
     )
     group = ppo["models"]["critic"]["device_group"]
     ppo["devices"][group]["count"] = 2
-    with pytest.raises(FlowrlError, match=rf"devices.{group}.count: .* this group runs train_critic; set count: 1"):
+    check_runnable(pipeline_from_dict(ppo))  # the critic's value and update nodes split too
+    ppo["nodes"]["adv"]["device_group"] = group
+    with pytest.raises(FlowrlError, match=rf"devices.{group}.count: .* this group runs adv, which runs none; set count: 1"):
         check_runnable(pipeline_from_dict(ppo))
 
 
