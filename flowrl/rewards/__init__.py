@@ -18,10 +18,11 @@ from flowrl.rewards.builtin import (
     register_reward,
 )
 from flowrl.rewards.calling import FLOWRL_KEYWORDS, RewardInputs, call_reward, signature_problem
-from flowrl.rewards.resolve import resolve_reward
+from flowrl.rewards.resolve import RewardCache, resolve_reward
 from flowrl.rewards.safety import ScoreResult, score_safely
 
 __all__ = [
+    "RewardCache",
     "FLOWRL_KEYWORDS",
     "REWARD_FUNCTIONS",
     "RewardFunction",

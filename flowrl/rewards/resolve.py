@@ -160,3 +160,17 @@ def _unpickle(function: PythonFunction) -> RewardFunction:
         ) from error
     result: RewardFunction = loaded
     return result
+
+
+class RewardCache:
+    """Reward functions by reference, each resolved (imported or unpickled) once per process."""
+
+    def __init__(self, base_dir: Path | None = None) -> None:
+        self.base_dir = base_dir
+        self._functions: dict[str, RewardFunction] = {}
+
+    def get(self, ref: str | PythonFunction) -> RewardFunction:
+        key = ref if isinstance(ref, str) else f"{ref.name}#{hash(ref.payload)}"
+        if key not in self._functions:
+            self._functions[key] = resolve_reward(ref, self.base_dir)
+        return self._functions[key]

@@ -13,12 +13,13 @@ and runs it on its compute thread.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
+from flowrl.rewards import RewardCache
 from flowrl.roles.advantage import run_advantage
 from flowrl.roles.batch import Advantages, NodeOutput, Rollout, Scores
 from flowrl.roles.data_parallel import DataParallel
@@ -59,7 +60,7 @@ class RoleContext:
     """The worker's side of a call: its models, reward functions and process group."""
 
     models: Mapping[str, ModelState]
-    reward: Callable[[Any], Callable[..., Any]]
+    rewards: RewardCache
     """A score node's ``fn`` -> the callable (resolved once per worker)."""
     seed: int
     group: DataParallel | None = None
@@ -119,7 +120,8 @@ class Score:
         spec, rollout = call.spec, _rollout(inputs)
         if spec.model is not None:
             return run_reward_model(context.model(call), rollout, spec.weight)
-        return run_score(rollout, context.reward(spec.fn), spec.weight, spec.on_error, spec.fn_name, spec.params)
+        assert spec.fn is not None  # the schema wants fn or model
+        return run_score(rollout, context.rewards.get(spec.fn), spec.weight, spec.on_error, spec.fn_name, spec.params)
 
     def join(self, parts: list[Any], rollout: Rollout | None, spec: ScoreNode) -> tuple[Any, dict[str, float]]:
         scores = Scores(

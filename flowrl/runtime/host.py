@@ -21,7 +21,7 @@ from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import psutil
 import torch
@@ -29,7 +29,7 @@ import torch
 from flowrl.backends.hf import HubOptions
 from flowrl.profiler import DeviceSampler
 from flowrl.records import DeviceSample
-from flowrl.rewards import resolve_reward
+from flowrl.rewards import RewardCache
 from flowrl.roles.batch import NodeOutput
 from flowrl.roles.data_parallel import DataParallel, weighted_rows
 from flowrl.roles.evaluate import EvalScorer, run_evaluation
@@ -40,7 +40,6 @@ from flowrl.runtime import checkpoint
 from flowrl.runtime.collective import GlooGroup, free_port
 from flowrl.runtime.calls import EvalCall, NodeCall, NodeReport, key_step, store_key
 from flowrl.runtime.serialization import register
-from flowrl.spec.schema import PythonFunction
 
 
 class RoleHost:
@@ -71,7 +70,7 @@ class RoleHost:
         self.models: dict[str, ModelState] = {}
         self.store: dict[str, Any] = {}
         self._ready: dict[str, asyncio.Event] = {}
-        self._rewards: dict[str, Callable[..., Any]] = {}
+        self._rewards = RewardCache(self.base_dir)
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flowrl-compute")
         self._groups: dict[str, GlooGroup] = {}
         usable = len(cores) if cores else (os.cpu_count() or 1)
@@ -223,7 +222,7 @@ class RoleHost:
         two steps, so it never overlaps a node call)."""
         arrived = time.perf_counter()
         scorers = tuple(
-            EvalScorer(node, self._reward(fn), fn if isinstance(fn, str) else fn.name, params)
+            EvalScorer(node, self._rewards.get(fn), fn if isinstance(fn, str) else fn.name, params)
             for node, fn, params in call.scorers
         )
 
@@ -278,7 +277,7 @@ class RoleHost:
         weights to the model's other copies."""
         role, trains = registry.role(call.role), call.spec.trains
         group = DataParallel(self._groups[call.node], call.part_shares) if call.shard[1] > 1 and trains else None
-        context = registry.RoleContext(self.models, self._reward, self.seed, group)
+        context = registry.RoleContext(self.models, self._rewards, self.seed, group)
         request = registry.RoleCall(call.node, call.spec, call.prompts, call.group_size, call.kl_coef)
         output = role.run(context, _inputs_by_role(call, inputs), request)
         if trains and call.model is not None and call.weight_peers:
@@ -296,12 +295,6 @@ class RoleHost:
             call.result()
         num_bytes = sum(t.numel() * t.element_size() for t in weights.values()) * len(peers)
         return {"perf/weight_sync_s": time.perf_counter() - started, "perf/weight_sync_mb": num_bytes / 1e6}
-
-    def _reward(self, ref: str | PythonFunction) -> Callable[..., Any]:
-        key = ref if isinstance(ref, str) else f"{ref.name}#{hash(ref.payload)}"
-        if key not in self._rewards:
-            self._rewards[key] = resolve_reward(ref, self.base_dir)
-        return self._rewards[key]
 
     # ---- data plane -----------------------------------------------------------------
     def _event(self, key: str) -> asyncio.Event:
