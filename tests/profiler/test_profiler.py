@@ -23,7 +23,8 @@ def test_the_window_sets_the_weight_of_the_newest_sample() -> None:
 
 
 def timing(node: str, role: str, device: str, compute_s: float, tokens_out: int = 0) -> NodeTiming:
-    return NodeTiming(node, role, device, compute_s + 0.001, compute_s, 0.001, 100, tokens_out)
+    return NodeTiming(node, role, device, compute_s + 0.001, compute_s, 0.001, 100, tokens_out,
+                      rate_of_output=role == "generate")
 
 
 def test_status_line_shows_smoothed_times_and_their_change_since_the_last_line() -> None:
@@ -50,7 +51,7 @@ def test_a_node_that_moved_starts_its_averages_afresh() -> None:
 
 
 def test_tokens_per_s_counts_generated_tokens_for_generate_and_tokens_read_elsewhere() -> None:
-    assert NodeTiming("g", "generate", "cpu-0", 1.0, 0.5, 0.5, 300, 100).tokens_per_s == 200.0
+    assert NodeTiming("g", "generate", "cpu-0", 1.0, 0.5, 0.5, 300, 100, rate_of_output=True).tokens_per_s == 200.0
     assert NodeTiming("r", "reference_logprob", "cpu-0", 1.0, 0.5, 0.5, 300, 100).tokens_per_s == 600.0
 
 
