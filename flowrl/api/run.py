@@ -17,7 +17,7 @@ from flowrl.api.outputs import RunFolder
 from flowrl.api.driver import Driver
 from flowrl.api.recovery import FoundCheckpoint, config_changes, newest_checkpoint
 from flowrl.api.replanning import Replanner
-from flowrl.backends.hf import resolve_model_path
+from flowrl.backends.models import resolve_model_path
 from flowrl.api.data import eval_examples, policy_formatter, training_source
 from flowrl.api.checks import offered_keywords, reward_issues
 from flowrl.api.evaluation import Evaluator

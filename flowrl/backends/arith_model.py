@@ -49,6 +49,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from flowrl.backends.arith_problems import LARGEST_OPERAND, ArithData, ArithProblem, all_problems, arith_problems
+from flowrl.backends.catalog import BUILTIN_MODELS
 from flowrl.backends.builtin import CACHE_ENV_VAR, cache_root, make_readable, quiet_progress_bars
 from flowrl.backends.generation import generate_tokens
 from flowrl.backends.tokenizer import build_char_tokenizer, char_ids
@@ -58,17 +59,20 @@ FIT_FILE = "fit.json"
 ARITH_MAX_NEW_TOKENS = 10
 """Completion budget (tokens) that holds the longest worked answer (``891;198`` or
 ``99;-99``: 7 characters) and ``<eos>``, with room to spare."""
+_SHAPE = BUILTIN_MODELS["arith-llama"]
+
+
 @dataclass(frozen=True)
 class ArithModelRecipe:
     """Shape and supervised schedule of the model; any change changes the weights."""
 
-    hidden_size: int = 128
-    """Width of the residual stream."""
-    num_layers: int = 2
+    hidden_size: int = _SHAPE.hidden_size
+    """Width of the residual stream (``BUILTIN_MODELS["arith-llama"]``, like every size here)."""
+    num_layers: int = _SHAPE.num_layers
     """Decoder layers."""
-    num_heads: int = 4
+    num_heads: int = _SHAPE.num_heads
     """Attention heads per layer."""
-    intermediate_size: int = 512
+    intermediate_size: int = _SHAPE.intermediate_size
     """Width of the MLP's hidden layer."""
     num_steps: int = 800
     """Optimizer steps of the fit; chosen to stop at a partial held-out accuracy."""
@@ -262,5 +266,3 @@ def _digest(recipe: ArithModelRecipe) -> str:
     return hashlib.sha256(repr(recipe).encode()).hexdigest()[:10]
 
 
-FITTED_POLICIES = {"arith-llama": arith_model_dir}
-"""Builtin policies fitted on first use (``builtin:NAME``) -> the function that builds them."""

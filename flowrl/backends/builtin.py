@@ -17,7 +17,6 @@ the winner's, which holds the same bytes.
 
 from __future__ import annotations
 
-import difflib
 import os
 import shutil
 import tempfile
@@ -31,84 +30,29 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qw
 from transformers.utils import logging as hf_logging
 
 from flowrl.backends.cache import BUILTIN_PREFIX, CACHE_ENV_VAR, cache_root, make_readable
+from flowrl.backends.catalog import BUILTIN_MODELS, BuiltinModel, lookup_builtin
 from flowrl.backends.tokenizer import build_char_tokenizer
 from flowrl.errors import ModelLoadError
 
-__all__ = ["BUILTIN_PREFIX", "CACHE_ENV_VAR", "cache_root", "make_readable"]
+__all__ = ["BUILTIN_MODELS", "BUILTIN_PREFIX", "CACHE_ENV_VAR", "BuiltinModel", "cache_root", "lookup_builtin", "make_readable"]
 
 
-@dataclass(frozen=True)
-class BuiltinModel:
-    """The shape of one builtin model; the tokenizer is the character tokenizer, padded with
-    filler tokens when ``vocab_size`` asks for a larger vocabulary."""
-
-    hidden_size: int
-    """Width of the residual stream."""
-    num_layers: int
-    """Number of decoder layers."""
-    num_heads: int
-    """Attention heads per layer."""
-    num_kv_heads: int
-    """Key/value heads per layer (equal to ``num_heads``: plain multi-head attention)."""
-    intermediate_size: int
-    """Width of the MLP's hidden layer."""
-    max_position_embeddings: int = 256
-    """Longest sequence (prompt + completion) in tokens, default 256."""
-    seed: int = 0
-    """Seed of the weight initialisation, default 0."""
-    version: int = 1
-    """Bumped whenever the bytes would change, so stale caches are never reused."""
-    architecture: str = "llama"
-    """``llama`` (no biases) or ``qwen2`` (q/k/v biases), default llama."""
-    vocab_size: int | None = None
-    """Embedding rows; None (default) means the character tokenizer's 83."""
-    tie_word_embeddings: bool = False
-    """Share the input embedding with the output head, default False."""
-
-    def model_config(self, vocab_size: int, pad_token_id: int, bos_token_id: int,
-                     eos_token_id: int) -> PretrainedConfig:
-        """The transformers config for this shape and the given vocabulary."""
-        config_class = Qwen2Config if self.architecture == "qwen2" else LlamaConfig
-        return config_class(
-            vocab_size=vocab_size,
-            hidden_size=self.hidden_size,
-            num_hidden_layers=self.num_layers,
-            num_attention_heads=self.num_heads,
-            num_key_value_heads=self.num_kv_heads,
-            intermediate_size=self.intermediate_size,
-            max_position_embeddings=self.max_position_embeddings,
-            tie_word_embeddings=self.tie_word_embeddings,
-            pad_token_id=pad_token_id,
-            bos_token_id=bos_token_id,
-            eos_token_id=eos_token_id,
-        )
-
-
-BUILTIN_MODELS: dict[str, BuiltinModel] = {
-    "tiny-llama": BuiltinModel(
-        hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=4, intermediate_size=512
-    ),
-    "small-llama": BuiltinModel(
-        hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=4, intermediate_size=1024
-    ),
-    # Qwen2.5-0.5B's shape with a 32k vocabulary (387 M parameters): the GPU benchmark model.
-    "qwen2-0.4b": BuiltinModel(
-        hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864,
-        max_position_embeddings=2048, architecture="qwen2", vocab_size=32_000,
-        tie_word_embeddings=True,
-    ),
-}
-
-
-def lookup_builtin(name: str) -> BuiltinModel:
-    """The builtin model called ``name``; a ModelLoadError naming the choices otherwise."""
-    if name in BUILTIN_MODELS:
-        return BUILTIN_MODELS[name]
-    choices = sorted(BUILTIN_MODELS)
-    close = difflib.get_close_matches(name, choices, n=1)
-    hint = f" (did you mean '{close[0]}'?)" if close else ""
-    raise ModelLoadError(
-        f"unknown builtin model '{name}'{hint}; builtin models are: {', '.join(choices)}"
+def model_config(shape: BuiltinModel, vocab_size: int, pad_token_id: int, bos_token_id: int,
+                 eos_token_id: int) -> PretrainedConfig:
+    """The transformers config for this shape and the given vocabulary."""
+    config_class = Qwen2Config if shape.architecture == "qwen2" else LlamaConfig
+    return config_class(
+        vocab_size=vocab_size,
+        hidden_size=shape.hidden_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        intermediate_size=shape.intermediate_size,
+        max_position_embeddings=shape.max_position_embeddings,
+        tie_word_embeddings=shape.tie_word_embeddings,
+        pad_token_id=pad_token_id,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
     )
 
 
@@ -120,6 +64,8 @@ def builtin_model_dir(name: str, cache_dir: Path | None = None) -> Path:
     if name.startswith(BUILTIN_PREFIX):
         name = name[len(BUILTIN_PREFIX):]
     shape = lookup_builtin(name)
+    if shape.recipe != "init":
+        raise ModelLoadError(f"builtin model '{name}' is fitted, not initialised: load it as 'builtin:{name}'")
     target = cache_root(cache_dir) / "models" / f"{name}-v{shape.version}"
     if (target / "config.json").is_file():
         return target
@@ -161,7 +107,8 @@ def build_builtin(name: str, cache_dir: Path | None = None) -> Path:
 def write_builtin(shape: BuiltinModel, directory: Path) -> None:
     """Build the model from its seed and save it (safetensors) with the tokenizer."""
     tokenizer = build_char_tokenizer(shape.vocab_size)
-    config = shape.model_config(
+    config = model_config(
+        shape,
         vocab_size=len(tokenizer),
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,

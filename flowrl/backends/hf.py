@@ -32,7 +32,7 @@ from transformers import (
 )
 
 from flowrl.backends.hub import HUB_NAME_PATTERN, HUB_PROBE_TIMEOUT_S, hub_offline, hub_reachable
-from flowrl.backends.builtin import BUILTIN_PREFIX, builtin_model_dir, quiet_progress_bars
+from flowrl.backends.builtin import BUILTIN_PREFIX, quiet_progress_bars
 from flowrl.errors import ModelLoadError, RemoteCodeNotTrusted
 
 DtypeName = Literal["fp32", "bf16", "fp16"]
@@ -46,23 +46,18 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 
 
 def resolve_model_path(path: str, base_dir: Path | None = None) -> Path | str:
-    """Turn a model path from a pipeline into a local directory (Path) or a hub name (str).
+    """Turn a model path into a local directory (Path) or a hub name (str).
 
-    ``builtin:NAME`` builds (or finds) the builtin model's directory. An existing directory
-    is returned as a Path, ``base_dir / path`` winning over ``path`` itself. Something shaped
-    like a hub name is returned as the name; anything else is a missing local directory.
+    An existing directory is returned as a Path, ``base_dir / path`` winning over ``path``
+    itself. Something shaped like a hub name is returned as the name; anything else is a
+    missing local directory. ``builtin:NAME`` is ``flowrl.backends.models``'s to resolve (it
+    builds the model); here it is an error.
     """
     if path.startswith(BUILTIN_PREFIX):
-        name = path[len(BUILTIN_PREFIX):]
-        # Imported here: tiny_rm -> value_model -> this module.
-        from flowrl.backends.arith_model import FITTED_POLICIES
-        from flowrl.backends.tiny_rm import BUILTIN_SCALAR_MODELS
-
-        if name in BUILTIN_SCALAR_MODELS:
-            return BUILTIN_SCALAR_MODELS[name](None)
-        if name in FITTED_POLICIES:
-            return FITTED_POLICIES[name](None)
-        return builtin_model_dir(name)
+        raise ModelLoadError(
+            f"'{path}' is a builtin model: load it through flowrl.backends.models (load_policy, "
+            "load_scalar, resolve_model_path), which builds its folder"
+        )
     candidates = [Path(path).expanduser()]
     if base_dir is not None and not candidates[0].is_absolute():
         candidates.insert(0, Path(base_dir) / candidates[0])

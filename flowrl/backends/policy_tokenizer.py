@@ -13,7 +13,7 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from flowrl.backends.builtin import quiet_progress_bars
-from flowrl.backends.hf import resolve_model_path
+from flowrl.backends.models import resolve_model_path
 from flowrl.errors import ModelLoadError
 
 

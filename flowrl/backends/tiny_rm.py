@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaModel, PreTrainedTokenizerBase
 
+from flowrl.backends.catalog import BUILTIN_MODELS
 from flowrl.backends.builtin import CACHE_ENV_VAR, cache_root, make_readable
 from flowrl.backends.tokenizer import build_char_tokenizer, char_ids
 from flowrl.backends.value_model import ScalarHeadModel, save_scalar_model
@@ -49,17 +50,20 @@ TINY_RM_MAX_NEW_TOKENS = 16
 FIT_FILE = "fit.json"
 
 
+_SHAPE = BUILTIN_MODELS["tiny-rm"]
+
+
 @dataclass(frozen=True)
 class TinyRMRecipe:
     """Shape and training schedule of tiny-rm; changing any field changes the weights."""
 
-    hidden_size: int = 64
-    """Width of the residual stream."""
-    num_layers: int = 2
+    hidden_size: int = _SHAPE.hidden_size
+    """Width of the residual stream (``BUILTIN_MODELS["tiny-rm"]``, like every size here)."""
+    num_layers: int = _SHAPE.num_layers
     """Decoder layers."""
-    num_heads: int = 4
+    num_heads: int = _SHAPE.num_heads
     """Attention heads per layer."""
-    intermediate_size: int = 128
+    intermediate_size: int = _SHAPE.intermediate_size
     """Width of the MLP's hidden layer."""
     num_steps: int = 300
     """Optimizer steps of the fit."""
@@ -308,8 +312,3 @@ def tiny_rm_dir(
             shutil.rmtree(staging, ignore_errors=True)
     return target
 
-
-BUILTIN_SCALAR_MODELS: dict[str, Callable[[Path | None], Path]] = {
-    "tiny-rm": lambda cache_dir: tiny_rm_dir("digits", cache_dir),
-}
-"""Builtin scalar (reward) model name -> builder of its directory (given an optional cache root)."""

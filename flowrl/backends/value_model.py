@@ -39,7 +39,7 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
-from flowrl.backends.builtin import BUILTIN_PREFIX, quiet_progress_bars
+from flowrl.backends.builtin import quiet_progress_bars
 from flowrl.backends.hf import TORCH_DTYPES, DtypeName, HubOptions, load_error, resolve_model_path
 from flowrl.backends.scalar_files import (
     MARKER_FILE,
@@ -125,20 +125,6 @@ class ScalarHeadModel(nn.Module):
         return self.head(hidden).squeeze(-1).float()
 
 
-def resolve_scalar_model_path(
-    path: str, base_dir: Path | None = None, cache_dir: Path | None = None
-) -> Path | str:
-    """Like :func:`flowrl.backends.hf.resolve_model_path`, plus the builtin scalar models."""
-    if path.startswith(BUILTIN_PREFIX):
-        # Imported here: tiny_rm builds on this module.
-        from flowrl.backends.tiny_rm import BUILTIN_SCALAR_MODELS
-
-        name = path[len(BUILTIN_PREFIX) :]
-        if name in BUILTIN_SCALAR_MODELS:
-            return BUILTIN_SCALAR_MODELS[name](cache_dir)
-    return resolve_model_path(path, base_dir)
-
-
 def load_scalar_model(
     path: str,
     dtype: DtypeName = "fp32",
@@ -156,7 +142,7 @@ def load_scalar_model(
         raise ModelLoadError(
             f"unknown dtype '{dtype}' for model '{path}'; expected one of {', '.join(TORCH_DTYPES)}"
         )
-    location = resolve_scalar_model_path(path, base_dir)
+    location = resolve_model_path(path, base_dir)
     if isinstance(location, Path) and not (location / "config.json").is_file():
         raise ModelLoadError(
             f"model directory {location} has no config.json; pass a directory written by "

@@ -32,14 +32,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from flowrl.backends.catalog import BUILTIN_MODELS
 from flowrl.errors import PlacementError
 
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
 """Bytes per parameter of each dtype a model may declare."""
-
-BUILTIN_VOCAB_SIZE = 83
-"""Tokens of the character tokenizer the builtin models use (4 specials + 79 characters)."""
-
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -93,14 +90,10 @@ class ModelShape:
         return self.num_layers * self.layer_parameters() + head
 
 
-# Builtin shapes repeat flowrl.backends.builtin.BUILTIN_MODELS (a test keeps them equal)
-# because that module imports torch and the planner must not.
 _BUILTIN = {
-    "tiny-llama": ModelShape(2, 128, 4, 4, 512, BUILTIN_VOCAB_SIZE),
-    "small-llama": ModelShape(4, 256, 4, 4, 1024, BUILTIN_VOCAB_SIZE),
-    "tiny-rm": ModelShape(2, 128, 4, 4, 512, BUILTIN_VOCAB_SIZE),
-    "arith-llama": ModelShape(2, 128, 4, 4, 512, BUILTIN_VOCAB_SIZE),
-    "qwen2-0.4b": ModelShape(24, 896, 14, 2, 4864, 32_000, tie_embeddings=True),
+    name: ModelShape(model.num_layers, model.hidden_size, model.num_heads, model.num_kv_heads,
+                     model.intermediate_size, model.vocabulary, tie_embeddings=model.tie_word_embeddings)
+    for name, model in BUILTIN_MODELS.items()
 }
 
 KNOWN_SHAPES: dict[str, ModelShape] = {

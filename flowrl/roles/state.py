@@ -12,8 +12,9 @@ import torch
 
 from transformers import PreTrainedModel
 
-from flowrl.backends.hf import DtypeName, HubOptions, load_causal_lm
-from flowrl.backends.value_model import ScalarHeadModel, load_scalar_model
+from flowrl.backends.hf import DtypeName, HubOptions
+from flowrl.backends.models import load_policy, load_scalar
+from flowrl.backends.value_model import ScalarHeadModel
 
 @dataclass
 class ModelState:
@@ -78,10 +79,10 @@ class ModelState:
         """``options``: the model's hub revision and whether its own code may run."""
         module: PreTrainedModel | ScalarHeadModel
         if kind == "policy":
-            module, tokenizer = load_causal_lm(path, dtype=dtype, device=device, base_dir=base_dir, options=options)
+            module, tokenizer = load_policy(path, dtype=dtype, device=device, base_dir=base_dir, options=options)
         elif kind in ("value", "reward"):
             # A reward model must come with a trained head; a critic may start from a fresh one.
-            module, tokenizer = load_scalar_model(
+            module, tokenizer = load_scalar(
                 path, dtype=dtype, device=device, base_dir=base_dir,
                 kind="reward" if kind == "reward" else "value", options=options,
             )

@@ -15,6 +15,7 @@ from transformers import dynamic_module_utils
 
 from flowrl.backends import hf, hub, value_model
 from flowrl.backends.hf import HubOptions, load_causal_lm, resolve_model_path
+from flowrl.backends.models import resolve_model_path as resolve_any_model_path
 from flowrl.errors import ModelLoadError, RemoteCodeNotTrusted
 from flowrl.roles.state import ModelState
 from flowrl.runtime.host import RoleHost
@@ -26,7 +27,10 @@ MISSING_HUB_NAME = "flowrl-tests/no-such-model"
 def test_builtin_name_resolves_to_the_cache(monkeypatch: pytest.MonkeyPatch,
                                             tiny_llama_dir: Path) -> None:
     monkeypatch.setenv("FLOWRL_CACHE", str(tiny_llama_dir.parent.parent))
-    assert resolve_model_path("builtin:tiny-llama", None) == tiny_llama_dir
+    assert resolve_any_model_path("builtin:tiny-llama", None) == tiny_llama_dir
+    # the loaders themselves take folders and hub names: builtin names go through backends.models
+    with pytest.raises(ModelLoadError, match="builtin model: load it through flowrl.backends.models"):
+        resolve_model_path("builtin:tiny-llama", None)
 
 
 def test_relative_directory_is_found_next_to_the_pipeline(tmp_path: Path,

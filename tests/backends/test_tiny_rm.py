@@ -18,6 +18,7 @@ from flowrl.backends.tiny_rm import (
     tiny_rm_dir,
     train_tiny_rm,
 )
+from flowrl.backends.models import load_scalar
 from flowrl.backends.value_model import load_scalar_model
 from flowrl.data import BUILTIN_TASKS
 from flowrl.errors import ModelLoadError
@@ -42,7 +43,7 @@ def test_fit_is_recorded_and_holds_on_fresh_held_out_strings(
     recorded = read_fit(directory)
     assert recorded.correlation > 0.8 and recorded.num_steps == TinyRMRecipe().num_steps
     monkeypatch.setenv(CACHE_ENV_VAR, str(cache))
-    model, tokenizer = load_scalar_model("builtin:tiny-rm", kind="reward")
+    model, tokenizer = load_scalar("builtin:tiny-rm", kind="reward")
     fit = evaluate_fit(model, tokenizer, "digits", random.Random("a test's own strings"), 256)
     assert fit.correlation > 0.8
     assert fit.mse < 0.25 * fit.target_std**2  # explains more than 3/4 of the variance
@@ -73,7 +74,7 @@ def test_it_is_a_transformers_sequence_classifier_scoring_like_flowrl(cache: Pat
 
 def test_as_a_score_node_it_prefers_digits(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(CACHE_ENV_VAR, str(cache))
-    model, tokenizer = load_scalar_model("builtin:tiny-rm")
+    model, tokenizer = load_scalar("builtin:tiny-rm")
     prompts = ["abcdefgh="] * 3
     completions = ["1234567890123456", "12345678abcdefgh", "abcdefghijklmnop"]
     prompt = tokenizer(prompts, return_tensors="pt", add_special_tokens=False)

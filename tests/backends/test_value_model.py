@@ -17,6 +17,7 @@ from transformers import (
 )
 
 from flowrl.backends.builtin import CACHE_ENV_VAR
+from flowrl.backends.models import load_scalar
 from flowrl.backends.tokenizer import build_char_tokenizer
 from flowrl.backends.value_model import (
     MARKER_FILE,
@@ -100,7 +101,7 @@ def test_single_label_sequence_classifier_keeps_its_score_layer(tmp_path: Path) 
 
 def test_bad_inputs_are_model_load_errors(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="dtype"):
-        load_scalar_model("builtin:tiny-llama", dtype="fp8")  # type: ignore[arg-type]
+        load_scalar("builtin:tiny-llama", dtype="fp8")  # type: ignore[arg-type]
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelLoadError, match="config.json"):
         load_scalar_model(str(tmp_path / "empty"))
@@ -110,7 +111,7 @@ def test_builtin_policy_backbone_and_the_optimizer_of_a_model_state(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(CACHE_ENV_VAR, str(tmp_path / "cache"))
-    model, tokenizer = load_scalar_model("builtin:tiny-llama")
+    model, tokenizer = load_scalar("builtin:tiny-llama")
     assert model.config.hidden_size == 128
     state = ModelState(
         "critic", model, tokenizer, torch.device("cpu"), torch.Generator().manual_seed(0)

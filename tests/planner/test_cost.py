@@ -65,17 +65,19 @@ def test_known_shapes_match_published_sizes(name: str, published: int) -> None:
     assert KNOWN_SHAPES[name].num_parameters() == pytest.approx(published, rel=0.001)
 
 
-def test_builtin_shapes_repeat_the_backend_table() -> None:
-    from flowrl.backends.builtin import BUILTIN_MODELS
+def test_builtin_shapes_are_the_catalog_s_and_the_catalog_builds_what_it_says() -> None:
+    from flowrl.backends.builtin import model_config
+    from flowrl.backends.catalog import BUILTIN_MODELS, CHAR_VOCAB_SIZE
     from flowrl.backends.tokenizer import char_vocab
 
+    assert CHAR_VOCAB_SIZE == len(char_vocab())
     for name, model in BUILTIN_MODELS.items():
         shape = KNOWN_SHAPES[f"builtin:{name}"]
+        config = model_config(model, model.vocabulary, 0, 1, 2)
         assert (shape.num_layers, shape.hidden_size, shape.num_heads, shape.num_kv_heads,
-                shape.intermediate_size, shape.vocab_size) == (
-            model.num_layers, model.hidden_size, model.num_heads, model.num_kv_heads,
-            model.intermediate_size, model.vocab_size or len(char_vocab()))
-        assert shape.tie_embeddings == model.tie_word_embeddings
+                shape.intermediate_size, shape.vocab_size, shape.tie_embeddings) == (
+            config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+            config.intermediate_size, config.vocab_size, config.tie_word_embeddings), name
 
 
 def test_shape_from_a_local_config_and_instruct_names(tmp_path: Path) -> None:

@@ -53,7 +53,7 @@ def _make_step(
             # tok/s: generated tokens / compute for gen (128 / 0.029 s = 4,414), tokens
             # read / compute elsewhere (384 / 0.005 = 76,800; 128 / 0.001; 384 / 0.038 = 10,105)
             NodeTiming("gen", "generate", "cpu:0", wall_s=0.031, compute_s=0.029, wait_s=0.002,
-                       tokens_in=256, tokens_out=128),
+                       tokens_in=256, tokens_out=128, rate_of_output=True),
             NodeTiming("ref", "reference_logprob", "cpu:1", wall_s=0.009, compute_s=0.005,
                        wait_s=0.004, tokens_in=384, tokens_out=128),
             NodeTiming("score", "score", "cpu:0", wall_s=0.001, compute_s=0.001, wait_s=0.0,
