@@ -35,10 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -50,10 +47,10 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from flowrl.backends.arith_problems import LARGEST_OPERAND, ArithData, ArithProblem, all_problems, arith_problems
 from flowrl.backends.catalog import BUILTIN_MODELS
-from flowrl.backends.builtin import CACHE_ENV_VAR, cache_root, make_readable, quiet_progress_bars
+from flowrl.backends.builtin import quiet_progress_bars
+from flowrl.backends.cache import cache_root, write_once
 from flowrl.backends.generation import generate_tokens
 from flowrl.backends.tokenizer import build_char_tokenizer, char_ids
-from flowrl.errors import ModelLoadError
 
 FIT_FILE = "fit.json"
 ARITH_MAX_NEW_TOKENS = 10
@@ -227,39 +224,16 @@ def arith_model_dir(cache_dir: Path | None = None, recipe: ArithModelRecipe = Ar
     """
     name = "arith-llama" if recipe == ArithModelRecipe() else f"arith-llama-{_digest(recipe)}"
     target = cache_root(cache_dir) / "models" / f"{name}-v{recipe.version}"
-    if (target / FIT_FILE).is_file():
-        return target
-    if target.exists():
-        raise ModelLoadError(
-            f"the cache directory {target} exists but holds no {FIT_FILE}; "
-            "delete it and flowrl will fit the arithmetic model again"
-        )
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    except OSError as error:
-        raise ModelLoadError(
-            f"cannot write the arithmetic model under {target.parent}: {error}; "
-            f"set {CACHE_ENV_VAR} to a writable directory"
-        ) from error
-    try:
+
+    def build(folder: Path) -> None:
         model, tokenizer, fit = train_arith_model(recipe)
         with quiet_progress_bars():
-            model.save_pretrained(staging, safe_serialization=True)
-        tokenizer.save_pretrained(staging)
-        # fit.json last: its presence marks a complete directory.
-        (staging / FIT_FILE).write_text(json.dumps(asdict(fit), indent=2) + "\n")
-        make_readable(staging)
-        try:
-            os.rename(staging, target)
-        except OSError:
-            # Another process renamed its copy first; it was built the same way, use it.
-            if not (target / FIT_FILE).is_file():
-                raise
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
-    return target
+            model.save_pretrained(folder, safe_serialization=True)
+        tokenizer.save_pretrained(folder)
+        # fit.json last: its presence marks a complete folder.
+        (folder / FIT_FILE).write_text(json.dumps(asdict(fit), indent=2) + "\n")
+
+    return write_once(target, FIT_FILE, build, "the arithmetic model")
 
 
 def _digest(recipe: ArithModelRecipe) -> str:

@@ -17,9 +17,6 @@ the winner's, which holds the same bytes.
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -29,7 +26,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen2Config
 from transformers.utils import logging as hf_logging
 
-from flowrl.backends.cache import BUILTIN_PREFIX, CACHE_ENV_VAR, cache_root, make_readable
+from flowrl.backends.cache import BUILTIN_PREFIX, CACHE_ENV_VAR, cache_root, make_readable, write_once
 from flowrl.backends.catalog import BUILTIN_MODELS, BuiltinModel, lookup_builtin
 from flowrl.backends.tokenizer import build_char_tokenizer
 from flowrl.errors import ModelLoadError
@@ -67,36 +64,7 @@ def builtin_model_dir(name: str, cache_dir: Path | None = None) -> Path:
     if shape.recipe != "init":
         raise ModelLoadError(f"builtin model '{name}' is fitted, not initialised: load it as 'builtin:{name}'")
     target = cache_root(cache_dir) / "models" / f"{name}-v{shape.version}"
-    if (target / "config.json").is_file():
-        return target
-    if target.exists():
-        # Only an atomic rename creates the target, so a target without config.json was
-        # made by something else; never delete a directory flowrl did not write.
-        raise ModelLoadError(
-            f"the cache directory {target} exists but holds no config.json; "
-            f"delete it and flowrl will build '{name}' again"
-        )
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    except OSError as error:
-        raise ModelLoadError(
-            f"cannot write builtin model '{name}' under {target.parent}: {error}; "
-            f"set {CACHE_ENV_VAR} to a writable directory"
-        ) from error
-    try:
-        write_builtin(shape, staging)
-        make_readable(staging)
-        try:
-            os.rename(staging, target)
-        except OSError:
-            # Another process renamed its copy first; the bytes are the same, use it.
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
-    return target
+    return write_once(target, "config.json", lambda folder: write_builtin(shape, folder), f"'{name}'")
 
 
 def build_builtin(name: str, cache_dir: Path | None = None) -> Path:

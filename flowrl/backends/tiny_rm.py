@@ -25,11 +25,8 @@ tiny-rm scores like the rule for completions of up to 16 tokens; generate with
 from __future__ import annotations
 
 import json
-import os
 import random
-import shutil
 import string
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -40,7 +37,7 @@ import torch
 from transformers import LlamaConfig, LlamaModel, PreTrainedTokenizerBase
 
 from flowrl.backends.catalog import BUILTIN_MODELS
-from flowrl.backends.builtin import CACHE_ENV_VAR, cache_root, make_readable
+from flowrl.backends.cache import cache_root, write_once
 from flowrl.backends.tokenizer import build_char_tokenizer, char_ids
 from flowrl.backends.value_model import ScalarHeadModel, save_scalar_model
 from flowrl.errors import ModelLoadError
@@ -278,37 +275,12 @@ def tiny_rm_dir(
     """The directory of tiny-rm fitted to ``task``, training it on first use (a few seconds)."""
     _check_task(task)
     target = cache_root(cache_dir) / "models" / f"tiny-rm-{task}-v{recipe.version}"
-    if (target / FIT_FILE).is_file():
-        return target
-    if target.exists():
-        raise ModelLoadError(
-            f"the cache directory {target} exists but holds no {FIT_FILE}; "
-            "delete it and flowrl will build tiny-rm again"
-        )
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    except OSError as error:
-        raise ModelLoadError(
-            f"cannot write tiny-rm under {target.parent}: {error}; "
-            f"set {CACHE_ENV_VAR} to a writable directory"
-        ) from error
-    try:
+
+    def build(folder: Path) -> None:
         model, tokenizer, fit = train_tiny_rm(task, recipe)
-        save_scalar_model(
-            model, tokenizer, staging, trained_by=f"flowrl tiny-rm ({task}, {asdict(recipe)})"
-        )
-        # fit.json last: its presence marks a complete directory.
-        (staging / FIT_FILE).write_text(json.dumps(asdict(fit), indent=2) + "\n")
-        make_readable(staging)
-        try:
-            os.rename(staging, target)
-        except OSError:
-            # Another process renamed its copy first; it was built the same way, use it.
-            if not (target / FIT_FILE).is_file():
-                raise
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
-    return target
+        save_scalar_model(model, tokenizer, folder, trained_by=f"flowrl tiny-rm ({task}, {asdict(recipe)})")
+        # fit.json last: its presence marks a complete folder.
+        (folder / FIT_FILE).write_text(json.dumps(asdict(fit), indent=2) + "\n")
+
+    return write_once(target, FIT_FILE, build, "tiny-rm")
 

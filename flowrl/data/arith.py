@@ -18,13 +18,10 @@ into a private temporary folder renamed into place, like the builtin models.
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from flowrl.backends.arith_problems import ArithData, arith_problems
-from flowrl.backends.cache import CACHE_ENV_VAR, cache_root, make_readable
+from flowrl.backends.cache import cache_root, write_once
 from flowrl.errors import DataError
 
 SPLITS: tuple[str, ...] = ("train", "test")
@@ -33,34 +30,9 @@ SPLITS: tuple[str, ...] = ("train", "test")
 def arith_dataset_dir(cache_dir: Path | None = None, data: ArithData = ArithData()) -> Path:
     """The folder holding ``train.parquet`` and ``test.parquet``, written on first use."""
     target = cache_root(cache_dir) / "data" / f"arith-{data.num_test}-s{data.seed}-v{data.version}"
-    if all((target / f"{split}.parquet").is_file() for split in SPLITS):
-        return target
-    if target.exists():
-        raise DataError(
-            f"the cache folder {target} exists but does not hold both splits; "
-            "delete it and flowrl will write the arithmetic dataset again"
-        )
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    except OSError as error:
-        raise DataError(
-            f"cannot write the arithmetic dataset under {target.parent}: {error}; "
-            f"set {CACHE_ENV_VAR} to a writable directory"
-        ) from error
-    try:
-        write_arith_dataset(data, staging)
-        make_readable(staging)
-        try:
-            os.rename(staging, target)
-        except OSError:
-            # Another process renamed its copy first; it holds the same problems, use it.
-            if not (target / "test.parquet").is_file():
-                raise
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
-    return target
+    # test.parquet is written last (``write_arith_dataset``): it marks a complete folder
+    return write_once(target, "test.parquet", lambda folder: write_arith_dataset(data, folder),
+                      "the arithmetic dataset", DataError)
 
 
 def write_arith_dataset(data: ArithData, directory: Path) -> None:
