@@ -306,8 +306,8 @@ class PipelineGraph:
         return [name for name in self._spec.nodes if self._graph.has_edge(node, name)]
 
     def rollout_of(self, node: str) -> str | None:
-        """The generate node ``node`` is or descends from (the first in file order); None
-        for a node that reads no rollout."""
+        """The generate node ``node`` is or reads: itself, the first generate node among its
+        inputs, else the first in file order among its ancestors; None when there is none."""
         return self._rollouts[node]
 
     def nodes_of(self, role: type[NodeBase]) -> list[str]:
@@ -330,6 +330,16 @@ class PipelineGraph:
 
 
 def _rollout_of(graph: nx.DiGraph, order: list[str], node: str) -> str | None:
-    """The first generate node in ``order`` that is ``node`` or one of its ancestors."""
-    ancestors = nx.ancestors(graph, node) | {node}
-    return next((name for name in order if name in ancestors and isinstance(graph.nodes[name]["spec"], GenerateNode)), None)
+    """``node`` itself if it generates, else the first generate node among its inputs, else
+    the first generate node in ``order`` among its ancestors."""
+
+    def generates(name: str) -> bool:
+        return isinstance(graph.nodes[name].get("spec"), GenerateNode)
+
+    if generates(node):
+        return node
+    listed = next((item for item in graph.nodes[node]["spec"].inputs if item in graph and generates(item)), None)
+    if listed is not None:
+        return listed
+    ancestors = nx.ancestors(graph, node)
+    return next((name for name in order if name in ancestors and generates(name)), None)

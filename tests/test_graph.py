@@ -313,3 +313,18 @@ def test_a_critic_trained_on_advantages_without_returns_is_refused_by_validation
         "nodes.train_critic.inputs: a value model's update learns returns, which advantage 'adv' computes "
         "only with estimator: gae (it has grpo); set estimator: gae there",
     ]
+
+
+def test_a_node_s_rollout_is_the_generate_node_it_lists_first() -> None:
+    data = grpo()
+    # a second generate node, earlier in the file, and a score node that lists both rollouts
+    data["nodes"] = {
+        "probe": {"role": "generate", "model": "reference", "inputs": ["prompts"]},
+        **data["nodes"],
+        "both": {"role": "score", "fn": "digits", "inputs": ["rollout", "probe"]},
+    }
+    graph = pipeline_from_dict(data)
+    # the executor splits this input by rows and the role reads it: they must agree
+    assert graph.rollout_of("both") == "rollout"
+    assert graph.rollout_of("probe") == "probe" and graph.rollout_of("adv") == "rollout"
+    assert graph.producers("adv") == ["reward", "rollout"]

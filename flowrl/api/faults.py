@@ -10,7 +10,7 @@ from typing import Protocol
 
 from flowrl.errors import FlowrlError
 from flowrl.records import RunEvent, StepRecord
-from flowrl.roles.update import NONFINITE_METRIC
+from flowrl.roles.update import NONFINITE_METRICS
 
 
 class Events(Protocol):
@@ -25,7 +25,7 @@ class NonFiniteGuard:
         self.in_a_row = 0
 
     def check(self, record: StepRecord, events: Events) -> None:
-        if not record.metrics.get(NONFINITE_METRIC):
+        if not any(record.metrics.get(key) for key in NONFINITE_METRICS):
             self.in_a_row = 0
             return
         self.in_a_row += 1

@@ -7,6 +7,10 @@ from flowrl.records import NodeTiming
 from flowrl.runtime.calls import NodeReport
 from flowrl.spec.schema import GenerateNode, ScoreNode
 
+SUMMED = ("perf/weight_sync_s", "perf/weight_sync_mb")
+"""Metrics that several nodes of a step report and that add up."""
+
+
 def timing_name(graph: PipelineGraph, node: str) -> str:
     spec = graph.spec.nodes[node]
     return spec.timing_name(graph.spec.models[spec.model].kind if spec.model else None)
@@ -23,7 +27,8 @@ def step_metrics(
         if name in score_nodes and len(score_nodes) > 1:
             continue  # several scores add up: see _summed_scores
         for key, value in report.metrics.items():
-            metrics[key] = value
+            # several updates (actor and critic) may each push weights: the step's sync is their sum
+            metrics[key] = metrics.get(key, 0.0) + value if key in SUMMED else value
         parts = (report, *report.shards)
         key = f"timing_s/{timing_name(graph, name)}"
         # a node split over devices takes as long as its slowest part

@@ -226,8 +226,8 @@ def check_runnable(graph: PipelineGraph) -> None:
         )
         if (group.count or group.min_count or 1) > 1 and unsplittable:
             problems.append(
-                f"devices.{name}.count: several devices can run nodes that run a model, and this group runs "
-                f"{', '.join(unsplittable)}, which runs none; set count: 1"
+                f"devices.{name}.count: several devices can run generate, score, reference_logprob, value "
+                f"and update nodes, and this group runs {', '.join(unsplittable)}; set count: 1"
             )
         if group.type == "gpu" and no_gpu is not None:
             problems.append(f"devices.{name}.type: this machine has no GPU ({no_gpu}); set type: cpu")

@@ -58,10 +58,10 @@ class Plan:
 def plan_from_compiled(pipeline: PipelineGraph, compiled: CompiledPlan, slots: list[str]) -> Plan:
     """The runtime's placement from the planner's: every node on its one device.
 
-    A generate, score, reference_logprob or value node planned over several devices is
-    split by rows over their workers; a policy's update trains data-parallel over them. A
-    critic's update runs on one worker in this version: one planned over several devices is
-    refused with the fix rather than silently narrowed.
+    A node planned over several devices runs over their workers as its role splits
+    (``split``): generation by prompts, inference by rows, an update (policy or critic)
+    data-parallel. A node whose role does not split (an advantage) is refused with the fix
+    rather than silently narrowed.
     """
     node_slots: dict[str, str] = {}
     node_shards: dict[str, list[str]] = {}
@@ -72,7 +72,7 @@ def plan_from_compiled(pipeline: PipelineGraph, compiled: CompiledPlan, slots: l
                 group = node_group(pipeline, node.node) or node.node
                 raise PlacementError(
                     f"devices.{group}: node '{node.node}' is planned over {len(node.devices)} devices; "
-                    "it runs no model, and only nodes that run a model run over several devices. Set `count: 1`."
+                    "its role runs on one device. Set `count: 1`."
                 )
             node_shards[node.node] = list(node.devices)
         missing = [device for device in node.devices if device not in slots]
@@ -115,8 +115,7 @@ def plan_for(
 def splittable(pipeline: PipelineGraph, node: str) -> bool:
     """Whether ``node`` can run over several devices: generation splits by prompts, inference
     by rows, an update trains data-parallel (its role's ``split``)."""
-    spec = pipeline.spec.nodes[node]
-    return spec.split != "none" and (spec.split != "rows" or spec.model is not None)
+    return pipeline.spec.nodes[node].split != "none"
 
 
 def node_group(pipeline: PipelineGraph, node: str) -> str | None:

@@ -46,20 +46,24 @@ class ModelState:
         self.offloaded = True
         torch.cuda.empty_cache()
 
+    def _tensors(self) -> list[tuple[str, torch.Tensor]]:
+        # every registration, shared ones included: ``to`` gives a shared buffer one copy per name
+        return [*self.module.named_parameters(remove_duplicate=False), *self.module.named_buffers(remove_duplicate=False)]
+
     @contextmanager
     def paged_in(self) -> Iterator[None]:
         """The weights on ``device`` for the duration of one call, when offloaded."""
         if not self.offloaded:
             yield
             return
-        host = {name: tensor.data for name, tensor in [*self.module.named_parameters(), *self.module.named_buffers()]}
+        host = {name: tensor.data for name, tensor in self._tensors()}
         module: torch.nn.Module = self.module
         module.to(self.device, non_blocking=True)
         try:
             yield
         finally:
             # back to the pinned copies (an offloaded model is never trained, so they are current)
-            for name, tensor in [*self.module.named_parameters(), *self.module.named_buffers()]:
+            for name, tensor in self._tensors():
                 tensor.data = host[name]
             torch.cuda.empty_cache()
 

@@ -110,7 +110,7 @@ class StepExecutor:
             spec=spec,
             model=spec.model,
             inputs=tuple(inputs),
-            prompts=tuple(prompts) if SOURCE_NODE in spec.inputs else (),
+            prompts=tuple(prompts) if isinstance(spec, GenerateNode) else (),
             group_size=self._group_size[node],
             weight_peers=peers,
             kl_coef=kl_coef,

@@ -219,7 +219,8 @@ def _run_step(
         nominal = truth.compute_s(item.node, devices, item.offloaded) * noise.get(item.node, 1.0)
         for device in devices:
             seconds = nominal / speeds.get(device.id, 1.0)
-            timings.append(NodeTiming(item.node, item.role, device.id, seconds, seconds, 0.0, 0, 0))
+            timings.append(NodeTiming(item.node, item.role, device.id, seconds, seconds, 0.0, 0, 0,
+                                      rate_of_output=pipeline.spec.nodes[item.node].rate_of_output))
     memory = {device.device: device.peak_gb for device in plan.devices}
     samples = [
         DeviceSample(d.id, d.kind, utilization[d.id], memory.get(d.id, 0.0), d.memory_gb)
