@@ -14,6 +14,8 @@ snapshot (``runtime.snapshot_every``), else the newest checkpoint.
 from __future__ import annotations
 
 import shutil
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,6 +119,10 @@ class Driver:
     # ---- the loop ---------------------------------------------------------------------
 
     def run(self) -> None:
+        with _InterruptFlag() as interrupt:
+            self._loop(interrupt)
+
+    def _loop(self, interrupt: _InterruptFlag) -> None:
         instruction = self.machine.start()
         error: BaseException | None = None
         failed_at: lc.Instruction | None = None
@@ -130,6 +136,10 @@ class Driver:
                 event = lc.Failed(self.fault_of(failure, instruction))
                 if event.fault.kind != "error":
                     self._noticed(event.fault)
+            if interrupt.raised:
+                # Ctrl-C came, even if the KeyboardInterrupt it raised was swallowed on the
+                # way (C code that clears Python errors): the run stops all the same.
+                event = lc.Interrupted()
             instruction = self.machine.handle(event)
         if isinstance(instruction, lc.Stop):
             self._stop(instruction, error, failed_at)
@@ -450,3 +460,27 @@ def _looks_lost(error: BaseException) -> bool:
             return True
         chain = chain.__cause__ or chain.__context__
     return False
+
+
+class _InterruptFlag:
+    """SIGINT raises KeyboardInterrupt, as Python's own handler does, and is also remembered,
+    so that the loop stops at the next instruction even if the exception was lost. Only the
+    main thread may set signal handlers; elsewhere (a run started from a thread) nothing changes."""
+
+    def __init__(self) -> None:
+        self.raised = False
+        self._previous: Any = None
+
+    def __enter__(self) -> _InterruptFlag:
+        # A process started with Ctrl-C ignored (a background job of a script) keeps ignoring it.
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.raised = True
+        raise KeyboardInterrupt
