@@ -3,11 +3,14 @@ character tokenizer, as a policy or with a scalar head, wrapped in a ``ModelStat
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
 
 from flowrl.backends.tokenizer import build_char_tokenizer
 from flowrl.backends.value_model import ScalarHeadModel
+from flowrl.roles.batch import Rollout
 from flowrl.roles.state import ModelState
 
 
@@ -41,3 +44,16 @@ def model_state(name: str, module: torch.nn.Module, seed: int = 0) -> ModelState
     kind = "value" if isinstance(module, ScalarHeadModel) else "policy"
     return ModelState(name, module, build_char_tokenizer(), torch.device("cpu"), torch.Generator().manual_seed(seed),
                       kind=kind)
+
+
+def text_rollout(tokenizer: Any, prompts: list[str], completions: list[str], group_size: int,
+                 max_new_tokens: int) -> Rollout:
+    """A rollout of these texts: prompts left-padded, completions right-padded, as generation leaves them."""
+    encoded = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    completion = tokenizer(completions, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
+    return Rollout(
+        prompt_ids=encoded["input_ids"], prompt_mask=encoded["attention_mask"],
+        completion_ids=completion["input_ids"], completion_mask=completion["attention_mask"],
+        group_size=group_size, prompts=prompts, completions=completions, answers=[None] * len(prompts),
+        max_new_tokens=max_new_tokens, temperature=1.0,
+    )

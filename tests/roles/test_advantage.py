@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from flowrl.algorithms.advantages import grpo_advantages
-from flowrl.roles.batch import Rollout, Scores
+from flowrl.roles.batch import Scores
 from flowrl.roles.forward import completion_logprobs
 from flowrl.roles.advantage import run_advantage
 from flowrl.roles.batch import Advantages
 from flowrl.roles.update import update_policy
 from flowrl.spec.schema import AdvantageNode, UpdateNode
-from tests.tiny_models import model_state, tiny_policy
+from tests.tiny_models import model_state, text_rollout, tiny_policy
 
 
 def _node(estimator: str, **settings: object) -> AdvantageNode:
@@ -110,26 +110,7 @@ def test_policy_update_takes_token_level_advantages() -> None:
     state = model_state("actor", tiny_policy(0))
     tokenizer = state.tokenizer
     prompts, completions = ["ab=", "ab=", "cd=", "cd="], ["12", "x", "34", "zw"]
-    encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-    completion = tokenizer(
-        completions,
-        return_tensors="pt",
-        padding=True,
-        padding_side="right",
-        add_special_tokens=False,
-    )
-    rollout = Rollout(
-        prompt_ids=encoded["input_ids"],
-        prompt_mask=encoded["attention_mask"],
-        completion_ids=completion["input_ids"],
-        completion_mask=completion["attention_mask"],
-        group_size=2,
-        prompts=prompts,
-        completions=completions,
-        answers=[None] * 4,
-        max_new_tokens=2,
-        temperature=1.0,
-    )
+    rollout = text_rollout(tokenizer, prompts, completions, group_size=2, max_new_tokens=2)
     # +1 on every token of the digit completions, -1 on the letters, 0 on padding ([N, T]).
     sign = torch.tensor([1.0, -1.0, 1.0, -1.0]).unsqueeze(1)
     advantages = sign * rollout.completion_mask.float()

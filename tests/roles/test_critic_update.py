@@ -11,7 +11,7 @@ from flowrl.roles.update import update_critic
 from flowrl.roles.state import ModelState
 from flowrl.roles.value import run_value
 from flowrl.spec.schema import UpdateNode
-from tests.tiny_models import model_state, tiny_scalar_model
+from tests.tiny_models import model_state, text_rollout, tiny_scalar_model
 
 
 def _state(seed: int = 0) -> ModelState:
@@ -19,28 +19,7 @@ def _state(seed: int = 0) -> ModelState:
 
 
 def _rollout(tokenizer: object) -> Rollout:
-    prompts = ["ab=", "ab=", "cd=", "cd="]
-    completions = ["123", "xy", "34", "z"]
-    encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-    completion = tokenizer(
-        completions,
-        return_tensors="pt",
-        padding=True,
-        padding_side="right",
-        add_special_tokens=False,
-    )
-    return Rollout(
-        prompt_ids=encoded["input_ids"],
-        prompt_mask=encoded["attention_mask"],
-        completion_ids=completion["input_ids"],
-        completion_mask=completion["attention_mask"],
-        group_size=2,
-        prompts=prompts,
-        completions=completions,
-        answers=[None] * 4,
-        max_new_tokens=3,
-        temperature=1.0,
-    )
+    return text_rollout(tokenizer, ["ab=", "ab=", "cd=", "cd="], ["123", "xy", "34", "z"], group_size=2, max_new_tokens=3)
 
 
 def _masked_mean_abs_error(values: torch.Tensor, target: float, mask: torch.Tensor) -> float:

@@ -20,7 +20,7 @@ from flowrl.roles.state import ModelState
 from flowrl.roles.update import update_critic, update_policy
 from flowrl.runtime.collective import GlooGroup, free_port
 from flowrl.spec.schema import UpdateNode
-from tests.tiny_models import model_state, tiny_policy, tiny_scalar_model
+from tests.tiny_models import model_state, text_rollout, tiny_policy, tiny_scalar_model
 
 
 def test_weighted_rows_give_each_rank_its_share_in_order() -> None:
@@ -32,17 +32,9 @@ def test_weighted_rows_give_each_rank_its_share_in_order() -> None:
 
 
 def _rollout(state: ModelState) -> Rollout:
-    tokenizer = state.tokenizer
     prompts = ["ab=", "ab=", "cd=", "cd=", "efg=", "efg="]
     completions = ["1", "xyz", "34", "z", "5678", "ab"]  # unequal lengths: token and sequence means differ
-    encoded = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
-    completion = tokenizer(completions, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
-    return Rollout(
-        prompt_ids=encoded["input_ids"], prompt_mask=encoded["attention_mask"],
-        completion_ids=completion["input_ids"], completion_mask=completion["attention_mask"],
-        group_size=2, prompts=prompts, completions=completions, answers=[None] * 6,
-        max_new_tokens=4, temperature=1.0,
-    )
+    return text_rollout(state.tokenizer, prompts, completions, group_size=2, max_new_tokens=4)
 
 
 ADVANTAGES = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
