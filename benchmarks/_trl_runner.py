@@ -36,15 +36,27 @@ def grpo_config(job: dict[str, Any], output_dir: str) -> Any:
     from trl import GRPOConfig
 
     num_completions = job["prompts_per_step"] * job["num_generations"]
+    # Micro-batches: ``trl_micro_batch`` completions per forward/backward pass (and per
+    # reference pass), gradients accumulated over the step's passes; one generate() call
+    # still produces the whole step's completions (steps_per_generation = accumulation).
+    micro = job.get("trl_micro_batch") or num_completions
+    if num_completions % micro:
+        raise ValueError(f"trl_micro_batch {micro} must divide the {num_completions} completions of a step")
+    accumulation = num_completions // micro
+    extra: dict[str, Any] = {}
+    if job.get("trl_cache"):
+        extra["cache_implementation"] = job["trl_cache"]
+    if job.get("trl_liger"):
+        extra["use_liger_kernel"] = True
     return GRPOConfig(
         output_dir=output_dir,
         max_steps=job["steps"],
         seed=job["seed"],
         # The batch: 4 prompts x 8 completions, one optimizer step per generation, one pass.
-        per_device_train_batch_size=num_completions,  # counts completions, not prompts
+        per_device_train_batch_size=micro,  # counts completions, not prompts
         num_generations=job["num_generations"],
-        gradient_accumulation_steps=1,
-        steps_per_generation=1,
+        gradient_accumulation_steps=accumulation,
+        steps_per_generation=accumulation,
         num_iterations=1,
         shuffle_dataset=False,
         max_completion_length=job["max_new_tokens"],
@@ -81,6 +93,7 @@ def grpo_config(job: dict[str, Any], output_dir: str) -> Any:
         save_strategy="no",
         disable_tqdm=True,
         dataloader_num_workers=0,
+        **extra,
     )
 
 
@@ -146,13 +159,34 @@ def run_trl(job: dict[str, Any]) -> dict[str, Any]:
     generate_s: list[float] = []
     original_generate = trainer.model.generate
 
+    def sync() -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
     def timed_generate(*args: Any, **kwargs: Any) -> Any:
+        sync()
         t0 = time.perf_counter()
         out = original_generate(*args, **kwargs)
+        sync()
         generate_s.append(time.perf_counter() - t0)
         return out
 
     trainer.model.generate = timed_generate
+    # Reference forward time per step (TRL calls it with ref_model once per generation batch).
+    reference_s: list[float] = []
+    original_logps = trainer._get_per_token_logps_and_entropies
+
+    def timed_logps(model: Any, *args: Any, **kwargs: Any) -> Any:
+        if model is not trainer.ref_model:
+            return original_logps(model, *args, **kwargs)
+        sync()
+        t0 = time.perf_counter()
+        out = original_logps(model, *args, **kwargs)
+        sync()
+        reference_s.append(time.perf_counter() - t0)
+        return out
+
+    trainer._get_per_token_logps_and_entropies = timed_logps
     built = time.perf_counter()
     try:
         trainer.train()
@@ -185,6 +219,10 @@ def run_trl(job: dict[str, Any]) -> dict[str, Any]:
         "lr_scheduler": type(trainer.lr_scheduler).__name__,
         "model_dtype": str(trainer.model.dtype),
         "gradient_checkpointing": bool(getattr(trainer.model, "is_gradient_checkpointing", False)),
+        "per_device_train_batch_size": trainer.args.per_device_train_batch_size,
+        "gradient_accumulation_steps": trainer.args.gradient_accumulation_steps,
+        "cache_implementation": getattr(trainer.args, "cache_implementation", None),
+        "use_liger_kernel": bool(getattr(trainer.args, "use_liger_kernel", False)),
         "torch_threads": torch.get_num_threads(),
         "prompt_order_matches_flowrl": seen == expected[: len(seen)] and len(seen) == job["steps"],
     }
@@ -196,6 +234,7 @@ def run_trl(job: dict[str, Any]) -> dict[str, Any]:
         "reward_mean": [call["reward_mean"] for call in per_call],
         "completion_tokens": [call["completion_tokens"] for call in per_call],
         "generate_s": generate_s,
+        "reference_s": reference_s,
         "startup_s": (clock.begin_s[0] if clock.begin_s else finished) - started,
         "trainer_init_s": built - started,
         "first_step_start_unix": clock.first_step_start_unix,

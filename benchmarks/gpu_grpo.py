@@ -1,19 +1,33 @@
-"""GRPO on one GPU at 0.4B scale: flowrl against TRL's GRPOTrainer, side by side in one run.
+"""GRPO on one GPU: flowrl against TRL's GRPOTrainer in its fastest configurations, in one run.
 
-    python benchmarks/gpu_grpo.py --output benchmarks/results/gpu_grpo_h200.json
+    python benchmarks/gpu_grpo.py --model qwen2-0.4b --repeats 3 \
+        --output benchmarks/results/gpu_grpo_h200.json
 
-The job: ``builtin:qwen2-0.4b`` (Qwen2.5-0.5B's shape, 32,000-token vocabulary, 387 M
-parameters, random init), bf16, 32 prompts x 8 generations x 256 new tokens per step,
-temperature 1, k3 KL to the reference with beta 0.04, AdamW lr 1e-6, one optimizer step
-per rollout, no activation checkpointing. TRL runs with ``use_vllm=False`` (plain
-``generate()``); flowrl with its default engine on a GPU (static KV cache + CUDA graphs) and
-length-sorted micro-batches for the reference forward and the update. Each framework runs
-in its own process, one after the other, on the same GPU.
+The job: a builtin model (``qwen2-0.4b``: Qwen2.5-0.5B's shape, 387 M parameters;
+``qwen2-1.5b``: Qwen2.5-1.5B's shape, 1.36 B; both with a 32,000-token vocabulary and random
+init), bf16, 32 prompts x 8 generations x 256 new tokens per step, temperature 1, k3 KL to the
+reference with beta 0.04, AdamW lr 1e-6, one optimizer step per rollout, no activation
+checkpointing.
 
-Reported per framework: seconds per step (median over the steps after ``--warmup``),
-completion tokens/s, peak GPU memory, and for flowrl the time per node (generate, reference,
-update) from its own metrics with decode ms per token; plus the TRL/flowrl ratio of the
-median step time with its range over the timed steps. Writes JSON; never asserts.
+Same micro-batches for memory: the update and the reference forward run in passes of
+``--micro-batch`` sequences in both frameworks (TRL: ``per_device_train_batch_size`` with
+gradient accumulation over the step; flowrl: ``micro_batch_tokens`` = that many sequences of
+the longest prompt plus the completion length).
+
+Variants (``--variants``, run interleaved: every variant once, then every variant again, for
+``--repeats`` rounds, each run a process of its own on the same GPU):
+
+- ``flowrl``: its default engine on a GPU (static KV cache + CUDA graphs);
+- ``trl``: ``GRPOTrainer`` with plain ``generate()`` (``use_vllm=False``), dynamic cache;
+- ``trl-static``: the same with ``cache_implementation="static"``;
+- ``trl-liger``: ``trl-static`` plus Liger's kernels (``use_liger_kernel``);
+- ``trl-one-pass``: ``trl-static`` with the update as one pass of all sequences (more memory).
+
+Reported per variant: seconds per step (median of each run's steps after ``--warmup``, then
+the median over runs), seconds per node (flowrl: its own per-node timings; TRL: generate(),
+the reference forward, and the rest of the step = update and bookkeeping), peak GPU memory,
+and per TRL variant the ratio TRL / flowrl of each round's medians. The commit measured and
+any uncommitted files of ``flowrl/`` and ``benchmarks/`` are recorded. Writes JSON; never asserts.
 """
 
 from __future__ import annotations
@@ -31,15 +45,37 @@ sys.path.insert(0, str(HERE))
 
 from vs_trl import machine, run_child  # noqa: E402
 
+VARIANTS: dict[str, dict[str, Any]] = {
+    "flowrl": {"framework": "flowrl"},
+    "trl": {"framework": "trl"},
+    "trl-static": {"framework": "trl", "trl_cache": "static"},
+    "trl-liger": {"framework": "trl", "trl_cache": "static", "trl_liger": True},
+    "trl-one-pass": {"framework": "trl", "trl_cache": "static", "trl_micro_batch": None},
+}
 
-def job(steps: int, args: argparse.Namespace) -> dict[str, Any]:
+
+def row_width(model: str, prompts_per_step: int, steps: int, new_tokens: int, seed: int) -> int:
+    """Tokens of the longest prompt of the run's steps plus the completion length."""
+    from flowrl.backends.builtin import builtin_model_dir
+    from flowrl.backends.policy_tokenizer import load_tokenizer
+    from flowrl.data import PromptSource
+
+    tokenizer = load_tokenizer(f"builtin:{model}")
+    source = PromptSource("builtin:digits", batch_size=prompts_per_step, seed=seed, base_dir=Path.cwd())
+    prompts = [example.prompt for step in range(steps) for example in source.next_batch(step)]
+    longest = max(len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) for prompt in prompts)
+    return longest + new_tokens
+
+
+def job(args: argparse.Namespace, variant: str, micro_tokens: int) -> dict[str, Any]:
+    num_sequences = args.prompts * args.generations
     return {
-        "config": "gpu-0.4b",
-        "model": "qwen2-0.4b",
+        "config": f"gpu-{args.model}",
+        "model": args.model,
         "device": "cuda",
         "dtype": "bf16",
         "max_new_tokens": args.new_tokens,
-        "steps": steps,
+        "steps": args.steps,
         "seed": 0,
         "prompts_per_step": args.prompts,
         "num_generations": args.generations,
@@ -53,9 +89,11 @@ def job(steps: int, args: argparse.Namespace) -> dict[str, Any]:
         "beta": 0.04,
         "advantage_epsilon": 1e-4,
         "cpu_slots": 2,
-        "engine": args.engine,
-        "ref_micro_batch_tokens": args.ref_tokens,
-        "update_micro_batch_tokens": args.update_tokens,
+        "engine": "auto",
+        "ref_micro_batch_tokens": micro_tokens,
+        "update_micro_batch_tokens": micro_tokens,
+        "trl_micro_batch": min(args.micro_batch, num_sequences),
+        **{k: v for k, v in VARIANTS[variant].items() if k != "framework"},
     }
 
 
@@ -63,7 +101,7 @@ def timed(values: list[float], warmup: int) -> list[float]:
     return values[warmup:] if len(values) > warmup else values
 
 
-def summary(result: dict[str, Any], warmup: int, num_sequences: int, new_tokens: int) -> dict[str, Any]:
+def summary(result: dict[str, Any], warmup: int) -> dict[str, Any]:
     if "error" in result:
         return {"error": result["error"]}
     steps = timed(result["step_s"], warmup)
@@ -72,71 +110,112 @@ def summary(result: dict[str, Any], warmup: int, num_sequences: int, new_tokens:
         "step_s_median": statistics.median(steps),
         "step_s_timed": steps,
         "completion_tokens_per_s": sum(tokens) / sum(steps),
-        "reward_mean": result["reward_mean"],
+        "launch_to_first_step_s": result.get("launch_to_first_step_s"),
     }
     if result["framework"] == "trl":
         generate = timed(result["generate_s"], warmup)
-        out["generate_s_median"] = statistics.median(generate)
-        out["decode_ms_per_token"] = statistics.median(generate) / new_tokens * 1e3
+        reference = timed(result.get("reference_s", []), warmup)
+        nodes = {"generate": statistics.median(generate)}
+        if reference:
+            nodes["reference"] = statistics.median(reference)
+        rest = [s - g - (reference[i] if i < len(reference) else 0.0) for i, (s, g) in enumerate(zip(steps, generate))]
+        nodes["update_and_rest"] = statistics.median(rest)
+        out["node_s_median"] = nodes
         out["peak_gpu_memory_gb"] = result.get("peak_gpu_memory_gb")
+        out["settings"] = result.get("settings")
     else:
         metrics = result["metrics"]
-        nodes = {}
-        for key, values in metrics.items():
-            if key.startswith("timing_s/") and key != "timing_s/step":
-                nodes[key] = statistics.median(timed(values, warmup))
-        out["node_s_median"] = nodes
-        generate = timed(metrics.get("timing_s/gen", []), warmup)
-        if generate:
-            out["decode_ms_per_token"] = statistics.median(generate) / new_tokens * 1e3
+        out["node_s_median"] = {
+            key.removeprefix("timing_s/"): statistics.median(timed(values, warmup))
+            for key, values in metrics.items()
+            if key.startswith("timing_s/") and key != "timing_s/step" and all(v is not None for v in values)
+        }
         peaks = metrics.get("perf/max_memory_allocated_gb")
         out["peak_gpu_memory_gb"] = max(peaks) if peaks else None
-        headroom = metrics.get("perf/memory_headroom_gb")
-        out["memory_headroom_gb"] = min(headroom) if headroom else None
+    out["reward_mean"] = result.get("reward_mean")
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--model", default="qwen2-0.4b", choices=["qwen2-0.4b", "qwen2-1.5b"])
+    parser.add_argument("--steps", type=int, default=5, help="steps per run (default 5)")
+    parser.add_argument("--warmup", type=int, default=2, help="steps left out of each run's median (default 2)")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of every variant (default 3)")
+    parser.add_argument("--variants", default="flowrl,trl-static", help=f"comma-separated, from: {', '.join(VARIANTS)}")
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--engine", default="auto", choices=["auto", "static", "loop"])
-    parser.add_argument("--ref-tokens", type=int, default=None, help="reference micro-batch tokens (None: whole batch)")
-    parser.add_argument("--update-tokens", type=int, default=16384, help="update micro-batch tokens")
-    parser.add_argument("--frameworks", default="flowrl,trl")
+    parser.add_argument("--micro-batch", type=int, default=64, help="sequences per forward/backward pass (default 64)")
     parser.add_argument("--output", type=Path, default=HERE / "results" / "gpu_grpo.json")
     args = parser.parse_args()
+    variants = [name.strip() for name in args.variants.split(",") if name.strip()]
+    unknown = [name for name in variants if name not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
     from flowrl.backends.builtin import builtin_model_dir
 
-    builtin_model_dir("qwen2-0.4b")  # built once, outside both clocks
-    the_job = job(args.steps, args)
-    num_sequences = args.prompts * args.generations
-    report: dict[str, Any] = {"machine": machine(), "job": the_job, "warmup_steps": args.warmup}
+    builtin_model_dir(args.model)  # built once, outside every clock
+    width = row_width(args.model, args.prompts, args.steps, args.new_tokens, 0)
+    micro_tokens = args.micro_batch * width
+    report: dict[str, Any] = {
+        "machine": machine(), "warmup_steps": args.warmup, "repeats": args.repeats,
+        "micro_batch": {"sequences": args.micro_batch, "row_width_tokens": width, "flowrl_micro_batch_tokens": micro_tokens},
+        "jobs": {name: job(args, name, micro_tokens) for name in variants},
+        "runs": {name: [] for name in variants},
+    }
     try:
         import torch
 
         report["machine"]["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     except Exception:  # a machine without CUDA still writes its report
         report["machine"]["gpu"] = None
-    for framework in args.frameworks.split(","):
-        raw = run_child(framework, the_job)
-        report[framework] = summary(raw, args.warmup, num_sequences, args.new_tokens)
-        report[f"{framework}_raw"] = {k: v for k, v in raw.items() if k not in ("logs",)}
-        print(f"{framework}: {json.dumps(report[framework], default=str)[:600]}", flush=True)
-    if "error" not in report.get("flowrl", {"error": 1}) and "error" not in report.get("trl", {"error": 1}):
-        ratios = [t / f for t, f in zip(report["trl"]["step_s_timed"], report["flowrl"]["step_s_timed"])]
-        report["speedup_trl_over_flowrl"] = {
-            "median_of_medians": report["trl"]["step_s_median"] / report["flowrl"]["step_s_median"],
-            "min": min(ratios), "max": max(ratios),
+
+    def write() -> None:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(report, indent=2, default=str) + "\n")
+
+    for round_index in range(args.repeats):
+        for name in variants:
+            raw = run_child(VARIANTS[name]["framework"], report["jobs"][name])
+            result = summary(raw, args.warmup)
+            result["round"] = round_index
+            if "error" in raw:
+                result["logs_tail"] = str(raw)[-2000:]
+            report["runs"][name].append(result)
+            short = {k: result.get(k) for k in ("step_s_median", "node_s_median", "peak_gpu_memory_gb", "error")}
+            print(f"round {round_index} {name}: {json.dumps(short, default=str)}", flush=True)
+            write()
+
+    report["summary"] = {}
+    for name in variants:
+        good = [run for run in report["runs"][name] if "error" not in run]
+        if not good:
+            report["summary"][name] = {"error": report["runs"][name][0].get("error") if report["runs"][name] else None}
+            continue
+        nodes = sorted({key for run in good for key in run["node_s_median"]})
+        report["summary"][name] = {
+            "step_s_median": statistics.median(run["step_s_median"] for run in good),
+            "step_s_per_round": [run["step_s_median"] for run in good],
+            "node_s_median": {key: statistics.median(run["node_s_median"][key] for run in good if key in run["node_s_median"])
+                              for key in nodes},
+            "peak_gpu_memory_gb": max((run["peak_gpu_memory_gb"] or 0.0) for run in good),
         }
-        print(f"TRL / flowrl seconds per step: {report['speedup_trl_over_flowrl']}", flush=True)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    if "flowrl" in variants:
+        for name in variants:
+            if name == "flowrl":
+                continue
+            pairs = [(t["step_s_median"], f["step_s_median"])
+                     for t, f in zip(report["runs"][name], report["runs"]["flowrl"])
+                     if "error" not in t and "error" not in f]
+            if pairs:
+                ratios = [t / f for t, f in pairs]
+                report["summary"][f"{name}_over_flowrl"] = {
+                    "median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "per_round": ratios}
+    print(json.dumps(report["summary"], indent=1, default=str), flush=True)
+    write()
     print(f"written: {args.output}")
 
 

@@ -112,11 +112,7 @@ def machine() -> dict[str, Any]:
             if line.startswith("model name"):
                 cpu_model = line.split(":", 1)[1].strip()
                 break
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    # Uncommitted changes to flowrl itself: the numbers belong to the working tree, not the commit.
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--", "flowrl"], cwd=REPO, capture_output=True, text=True
-    ).stdout.splitlines()
+    commit, dirty = commit_state()
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "platform": platform.platform(),
@@ -127,8 +123,25 @@ def machine() -> dict[str, Any]:
         "memory_total_gib": psutil.virtual_memory().total / 2**30,
         "versions": {name: version(name) for name in ("flowrl", "torch", "transformers", "trl", "accelerate", "datasets", "dask", "distributed")},
         "flowrl_commit": commit or None,
-        "flowrl_uncommitted_files": [line[3:] for line in dirty],
+        "flowrl_uncommitted_files": dirty,
     }
+
+
+def commit_state() -> tuple[str | None, list[str]]:
+    """The commit checked out and the files of flowrl/ and benchmarks/ that differ from it.
+
+    ``FLOWRL_GIT_DIR`` names a copy of the repository's git folder, for a copy of the
+    working tree that travelled without its own (or with a stale one).
+    """
+    git = ["git"]
+    if os.environ.get("FLOWRL_GIT_DIR"):
+        git += [f"--git-dir={os.environ['FLOWRL_GIT_DIR']}", f"--work-tree={REPO}"]
+    commit = subprocess.run([*git, "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    # Uncommitted changes: the numbers belong to the working tree, not the commit.
+    status = subprocess.run([*git, "status", "--porcelain", "--", "flowrl", "benchmarks"], cwd=REPO,
+                            capture_output=True, text=True).stdout.splitlines()
+    dirty = [line[3:] for line in status if not line[3:].startswith("benchmarks/results/")]
+    return commit or None, dirty
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 DEFAULT_CHUNK_SIZE = 1024
@@ -117,3 +118,101 @@ def token_entropy(
     if not chunks:
         return torch.zeros(logits.shape[:-1], dtype=torch.float32, device=logits.device)
     return torch.cat(chunks).view(logits.shape[:-1])
+
+
+FUSED_CHUNK_ELEMENTS = 1 << 27
+"""Logits per chunk of :func:`linear_token_logprobs` (rows x vocabulary): 512 MB of fp32
+scratch, whatever the vocabulary (4,096 rows at 32k, 880 at 152k)."""
+
+
+def fused_chunk_rows(vocab_size: int) -> int:
+    """Rows per chunk of :func:`linear_token_logprobs` for a vocabulary of ``vocab_size``."""
+    return max(64, FUSED_CHUNK_ELEMENTS // max(vocab_size, 1))
+
+
+class _LinearTokenLogprobs(torch.autograd.Function):
+    """``log_softmax((hidden @ weight.T + bias) / t)[label]`` chunk by chunk; the logits of a
+    chunk exist only while that chunk is computed, in the forward and again in the backward."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor,
+        temperature: float, chunk_rows: int,
+    ) -> Tensor:
+        num_rows = hidden.shape[0]
+        out = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
+        logsumexp = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
+        for start in range(0, num_rows, chunk_rows):
+            rows = slice(start, start + chunk_rows)
+            scaled = F.linear(hidden[rows], weight, bias).to(torch.float32) / temperature
+            logsumexp[rows] = torch.logsumexp(scaled, dim=-1)
+            out[rows] = scaled.gather(-1, labels[rows, None]).squeeze(-1) - logsumexp[rows]
+        ctx.save_for_backward(hidden, weight, bias, labels, logsumexp)
+        ctx.temperature = temperature
+        ctx.chunk_rows = chunk_rows
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        hidden, weight, bias, labels, logsumexp = ctx.saved_tensors
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        temperature, chunk_rows = ctx.temperature, ctx.chunk_rows
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        # Weight gradients of the chunks add up in fp32: one rounding at the end, as one
+        # matrix product over every row would have.
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+        grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_bias else None
+        scale = grad_out.to(torch.float32) / temperature
+        for start in range(0, hidden.shape[0], chunk_rows):
+            rows = slice(start, start + chunk_rows)
+            scaled = F.linear(hidden[rows], weight, bias).to(torch.float32) / temperature
+            # d/dz [z_label - logsumexp(z)] = onehot(label) - softmax(z), z = logits / t
+            grad = torch.exp(scaled - logsumexp[rows, None]).neg_()
+            grad.scatter_add_(-1, labels[rows, None], torch.ones_like(scale[rows, None]))
+            grad.mul_(scale[rows, None])
+            grad_logits = grad.to(hidden.dtype)
+            if grad_hidden is not None:
+                grad_hidden[rows] = grad_logits @ weight
+            if grad_weight is not None:
+                grad_weight += (grad_logits.t() @ hidden[rows]).to(torch.float32)
+            if grad_bias is not None:
+                grad_bias += grad.sum(dim=0)
+        return (
+            grad_hidden,
+            None if grad_weight is None else grad_weight.to(weight.dtype),
+            None if grad_bias is None else grad_bias.to(weight.dtype),
+            None, None, None,
+        )
+
+
+def linear_token_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    bias: Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_rows: int | None = None,
+) -> Tensor:
+    """Log-probability of each label under ``softmax((hidden @ weight.T + bias) / temperature)``.
+
+    The output head and the log-softmax in one: equal to
+    ``token_logprobs(F.linear(hidden, weight, bias), labels, temperature)`` but the
+    full-vocabulary logits of all rows never exist, neither in the forward nor for the
+    backward (which recomputes each chunk's logits from the saved ``hidden``). ``hidden`` is
+    ``[R, H]``, ``weight`` ``[V, H]``, ``labels`` ``[R]``; the result is ``[R]`` fp32 and
+    differentiable in ``hidden``, ``weight`` and ``bias``.
+    """
+    if hidden.dim() != 2 or labels.shape != hidden.shape[:1] or weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)} must be [R, H], weight {tuple(weight.shape)} [V, H] "
+            f"and labels {tuple(labels.shape)} [R]"
+        )
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    rows = fused_chunk_rows(weight.shape[0]) if chunk_rows is None else chunk_rows
+    if rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {rows}")
+    result: Tensor = _LinearTokenLogprobs.apply(
+        hidden, weight, bias, labels.long(), float(temperature), int(rows)
+    )
+    return result

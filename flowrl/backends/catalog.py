@@ -71,6 +71,12 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         max_position_embeddings=2048, architecture="qwen2", vocab_size=32_000,
         tie_word_embeddings=True,
     ),
+    # Qwen2.5-1.5B's shape with a 32k vocabulary (1.36 B parameters).
+    "qwen2-1.5b": BuiltinModel(
+        hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2, intermediate_size=8960,
+        max_position_embeddings=2048, architecture="qwen2", vocab_size=32_000,
+        tie_word_embeddings=True,
+    ),
     "arith-llama": BuiltinModel(
         hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=4, intermediate_size=512, recipe="arith"
     ),

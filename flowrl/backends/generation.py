@@ -153,14 +153,26 @@ def sample_next_token(
 
     The log-probs are under softmax(logits / temperature), before any filtering.
     """
+    noise = None if greedy else torch.empty_like(logits).exponential_(generator=generator)
+    return sample_with_noise(logits, temperature, top_p, top_k, noise)
+
+
+def sample_with_noise(
+    logits: torch.Tensor,
+    temperature: float | torch.Tensor,
+    top_p: float,
+    top_k: int,
+    noise: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sample_next_token` with its randomness given: ``noise`` [B, V] holds Exp(1)
+    draws (None: greedy). No generator inside, so ``torch.compile`` can fuse it whole."""
     logprobs = torch.log_softmax(logits / temperature, dim=-1)
-    if greedy:
+    if noise is None:
         tokens = logprobs.argmax(dim=-1)
     else:
         filtered = filter_top_k_top_p(logprobs, top_k, top_p)
         # Exponential race: argmax(p_i / E_i), E_i ~ Exp(1), picks i with probability p_i.
         # In log space: argmax(log p_i - log E_i); filtered tokens have log p = -inf.
-        noise = torch.empty_like(filtered).exponential_(generator=generator)
         tokens = (filtered - noise.log()).argmax(dim=-1)
     chosen = logprobs.gather(-1, tokens[:, None]).squeeze(-1)
     return tokens, chosen

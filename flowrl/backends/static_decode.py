@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from flowrl.backends.generation import GenerationOutput, check_arguments, sample_next_token
+from flowrl.backends.generation import GenerationOutput, check_arguments, sample_with_noise
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 FINISHED_CHECK_EVERY = 16
@@ -43,6 +43,9 @@ MIN_COMPACT_BATCH = 8
 """Below this many rows a smaller graph is not worth its capture."""
 PROMPT_BUCKET = 32
 """Prompt widths are rounded up to a multiple of this many columns (see ``_widen_prompts``)."""
+ATTENTION_WINDOW = 64
+"""A decode step attends over the cache columns written so far, rounded up to a multiple of
+this many: early steps read a fraction of the cache, at one captured graph per window."""
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -106,40 +109,54 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
-def _decode_layer(
+def _decode_attention_in(
     x: torch.Tensor, attn_norm: torch.Tensor, attn_eps: float,
-    qkv_weight: torch.Tensor, qkv_bias: torch.Tensor | None, o_weight: torch.Tensor,
-    mlp_norm: torch.Tensor, mlp_eps: float, gate_up_weight: torch.Tensor, down_weight: torch.Tensor,
+    qkv_weight: torch.Tensor, qkv_bias: torch.Tensor | None,
     keys: torch.Tensor, values: torch.Tensor, column: torch.Tensor,
-    cos: torch.Tensor, sin: torch.Tensor, bias: torch.Tensor, scaling: float,
+    cos: torch.Tensor, sin: torch.Tensor,
 ) -> torch.Tensor:
-    """One decoder layer for one new token per row: ``x`` [B, hidden] -> [B, hidden].
-
-    ``qkv_weight`` stacks the q, k and v projections and ``gate_up_weight`` the gate and up
-    projections (one matrix product each instead of three and two). Tensors only (plus
-    floats equal across layers), so one compiled version serves every layer. Writes the
-    token's key and value into cache column ``column`` of ``keys`` and ``values``
-    [B, kv_heads, columns, head_dim].
-    """
+    """A layer's first half for one new token per row: norm, q/k/v (``qkv_weight`` stacks
+    the three projections: one matrix product), rotary; writes the token's key and value into
+    cache column ``column`` of ``keys`` and ``values`` [B, kv_heads, columns, head_dim] and
+    returns the queries [B, kv_heads, heads per kv head, head_dim]."""
     batch = x.shape[0]
     kv_heads, head_dim = keys.shape[1], keys.shape[3]
     kv_size = kv_heads * head_dim
-    h = _rms_norm_weights(x, attn_norm, attn_eps)
-    qkv = F.linear(h, qkv_weight, qkv_bias)
+    qkv = F.linear(_rms_norm_weights(x, attn_norm, attn_eps), qkv_weight, qkv_bias)
     q_size = qkv.shape[-1] - 2 * kv_size
     q = qkv[:, :q_size].reshape(batch, kv_heads, -1, head_dim)
     k = qkv[:, q_size:q_size + kv_size].reshape(batch, kv_heads, 1, head_dim)
     v = qkv[:, q_size + kv_size:].reshape(batch, kv_heads, 1, head_dim)
-    q = _rotate(q, cos, sin)
-    k = _rotate(k, cos, sin)
-    keys.index_copy_(2, column, k)
+    keys.index_copy_(2, column, _rotate(k, cos, sin))
     values.index_copy_(2, column, v)
-    # One query per row: the query heads of a KV group become the "length" axis of one
-    # attention over that group's cached keys, so the cache is never repeated per head.
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=scaling)
-    x = x + F.linear(out.reshape(batch, -1), o_weight)
+    return _rotate(q, cos, sin)
+
+
+def _decode_attention_out(
+    x: torch.Tensor, attended: torch.Tensor, o_weight: torch.Tensor,
+    mlp_norm: torch.Tensor, mlp_eps: float, gate_up_weight: torch.Tensor, down_weight: torch.Tensor,
+) -> torch.Tensor:
+    """A layer's second half: output projection and residual, then the MLP (``gate_up_weight``
+    stacks the gate and up projections) and its residual; ``x`` [B, hidden] -> [B, hidden]."""
+    x = x + F.linear(attended.reshape(x.shape[0], -1), o_weight)
     gate, up = F.linear(_rms_norm_weights(x, mlp_norm, mlp_eps), gate_up_weight).chunk(2, dim=-1)
     return x + F.linear(F.silu(gate) * up, down_weight)
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
+            scaling: float) -> torch.Tensor:
+    # One query per row: the query heads of a KV group become the "length" axis of one
+    # attention over that group's cached keys, so the cache is never repeated per head.
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=scaling)
+
+
+def _sample_tail(
+    hidden: torch.Tensor, norm: torch.Tensor, norm_eps: float, head: torch.Tensor, head_bias: torch.Tensor | None,
+    temperature: torch.Tensor, noise: torch.Tensor | None, top_k: int, top_p: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Final norm, output head and sampling of one token per row (compiled: a few kernels)."""
+    logits = F.linear(_rms_norm_weights(hidden, norm, norm_eps), head, head_bias).float()
+    return sample_with_noise(logits, temperature, top_p, top_k, noise)
 
 
 def _rms_norm_weights(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -181,7 +198,7 @@ class _Buffers:
     """Every tensor a decode step reads or writes, allocated once for the largest batch."""
 
     def __init__(self, batch: int, columns: int, new_tokens: int, layers: int, kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+                 head_dim: int, vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
         def full(shape: tuple[int, ...], value: Any, kind: torch.dtype) -> torch.Tensor:
             return torch.full(shape, value, dtype=kind, device=device)
 
@@ -199,6 +216,8 @@ class _Buffers:
         self.completion_mask = full((batch, new_tokens), 0, torch.long)
         self.logprobs = full((batch, new_tokens), 0.0, torch.float32)
         self.temperature = full((1,), 1.0, torch.float32)
+        self.noise = full((batch, vocab_size), 1.0, torch.float32)
+        """Exp(1) draws for sampling, refilled every step from the generator."""
 
 
 @dataclass(frozen=True)
@@ -250,19 +269,31 @@ class StaticDecoder:
         self.device = self.embed.weight.device
         self.dtype = self.embed.weight.dtype
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
-        self._layer_fn: Any = _decode_layer
-        if self.use_graphs and compile_layers:
-            # Inductor fuses each layer's norms, rotary and gating into a few kernels: the
-            # graph replays ~15 kernels per layer instead of ~40, and replay time is per kernel.
-            self._layer_fn = torch.compile(_decode_layer, dynamic=False, fullgraph=True)
+        self._compiled = self.use_graphs and compile_layers
+        self._set_kernels(self._compiled)
         self._buffers: _Buffers | None = None
         with torch.no_grad():
             self._stacked = [_Stacked(layer) for layer in self.layers]
         self._shape: tuple[int, int, int] = (0, 0, 0)
-        self._graphs: dict[int, Any] = {}
+        self._graphs: dict[tuple[int, int], Any] = {}
         self._graph_key: tuple[Any, ...] | None = None
         self._graph_generator: torch.Generator | None = None
+        self._pool: Any = None
         self._cos = self._sin = torch.empty(0)
+
+    def _set_kernels(self, compiled: bool) -> None:
+        """The two halves of a layer and the sampling tail, compiled or plain."""
+        self._attention_in: Any = _decode_attention_in
+        self._attention_out: Any = _decode_attention_out
+        self._tail: Any = _sample_tail
+        if compiled:
+            # Inductor fuses each half's norms, rotary, cache write and gating into a few
+            # kernels (replay time is per kernel); one compiled version serves every layer.
+            # The attention between the halves stays one library kernel over a window of
+            # columns that grows with the step, and so does not multiply the compiled versions.
+            self._attention_in = torch.compile(_decode_attention_in, dynamic=False, fullgraph=True)
+            self._attention_out = torch.compile(_decode_attention_out, dynamic=False, fullgraph=True)
+            self._tail = torch.compile(_sample_tail, dynamic=False, fullgraph=True)
 
     # -- the decoder arithmetic ------------------------------------------------------------
 
@@ -297,12 +328,8 @@ class StaticDecoder:
         up = F.linear(h, layer.up.weight, layer.up.bias)
         return F.linear(F.silu(gate) * up, layer.down.weight, layer.down.bias)
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = _rms_norm(hidden, self.final_norm)
-        return F.linear(hidden, self.lm_head.weight, getattr(self.lm_head, "bias", None)).float()
-
     def _prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Run the prompts, fill cache columns 0..P-1; return the last column's logits."""
+        """Run the prompts, fill cache columns 0..P-1; return the last column's hidden states."""
         batch, length = input_ids.shape
         valid = attention_mask.bool()
         positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
@@ -316,38 +343,47 @@ class StaticDecoder:
         for index, layer in enumerate(self.layers):
             x = x + self._attend_prefill(index, layer, _rms_norm(x, layer.attn_norm), cos, sin, mask)
             x = x + self._mlp(layer, _rms_norm(x, layer.mlp_norm))
-        return self._logits(x[:, -1])
+        return x[:, -1].contiguous()
 
-    def _decode_step(self, batch: int, sampling: _Sampling, generator: torch.Generator | None) -> None:
-        """One token for rows ``:batch``: everything reads and writes the fixed buffers."""
+    def _decode_step(self, batch: int, window: int, sampling: _Sampling, generator: torch.Generator | None) -> None:
+        """One token for rows ``:batch``, attending over cache columns ``:window``: everything
+        reads and writes the fixed buffers."""
         b = self._buffers
         assert b is not None
         b.key_valid[:batch].index_fill_(1, b.column, True)
         zero = torch.zeros((), dtype=self.dtype, device=self.device)
-        bias = torch.where(b.key_valid[:batch], zero, torch.finfo(self.dtype).min)[:, None, None, :]
+        bias = torch.where(b.key_valid[:batch, :window], zero, torch.finfo(self.dtype).min)[:, None, None, :]
         positions = b.positions[:batch]
         cos = self._cos.index_select(0, positions)[:, None, None, :]
         sin = self._sin.index_select(0, positions)[:, None, None, :]
         x = self.embed.weight.index_select(0, b.tokens[:batch])
         for index, (layer, stacked) in enumerate(zip(self.layers, self._stacked)):
-            x = self._layer_fn(
+            keys, values = b.keys[index, :batch], b.values[index, :batch]
+            q = self._attention_in(
                 x, layer.attn_norm.weight, _number(layer.attn_norm.variance_epsilon),
-                stacked.qkv_weight, stacked.qkv_bias, layer.o.weight,
-                layer.mlp_norm.weight, _number(layer.mlp_norm.variance_epsilon),
-                stacked.gate_up_weight, layer.down.weight,
-                b.keys[index, :batch], b.values[index, :batch], b.column, cos, sin, bias, self.scaling,
+                stacked.qkv_weight, stacked.qkv_bias, keys, values, b.column, cos, sin,
             )
-        self._sample_into(self._logits(x), batch, sampling, generator)
+            attended = _attend(q, keys[:, :, :window], values[:, :, :window], bias, self.scaling)
+            x = self._attention_out(
+                x, attended, layer.o.weight, layer.mlp_norm.weight, _number(layer.mlp_norm.variance_epsilon),
+                stacked.gate_up_weight, layer.down.weight,
+            )
+        self._sample_into(x, batch, sampling, generator)
         b.positions[:batch] += 1
         b.column += 1
 
-    def _sample_into(self, logits: torch.Tensor, batch: int, sampling: _Sampling,
+    def _sample_into(self, hidden: torch.Tensor, batch: int, sampling: _Sampling,
                      generator: torch.Generator | None) -> None:
-        """Sample from ``logits`` and write token, mask and log-prob at the output column."""
+        """Sample from the last hidden states and write token, mask and log-prob at the output column."""
         b = self._buffers
         assert b is not None
-        tokens, logprobs = sample_next_token(
-            logits, b.temperature, sampling.top_p, sampling.top_k, sampling.greedy, generator
+        noise = None
+        if not sampling.greedy:
+            noise = b.noise[:batch].exponential_(generator=generator)
+        tokens, logprobs = self._tail(
+            hidden, self.final_norm.weight, _number(self.final_norm.variance_epsilon),
+            self.lm_head.weight, getattr(self.lm_head, "bias", None), b.temperature, noise,
+            sampling.top_k, sampling.top_p,
         )
         unfinished = b.unfinished[:batch]
         tokens = torch.where(unfinished, tokens, sampling.pad_token_id)
@@ -385,7 +421,7 @@ class StaticDecoder:
         shape = (max(batch, have_batch) if columns == have_columns and new_tokens == have_new else batch,
                  columns, new_tokens)
         self._buffers = _Buffers(shape[0], columns, new_tokens, len(self.layers), self.num_kv_heads,
-                                 self.head_dim, self.dtype, self.device)
+                                 self.head_dim, int(self.lm_head.weight.shape[0]), self.dtype, self.device)
         self._rope_tables(columns)
         self._shape = shape
 
@@ -402,12 +438,12 @@ class StaticDecoder:
             self._graph_key = key
             self._graph_generator = generator
 
-    def _graph_for(self, batch: int, sampling: _Sampling, generator: torch.Generator | None) -> Any:
-        if batch not in self._graphs:
-            self._graphs[batch] = self._capture(batch, sampling, generator)
-        return self._graphs[batch]
+    def _graph_for(self, batch: int, window: int, sampling: _Sampling, generator: torch.Generator | None) -> Any:
+        if (batch, window) not in self._graphs:
+            self._graphs[batch, window] = self._capture(batch, window, sampling, generator)
+        return self._graphs[batch, window]
 
-    def _capture(self, batch: int, sampling: _Sampling, generator: torch.Generator | None) -> Any:
+    def _capture(self, batch: int, window: int, sampling: _Sampling, generator: torch.Generator | None) -> Any:
         b = self._buffers
         assert b is not None
         saved = [t.clone() for t in (b.column, b.out_column, b.positions, b.tokens, b.unfinished)]
@@ -420,19 +456,24 @@ class StaticDecoder:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             try:
-                self._decode_step(batch, sampling, generator)
+                self._decode_step(batch, window, sampling, generator)
             except Exception as error:  # noqa: BLE001 - any compiler failure: run uncompiled
-                if self._layer_fn is _decode_layer:
+                if not self._compiled:
                     raise
-                warnings.warn(f"torch.compile of the decode layer failed ({type(error).__name__}: "
-                              f"{error}); the decode graph runs the uncompiled layer", stacklevel=2)
-                self._layer_fn = _decode_layer
-                self._decode_step(batch, sampling, generator)
+                warnings.warn(f"torch.compile of the decode step failed ({type(error).__name__}: "
+                              f"{error}); the decode graph runs it uncompiled", stacklevel=2)
+                self._compiled = False
+                self._set_kernels(False)
+                self._decode_step(batch, window, sampling, generator)
         torch.cuda.current_stream().wait_stream(stream)
         for tensor, value in zip((b.column, b.out_column, b.positions, b.tokens, b.unfinished), saved):
             tensor.copy_(value)
-        with torch.cuda.graph(graph):
-            self._decode_step(batch, sampling, generator)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        # One memory pool for every graph: they replay one at a time, so their scratch
+        # tensors can share addresses instead of each graph keeping its own.
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._decode_step(batch, window, sampling, generator)
         # Capturing does not run the step: the buffers still hold the values from before it.
         return graph
 
@@ -465,7 +506,8 @@ class StaticDecoder:
         batch, prompt_length = input_ids.shape
         for stacked in self._stacked:
             stacked.refresh()
-        self._ensure_buffers(batch, prompt_length + max_new_tokens, max_new_tokens)
+        columns = prompt_length + max_new_tokens
+        self._ensure_buffers(batch, columns, max_new_tokens)
         b = self._buffers
         assert b is not None
         b.key_valid.zero_()
@@ -495,10 +537,12 @@ class StaticDecoder:
                 keep = max(MIN_COMPACT_BATCH, 1 << (running - 1).bit_length())
                 if keep * 2 <= live:
                     live, rows = self._compact(result, live, rows, keep)
+            # Columns written so far: the prompt and the tokens fed back (this step writes one).
+            window = min(-(-(prompt_length + produced) // ATTENTION_WINDOW) * ATTENTION_WINDOW, columns)
             if self.use_graphs:
-                self._graph_for(live, sampling, generator).replay()
+                self._graph_for(live, window, sampling, generator).replay()
             else:
-                self._decode_step(live, sampling, generator)
+                self._decode_step(live, window, sampling, generator)
         result.take(b, rows, live)
         return result.output()
 

@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from flowrl.algorithms.logprobs import token_logprobs
+from flowrl.algorithms.logprobs import linear_token_logprobs, token_logprobs
 from flowrl.roles.batch import Rollout
 
 
@@ -116,12 +116,55 @@ def completion_logprobs(
 
 def _logprobs(module: torch.nn.Module, rollout: Rollout, device: torch.device) -> torch.Tensor:
     window = completion_window(rollout, device)
-    logits = module(
+    labels = rollout.completion_ids[:, : window.width].to(device)
+    head = output_head(module)
+    if head is None:
+        logits = module(
+            input_ids=window.input_ids,
+            attention_mask=window.attention_mask,
+            position_ids=window.position_ids,
+            use_cache=False,
+        ).logits
+        logprobs = token_logprobs(window.completion_positions(logits), labels, temperature=rollout.temperature)
+        return window.pad(logprobs)
+    backbone, linear = head
+    hidden = backbone(
         input_ids=window.input_ids,
         attention_mask=window.attention_mask,
         position_ids=window.position_ids,
         use_cache=False,
-    ).logits
-    labels = rollout.completion_ids[:, : window.width].to(device)
-    logprobs = token_logprobs(window.completion_positions(logits), labels, temperature=rollout.temperature)
-    return window.pad(logprobs)
+    ).last_hidden_state
+    hidden = window.completion_positions(hidden)
+    # The output head runs on the completion tokens only (not the prompt's positions, not the
+    # padding after a row's end): the largest matrix product of the pass, and its logits are
+    # never all in memory at once.
+    real = rollout.completion_mask[:, : window.width].to(device).reshape(-1).nonzero().squeeze(-1)
+    values = linear_token_logprobs(
+        hidden.reshape(-1, hidden.shape[-1]).index_select(0, real),
+        linear.weight,
+        labels.reshape(-1).index_select(0, real),
+        bias=linear.bias,
+        temperature=rollout.temperature,
+    )
+    flat = torch.zeros(labels.numel(), dtype=torch.float32, device=device).index_copy(0, real, values)
+    return window.pad(flat.view(labels.shape))
+
+
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+"""Config fields of models whose logits are not the output head's plain product (Gemma 2's
+soft-capping, Cohere's and Granite's scales): their log-probs go through the model's own
+forward instead of the fused head."""
+
+
+def output_head(module: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
+    """(backbone, output head) of a causal LM whose logits are ``head(backbone(...))``, so the
+    log-probs can skip the full logits; None for any other model."""
+    backbone = getattr(module, "base_model", None)
+    get_head = getattr(module, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if backbone is None or backbone is module or not isinstance(head, torch.nn.Linear):
+        return None
+    config = getattr(module, "config", None)
+    if any(getattr(config, name, None) not in (None, 1, 1.0) for name in LOGIT_TRANSFORMS):
+        return None
+    return backbone, head

@@ -103,10 +103,15 @@ class ModelState:
         """The optimizer is created by the first update, with that node's settings."""
         if self.optimizer is None:
             params = [p for p in self.module.parameters() if p.requires_grad]
-            self.optimizer = torch.optim.AdamW(
-                params, lr=lr, betas=betas, weight_decay=weight_decay, foreach=True
-            )
+            fused = self._fused_adamw()
+            self.optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay,
+                                               fused=fused, foreach=not fused)
         return self.optimizer
+
+    def _fused_adamw(self) -> bool:
+        """AdamW's implementation: on a GPU the fused kernel (one launch for every parameter;
+        several times faster than the multi-tensor loop), elsewhere the multi-tensor loop."""
+        return self.device.type == "cuda"
 
     def weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
@@ -121,8 +126,12 @@ class ModelState:
             if self.optimizer is None:
                 # Hyper-parameters come with the state dict's param_groups.
                 params = [p for p in self.module.parameters() if p.requires_grad]
-                self.optimizer = torch.optim.AdamW(params, foreach=True)
+                fused = self._fused_adamw()
+                self.optimizer = torch.optim.AdamW(params, fused=fused, foreach=not fused)
             self.optimizer.load_state_dict(saved["optimizer"])
+            # A state saved on another device kind carries that kind's implementation flags.
+            for group in self.optimizer.param_groups:
+                group.update(fused=self._fused_adamw(), foreach=not self._fused_adamw())
         if "num_updates" in saved:
             self.num_updates = int(saved["num_updates"])
         if saved.get("generator") is not None:

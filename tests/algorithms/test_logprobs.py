@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from flowrl.algorithms.logprobs import token_entropy, token_logprobs
+from flowrl.algorithms.logprobs import linear_token_logprobs, token_entropy, token_logprobs
 
 
 def _reference(logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -98,3 +98,63 @@ def test_entropy() -> None:
     probs = torch.softmax(random_logits / 0.5, -1)
     expected = -(probs * probs.log()).sum(-1)
     torch.testing.assert_close(token_entropy(random_logits, 0.5, chunk_size=4), expected)
+
+
+def _linear_reference(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      labels: torch.Tensor, temperature: float) -> torch.Tensor:
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    return _reference(logits, labels, temperature)
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 4, 64])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fused_head_matches_linear_then_log_softmax(chunk_rows: int, with_bias: bool) -> None:
+    generator = torch.Generator().manual_seed(5 + chunk_rows)
+    hidden = torch.randn(13, 6, generator=generator)
+    weight = torch.randn(17, 6, generator=generator)
+    bias = torch.randn(17, generator=generator) if with_bias else None
+    labels = torch.randint(0, 17, (13,), generator=generator)
+    upstream = torch.randn(13, generator=generator)
+    leaves = [t.clone().requires_grad_(True) for t in (hidden, weight) + ((bias,) if bias is not None else ())]
+    theirs = [t.detach().clone().requires_grad_(True) for t in leaves]
+    ours_bias = leaves[2] if with_bias else None
+    ours = linear_token_logprobs(leaves[0], leaves[1], labels, bias=ours_bias, temperature=0.7, chunk_rows=chunk_rows)
+    expected = _linear_reference(theirs[0], theirs[1], theirs[2] if with_bias else None, labels, 0.7)
+    assert ours.dtype == torch.float32 and ours.shape == (13,)
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=0)
+    (ours * upstream).sum().backward()
+    (expected * upstream).sum().backward()
+    for mine, reference in zip(leaves, theirs):
+        assert mine.grad is not None and reference.grad is not None
+        torch.testing.assert_close(mine.grad, reference.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_head_hand_example() -> None:
+    # hidden [1, 0] against rows [0, 0] and [ln 3, 0]: logits [0, ln 3] -> ln 0.75 for label 1;
+    # d/dlogits = onehot - softmax = [-1/4, 1/4], so d/dhidden = [-1/4 * 0 + 1/4 * ln 3, 0].
+    hidden = torch.tensor([[1.0, 0.0]], requires_grad=True)
+    weight = torch.tensor([[0.0, 0.0], [math.log(3), 0.0]], requires_grad=True)
+    result = linear_token_logprobs(hidden, weight, torch.tensor([1]))
+    torch.testing.assert_close(result, torch.tensor([math.log(0.75)]))
+    result.sum().backward()
+    assert hidden.grad is not None and weight.grad is not None
+    torch.testing.assert_close(hidden.grad, torch.tensor([[0.25 * math.log(3), 0.0]]))
+    torch.testing.assert_close(weight.grad, torch.tensor([[-0.25, 0.0], [0.25, 0.0]]))
+
+
+def test_fused_head_gradcheck_in_float64() -> None:
+    generator = torch.Generator().manual_seed(6)
+    hidden = torch.randn(5, 3, dtype=torch.float64, generator=generator, requires_grad=True)
+    weight = torch.randn(4, 3, dtype=torch.float64, generator=generator, requires_grad=True)
+    labels = torch.randint(0, 4, (5,), generator=generator)
+    assert torch.autograd.gradcheck(
+        lambda h, w: linear_token_logprobs(h, w, labels, temperature=1.3, chunk_rows=2).double(),
+        (hidden, weight), eps=1e-3, atol=1e-3, rtol=1e-3,
+    )
+
+
+def test_fused_head_errors() -> None:
+    with pytest.raises(ValueError, match=r"\[R, H\]"):
+        linear_token_logprobs(torch.zeros(2, 3), torch.zeros(4, 5), torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match="temperature"):
+        linear_token_logprobs(torch.zeros(2, 3), torch.zeros(4, 3), torch.zeros(2, dtype=torch.long), temperature=0)
