@@ -158,3 +158,22 @@ def test_fused_head_errors() -> None:
         linear_token_logprobs(torch.zeros(2, 3), torch.zeros(4, 5), torch.zeros(2, dtype=torch.long))
     with pytest.raises(ValueError, match="temperature"):
         linear_token_logprobs(torch.zeros(2, 3), torch.zeros(4, 3), torch.zeros(2, dtype=torch.long), temperature=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fused_head_on_a_gpu_in_bf16_matches_the_plain_head() -> None:
+    generator = torch.Generator(device="cuda").manual_seed(7)
+    hidden = torch.randn(300, 64, device="cuda", generator=generator).to(torch.bfloat16)
+    weight = (torch.randn(5000, 64, device="cuda", generator=generator) * 0.1).to(torch.bfloat16)
+    labels = torch.randint(0, 5000, (300,), device="cuda", generator=generator)
+    ours_h, ours_w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    theirs_h, theirs_w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    ours = linear_token_logprobs(ours_h, ours_w, labels, chunk_rows=128)
+    theirs = _linear_reference(theirs_h, theirs_w, None, labels, 1.0)
+    torch.testing.assert_close(ours, theirs, atol=2e-2, rtol=0)  # bf16 logits, fp32 softmax
+    ours.sum().backward()
+    theirs.sum().backward()
+    assert ours_h.grad is not None and theirs_h.grad is not None and ours_w.grad is not None and theirs_w.grad is not None
+    torch.testing.assert_close(ours_h.grad.float(), theirs_h.grad.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(ours_w.grad.float(), theirs_w.grad.float(), atol=2e-2, rtol=2e-2)
