@@ -105,18 +105,21 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--engines", default="flowrl_static,flowrl_loop,transformers",
+                        help="comma-separated, from flowrl_static, flowrl_loop, transformers")
     parser.add_argument("--output", type=Path, default=REPO / "benchmarks" / "results" / "decode.json")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = build_model(args.layers, device)
     rows = []
-    engines = {"flowrl_static": run_static, "flowrl_loop": run_loop, "transformers": run_hf}
+    every = {"flowrl_static": run_static, "flowrl_loop": run_loop, "transformers": run_hf}
+    engines = {name: every[name] for name in args.engines.split(",")}
     for batch in [int(b) for b in args.batches.split(",")]:
         row: dict[str, Any] = {"batch": batch}
         for name, engine in engines.items():
             row[name] = measure(engine, model, batch, args, device)
-        hf_times = row["transformers"]["ms_per_decode_step_all"]
-        for name in ("flowrl_static", "flowrl_loop"):
+        hf_times = row["transformers"]["ms_per_decode_step_all"] if "transformers" in row else []
+        for name in [n for n in ("flowrl_static", "flowrl_loop") if n in row and hf_times]:
             ratios = [f / h for f, h in zip(row[name]["ms_per_decode_step_all"], hf_times)]
             row[f"ratio_{name}_over_transformers"] = {
                 "median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
