@@ -57,11 +57,17 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+_GENERATORS: dict[str, torch.Generator] = {}
+
+
 def run_static(model: Any, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int) -> None:
     decoder = decoder_for(model)
     assert decoder is not None
+    # One generator, re-seeded per call, as a generate node keeps its own: the captured graphs
+    # replay with the generator they were captured with (a new one means capturing again).
+    generator = _GENERATORS.setdefault(str(ids.device), torch.Generator(device=ids.device))
     decoder.generate(ids, mask, max_new_tokens=new_tokens, eos_token_id=EOS, pad_token_id=0,
-                     generator=torch.Generator(device=ids.device).manual_seed(0))
+                     generator=generator.manual_seed(0))
 
 
 def run_loop(model: Any, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int) -> None:

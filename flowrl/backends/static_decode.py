@@ -416,7 +416,7 @@ class StaticDecoder:
         have_batch, have_columns, have_new = self._shape
         if batch <= have_batch and columns == have_columns and new_tokens == have_new:
             return
-        self._graphs.clear()
+        self._drop_graphs()
         self._buffers = None  # free the old cache before allocating the new one
         shape = (max(batch, have_batch) if columns == have_columns and new_tokens == have_new else batch,
                  columns, new_tokens)
@@ -434,9 +434,15 @@ class StaticDecoder:
         # and a graph replays with the generator registered at its capture.
         key = (self._parameter_key(), sampling)
         if key != self._graph_key or generator is not self._graph_generator:
-            self._graphs.clear()
+            self._drop_graphs()
             self._graph_key = key
             self._graph_generator = generator
+
+    def _drop_graphs(self) -> None:
+        """Forget every captured graph, and with them their memory pool: a pool whose graphs
+        are all gone cannot take a new capture."""
+        self._graphs.clear()
+        self._pool = None
 
     def _graph_for(self, batch: int, window: int, sampling: _Sampling, generator: torch.Generator | None) -> Any:
         if (batch, window) not in self._graphs:
