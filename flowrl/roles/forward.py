@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 
 from flowrl.algorithms.logprobs import linear_token_logprobs, token_logprobs
+from flowrl.backends.packed_attention import can_pack, packed
 from flowrl.roles.batch import Rollout
 
 
@@ -128,13 +129,7 @@ def _logprobs(module: torch.nn.Module, rollout: Rollout, device: torch.device) -
         logprobs = token_logprobs(window.completion_positions(logits), labels, temperature=rollout.temperature)
         return window.pad(logprobs)
     backbone, linear = head
-    hidden = backbone(
-        input_ids=window.input_ids,
-        attention_mask=window.attention_mask,
-        position_ids=window.position_ids,
-        use_cache=False,
-    ).last_hidden_state
-    hidden = window.completion_positions(hidden)
+    hidden = window.completion_positions(_hidden_states(module, backbone, window))
     # The output head runs on the completion tokens only (not the prompt's positions, not the
     # padding after a row's end): the largest matrix product of the pass, and its logits are
     # never all in memory at once.
@@ -148,6 +143,35 @@ def _logprobs(module: torch.nn.Module, rollout: Rollout, device: torch.device) -
     )
     flat = torch.zeros(labels.numel(), dtype=torch.float32, device=device).index_copy(0, real, values)
     return window.pad(flat.view(labels.shape))
+
+
+PACK_BELOW = 0.8
+"""A pass is packed when its real tokens are fewer than this share of its padded tokens."""
+
+
+def _hidden_states(module: torch.nn.Module, backbone: torch.nn.Module, window: CompletionWindow) -> torch.Tensor:
+    """The backbone's last hidden states over ``window`` [N, L, H] (zeros at padding).
+
+    Rows whose lengths differ much are packed (one row of every real token, each row
+    attending to itself, positions restarting per row), so no layer computes padding.
+    """
+    real = window.attention_mask.bool()
+    lengths = real.sum(dim=1)
+    if not (can_pack(module) and float(lengths.sum()) < PACK_BELOW * real.numel()):
+        return backbone(
+            input_ids=window.input_ids,
+            attention_mask=window.attention_mask,
+            position_ids=window.position_ids,
+            use_cache=False,
+        ).last_hidden_state
+    with packed(module, [int(length) for length in lengths.tolist()]):
+        packed_hidden = backbone(
+            input_ids=window.input_ids[real][None],
+            position_ids=window.position_ids[real][None],
+            use_cache=False,
+        ).last_hidden_state[0]
+    hidden = packed_hidden.new_zeros((*window.input_ids.shape, packed_hidden.shape[-1]))
+    return hidden.index_put((real,), packed_hidden)
 
 
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from flowrl.algorithms.logprobs import token_logprobs
@@ -34,7 +35,7 @@ def test_fused_head_gives_the_models_log_probs_and_gradients() -> None:
     # Real completion tokens agree; padding is 0 in the fused path (never computed) and is
     # masked by every consumer.
     torch.testing.assert_close(fused * mask, plain * mask, atol=1e-5, rtol=0)
-    assert float(fused[mask == 0].abs().sum()) == 0.0
+    assert float(fused.detach()[mask == 0].abs().sum()) == 0.0
     weights = torch.randn(mask.shape, generator=torch.Generator().manual_seed(0)) * mask
     (fused * weights).sum().backward()
     (plain * weights).sum().backward()
@@ -48,3 +49,68 @@ def test_models_with_transformed_logits_use_their_own_forward() -> None:
     model.config.final_logit_softcapping = 30.0
     assert output_head(model) is None
     assert output_head(model.model) is None  # a backbone has no output head
+
+
+def _uneven_rollout() -> object:
+    # Prompts of 2..9 characters and completions of 1..12: padded to the longest, most of
+    # the window is padding, so the passes are packed.
+    prompts = ["1+1=", "123456+7=", "9=", "40+2="]
+    completions = ["2", "123463 is it", "9", "42?"]
+    return text_rollout(build_char_tokenizer(), prompts, completions, group_size=2, max_new_tokens=12)
+
+
+def test_packed_forward_equals_the_padded_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    import flowrl.roles.forward as forward
+
+    rollout = _uneven_rollout()
+    mask = rollout.completion_mask.float()  # type: ignore[attr-defined]
+    results = []
+    for pack_below in (0.0, 1.01):  # never packed, always packed
+        monkeypatch.setattr(forward, "PACK_BELOW", pack_below)
+        model = tiny_policy(seed=4)
+        logprobs = completion_logprobs(model, rollout, torch.device("cpu"))  # type: ignore[arg-type]
+        (logprobs * mask).sum().backward()
+        results.append((logprobs.detach(), {name: p.grad for name, p in model.named_parameters()}))
+    (padded, padded_grads), (packed, packed_grads) = results
+    torch.testing.assert_close(packed * mask, padded * mask, atol=1e-5, rtol=0)
+    for name, grad in padded_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    # The model is left as it was: the next plain forward uses its own attention again.
+    model = tiny_policy(seed=4)
+    assert model.config._attn_implementation != "flowrl_packed"
+
+
+def test_packing_attends_within_each_row_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two rows packed end to end give the hidden states each row gives alone.
+    from types import SimpleNamespace
+
+    import flowrl.backends.packed_attention as packed_attention
+    from flowrl.backends.packed_attention import packed
+
+    calls: list[int] = []
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(1)
+        return torch.nn.functional.scaled_dot_product_attention(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(packed_attention, "F", SimpleNamespace(scaled_dot_product_attention=counted))
+    model = tiny_policy(seed=5).eval()
+    first, second = torch.tensor([[5, 6, 7, 8, 9]]), torch.tensor([[10, 11, 12]])
+    with torch.no_grad():
+        alone = [model.model(input_ids=ids, use_cache=False).last_hidden_state[0] for ids in (first, second)]
+        with packed(model, [5, 3]):
+            together = model.model(input_ids=torch.cat([first, second], dim=1),
+                                   position_ids=torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2]]),
+                                   use_cache=False).last_hidden_state[0]
+    torch.testing.assert_close(together, torch.cat(alone), atol=1e-5, rtol=0)
+    assert len(calls) == 2 * model.config.num_hidden_layers  # one attention per row and layer
+
+
+def test_models_with_sliding_windows_are_not_packed() -> None:
+    from flowrl.backends.packed_attention import can_pack
+
+    model = tiny_policy()
+    assert can_pack(model)
+    model.config.sliding_window = 4
+    assert not can_pack(model)
+    assert not can_pack(model.lm_head)
