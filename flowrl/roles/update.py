@@ -15,6 +15,7 @@ what it computes once before the first step.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Protocol
 
@@ -240,7 +241,7 @@ def _step(
         sub = part if dp is None else part.select(torch.arange(mine.start, mine.stop))
         sub_rows = rows[mine]
         groups = micro_batches(sub, node.micro_batch_tokens)
-        for group in groups:
+        for number, group in enumerate(groups):
             # Each pass's loss, weighted by its share of the mini-batch's normaliser: the
             # gradients of the passes add up to the gradient of the whole mini-batch's loss.
             whole = len(groups) == 1
@@ -249,7 +250,11 @@ def _step(
             piece = sub if whole else sub.select(group)
             loss, numbers = objective.loss(state, piece, sub_rows if whole else sub_rows[group])
             scale = share * weight
-            (loss * scale if scale != 1.0 else loss).backward()
+            # The last pass's backward makes the gradients final: their sum over the ranks
+            # starts bucket by bucket while it runs.
+            last = dp is not None and number == len(groups) - 1
+            with dp.overlapping(state.module) if last and dp is not None else contextlib.nullcontext():
+                (loss * scale if scale != 1.0 else loss).backward()
             for index, key in enumerate(keys):
                 factor = tokens_share * token_weight if key in objective.token_means else share * weight
                 values[index] += numbers[key] * factor

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import socket
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,5 +35,10 @@ class GlooGroup:
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` over the group, in place."""
+        self.all_reduce_start(tensor).wait()
+
+    def all_reduce_start(self, tensor: torch.Tensor) -> Any:
+        """Start summing ``tensor`` over the group in place; ``wait()`` on the result. Gloo
+        runs it on its own threads, so the caller's computation goes on meanwhile."""
         # ProcessGroupGloo's collectives are bound in C++ and missing from torch's stubs.
-        self._group.allreduce([tensor]).wait()  # type: ignore[attr-defined]
+        return self._group.allreduce([tensor])  # type: ignore[attr-defined]

@@ -262,6 +262,17 @@ class Session:
             for slot in self.plan.model_slots.get(model, [trainer_slot])
         ]
 
+    def _ranks(self) -> set[tuple[str, str]]:
+        """(model, slot) of each data-parallel rank of a trained model other than the training
+        copy: it steps the same optimizer, so it needs the optimizer state and update count
+        too (the count seeds the mini-batch shuffle), but keeps its own sampling RNG."""
+        ranks: set[tuple[str, str]] = set()
+        for node in self.pipeline.nodes_of(UpdateNode):
+            model = self.pipeline.spec.nodes[node].model
+            assert model is not None  # the schema requires an update node's model
+            ranks.update((model, slot) for slot in self.plan.slots_of(node)[1:])
+        return ranks
+
     def _other_copies(self) -> list[tuple[str, str]]:
         """(model, slot) of every copy of a trained model that is not the training copy."""
         return [(model, slot) for model, slot, training in self._copies() if not training]
@@ -284,10 +295,16 @@ class Session:
         """Put a :meth:`snapshot` back on the hosts of this session's plan (whose training
         copy may sit on another slot than the snapshot's, after a re-plan)."""
         calls = []
+        ranks = self._ranks()
         for model, slot, training in self._copies():
             saved = snapshot[model]
             trained = next(parts for parts in saved.values() if "weights" in parts)
-            parts = dict(trained) if training else {"weights": trained["weights"]}
+            if training:
+                parts = dict(trained)
+            elif (model, slot) in ranks:
+                parts = {key: value for key, value in trained.items() if key != "generator"}
+            else:
+                parts = {"weights": trained["weights"]}
             if "generator" in saved.get(slot, {}):
                 parts["generator"] = saved[slot]["generator"]
             calls.append((slot, self.hosts[slot].restore_state(model, parts)))
@@ -295,9 +312,13 @@ class Session:
 
     def load_checkpoint(self, directory: Path) -> None:
         """Restore every copy of each trained model from a checkpoint directory: the training
-        copy whole, the others their weights and their own sampling RNG (``generators.pt``)."""
+        copy whole, its data-parallel ranks the weights and the optimizer state, the others
+        their weights; every copy but the training one its own sampling RNG (``generators.pt``)."""
+        ranks = self._ranks()
         calls = [
-            (slot, self.hosts[slot].load_models(str(directory), [model], None if training else ("weights",)))
+            (slot, self.hosts[slot].load_models(
+                str(directory), [model],
+                None if training else ("weights", "optimizer") if (model, slot) in ranks else ("weights",)))
             for model, slot, training in self._copies()
         ]
         self.gather(calls, self._long_s, "loading a checkpoint")

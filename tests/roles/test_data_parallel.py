@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from flowrl.roles.batch import Rollout
-from flowrl.roles.data_parallel import DataParallel, weighted_rows
+from flowrl.roles.data_parallel import BUCKET_BYTES, DataParallel, weighted_rows
 from flowrl.roles.state import ModelState
 from flowrl.roles.update import update_critic, update_policy
 from flowrl.runtime.collective import GlooGroup, free_port
@@ -49,22 +49,25 @@ def _train_alone(node: UpdateNode, updates: int) -> tuple[ModelState, list[dict[
 
 
 def _ranks(make_state: Callable[[], ModelState], train: Callable[[ModelState, DataParallel], list[dict[str, float]]],
-           shares: tuple[float, ...]) -> list[tuple[ModelState, list[dict[str, float]]]]:
-    """Two gloo ranks (threads of this process), each training its state with ``train``."""
+           shares: tuple[float, ...], bucket_bytes: int = BUCKET_BYTES,
+           ) -> list[tuple[ModelState, list[dict[str, float]], DataParallel]]:
+    """One gloo rank per share (threads of this process), each training its state with ``train``."""
+    world = len(shares)
     port = free_port("127.0.0.1")
-    results: list[Any] = [None, None]
+    results: list[Any] = [None] * world
     errors: list[BaseException] = []
     # built here, one after the other: torch's global RNG seeds the initial weights
-    states = [make_state() for _ in range(2)]
+    states = [make_state() for _ in range(world)]
 
     def rank(index: int) -> None:
         try:
-            group = GlooGroup("127.0.0.1", port, index, 2, timeout_s=60)
-            results[index] = (states[index], train(states[index], DataParallel(group, shares)))
+            group = GlooGroup("127.0.0.1", port, index, world, timeout_s=60)
+            dp = DataParallel(group, shares, bucket_bytes=bucket_bytes)
+            results[index] = (states[index], train(states[index], dp), dp)
         except BaseException as error:  # surfaced below, in the test's thread
             errors.append(error)
 
-    threads = [threading.Thread(target=rank, args=(index,)) for index in range(2)]
+    threads = [threading.Thread(target=rank, args=(index,)) for index in range(world)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -74,13 +77,14 @@ def _ranks(make_state: Callable[[], ModelState], train: Callable[[ModelState, Da
     return results
 
 
-def _train_data_parallel(node: UpdateNode, updates: int, shares: tuple[float, ...]) -> list[tuple[ModelState, list[dict[str, float]]]]:
+def _train_data_parallel(node: UpdateNode, updates: int, shares: tuple[float, ...], bucket_bytes: int = BUCKET_BYTES,
+                         ) -> list[tuple[ModelState, list[dict[str, float]], DataParallel]]:
     def train(state: ModelState, dp: DataParallel) -> list[dict[str, float]]:
         rollout = _rollout(state)
         reference = torch.randn(6, rollout.completion_ids.shape[1], generator=torch.Generator().manual_seed(1)) * 0.1 - 2.0
         return [update_policy(state, rollout, ADVANTAGES, reference, node, seed=0, dp=dp).metrics for _ in range(updates)]
 
-    return _ranks(lambda: model_state("actor", tiny_policy(0), 0), train, shares)
+    return _ranks(lambda: model_state("actor", tiny_policy(0), 0), train, shares, bucket_bytes)
 
 
 @pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean"])
@@ -101,7 +105,7 @@ def test_two_ranks_train_to_the_same_weights_as_one_device(loss_agg: str, shares
     first = ranks[0][0].module.state_dict()
     for name, tensor in ranks[1][0].module.state_dict().items():
         assert torch.equal(tensor, first[name]), name
-    for state, metrics in ranks:
+    for state, metrics, _ in ranks:
         for name, tensor in state.module.state_dict().items():
             torch.testing.assert_close(tensor, expected[name], rtol=1e-4, atol=2e-5, msg=name)
         for got, want in zip(metrics, alone_metrics):
@@ -126,10 +130,46 @@ def test_a_critic_trains_over_two_ranks_like_on_one_device() -> None:
     alone_metrics = train(alone, None)
     ranks = _ranks(lambda: model_state("critic", tiny_scalar_model(0), 0), train, (0.7, 0.3))
     expected = alone.module.state_dict()
-    for state, metrics in ranks:
+    for state, metrics, _ in ranks:
         for name, tensor in state.module.state_dict().items():
             torch.testing.assert_close(tensor, expected[name], rtol=1e-4, atol=2e-5, msg=name)
         for got, want in zip(metrics, alone_metrics):
             for key in ("critic/vf_loss", "critic/grad_norm", "critic/vf_clipfrac", "critic/values_mean"):
                 assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
             assert got["critic/num_optimizer_steps"] == 4.0 and got["critic/nonfinite_skipped"] == 0.0
+
+
+@pytest.mark.parametrize("shares", [(1.0, 1.0), (0.5, 0.3, 0.2)], ids=["2 ranks", "3 ranks"])
+def test_gradients_summed_in_buckets_during_the_backward_give_the_one_device_step(shares: tuple[float, ...]) -> None:
+    # Buckets of 4 KB: the tiny policy's 19 parameter tensors (about 60 KB of gradients) go
+    # in several all-reduces, most of them started before the backward has finished. Micro-
+    # batches of 12 tokens: the sum starts only in the last pass's backward, after the
+    # earlier passes have added into the gradients.
+    node = UpdateNode(
+        model="actor", inputs=["rollout", "adv", "ref"], lr=1e-2, ppo_epochs=2, mini_batch_size=4,
+        kl_coef=0.05, max_grad_norm=0.5, micro_batch_tokens=12,
+    )
+    alone, alone_metrics = _train_alone(node, updates=2)
+    ranks = _train_data_parallel(node, updates=2, shares=shares, bucket_bytes=4096)
+    expected = alone.module.state_dict()
+    first = ranks[0][0].module.state_dict()
+    for state, metrics, dp in ranks:
+        for name, tensor in state.module.state_dict().items():
+            assert torch.equal(tensor, first[name]), name  # every rank takes the same steps
+            torch.testing.assert_close(tensor, expected[name], rtol=1e-4, atol=2e-5, msg=name)
+        for got, want in zip(metrics, alone_metrics):
+            for key in ("actor/loss", "actor/pg_loss", "actor/kl", "actor/grad_norm"):
+                assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
+        buckets = dp._buckets_of(state.module).buckets
+        assert len(buckets) > 3
+        # 2 updates x 2 epochs x 2 mini-batches = 8 optimizer steps; a rank with rows in a
+        # mini-batch starts all but the buckets of parameters it has no gradient for early
+        assert dp.buckets_started_in_backward > 8
+
+
+def test_buckets_cover_every_parameter_once_in_reverse_order() -> None:
+    from flowrl.roles.data_parallel import _Buckets
+
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (10, 300, 20, 20, 5)]
+    buckets = _Buckets(params, bucket_bytes=100 * 4).buckets  # 100 floats per bucket
+    assert buckets == [[4, 3, 2], [1], [0]]  # 45 floats; 300 alone (over the size); then 10

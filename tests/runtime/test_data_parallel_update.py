@@ -77,3 +77,32 @@ def test_the_group_is_formed_again_without_a_killed_member_and_training_goes_on(
         assert all(torch.isfinite(torch.tensor(value)) for value in metrics.values())
     # the model kept learning from where it was: not a fresh start
     assert after[0]["critic/score/mean"] != before[0]["critic/score/mean"]
+
+
+@pytest.mark.parametrize("ranks_after", [1, 3])
+def test_a_checkpoint_of_two_ranks_resumes_on_another_number_of_ranks_on_the_same_curve(
+    tmp_path: Path, ranks_after: int
+) -> None:
+    # Every rank holds the whole model and the training copy writes it whole, so a checkpoint
+    # taken over two ranks loads onto one rank or three, and the run goes on as if nothing
+    # had happened: same rollouts (generation stays on cpu-0 with its saved RNG), same
+    # mini-batch shuffle (a function of the update count), same optimizer state.
+    graph = pipeline(tmp_path)
+    two_ranks = {"train": ["cpu-0", "cpu-1"]}
+    after = {"train": ["cpu-0", "cpu-1", "cpu-2"][:ranks_after]} if ranks_after > 1 else None
+    cluster = Cluster.start_local(3)
+    try:
+        expected = _train(started(cluster, graph, plan_for(graph, ALL_ON_0, node_shards=two_ranks)), graph, range(1, 5), {})
+        first = started(cluster, graph, plan_for(graph, ALL_ON_0, node_shards=two_ranks))
+        _train(first, graph, range(1, 3), {})
+        first.save_models(tmp_path / "checkpoint", with_state=True)
+        resumed = started(cluster, graph, plan_for(graph, ALL_ON_0, node_shards=after))
+        assert resumed.plan.slots_of("train") == (after or {"train": ["cpu-0"]})["train"]
+        resumed.load_checkpoint(tmp_path / "checkpoint")
+        curve = _train(resumed, graph, range(3, 5), {})
+    finally:
+        cluster.close()
+    for step, (want, got) in enumerate(zip(expected[2:], curve), start=3):
+        for key, value in want.items():
+            # a different number of ranks sums the gradient in another order
+            assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-5), f"step {step}: {key}"
