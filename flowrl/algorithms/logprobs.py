@@ -159,8 +159,8 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         temperature, chunk_rows = ctx.temperature, ctx.chunk_rows
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        # Weight gradients of the chunks add up in fp32: one rounding at the end, as one
-        # matrix product over every row would have.
+        # Weight gradients of the chunks add up in fp32 (each chunk's product is rounded to
+        # the weight's dtype once, before the sum).
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
         grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_bias else None
         scale = grad_out.to(torch.float32) / temperature

@@ -373,14 +373,17 @@ class StaticDecoder:
         b.column += 1
 
     def _sample_into(self, hidden: torch.Tensor, batch: int, sampling: _Sampling,
-                     generator: torch.Generator | None) -> None:
-        """Sample from the last hidden states and write token, mask and log-prob at the output column."""
+                     generator: torch.Generator | None, compiled: bool = True) -> None:
+        """Sample from the last hidden states and write token, mask and log-prob at the output
+        column; ``compiled``: through the compiled tail (inside a captured step, where a
+        compiler failure falls back to plain code) or the plain one."""
         b = self._buffers
         assert b is not None
         noise = None
         if not sampling.greedy:
             noise = b.noise[:batch].exponential_(generator=generator)
-        tokens, logprobs = self._tail(
+        tail = self._tail if compiled else _sample_tail
+        tokens, logprobs = tail(
             hidden, self.final_norm.weight, _number(self.final_norm.variance_epsilon),
             self.lm_head.weight, getattr(self.lm_head, "bias", None), b.temperature, noise,
             sampling.top_k, sampling.top_p,
@@ -526,7 +529,9 @@ class StaticDecoder:
         b.out_column.zero_()
         b.column.fill_(prompt_length)
         b.positions[:batch] = attention_mask.sum(dim=1)
-        self._sample_into(self._prefill(input_ids, attention_mask), batch, sampling, generator)
+        # Once per call, outside any captured graph: the plain tail (a compiled one here would
+        # compile per batch size where no fallback catches a compiler failure).
+        self._sample_into(self._prefill(input_ids, attention_mask), batch, sampling, generator, compiled=False)
 
         if self.use_graphs:
             self._forget_stale_graphs(sampling, generator)

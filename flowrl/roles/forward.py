@@ -157,7 +157,10 @@ def _hidden_states(module: torch.nn.Module, backbone: torch.nn.Module, window: C
     """
     real = window.attention_mask.bool()
     lengths = real.sum(dim=1)
-    if not (can_pack(module) and float(lengths.sum()) < PACK_BELOW * real.numel()):
+    # With activation checkpointing the layers run again inside the backward, after the
+    # packed attention is switched off: a pass that will be differentiated is not packed then.
+    recomputed = torch.is_grad_enabled() and bool(getattr(backbone, "is_gradient_checkpointing", False))
+    if recomputed or not (can_pack(module) and float(lengths.sum()) < PACK_BELOW * real.numel()):
         return backbone(
             input_ids=window.input_ids,
             attention_mask=window.attention_mask,

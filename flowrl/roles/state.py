@@ -128,10 +128,15 @@ class ModelState:
                 params = [p for p in self.module.parameters() if p.requires_grad]
                 fused = self._fused_adamw()
                 self.optimizer = torch.optim.AdamW(params, fused=fused, foreach=not fused)
-            self.optimizer.load_state_dict(saved["optimizer"])
-            # A state saved on another device kind carries that kind's implementation flags.
-            for group in self.optimizer.param_groups:
-                group.update(fused=self._fused_adamw(), foreach=not self._fused_adamw())
+            # A state saved on another device kind (or before fused AdamW) carries that kind's
+            # implementation flags; they decide, while loading, where each step counter goes
+            # (the fused kernel wants it on the parameter's device), so they are set first.
+            fused = self._fused_adamw()
+            optimizer_state = dict(saved["optimizer"])
+            optimizer_state["param_groups"] = [
+                {**group, "fused": fused, "foreach": not fused} for group in optimizer_state["param_groups"]
+            ]
+            self.optimizer.load_state_dict(optimizer_state)
         if "num_updates" in saved:
             self.num_updates = int(saved["num_updates"])
         if saved.get("generator") is not None:

@@ -114,3 +114,25 @@ def test_models_with_sliding_windows_are_not_packed() -> None:
     model.config.sliding_window = 4
     assert not can_pack(model)
     assert not can_pack(model.lm_head)
+
+
+def test_a_checkpointed_model_is_not_packed_where_its_backward_recomputes_the_layers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Activation checkpointing runs each layer again inside backward, after the packed
+    # attention is switched off: the gradients must still be those of the padded pass.
+    import flowrl.roles.forward as forward
+
+    rollout = _uneven_rollout()
+    mask = rollout.completion_mask.float()  # type: ignore[attr-defined]
+    grads = []
+    for pack_below, checkpointing in ((0.0, False), (1.01, True)):
+        monkeypatch.setattr(forward, "PACK_BELOW", pack_below)
+        model = tiny_policy(seed=6)
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        model.train()
+        (completion_logprobs(model, rollout, torch.device("cpu")) * mask).sum().backward()  # type: ignore[arg-type]
+        grads.append({name: p.grad for name, p in model.named_parameters()})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, atol=1e-5, rtol=1e-4, msg=name)
