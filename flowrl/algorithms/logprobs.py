@@ -31,6 +31,22 @@ def _check(logits: Tensor, labels: Tensor, temperature: float, chunk_size: int) 
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
 
 
+def _chunk_logprobs(scaled: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """(logsumexp, log-prob of each label) of one chunk of fp32 scaled logits ``[R, V]``;
+    ``labels`` is ``[R, 1]``."""
+    logsumexp = torch.logsumexp(scaled, dim=-1)
+    return logsumexp, scaled.gather(-1, labels).squeeze(-1) - logsumexp
+
+
+def _chunk_grad(scaled: Tensor, logsumexp: Tensor, labels: Tensor, scale: Tensor) -> Tensor:
+    """Gradient in the scaled logits of one chunk, fp32: ``scale * (onehot(label) - softmax)``,
+    since d/dz [z_label - logsumexp(z)] = onehot(label) - softmax(z), z = logits / t; ``labels``
+    and ``scale`` (upstream gradient / t) are ``[R, 1]``."""
+    grad = torch.exp(scaled - logsumexp[:, None]).neg_()
+    grad.scatter_add_(-1, labels, torch.ones_like(scale))
+    return grad.mul_(scale)
+
+
 class _TokenLogprobs(torch.autograd.Function):
     """``log_softmax(logits / t)[label]`` computed chunk by chunk, backward recomputed."""
 
@@ -46,8 +62,7 @@ class _TokenLogprobs(torch.autograd.Function):
         for start in range(0, num_rows, chunk_size):
             rows = slice(start, start + chunk_size)
             scaled = flat_logits[rows].to(torch.float32) / temperature
-            logsumexp[rows] = torch.logsumexp(scaled, dim=-1)
-            out[rows] = scaled.gather(-1, flat_labels[rows]).squeeze(-1) - logsumexp[rows]
+            logsumexp[rows], out[rows] = _chunk_logprobs(scaled, flat_labels[rows])
         ctx.save_for_backward(logits, labels, logsumexp)
         ctx.temperature = temperature
         ctx.chunk_size = chunk_size
@@ -68,10 +83,8 @@ class _TokenLogprobs(torch.autograd.Function):
         for start in range(0, flat_logits.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
             scaled = flat_logits[rows].to(torch.float32) / temperature
-            # d/dz [z_label - logsumexp(z)] = onehot(label) - softmax(z); z = logits / t
-            grad = -torch.exp(scaled - logsumexp[rows].unsqueeze(-1))
-            grad.scatter_add_(-1, flat_labels[rows], torch.ones_like(flat_grad_out[rows]))
-            grad_logits[rows] = (grad * (flat_grad_out[rows] / temperature)).to(grad_logits.dtype)
+            grad = _chunk_grad(scaled, logsumexp[rows], flat_labels[rows], flat_grad_out[rows] / temperature)
+            grad_logits[rows] = grad.to(grad_logits.dtype)
         return grad_logits.view_as(logits), None, None, None
 
 
@@ -146,8 +159,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         for start in range(0, num_rows, chunk_rows):
             rows = slice(start, start + chunk_rows)
             scaled = F.linear(hidden[rows], weight, bias).to(torch.float32) / temperature
-            logsumexp[rows] = torch.logsumexp(scaled, dim=-1)
-            out[rows] = scaled.gather(-1, labels[rows, None]).squeeze(-1) - logsumexp[rows]
+            logsumexp[rows], out[rows] = _chunk_logprobs(scaled, labels[rows, None])
         ctx.save_for_backward(hidden, weight, bias, labels, logsumexp)
         ctx.temperature = temperature
         ctx.chunk_rows = chunk_rows
@@ -167,10 +179,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk_rows):
             rows = slice(start, start + chunk_rows)
             scaled = F.linear(hidden[rows], weight, bias).to(torch.float32) / temperature
-            # d/dz [z_label - logsumexp(z)] = onehot(label) - softmax(z), z = logits / t
-            grad = torch.exp(scaled - logsumexp[rows, None]).neg_()
-            grad.scatter_add_(-1, labels[rows, None], torch.ones_like(scale[rows, None]))
-            grad.mul_(scale[rows, None])
+            grad = _chunk_grad(scaled, logsumexp[rows], labels[rows, None], scale[rows, None])
             grad_logits = grad.to(hidden.dtype)
             if grad_hidden is not None:
                 grad_hidden[rows] = grad_logits @ weight
