@@ -189,10 +189,22 @@ def _variants(args: argparse.Namespace, model: Any) -> dict[str, Callable[[slice
                 result.sum().backward()
         return run
 
+    def layers_compiled() -> Callable[[slice, bool], None]:
+        # Each decoder layer compiled in place (one compiled version serves every layer, shapes
+        # dynamic): what a run can do without recompiling per micro-batch length.
+        import copy
+
+        backbone = copy.copy(model.model)
+        backbone.layers = torch.nn.ModuleList(copy.copy(layer) for layer in model.model.layers)
+        for layer in backbone.layers:
+            layer.compile(dynamic=None)
+        return fused(backbone)
+
     return {
         "full_logits": full_logits,
         "fused_head": fused(model.model),
         "fused_head_compiled": fused(torch.compile(model.model, dynamic=False)),
+        "fused_head_layers_compiled": layers_compiled(),
     }
 
 
@@ -228,7 +240,7 @@ def section_update(args: argparse.Namespace) -> dict[str, Any]:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             out[name] = {"s": timed(call, args.repeats), "peak_gb": peak_gb(call)}
-            if name == "fused_head":
+            if name in ("fused_head", "fused_head_layers_compiled"):
                 out[name]["kernels"] = kernels(call, steps=1)
         except Exception:  # noqa: BLE001 - one variant's failure is a result too
             out[name] = {"error": traceback.format_exc()[-1500:]}
