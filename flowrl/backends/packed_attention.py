@@ -33,13 +33,17 @@ def _bounds() -> list[int] | None:
     return bounds
 
 
+@torch.compiler.disable
 def _packed_attention(
     module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Causal attention inside each packed row; query [1, heads, T, D], key and value
-    [1, kv_heads, T, D]; returns [1, T, heads, D] as transformers' attention functions do."""
+    [1, kv_heads, T, D]; returns [1, T, heads, D] as transformers' attention functions do.
+
+    Never traced by ``torch.compile`` (a compiled layer breaks its graph here): the loop
+    runs over bounds that change every pass."""
     bounds = _bounds()
     if bounds is None:
         raise RuntimeError("packed attention called outside flowrl.backends.packed_attention.packed()")

@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 
 from flowrl.algorithms.logprobs import linear_token_logprobs, token_logprobs
+from flowrl.backends.compiled_layers import run_compiled
 from flowrl.backends.packed_attention import can_pack, packed
 from flowrl.roles.batch import Rollout
 
@@ -153,28 +154,42 @@ def _hidden_states(module: torch.nn.Module, backbone: torch.nn.Module, window: C
     """The backbone's last hidden states over ``window`` [N, L, H] (zeros at padding).
 
     Rows whose lengths differ much are packed (one row of every real token, each row
-    attending to itself, positions restarting per row), so no layer computes padding.
+    attending to itself, positions restarting per row), so no layer computes padding. On a
+    GPU the decoder layers run compiled (``flowrl.backends.compiled_layers``).
     """
     real = window.attention_mask.bool()
     lengths = real.sum(dim=1)
     # With activation checkpointing the layers run again inside the backward, after the
     # packed attention is switched off: a pass that will be differentiated is not packed then.
-    recomputed = torch.is_grad_enabled() and bool(getattr(backbone, "is_gradient_checkpointing", False))
+    recomputed = torch.is_grad_enabled() and _checkpointed(backbone)
+    def run(pass_: Callable[[], torch.Tensor]) -> torch.Tensor:
+        # The same recomputation rules out compiled layers: the backward would recompute
+        # them eagerly, and the tensors saved would not match.
+        return pass_() if recomputed else run_compiled(module, pass_)
+
     if recomputed or not (can_pack(module) and float(lengths.sum()) < PACK_BELOW * real.numel()):
-        return backbone(
+        return run(lambda: backbone(
             input_ids=window.input_ids,
             attention_mask=window.attention_mask,
             position_ids=window.position_ids,
             use_cache=False,
-        ).last_hidden_state
+        ).last_hidden_state)
     with packed(module, [int(length) for length in lengths.tolist()]):
-        packed_hidden = backbone(
+        packed_hidden = run(lambda: backbone(
             input_ids=window.input_ids[real][None],
             position_ids=window.position_ids[real][None],
             use_cache=False,
-        ).last_hidden_state[0]
+        ).last_hidden_state[0])
     hidden = packed_hidden.new_zeros((*window.input_ids.shape, packed_hidden.shape[-1]))
     return hidden.index_put((real,), packed_hidden)
+
+
+def _checkpointed(backbone: torch.nn.Module) -> bool:
+    # transformers 5 renamed the flag (the old name warns); either may be what the model has
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(backbone), name) or name in vars(backbone):
+            return bool(getattr(backbone, name))
+    return False
 
 
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")

@@ -1,0 +1,115 @@
+"""A transformers model's decoder layers behind ``torch.compile`` for the log-prob passes.
+
+In eager mode each decoder layer of a small model is dozens of kernels that each read and
+write a whole activation (the norms in float32, the rotary halves, the gated activation);
+on a GPU those, not the matrix products, take most of a forward and backward. Compiled,
+they fuse into a few kernels and keep fewer tensors for the backward.
+
+Only the layers are compiled (one compiled version serves every layer of the model: the
+parameters are inputs of the graph, not constants), and only during the passes that ask for
+it (:func:`compiled_layers`): generation through the model's own ``generate()`` and any other
+use of the module stay eager. Packed attention (``flowrl.backends.packed_attention``) stays
+outside the graphs: it runs per row, from bounds that change every pass.
+
+A compiler failure is not a run failure: the pass is run again eagerly and the model stays
+eager from then on (``CompiledLayers.failed``), with one warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any, Callable, Iterator, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+ATTRIBUTE = "_flowrl_compiled_layers"
+
+
+class CompiledLayers:
+    """The compiled call of each decoder layer of one model, made once."""
+
+    def __init__(self, layers: list[torch.nn.Module], backend: str | Callable[..., Any] = "inductor") -> None:
+        self.layers = layers
+        self.calls: list[Callable[..., Any]] = [
+            torch.compile(layer._call_impl, dynamic=None, backend=backend) for layer in layers
+        ]
+        self.failed = False
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        # nn.Module.__call__ runs ``_compiled_call_impl`` when it is set (what
+        # ``Module.compile()`` sets for good); here it is set for one block only.
+        previous = [layer._compiled_call_impl for layer in self.layers]
+        for layer, call in zip(self.layers, self.calls):
+            layer._compiled_call_impl = call
+        try:
+            yield
+        finally:
+            for layer, before in zip(self.layers, previous):
+                layer._compiled_call_impl = before
+
+
+def decoder_layers(module: torch.nn.Module) -> list[torch.nn.Module] | None:
+    """The decoder layers of a transformers causal LM (``base_model.layers``), else None."""
+    backbone = getattr(module, "base_model", None)
+    layers = getattr(backbone, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0:
+        return None
+    return list(layers)
+
+
+def wanted(module: torch.nn.Module) -> bool:
+    """Compile on CUDA only: on a CPU the compile time (a C++ build per graph) outweighs the
+    gain for the small models that run there."""
+    parameter = next(module.parameters(), None)
+    return parameter is not None and parameter.device.type == "cuda"
+
+
+def compiled_for(
+    module: torch.nn.Module, force: bool = False, backend: str | Callable[..., Any] = "inductor"
+) -> CompiledLayers | None:
+    """The model's :class:`CompiledLayers` (made on first use); None where not wanted
+    (``force``: on any device), for a model without decoder layers, or after a failure."""
+    compiled: CompiledLayers | None = getattr(module, ATTRIBUTE, None)
+    if compiled is None:
+        if not (force or wanted(module)):
+            return None
+        layers = decoder_layers(module)
+        if layers is None:
+            return None
+        compiled = CompiledLayers(layers, backend)
+        # not a submodule: a plain attribute set past nn.Module's registration
+        object.__setattr__(module, ATTRIBUTE, compiled)
+    return None if compiled.failed else compiled
+
+
+def run_compiled(module: torch.nn.Module, run: Callable[[], T], force: bool = False) -> T:
+    """``run()`` (a pass of ``module``) with its decoder layers compiled where wanted; on a
+    compiler failure, warn once and run it again eagerly."""
+    compiled = compiled_for(module, force)
+    if compiled is None:
+        return run()
+    try:
+        with compiled.active():
+            return run()
+    except Exception as error:  # noqa: BLE001 - a compiler failure of any kind: stay eager
+        if not _is_compiler_error(error):
+            raise
+        compiled.failed = True
+        warnings.warn(
+            f"torch.compile of the decoder layers failed ({type(error).__name__}: {str(error)[:300]}); "
+            "log-prob passes of this model run eagerly",
+            stacklevel=2,
+        )
+        return run()
+
+
+def _is_compiler_error(error: BaseException) -> bool:
+    """Errors raised by dynamo or inductor (not by the model's own code or a lack of memory)."""
+    if isinstance(error, torch.cuda.OutOfMemoryError):
+        return False
+    origin = type(error).__module__
+    return origin.startswith(("torch._dynamo", "torch._inductor", "torch.fx", "torch._subclasses"))
