@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from flowrl.backends.decode_attention import decode_attention
 from flowrl.backends.generation import GenerationOutput, check_arguments, sample_with_noise
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
@@ -141,13 +142,6 @@ def _decode_attention_out(
     x = x + F.linear(attended.reshape(x.shape[0], -1), o_weight)
     gate, up = F.linear(_rms_norm_weights(x, mlp_norm, mlp_eps), gate_up_weight).chunk(2, dim=-1)
     return x + F.linear(F.silu(gate) * up, down_weight)
-
-
-def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
-            scaling: float) -> torch.Tensor:
-    # One query per row: the query heads of a KV group become the "length" axis of one
-    # attention over that group's cached keys, so the cache is never repeated per head.
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=scaling)
 
 
 def _sample_tail(
@@ -351,8 +345,7 @@ class StaticDecoder:
         b = self._buffers
         assert b is not None
         b.key_valid[:batch].index_fill_(1, b.column, True)
-        zero = torch.zeros((), dtype=self.dtype, device=self.device)
-        bias = torch.where(b.key_valid[:batch, :window], zero, torch.finfo(self.dtype).min)[:, None, None, :]
+        key_valid = b.key_valid[:batch, :window]
         positions = b.positions[:batch]
         cos = self._cos.index_select(0, positions)[:, None, None, :]
         sin = self._sin.index_select(0, positions)[:, None, None, :]
@@ -363,7 +356,7 @@ class StaticDecoder:
                 x, layer.attn_norm.weight, _number(layer.attn_norm.variance_epsilon),
                 stacked.qkv_weight, stacked.qkv_bias, keys, values, b.column, cos, sin,
             )
-            attended = _attend(q, keys[:, :, :window], values[:, :, :window], bias, self.scaling)
+            attended = decode_attention(q, keys[:, :, :window], values[:, :, :window], key_valid, self.scaling)
             x = self._attention_out(
                 x, attended, layer.o.weight, layer.mlp_norm.weight, _number(layer.mlp_norm.variance_epsilon),
                 stacked.gate_up_weight, layer.down.weight,
