@@ -5,7 +5,8 @@ through transformers' layers, masks and cache objects: on a GPU that overhead, n
 arithmetic, sets the speed (25 ms per token for a 0.4B model whatever the batch). This engine
 runs the same decoder arithmetic from the model's own parameters (no copy: an optimizer step
 is seen by the next generation) over preallocated buffers, so one decode step has fixed shapes
-and fixed addresses. On CUDA it is captured once into a CUDA graph and replayed per token:
+and fixed addresses (rotary, cache write and attention of a layer are one kernel,
+``decode_attention``). On CUDA it is captured once into a CUDA graph and replayed per token:
 the embedding lookup, every layer, the cache write, sampling, the eos bookkeeping and the
 advance of positions all run on the GPU, and the host only asks every few steps whether every
 row has finished.
@@ -34,7 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from flowrl.backends.decode_attention import decode_attention
+from flowrl.backends.decode_attention import decode_attention, rotate
 from flowrl.backends.generation import GenerationOutput, check_arguments, sample_with_noise
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
@@ -104,33 +105,11 @@ def _rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
     return _rms_norm_weights(x, _tensor(norm.weight), _number(norm.variance_epsilon))
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
-def _decode_attention_in(
-    x: torch.Tensor, attn_norm: torch.Tensor, attn_eps: float,
-    qkv_weight: torch.Tensor, qkv_bias: torch.Tensor | None,
-    keys: torch.Tensor, values: torch.Tensor, column: torch.Tensor,
-    cos: torch.Tensor, sin: torch.Tensor,
-) -> torch.Tensor:
-    """A layer's first half for one new token per row: norm, q/k/v (``qkv_weight`` stacks
-    the three projections: one matrix product), rotary; writes the token's key and value into
-    cache column ``column`` of ``keys`` and ``values`` [B, kv_heads, columns, head_dim] and
-    returns the queries [B, kv_heads, heads per kv head, head_dim]."""
-    batch = x.shape[0]
-    kv_heads, head_dim = keys.shape[1], keys.shape[3]
-    kv_size = kv_heads * head_dim
-    qkv = F.linear(_rms_norm_weights(x, attn_norm, attn_eps), qkv_weight, qkv_bias)
-    q_size = qkv.shape[-1] - 2 * kv_size
-    q = qkv[:, :q_size].reshape(batch, kv_heads, -1, head_dim)
-    k = qkv[:, q_size:q_size + kv_size].reshape(batch, kv_heads, 1, head_dim)
-    v = qkv[:, q_size + kv_size:].reshape(batch, kv_heads, 1, head_dim)
-    keys.index_copy_(2, column, _rotate(k, cos, sin))
-    values.index_copy_(2, column, v)
-    return _rotate(q, cos, sin)
+def _decode_qkv(x: torch.Tensor, attn_norm: torch.Tensor, attn_eps: float,
+                qkv_weight: torch.Tensor, qkv_bias: torch.Tensor | None) -> torch.Tensor:
+    """A layer's first half for one new token per row: the norm and the q/k/v projections
+    (``qkv_weight`` stacks the three: one matrix product); [B, hidden] -> [B, q + k + v]."""
+    return F.linear(_rms_norm_weights(x, attn_norm, attn_eps), qkv_weight, qkv_bias)
 
 
 def _decode_attention_out(
@@ -277,15 +256,16 @@ class StaticDecoder:
 
     def _set_kernels(self, compiled: bool) -> None:
         """The two halves of a layer and the sampling tail, compiled or plain."""
-        self._attention_in: Any = _decode_attention_in
+        self._attention_in: Any = _decode_qkv
         self._attention_out: Any = _decode_attention_out
         self._tail: Any = _sample_tail
         if compiled:
-            # Inductor fuses each half's norms, rotary, cache write and gating into a few
-            # kernels (replay time is per kernel); one compiled version serves every layer.
-            # The attention between the halves stays one library kernel over a window of
-            # columns that grows with the step, and so does not multiply the compiled versions.
-            self._attention_in = torch.compile(_decode_attention_in, dynamic=False, fullgraph=True)
+            # Inductor fuses each half's norms, residuals and gating into a few kernels
+            # (replay time is per kernel); one compiled version serves every layer. Between
+            # the halves, rotary, cache write and attention are one kernel
+            # (``decode_attention``) over a window of columns that grows with the step, and so
+            # does not multiply the compiled versions.
+            self._attention_in = torch.compile(_decode_qkv, dynamic=False, fullgraph=True)
             self._attention_out = torch.compile(_decode_attention_out, dynamic=False, fullgraph=True)
             self._tail = torch.compile(_sample_tail, dynamic=False, fullgraph=True)
 
@@ -306,8 +286,8 @@ class StaticDecoder:
         q = F.linear(h, layer.q.weight, layer.q.bias).view(batch, length, self.num_heads, self.head_dim)
         k = F.linear(h, layer.k.weight, layer.k.bias).view(batch, length, self.num_kv_heads, self.head_dim)
         v = F.linear(h, layer.v.weight, layer.v.bias).view(batch, length, self.num_kv_heads, self.head_dim)
-        q = _rotate(q.transpose(1, 2), cos, sin)
-        k = _rotate(k.transpose(1, 2), cos, sin)
+        q = rotate(q.transpose(1, 2), cos, sin)
+        k = rotate(k.transpose(1, 2), cos, sin)
         v = v.transpose(1, 2)
         buffers.keys[layer_index, :batch, :, :length] = k
         buffers.values[layer_index, :batch, :, :length] = v
@@ -347,16 +327,17 @@ class StaticDecoder:
         b.key_valid[:batch].index_fill_(1, b.column, True)
         key_valid = b.key_valid[:batch, :window]
         positions = b.positions[:batch]
-        cos = self._cos.index_select(0, positions)[:, None, None, :]
-        sin = self._sin.index_select(0, positions)[:, None, None, :]
+        cos = self._cos.index_select(0, positions)
+        sin = self._sin.index_select(0, positions)
         x = self.embed.weight.index_select(0, b.tokens[:batch])
         for index, (layer, stacked) in enumerate(zip(self.layers, self._stacked)):
             keys, values = b.keys[index, :batch], b.values[index, :batch]
-            q = self._attention_in(
+            qkv = self._attention_in(
                 x, layer.attn_norm.weight, _number(layer.attn_norm.variance_epsilon),
-                stacked.qkv_weight, stacked.qkv_bias, keys, values, b.column, cos, sin,
+                stacked.qkv_weight, stacked.qkv_bias,
             )
-            attended = decode_attention(q, keys[:, :, :window], values[:, :, :window], key_valid, self.scaling)
+            attended = decode_attention(qkv, cos, sin, keys[:, :, :window], values[:, :, :window], b.column,
+                                        key_valid, self.scaling)
             x = self._attention_out(
                 x, attended, layer.o.weight, layer.mlp_norm.weight, _number(layer.mlp_norm.variance_epsilon),
                 stacked.gate_up_weight, layer.down.weight,

@@ -1,63 +1,117 @@
-"""Decode attention (one query per row over a static KV cache) against a softmax written out."""
+"""A decode step's attention (rotary, cache write, attention over the window) against the
+same arithmetic written out by hand, on CPU (plain path) and on a GPU (the Triton kernel)."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
 from flowrl.backends import decode_attention as attention
 
-
-def written_out(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
-                scaling: float) -> torch.Tensor:
-    """Per row and KV head: scores over the valid columns only, softmax, weighted values (fp64)."""
-    out = torch.zeros(q.shape, dtype=torch.float64)
-    for row in range(q.shape[0]):
-        columns = valid[row].nonzero().flatten()
-        for head in range(q.shape[1]):
-            k = keys[row, head, columns].double()
-            v = values[row, head, columns].double()
-            scores = q[row, head].double() @ k.T * scaling
-            out[row, head] = torch.softmax(scores, dim=-1) @ v
-    return out
+KV_HEADS, GROUP, HEAD_DIM = 2, 7, 64
+SCALING = HEAD_DIM ** -0.5
 
 
-def cache_views(device: str, dtype: torch.dtype, window: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
-    """Queries, and key/value views [:batch, :, :window] into a larger cache (as a decode step
-    slices its buffers), with left padding of different widths and one row with a single key."""
+def rotated(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """Rotary by hand: pairs (i, i + half) turned by each row's angle i (fp64)."""
+    half = x.shape[-1] // 2
+    first, second = x[..., :half].double(), x[..., half:].double()
+    cos, sin = angles.cos().double(), angles.sin().double()
+    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+
+
+def step_inputs(device: str, dtype: torch.dtype, window: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A step's inputs: the cache window is a view [:batch, :, :window] into a larger cache
+    (as the decode step slices its buffers); rows have left padding of different widths, one
+    row attends only to the new column, one has unwritten columns after the new one."""
     generator = torch.Generator().manual_seed(seed)
-    batch, kv_heads, group, head_dim, columns = 5, 2, 7, 64, window + 40
+    batch, columns = 5, window + 40
 
     def draw(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
 
-    keys = draw(batch + 2, kv_heads, columns, head_dim)[:batch, :, :window]
-    values = draw(batch + 2, kv_heads, columns, head_dim)[:batch, :, :window]
-    q = draw(batch, kv_heads, group, head_dim)
-    valid = torch.ones(batch, window, dtype=torch.bool, device=device)
+    column = window - 7
+    angles = torch.rand(batch, HEAD_DIM // 2, generator=generator) * 2 * math.pi
+    valid = torch.zeros(batch, window, dtype=torch.bool)
+    valid[:, :column + 1] = True
     valid[0, :window // 2] = False
     valid[1, :3] = False
-    valid[2, :window - 1] = False  # only the newest column
-    valid[3, window - 5:] = False  # columns not yet written at the end of the window
-    return q, keys, values, valid
+    valid[2, :column] = False  # only the new column
+    return {
+        "qkv": draw(batch, (KV_HEADS * GROUP + 2 * KV_HEADS) * HEAD_DIM),
+        "angles": angles,
+        "cos": torch.cat((angles, angles), -1).cos().to(device=device, dtype=dtype),
+        "sin": torch.cat((angles, angles), -1).sin().to(device=device, dtype=dtype),
+        "keys": draw(batch + 2, KV_HEADS, columns, HEAD_DIM),
+        "values": draw(batch + 2, KV_HEADS, columns, HEAD_DIM),
+        "column": torch.tensor([column], device=device),
+        "valid": valid.to(device),
+    }
 
 
-def test_fallback_matches_the_written_out_softmax() -> None:
-    q, keys, values, valid = cache_views("cpu", torch.float32, window=70)
-    out = attention.decode_attention(q, keys, values, valid, scaling=0.125)
-    expected = written_out(q, keys, values, valid, 0.125)
-    assert torch.allclose(out.double(), expected, atol=1e-5)
+def by_hand(inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Expected output, new key and new value (fp64) for every row."""
+    qkv, angles, valid = inputs["qkv"].cpu().double(), inputs["angles"], inputs["valid"].cpu()
+    keys, values = inputs["keys"].cpu().double(), inputs["values"].cpu().double()
+    column = int(inputs["column"])
+    batch = qkv.shape[0]
+    heads = KV_HEADS * GROUP
+    q = qkv[:, :heads * HEAD_DIM].reshape(batch, heads, HEAD_DIM)
+    new_keys = rotated(qkv[:, heads * HEAD_DIM:(heads + KV_HEADS) * HEAD_DIM].reshape(batch, KV_HEADS, HEAD_DIM),
+                       angles[:, None])
+    new_values = qkv[:, (heads + KV_HEADS) * HEAD_DIM:].reshape(batch, KV_HEADS, HEAD_DIM)
+    out = torch.zeros(batch, KV_HEADS, GROUP, HEAD_DIM, dtype=torch.float64)
+    for row in range(batch):
+        columns = valid[row].nonzero().flatten()
+        for head in range(KV_HEADS):
+            k = keys[row, head, :valid.shape[1]].clone()
+            v = values[row, head, :valid.shape[1]].clone()
+            k[column], v[column] = new_keys[row, head], new_values[row, head]
+            for member in range(GROUP):
+                query = rotated(q[row, head * GROUP + member], angles[row])
+                weights = torch.softmax(k[columns] @ query * SCALING, dim=0)
+                out[row, head, member] = weights @ v[columns]
+    return out, new_keys, new_values
+
+
+def run(inputs: dict[str, torch.Tensor], window: int) -> torch.Tensor:
+    batch = inputs["qkv"].shape[0]
+    return attention.decode_attention(
+        inputs["qkv"], inputs["cos"], inputs["sin"], inputs["keys"][:batch, :, :window],
+        inputs["values"][:batch, :, :window], inputs["column"], inputs["valid"], SCALING)
+
+
+def check(inputs: dict[str, torch.Tensor], window: int, tolerance: float) -> None:
+    expected, new_keys, new_values = by_hand(inputs)
+    out = run(inputs, window)
+    assert out.shape == (5, KV_HEADS, GROUP, HEAD_DIM)
+    assert torch.allclose(out.cpu().double(), expected, atol=tolerance), (out.cpu().double() - expected).abs().max()
+    column = int(inputs["column"])
+    written_keys = inputs["keys"][:5, :, column].cpu().double()
+    assert torch.allclose(written_keys, new_keys, atol=tolerance)
+    assert torch.equal(inputs["values"][:5, :, column].cpu().double(), new_values)
+
+
+def test_plain_path_matches_the_arithmetic_by_hand() -> None:
+    inputs = step_inputs("cpu", torch.float32, window=70)
+    untouched = inputs["keys"].clone()
+    check(inputs, 70, tolerance=1e-5)
+    # Only the new column changed in the cache.
+    changed = (inputs["keys"] != untouched).any(dim=-1).nonzero()[:, 2].unique().tolist()
+    assert changed == [int(inputs["column"])]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("window", [64, 150, 320])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_kernel_matches_the_written_out_softmax(window: int, dtype: torch.dtype) -> None:
-    q, keys, values, valid = cache_views("cuda", dtype, window)
-    assert attention.triton_usable(q)
-    out = attention.decode_attention(q, keys, values, valid, scaling=0.125)
-    expected = written_out(q.cpu(), keys.cpu(), values.cpu(), valid.cpu(), 0.125)
-    # fp32: exact products; bf16: inputs and the weights fed to the second product are bf16.
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-    assert torch.allclose(out.cpu().double(), expected, atol=tolerance), (out.cpu().double() - expected).abs().max()
+def test_triton_kernel_matches_the_arithmetic_by_hand(window: int, dtype: torch.dtype) -> None:
+    inputs = step_inputs("cuda", dtype, window)
+    assert attention.triton_usable(inputs["qkv"], HEAD_DIM)
+    untouched = inputs["keys"].clone()
+    # bf16: inputs, the rotated query and key and the softmax weights are rounded to bf16.
+    check(inputs, window, tolerance=1e-5 if dtype == torch.float32 else 3e-2)
+    changed = (inputs["keys"] != untouched).any(dim=-1).nonzero()[:, 2].unique().tolist()
+    assert changed == [int(inputs["column"])]
