@@ -190,15 +190,16 @@ def _variants(args: argparse.Namespace, model: Any) -> dict[str, Callable[[slice
         return run
 
     def layers_compiled() -> Callable[[slice, bool], None]:
-        # Each decoder layer compiled in place (one compiled version serves every layer, shapes
-        # dynamic): what a run can do without recompiling per micro-batch length.
-        import copy
+        # Each decoder layer compiled, as a run's log-prob passes do (flowrl.backends.compiled_layers:
+        # one compiled version for every layer, active only inside the pass, so the other
+        # variants stay eager).
+        from flowrl.backends.compiled_layers import run_compiled
 
-        backbone = copy.copy(model.model)
-        backbone.layers = torch.nn.ModuleList(copy.copy(layer) for layer in model.model.layers)
-        for layer in backbone.layers:
-            layer.compile(dynamic=None)
-        return fused(backbone)
+        eager = fused(model.model)
+
+        def run(rows: slice, backward: bool) -> None:
+            run_compiled(model.model, lambda: eager(rows, backward), force=True)
+        return run
 
     return {
         "full_logits": full_logits,
