@@ -2,7 +2,8 @@
 
 Embedded mode starts a local ``SpecCluster`` of worker processes, one per device slot
 (and warm spares, see ``keep_standby``). Cluster mode joins an existing scheduler; every
-worker there is one slot. Role workers get ``memory_limit=0``: model weights count as unmanaged memory, and the
+worker there is one slot: a GPU slot when it was started the Dask way for a GPU (see
+:func:`claimed_gpu`), else a CPU slot. Role workers get ``memory_limit=0``: model weights count as unmanaged memory, and the
 nanny would otherwise kill a worker that merely holds a model.
 """
 
@@ -22,8 +23,9 @@ from typing import Any
 import dask
 from distributed import Client, Nanny, Scheduler, SpecCluster
 
-from flowrl.devices.inventory import Inventory, detect_local, inventory_from_dict, merge_inventories
+from flowrl.devices.inventory import Device, Inventory, detect_local, inventory_from_dict, merge_inventories
 from flowrl.errors import ClusterError
+from flowrl.runtime.collective import MULTICAST_OFF
 from flowrl.runtime.serialization import TorchSerializerPlugin, register
 
 
@@ -45,11 +47,14 @@ class WorkerSlot:
 
 
 class Cluster:
-    def __init__(self, client: Client, slots: list[WorkerSlot], local: SpecCluster | None) -> None:
+    def __init__(self, client: Client, slots: list[WorkerSlot], local: SpecCluster | None,
+                 reports: dict[str, Inventory] | None = None) -> None:
         self.client = client
         self.slots = slots
         self._local = local
         self._added = 0
+        self._reports = reports or {}
+        """Cluster mode: what each worker (by slot name) found on its machine."""
 
     @classmethod
     def start_local(cls, num_slots: int, dashboard: bool = False, pin_cpus: bool = False) -> "Cluster":
@@ -125,7 +130,15 @@ class Cluster:
                 "start some with `dask worker " + address + "`."
             ) from error
         client.register_plugin(TorchSerializerPlugin())
-        return cls(client, _slots(client, prefix=None), None)
+        slots = _slots(client, prefix=None)
+        try:
+            raw = client.run(_report_devices)
+            reports = {slot.name: inventory_from_dict(raw[slot.address]) for slot in slots}
+            slots = _gpu_slots(slots, reports, {slot.name: raw[slot.address] for slot in slots})
+        except BaseException:
+            client.close()
+            raise
+        return cls(client, slots, None, reports)
 
     def inventory(self) -> Inventory:
         """The devices behind the workers, each CPU slot named after the slot it is.
@@ -135,21 +148,36 @@ class Cluster:
         """
         if self._local is not None:
             return detect_local(num_cpu_slots=sum(1 for slot in self.slots if slot.kind == "cpu"))
-        reports = self.client.run(_report_devices)
         parts = []
+        notes = []
+        # A worker names NVLink peers by NVML index on its machine ("gpu-3"); in the cluster
+        # they are the workers serving those cards.
+        serving = {(self._reports[slot.name].hosts[0].name if self._reports[slot.name].hosts else slot.host,
+                    slot.gpu_index): slot.name for slot in self.slots if slot.kind == "gpu"}
         for number, slot in enumerate(self.slots):
-            inventory = inventory_from_dict(reports[slot.address])
-            devices = tuple(
-                replace(device, id=slot.name, worker=slot.name, index=number)
-                if device.kind == "cpu"
-                else replace(device, worker=slot.name)
-                for device in inventory.devices
-            )
+            inventory = self._reports[slot.name]
+            if slot.kind == "gpu":
+                # A GPU worker serves its one card: the slot is that GPU, named after the worker.
+                devices = tuple(
+                    replace(device, worker=slot.name, nvlink_peers=tuple(
+                        serving[device.host, int(peer.rsplit("-", 1)[1])] for peer in device.nvlink_peers
+                        if (device.host, int(peer.rsplit("-", 1)[1])) in serving))
+                    for device in inventory.devices if device.kind == "gpu" and device.index == slot.gpu_index)
+            else:
+                devices = tuple(replace(device, id=slot.name, worker=slot.name, index=number)
+                                for device in inventory.devices if device.kind == "cpu")
+                unclaimed = sum(1 for device in inventory.devices if device.kind == "gpu")
+                if unclaimed:
+                    notes.append(f"worker {slot.name} sees {unclaimed} GPU(s) but was not started for one: it is "
+                                 "a CPU slot (start one worker per GPU with CUDA_VISIBLE_DEVICES=<index>, "
+                                 "or `dask worker --resources GPU=1` on a one-GPU machine)")
             parts.append(replace(inventory, devices=devices))
         merged = merge_inventories(parts)
-        # merge renumbers ids; CPU slots keep their worker's name, which is what placement uses
-        devices = tuple(replace(d, id=d.worker) if d.kind == "cpu" and d.worker else d for d in merged.devices)
-        return replace(merged, devices=devices, source=f"{len(self.slots)} Dask workers")
+        # merge renumbers ids (and peers it cannot find stay as they are: the worker names set
+        # above); slots keep their worker's name, which is what placement uses
+        devices = tuple(replace(d, id=d.worker) if d.worker else d for d in merged.devices)
+        return replace(merged, devices=devices, source=f"{len(self.slots)} Dask workers",
+                       notes=(*merged.notes, *notes))
 
     @property
     def dashboard_link(self) -> str | None:
@@ -296,10 +324,11 @@ WARM_PRELOAD = "flowrl.runtime.warm"
 
 def _worker_spec(name: str, visible_devices: str) -> dict[str, Any]:
     """A local worker: a nanny-kept process with one thread, no memory limit (model weights
-    are unmanaged memory the nanny would otherwise kill it for), warm imports."""
+    are unmanaged memory the nanny would otherwise kill it for), warm imports, NVLink
+    multicast off (see ``collective.MULTICAST_OFF``)."""
     options = {
         "name": name, "nthreads": 1, "memory_limit": 0, "host": "127.0.0.1", "silence_logs": logging.CRITICAL,
-        "env": {"CUDA_VISIBLE_DEVICES": visible_devices}, "preload": [WARM_PRELOAD],
+        "env": {"CUDA_VISIBLE_DEVICES": visible_devices, **MULTICAST_OFF}, "preload": [WARM_PRELOAD],
     }
     return {"cls": Nanny, "options": options}
 
@@ -337,8 +366,68 @@ def _quiet_worker_config() -> None:
                      "distributed.deploy.lost-worker-timeout": "24h"})
 
 
-def _report_devices() -> dict[str, Any]:
-    return detect_local(num_cpu_slots=1).to_dict()
+def _report_devices(dask_worker: Any) -> dict[str, Any]:
+    """Run on a joined worker: its machine's devices (the GPUs it may use, by
+    ``CUDA_VISIBLE_DEVICES``) and how it was started (``CUDA_VISIBLE_DEVICES``, a ``GPU``
+    resource)."""
+    report = detect_local(num_cpu_slots=1).to_dict()
+    state = getattr(dask_worker, "state", dask_worker)
+    resources = getattr(state, "total_resources", None) or {}
+    report["started_with"] = {"cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                              "gpu_resource": float(resources.get("GPU", 0))}
+    return report
+
+
+def claimed_gpu(inventory: Inventory, cuda_visible_devices: str | None, gpu_resource: float) -> Device | None:
+    """The GPU a joined worker serves, or None for a CPU slot.
+
+    The Dask conventions for GPU workers: ``CUDA_VISIBLE_DEVICES`` names the worker's card
+    first (``dask cuda worker`` starts one worker per GPU with the list rotated: ``2,3,0,1``),
+    so the worker's ``cuda:0`` is that card; or ``dask worker --resources GPU=1`` on a machine
+    with one GPU. A worker that declares a GPU but sees several and was not told which one
+    is an error (each would take the same card).
+    """
+    gpus = [device for device in inventory.devices if device.kind == "gpu"]
+    if cuda_visible_devices is not None:
+        items = [item.strip() for item in cuda_visible_devices.split(",") if item.strip()]
+        if not items:
+            return None
+        first = items[0]
+        for device in gpus:
+            if first == str(device.index) or (first.startswith("GPU-") and (device.uuid or "").startswith(first)):
+                return device
+        return None
+    if gpu_resource > 0 and len(gpus) == 1:
+        return gpus[0]
+    if gpu_resource > 0 and gpus:
+        raise ClusterError(
+            f"a worker started with a GPU resource sees {len(gpus)} GPUs and CUDA_VISIBLE_DEVICES is not set: "
+            "start one worker per GPU with CUDA_VISIBLE_DEVICES=<index> (or use `dask cuda worker`)")
+    return None
+
+
+def _gpu_slots(slots: list[WorkerSlot], reports: dict[str, Inventory],
+               raw: dict[str, dict[str, Any]]) -> list[WorkerSlot]:
+    """Joined workers started for a GPU become GPU slots (see :func:`claimed_gpu`)."""
+    out = []
+    owners: dict[str, str] = {}
+    for slot in slots:
+        started = raw[slot.name].get("started_with", {})
+        try:
+            gpu = claimed_gpu(reports[slot.name], started.get("cuda_visible_devices"),
+                              float(started.get("gpu_resource", 0)))
+        except ClusterError as error:
+            raise ClusterError(f"worker {slot.name}: {error}") from None
+        if gpu is None:
+            out.append(slot)
+            continue
+        card = f"{slot.host}/{gpu.uuid or gpu.index}"
+        if card in owners:
+            raise ClusterError(f"workers {owners[card]} and {slot.name} both serve GPU {gpu.index} of {slot.host}: "
+                               "give each worker its own card with CUDA_VISIBLE_DEVICES")
+        owners[card] = slot.name
+        out.append(replace(slot, kind="gpu", gpu_index=gpu.index))
+    return out
 
 
 def _slots(client: Client, prefix: str | None) -> list[WorkerSlot]:

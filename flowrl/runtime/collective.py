@@ -1,20 +1,32 @@
-"""A process group over the workers of one device group: gloo on CPU.
+"""A process group over the workers of one device group: NCCL on GPUs, gloo on CPU.
 
 The driver picks ranks (the group's slots in plan order), asks the rank-0 worker for a free
 port, and has every member join at once; the group rendezvous through a ``TCPStore`` that
-rank 0 serves. Each group is its own ``ProcessGroupGloo`` (no process-wide default group),
-so a worker can belong to several groups, and a group is re-formed on a new port when its
-membership changes. A collective whose peer died raises instead of hanging.
+rank 0 serves. Each group is its own process group (no process-wide default group), so a
+worker can belong to several groups, and a group is re-formed on a new port when its
+membership changes. A collective whose peer died raises instead of hanging (the group's
+timeout).
+
+A GPU group's collectives go through NCCL, device to device; the few small CPU tensors of a
+step (flags, loss numbers) are staged through the card. NVLink multicast (NVLS) stays off in
+every process that forms an NCCL group: on shared machines a program that uses it can take
+the host's GPUs out of service.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from flowrl.errors import ClusterError
+
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+"""Environment that keeps NVLink multicast off in NCCL, PyTorch's symmetric memory and NVSHMEM."""
 
 
 def free_port(host: str) -> int:
@@ -24,14 +36,46 @@ def free_port(host: str) -> int:
         return int(probe.getsockname()[1])
 
 
-class GlooGroup:
-    def __init__(self, address: str, port: int, rank: int, world: int, timeout_s: float) -> None:
+def backend_for(device: torch.device) -> str:
+    """``nccl`` for a CUDA device, ``gloo`` otherwise."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+class _Staged:
+    """A collective on a device copy of a CPU tensor; ``wait()`` copies the result back."""
+
+    def __init__(self, work: Any, staged: torch.Tensor, target: torch.Tensor) -> None:
+        self.work, self.staged, self.target = work, staged, target
+
+    def wait(self) -> bool:
+        self.work.wait()
+        self.target.copy_(self.staged)
+        return True
+
+
+class DeviceGroup:
+    """One process group over a device group's workers, on ``device`` (this worker's)."""
+
+    def __init__(self, address: str, port: int, rank: int, world: int, timeout_s: float,
+                 device: torch.device | str = "cpu") -> None:
         timeout = timedelta(seconds=timeout_s)
         self.rank = rank
         self.world = world
+        self.device = torch.device(device)
+        self.backend = backend_for(self.device)
         # The store lives as long as the group: rank 0 serves it, the others are its clients.
         self._store = dist.TCPStore(address, port, world, is_master=(rank == 0), timeout=timeout)
-        self._group = dist.ProcessGroupGloo(self._store, rank, world, timeout)
+        self._group: Any
+        if self.backend == "nccl":
+            if not dist.is_nccl_available():
+                raise ClusterError("a GPU group needs NCCL, and this torch build has none: install a CUDA build of torch")
+            for key, value in MULTICAST_OFF.items():
+                os.environ.setdefault(key, value)  # read when NCCL initialises, below
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self._group = dist.ProcessGroupNCCL(self._store, rank, world, options)
+        else:
+            self._group = dist.ProcessGroupGloo(self._store, rank, world, timeout)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` over the group, in place."""
@@ -39,6 +83,11 @@ class GlooGroup:
 
     def all_reduce_start(self, tensor: torch.Tensor) -> Any:
         """Start summing ``tensor`` over the group in place; ``wait()`` on the result. Gloo
-        runs it on its own threads, so the caller's computation goes on meanwhile."""
-        # ProcessGroupGloo's collectives are bound in C++ and missing from torch's stubs.
-        return self._group.allreduce([tensor])  # type: ignore[attr-defined]
+        runs it on its own threads and NCCL on its own stream, so the caller's computation
+        goes on meanwhile."""
+        if self.backend == "nccl" and tensor.device.type != "cuda":
+            # NCCL reduces device memory only.
+            staged = tensor.to(self.device)
+            return _Staged(self._group.allreduce([staged]), staged, tensor)
+        # The process groups' collectives are bound in C++ and missing from torch's stubs.
+        return self._group.allreduce([tensor])

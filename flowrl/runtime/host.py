@@ -37,7 +37,7 @@ from flowrl.roles import registry
 from flowrl.roles.shards import shard_of
 from flowrl.roles.state import ModelState
 from flowrl.runtime import checkpoint
-from flowrl.runtime.collective import GlooGroup, free_port
+from flowrl.runtime.collective import DeviceGroup, free_port
 from flowrl.runtime.calls import EvalCall, NodeCall, NodeReport, key_step, store_key
 from flowrl.runtime.serialization import register
 
@@ -72,7 +72,7 @@ class RoleHost:
         self._ready: dict[str, asyncio.Event] = {}
         self._rewards = RewardCache(self.base_dir)
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flowrl-compute")
-        self._groups: dict[str, GlooGroup] = {}
+        self._groups: dict[str, DeviceGroup] = {}
         usable = len(cores) if cores else (os.cpu_count() or 1)
         self._sampler = DeviceSampler(device_name, min(max(1, torch_threads), usable), sample_interval_s, gpu_index)
 
@@ -109,7 +109,7 @@ class RoleHost:
     def form_group(self, name: str, rank: int, world: int, address: str, port: int, timeout_s: float) -> None:
         """Join the process group ``name`` (blocks until every member has joined)."""
         self._groups.pop(name, None)
-        self._groups[name] = GlooGroup(address, port, rank, world, timeout_s)
+        self._groups[name] = DeviceGroup(address, port, rank, world, timeout_s, self.device)
 
     def leave_group(self, name: str) -> None:
         self._groups.pop(name, None)

@@ -18,7 +18,7 @@ from flowrl.roles.batch import Rollout
 from flowrl.roles.data_parallel import BUCKET_BYTES, DataParallel, weighted_rows
 from flowrl.roles.state import ModelState
 from flowrl.roles.update import update_critic, update_policy
-from flowrl.runtime.collective import GlooGroup, free_port
+from flowrl.runtime.collective import DeviceGroup, free_port
 from flowrl.spec.schema import UpdateNode
 from tests.tiny_models import model_state, text_rollout, tiny_policy, tiny_scalar_model
 
@@ -61,7 +61,7 @@ def _ranks(make_state: Callable[[], ModelState], train: Callable[[ModelState, Da
 
     def rank(index: int) -> None:
         try:
-            group = GlooGroup("127.0.0.1", port, index, world, timeout_s=60)
+            group = DeviceGroup("127.0.0.1", port, index, world, timeout_s=60)
             dp = DataParallel(group, shares, bucket_bytes=bucket_bytes)
             results[index] = (states[index], train(states[index], dp), dp)
         except BaseException as error:  # surfaced below, in the test's thread
