@@ -36,6 +36,11 @@ def free_port(host: str) -> int:
         return int(probe.getsockname()[1])
 
 
+def weights_group(node: str) -> str:
+    """The name of the group over which update node ``node`` broadcasts new weights."""
+    return f"{node}/weights"
+
+
 def backend_for(device: torch.device) -> str:
     """``nccl`` for a CUDA device, ``gloo`` otherwise."""
     return "nccl" if device.type == "cuda" else "gloo"
@@ -80,6 +85,16 @@ class DeviceGroup:
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` over the group, in place."""
         self.all_reduce_start(tensor).wait()
+
+    def broadcast(self, tensor: torch.Tensor, source: int = 0) -> None:
+        """Give every rank rank ``source``'s ``tensor``, in place."""
+        options = dist.BroadcastOptions()
+        options.rootRank = source
+        if self.backend == "nccl" and tensor.device.type != "cuda":
+            staged = tensor.to(self.device)
+            _Staged(self._group.broadcast([staged], options), staged, tensor).wait()
+        else:
+            self._group.broadcast([tensor], options).wait()
 
     def all_reduce_start(self, tensor: torch.Tensor) -> Any:
         """Start summing ``tensor`` over the group in place; ``wait()`` on the result. Gloo

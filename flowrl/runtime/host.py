@@ -37,7 +37,7 @@ from flowrl.roles import registry
 from flowrl.roles.shards import shard_of
 from flowrl.roles.state import ModelState
 from flowrl.runtime import checkpoint
-from flowrl.runtime.collective import DeviceGroup, free_port
+from flowrl.runtime.collective import DeviceGroup, free_port, weights_group
 from flowrl.runtime.calls import EvalCall, NodeCall, NodeReport, key_step, store_key
 from flowrl.runtime.serialization import register
 
@@ -97,6 +97,10 @@ class RoleHost:
 
     def receive_weights(self, model: str, weights: dict[str, torch.Tensor]) -> None:
         self.models[model].load_weights(weights)
+
+    def receive_broadcast(self, model: str, group: str) -> None:
+        """Receive ``model``'s new weights from the trainer over process group ``group``."""
+        _broadcast_weights(self.models[model], self._groups[group])
 
     def set_threads(self, threads: int) -> None:
         """Torch threads for this worker's compute from the next node call on."""
@@ -281,20 +285,29 @@ class RoleHost:
         request = registry.RoleCall(call.node, call.spec, call.prompts, call.group_size, call.kl_coef)
         output = role.run(context, _inputs_by_role(call, inputs), request)
         if trains and call.model is not None and call.weight_peers:
-            output.metrics.update(self._push_weights(call.model, call.weight_peers))
+            output.metrics.update(self._push_weights(call.model, call.weight_peers, call.node))
         return output
 
-    def _push_weights(self, model: str, peers: tuple[Any, ...]) -> dict[str, float]:
-        """Send updated weights straight to the other workers that generate with them."""
+    def _push_weights(self, model: str, peers: tuple[Any, ...], node: str) -> dict[str, float]:
+        """Send updated weights straight to the other workers that hold the model: over the
+        node's weights group when the driver formed one (``runtime.weight_sync``), else by a
+        call to each worker."""
         if not peers:
             return {}
         started = time.perf_counter()
-        weights = self.models[model].weights()
-        calls = [peer.receive_weights(model, weights) for peer in peers]
+        group = self._groups.get(weights_group(node))
+        if group is not None:
+            calls = [peer.receive_broadcast(model, weights_group(node)) for peer in peers]
+            num_bytes = _broadcast_weights(self.models[model], group) * len(peers)
+        else:
+            weights = self.models[model].weights()
+            calls = [peer.receive_weights(model, weights) for peer in peers]
+            num_bytes = sum(t.numel() * t.element_size() for t in weights.values()) * len(peers)
         for call in calls:
             call.result()
-        num_bytes = sum(t.numel() * t.element_size() for t in weights.values()) * len(peers)
-        return {"perf/weight_sync_s": time.perf_counter() - started, "perf/weight_sync_mb": num_bytes / 1e6}
+        seconds = time.perf_counter() - started
+        return {"perf/weight_sync_s": seconds, "perf/weight_sync_mb": num_bytes / 1e6,
+                "perf/weight_sync_collective": 1.0 if group is not None else 0.0}
 
     # ---- data plane -----------------------------------------------------------------
     def _event(self, key: str) -> asyncio.Event:
@@ -388,3 +401,24 @@ def _inputs_by_role(call: NodeCall, inputs: dict[str, Any]) -> dict[str, list[An
     for ref in call.inputs:
         grouped.setdefault(ref.role, []).append(inputs[ref.name])
     return grouped
+
+
+def _broadcast_weights(state: ModelState, group: DeviceGroup) -> int:
+    """Every distinct tensor of the model's state dict, in order, from rank 0 (the trainer) to
+    the group's other ranks, in place; the bytes one rank receives. Tied weights share storage
+    and go once; every copy of a model has the same layout, so the order matches."""
+    seen: set[int] = set()
+    num_bytes = 0
+    with torch.no_grad():
+        for tensor in state.module.state_dict().values():
+            if tensor.data_ptr() in seen:
+                continue
+            seen.add(tensor.data_ptr())
+            if tensor.is_contiguous():
+                group.broadcast(tensor, 0)
+            else:
+                staged = tensor.contiguous()
+                group.broadcast(staged, 0)
+                tensor.copy_(staged)
+            num_bytes += tensor.numel() * tensor.element_size()
+    return num_bytes

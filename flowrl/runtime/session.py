@@ -19,6 +19,7 @@ from flowrl.planner.placement import Plan
 from flowrl.records import DeviceSample
 from flowrl.runtime.calls import EvalCall, NodeReport
 from flowrl.runtime.cluster import Cluster, WorkerSlot
+from flowrl.runtime.collective import weights_group
 from flowrl.runtime.executor import StepExecutor
 from flowrl.runtime.host import RoleHost
 from flowrl.runtime.migration import Transfer, plan_transfers, stream_offset
@@ -63,14 +64,32 @@ class Session:
         (``runtime.waiting.gather``)."""
         return gather(calls, timeout_s, what, self.addresses, self.cluster.addresses)
 
+    def _weight_groups(self, plan: Plan) -> dict[str, tuple[str, ...]]:
+        """Per update node whose model has copies on other workers, when ``runtime.weight_sync``
+        asks for a collective: the group of its trainer (rank 0) and those workers."""
+        mode = self.pipeline.spec.runtime.weight_sync
+        groups = {}
+        for node in self.pipeline.nodes_of(UpdateNode):
+            model = self.pipeline.spec.nodes[node].model
+            if node not in plan.node_slots or model is None:
+                continue
+            peers = plan.weight_peers(node, model)
+            members = (plan.slots_of(node)[0], *peers)
+            on_gpus = all(self._slots[slot].kind == "gpu" for slot in members)
+            if peers and (mode == "collective" or (mode == "auto" and on_gpus)):
+                groups[weights_group(node)] = members
+        return groups
+
     def _form_groups(self, plan: Plan) -> None:
-        """One process group per data-parallel update, over its slots in rank order; a group
-        whose members changed is formed again on a new port, one that is gone is left."""
+        """One process group per data-parallel update, over its slots in rank order, and one
+        per weight broadcast (``_weight_groups``); a group whose members changed is formed
+        again on a new port, one that is gone is left."""
         wanted = {
             node: tuple(plan.slots_of(node))
             for node in self.pipeline.nodes_of(UpdateNode)
             if node in plan.node_slots and len(plan.slots_of(node)) > 1
         }
+        wanted.update(self._weight_groups(plan))
         for node, members in list(self._groups.items()):
             if wanted.get(node) != members:
                 _settle([(self.hosts[slot], "leave_group", (node,)) for slot in members if slot in self.hosts])

@@ -674,6 +674,12 @@ class RuntimeSpec(_Strict):
     go, or after a first fault (a short run would only lose the CPU they take). Default 1."""
     recovery_timeout_s: float = Field(default=120.0, gt=0)
     """How long to wait for a lost worker's replacement to register, in seconds. Default 120."""
+    weight_sync: Literal["auto", "collective", "call"] = "auto"
+    """How an update's new weights reach the model's copies on other workers (generation
+    and reference copies): ``collective``, a broadcast over a process group of the trainer
+    and those workers (NCCL between GPU workers: device to device); ``call``, each worker is
+    sent the weights by the trainer's worker directly (never through the driver); ``auto``:
+    collective when every one of them is a GPU worker, else call. Default auto."""
     dashboard: bool = False
     """Serve the Dask dashboard on 127.0.0.1:8787 (local cluster only). Default false."""
     pin_cpus: bool = False

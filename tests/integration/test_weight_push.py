@@ -12,7 +12,11 @@ from flowrl.api.run import run
 pytestmark = pytest.mark.integration
 
 
-def test_generator_on_another_worker_learns_through_pushed_weights(tmp_path: Path, make_pipeline) -> None:
+@pytest.mark.parametrize("weight_sync", ["auto", "collective"])
+def test_generator_on_another_worker_learns_through_pushed_weights(tmp_path: Path, make_pipeline,
+                                                                   weight_sync: str) -> None:
+    """``auto`` on CPU workers: a call to the generating worker; ``collective``: a broadcast
+    over a gloo group of the trainer and that worker (on GPU workers, NCCL)."""
     pipeline = make_pipeline(tmp_path / "out", steps=30, kl_coef=0.0)
     # Sample on the second worker while the update stays on the first: the only way the
     # sampled completions can improve is the weights pushed after every update.
@@ -21,6 +25,7 @@ def test_generator_on_another_worker_learns_through_pushed_weights(tmp_path: Pat
     spec["nodes"]["rollout"]["device_group"] = "gen_group"
     spec["models"].pop("reference")
     spec["devices"].pop("ref_group")
+    spec.setdefault("runtime", {})["weight_sync"] = weight_sync
     from flowrl.spec.loader import pipeline_from_dict
 
     result = run(pipeline_from_dict(spec))
@@ -30,5 +35,6 @@ def test_generator_on_another_worker_learns_through_pushed_weights(tmp_path: Pat
 
     # tiny-llama in fp32: 546,176 parameters x 4 bytes to one peer
     assert result.metric("perf/weight_sync_mb") == [pytest.approx(546_176 * 4 / 1e6)] * 30
+    assert result.metric("perf/weight_sync_collective") == [1.0 if weight_sync == "collective" else 0.0] * 30
     rewards = result.metric("critic/score/mean")
     assert sum(rewards[-6:]) / 6 > sum(rewards[:6]) / 6 + 0.1
