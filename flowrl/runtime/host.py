@@ -403,22 +403,48 @@ def _inputs_by_role(call: NodeCall, inputs: dict[str, Any]) -> dict[str, list[An
     return grouped
 
 
+WEIGHTS_BUCKET_BYTES = 32 * 2**20
+"""Tensors smaller than a quarter of this go in shared buckets of up to this many bytes: one
+broadcast each instead of one per tensor (a collective's fixed cost dominates small ones)."""
+
+
 def _broadcast_weights(state: ModelState, group: DeviceGroup) -> int:
     """Every distinct tensor of the model's state dict, in order, from rank 0 (the trainer) to
     the group's other ranks, in place; the bytes one rank receives. Tied weights share storage
-    and go once; every copy of a model has the same layout, so the order matches."""
+    and go once; every copy of a model has the same layout, so every rank makes the same
+    buckets in the same order."""
     seen: set[int] = set()
+    pending: list[torch.Tensor] = []
     num_bytes = 0
+
+    def send(tensors: list[torch.Tensor]) -> None:
+        if len(tensors) == 1 and tensors[0].is_contiguous():
+            group.broadcast(tensors[0], 0)
+            return
+        flat = torch.cat([tensor.reshape(-1) for tensor in tensors])
+        group.broadcast(flat, 0)
+        if group.rank != 0:
+            offset = 0
+            for tensor in tensors:
+                tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
+                offset += tensor.numel()
+
     with torch.no_grad():
         for tensor in state.module.state_dict().values():
             if tensor.data_ptr() in seen:
                 continue
             seen.add(tensor.data_ptr())
-            if tensor.is_contiguous():
-                group.broadcast(tensor, 0)
-            else:
-                staged = tensor.contiguous()
-                group.broadcast(staged, 0)
-                tensor.copy_(staged)
-            num_bytes += tensor.numel() * tensor.element_size()
+            size = tensor.numel() * tensor.element_size()
+            num_bytes += size
+            if size >= WEIGHTS_BUCKET_BYTES // 4:
+                send([tensor])
+                continue
+            kind = (tensor.dtype, tensor.device)
+            held = sum(t.numel() * t.element_size() for t in pending)
+            if pending and ((pending[0].dtype, pending[0].device) != kind or held + size > WEIGHTS_BUCKET_BYTES):
+                send(pending)
+                pending = []
+            pending.append(tensor)
+        if pending:
+            send(pending)
     return num_bytes

@@ -65,19 +65,15 @@ class Session:
         return gather(calls, timeout_s, what, self.addresses, self.cluster.addresses)
 
     def _weight_groups(self, plan: Plan) -> dict[str, tuple[str, ...]]:
-        """Per update node whose model has copies on other workers, when ``runtime.weight_sync``
-        asks for a collective: the group of its trainer (rank 0) and those workers."""
-        mode = self.pipeline.spec.runtime.weight_sync
+        """With ``runtime.weight_sync: collective``, per update node whose model has copies on
+        other workers: the group of its trainer (rank 0) and those workers."""
+        if self.pipeline.spec.runtime.weight_sync != "collective":
+            return {}
         groups = {}
         for node in self.pipeline.nodes_of(UpdateNode):
             model = self.pipeline.spec.nodes[node].model
-            if node not in plan.node_slots or model is None:
-                continue
-            peers = plan.weight_peers(node, model)
-            members = (plan.slots_of(node)[0], *peers)
-            on_gpus = all(self._slots[slot].kind == "gpu" for slot in members)
-            if peers and (mode == "collective" or (mode == "auto" and on_gpus)):
-                groups[weights_group(node)] = members
+            if node in plan.node_slots and model is not None and plan.weight_peers(node, model):
+                groups[weights_group(node)] = (plan.slots_of(node)[0], *plan.weight_peers(node, model))
         return groups
 
     def _form_groups(self, plan: Plan) -> None:

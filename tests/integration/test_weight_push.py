@@ -12,11 +12,11 @@ from flowrl.api.run import run
 pytestmark = pytest.mark.integration
 
 
-@pytest.mark.parametrize("weight_sync", ["auto", "collective"])
+@pytest.mark.parametrize("weight_sync", ["call", "collective"])
 def test_generator_on_another_worker_learns_through_pushed_weights(tmp_path: Path, make_pipeline,
                                                                    weight_sync: str) -> None:
-    """``auto`` on CPU workers: a call to the generating worker; ``collective``: a broadcast
-    over a gloo group of the trainer and that worker (on GPU workers, NCCL)."""
+    """``call``: the trainer's worker sends the weights to the generating one; ``collective``:
+    a broadcast over a gloo group of the two (on GPU workers, NCCL)."""
     pipeline = make_pipeline(tmp_path / "out", steps=30, kl_coef=0.0)
     # Sample on the second worker while the update stays on the first: the only way the
     # sampled completions can improve is the weights pushed after every update.
