@@ -5,14 +5,13 @@ models run on its card."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.integration.test_join_scheduler import BIN, _free_port, _wait_for_port
+from tests.integration.test_join_scheduler import BIN, dask_processes
 
 pytestmark = [pytest.mark.integration, pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -21,21 +20,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_a_joined_gpu_worker_runs_the_gpu_group(tmp_path: Path) -> None:
-    port = _free_port()
-    address = f"tcp://127.0.0.1:{port}"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    workers = {"gpu-w": ("0", ["--resources", "GPU=1"]), "cpu-a": ("", []), "cpu-b": ("", [])}
-    logs = [open(tmp_path / f"{name}.log", "w") for name in ("scheduler", *workers)]
-    processes = [subprocess.Popen(
-        [str(BIN / "dask"), "scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard"],
-        stdout=logs[0], stderr=subprocess.STDOUT, env=env)]
-    try:
-        _wait_for_port(port, 30)
-        for (name, (visible, extra)), log in zip(workers.items(), logs[1:]):
-            processes.append(subprocess.Popen(
-                [str(BIN / "dask"), "worker", address, "--name", name, "--nthreads", "1", "--memory-limit", "0",
-                 "--no-dashboard", "--host", "127.0.0.1", *extra],
-                stdout=log, stderr=subprocess.STDOUT, env={**env, "CUDA_VISIBLE_DEVICES": visible}))
+    workers = {"gpu-w": ({"CUDA_VISIBLE_DEVICES": "0"}, ["--resources", "GPU=1"]),
+               "cpu-a": ({"CUDA_VISIBLE_DEVICES": ""}, []), "cpu-b": ({"CUDA_VISIBLE_DEVICES": ""}, [])}
+    with dask_processes(tmp_path, workers) as address:
         from distributed import Client
 
         with Client(address, timeout=30) as client:
@@ -46,21 +33,11 @@ def test_a_joined_gpu_worker_runs_the_gpu_group(tmp_path: Path) -> None:
              "--plain", "--steps", "4", f"trainer.output_dir={output}"],
             capture_output=True, text=True, timeout=600, cwd=tmp_path,
         )
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-        plan = json.loads((output / "plan-0.json").read_text())
-        assert plan["runtime"]["node_slots"]["rollout"] == "gpu-w"
-        assert plan["runtime"]["node_slots"]["train"] == "gpu-w"
-        rows = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
-        assert [row["step"] for row in rows] == [1, 2, 3, 4]
-        # device memory is measured only where the models sit on a CUDA device
-        assert all(row.get("perf/max_memory_allocated_gb", 0) > 0 for row in rows)
-    finally:
-        for process in reversed(processes):
-            process.terminate()
-        for process in processes:
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-        for log in logs:
-            log.close()
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    plan = json.loads((output / "plan-0.json").read_text())
+    assert plan["runtime"]["node_slots"]["rollout"] == "gpu-w"
+    assert plan["runtime"]["node_slots"]["train"] == "gpu-w"
+    rows = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    # device memory is measured only where the models sit on a CUDA device
+    assert all(row.get("perf/max_memory_allocated_gb", 0) > 0 for row in rows)

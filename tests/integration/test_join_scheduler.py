@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -34,12 +35,15 @@ def _wait_for_port(port: int, timeout_s: float) -> None:
     raise RuntimeError(f"nothing listens on port {port} after {timeout_s} s")
 
 
-@pytest.fixture
-def dask_cluster(tmp_path: Path) -> Iterator[str]:
+@contextlib.contextmanager
+def dask_processes(folder: Path, workers: dict[str, tuple[dict[str, str], list[str]]]) -> Iterator[str]:
+    """A `dask scheduler` and one `dask worker` per entry of ``workers`` (name -> extra
+    environment, extra arguments), logs in ``folder``; yields the scheduler's address and
+    stops them all on the way out."""
     port = _free_port()
     address = f"tcp://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    logs = [open(tmp_path / name, "w") for name in ("scheduler.log", "worker-a.log", "worker-b.log")]
+    logs = [open(folder / f"{name}.log", "w") for name in ("scheduler", *workers)]
     processes = [
         subprocess.Popen(
             [str(BIN / "dask"), "scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard"],
@@ -48,12 +52,12 @@ def dask_cluster(tmp_path: Path) -> Iterator[str]:
     ]
     try:
         _wait_for_port(port, 30)
-        for name, log in (("node-a", logs[1]), ("node-b", logs[2])):
+        for (name, (extra_env, extra_args)), log in zip(workers.items(), logs[1:]):
             processes.append(
                 subprocess.Popen(
                     [str(BIN / "dask"), "worker", address, "--name", name, "--nthreads", "1",
-                     "--memory-limit", "0", "--no-dashboard", "--host", "127.0.0.1"],
-                    stdout=log, stderr=subprocess.STDOUT, env=env,
+                     "--memory-limit", "0", "--no-dashboard", "--host", "127.0.0.1", *extra_args],
+                    stdout=log, stderr=subprocess.STDOUT, env={**env, **extra_env},
                 )
             )
         yield address
@@ -67,6 +71,12 @@ def dask_cluster(tmp_path: Path) -> Iterator[str]:
                 process.kill()
         for log in logs:
             log.close()
+
+
+@pytest.fixture
+def dask_cluster(tmp_path: Path) -> Iterator[str]:
+    with dask_processes(tmp_path, {"node-a": ({}, []), "node-b": ({}, [])}) as address:
+        yield address
 
 
 def test_run_joins_an_existing_scheduler(tmp_path: Path, dask_cluster: str, make_pipeline) -> None:
