@@ -216,11 +216,18 @@ def detect_local(
 
 
 def _visible(reading: GpuReading, visible: str) -> bool:
-    items = [item.strip() for item in visible.split(",") if item.strip()]
-    return any(
-        item == str(reading.index) or (item.startswith("GPU-") and reading.uuid.startswith(item))
-        for item in items
-    )
+    return any(names_gpu(item, reading.index, reading.uuid) for item in visible_items(visible))
+
+
+def visible_items(visible: str) -> list[str]:
+    """The entries of a ``CUDA_VISIBLE_DEVICES`` value, in order."""
+    return [item.strip() for item in visible.split(",") if item.strip()]
+
+
+def names_gpu(item: str, index: int, uuid: str | None) -> bool:
+    """Whether a ``CUDA_VISIBLE_DEVICES`` entry (an NVML index or a UUID prefix) names the GPU
+    with this ``index`` and ``uuid``."""
+    return item == str(index) or (item.startswith("GPU-") and (uuid or "").startswith(item))
 
 
 def _gpu_device(reading: GpuReading, host_name: str) -> Device:

@@ -23,7 +23,15 @@ from typing import Any
 import dask
 from distributed import Client, Nanny, Scheduler, SpecCluster
 
-from flowrl.devices.inventory import Device, Inventory, detect_local, inventory_from_dict, merge_inventories
+from flowrl.devices.inventory import (
+    Device,
+    Inventory,
+    detect_local,
+    inventory_from_dict,
+    merge_inventories,
+    names_gpu,
+    visible_items,
+)
 from flowrl.errors import ClusterError
 from flowrl.runtime.collective import MULTICAST_OFF
 from flowrl.runtime.serialization import TorchSerializerPlugin, register
@@ -134,7 +142,7 @@ class Cluster:
         try:
             raw = client.run(_report_devices)
             reports = {slot.name: inventory_from_dict(raw[slot.address]) for slot in slots}
-            slots = _gpu_slots(slots, reports, {slot.name: raw[slot.address] for slot in slots})
+            slots = _gpu_slots(slots, reports, {slot.name: raw[slot.address].get("started_with", {}) for slot in slots})
         except BaseException:
             client.close()
             raise
@@ -150,19 +158,19 @@ class Cluster:
             return detect_local(num_cpu_slots=sum(1 for slot in self.slots if slot.kind == "cpu"))
         parts = []
         notes = []
+        # A GPU worker serves its one card: the slot is that GPU, named after the worker.
+        cards = {slot.name: device for slot in self.slots if slot.kind == "gpu"
+                 for device in self._reports[slot.name].devices
+                 if device.kind == "gpu" and device.index == slot.gpu_index}
         # A worker names NVLink peers by NVML index on its machine ("gpu-3"); in the cluster
         # they are the workers serving those cards.
-        serving = {(self._reports[slot.name].hosts[0].name if self._reports[slot.name].hosts else slot.host,
-                    slot.gpu_index): slot.name for slot in self.slots if slot.kind == "gpu"}
+        serving = {(card.host, f"gpu-{card.index}"): name for name, card in cards.items()}
         for number, slot in enumerate(self.slots):
             inventory = self._reports[slot.name]
-            if slot.kind == "gpu":
-                # A GPU worker serves its one card: the slot is that GPU, named after the worker.
-                devices = tuple(
-                    replace(device, worker=slot.name, nvlink_peers=tuple(
-                        serving[device.host, int(peer.rsplit("-", 1)[1])] for peer in device.nvlink_peers
-                        if (device.host, int(peer.rsplit("-", 1)[1])) in serving))
-                    for device in inventory.devices if device.kind == "gpu" and device.index == slot.gpu_index)
+            if slot.name in cards:
+                card = cards[slot.name]
+                peers = tuple(serving[card.host, peer] for peer in card.nvlink_peers if (card.host, peer) in serving)
+                devices: tuple[Device, ...] = (replace(card, worker=slot.name, nvlink_peers=peers),)
             else:
                 devices = tuple(replace(device, id=slot.name, worker=slot.name, index=number)
                                 for device in inventory.devices if device.kind == "cpu")
@@ -389,14 +397,8 @@ def claimed_gpu(inventory: Inventory, cuda_visible_devices: str | None, gpu_reso
     """
     gpus = [device for device in inventory.devices if device.kind == "gpu"]
     if cuda_visible_devices is not None:
-        items = [item.strip() for item in cuda_visible_devices.split(",") if item.strip()]
-        if not items:
-            return None
-        first = items[0]
-        for device in gpus:
-            if first == str(device.index) or (first.startswith("GPU-") and (device.uuid or "").startswith(first)):
-                return device
-        return None
+        items = visible_items(cuda_visible_devices)
+        return next((device for device in gpus if items and names_gpu(items[0], device.index, device.uuid)), None)
     if gpu_resource > 0 and len(gpus) == 1:
         return gpus[0]
     if gpu_resource > 0 and gpus:
@@ -407,12 +409,13 @@ def claimed_gpu(inventory: Inventory, cuda_visible_devices: str | None, gpu_reso
 
 
 def _gpu_slots(slots: list[WorkerSlot], reports: dict[str, Inventory],
-               raw: dict[str, dict[str, Any]]) -> list[WorkerSlot]:
-    """Joined workers started for a GPU become GPU slots (see :func:`claimed_gpu`)."""
+               started_with: dict[str, dict[str, Any]]) -> list[WorkerSlot]:
+    """Joined workers started for a GPU become GPU slots (see :func:`claimed_gpu`);
+    ``started_with``: each worker's ``CUDA_VISIBLE_DEVICES`` and ``GPU`` resource."""
     out = []
     owners: dict[str, str] = {}
     for slot in slots:
-        started = raw[slot.name].get("started_with", {})
+        started = started_with[slot.name]
         try:
             gpu = claimed_gpu(reports[slot.name], started.get("cuda_visible_devices"),
                               float(started.get("gpu_resource", 0)))

@@ -415,6 +415,7 @@ def _broadcast_weights(state: ModelState, group: DeviceGroup) -> int:
     buckets in the same order."""
     seen: set[int] = set()
     pending: list[torch.Tensor] = []
+    pending_bytes = 0
     num_bytes = 0
 
     def send(tensors: list[torch.Tensor]) -> None:
@@ -440,11 +441,11 @@ def _broadcast_weights(state: ModelState, group: DeviceGroup) -> int:
                 send([tensor])
                 continue
             kind = (tensor.dtype, tensor.device)
-            held = sum(t.numel() * t.element_size() for t in pending)
-            if pending and ((pending[0].dtype, pending[0].device) != kind or held + size > WEIGHTS_BUCKET_BYTES):
+            if pending and ((pending[0].dtype, pending[0].device) != kind or pending_bytes + size > WEIGHTS_BUCKET_BYTES):
                 send(pending)
-                pending = []
+                pending, pending_bytes = [], 0
             pending.append(tensor)
+            pending_bytes += size
         if pending:
             send(pending)
     return num_bytes

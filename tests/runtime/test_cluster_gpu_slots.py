@@ -48,7 +48,7 @@ def slot(name: str, host: str) -> WorkerSlot:
 
 
 def started(visible: str | None, gpu: float = 0) -> dict[str, object]:
-    return {"started_with": {"cuda_visible_devices": visible, "gpu_resource": gpu}}
+    return {"cuda_visible_devices": visible, "gpu_resource": gpu}
 
 
 def test_joined_inventory_has_one_slot_per_worker() -> None:
