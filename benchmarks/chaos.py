@@ -210,10 +210,11 @@ def analyse(work: Path) -> dict[str, Any]:
 
 
 def parent(args: argparse.Namespace) -> None:
-    commit = args.commit or subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
-                                           text=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                                capture_output=True, text=True).stdout.strip())
+    from vs_trl import machine  # the benchmarks folder is the script's: on sys.path
+
+    measured = machine()
+    if args.commit:
+        measured["flowrl_commit"] = args.commit
     runs = [(name, args.max_recoveries, args.faults) for name in args.pipelines.split(",")]
     if args.stop_run:
         runs.append(("grpo_tiny", 1, 6))
@@ -247,8 +248,7 @@ def parent(args: argparse.Namespace) -> None:
               flush=True)
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": commit, "uncommitted_changes": dirty,
-        "machine": f"{os.cpu_count()} cores, no GPU" if not args.gpu_note else args.gpu_note,
+        "machine": {**measured, "note": f"{os.cpu_count()} cores, no GPU" if not args.gpu_note else args.gpu_note},
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in ("child", "work")},
         "runs": results,
     }

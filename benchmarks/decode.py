@@ -133,13 +133,11 @@ def main() -> None:
         print(f"batch {batch:>4}: " + " | ".join(
             f"{name} {row[name]['ms_per_decode_step']:.2f} ms/step ({row[name]['tokens_per_s']:,.0f} tok/s)"
             for name in engines), flush=True)
-    from vs_trl import commit_state
+    from vs_trl import machine
 
-    commit, dirty = commit_state()
     report = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "flowrl_commit": commit,
-        "flowrl_uncommitted_files": dirty,
+        "machine": machine(),
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "torch": torch.__version__,
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

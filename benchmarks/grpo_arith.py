@@ -15,7 +15,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -25,10 +24,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 FLOWRL = str(Path(sys.executable).parent / "flowrl")
 KEY = "val/reward/mean"
-
-
-def _git(*args: str) -> str:
-    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
 
 
 def run_seed(seed: int, output: Path, cache: Path) -> dict[str, object]:
@@ -67,14 +62,13 @@ def main() -> None:
             runs.append(run)
             print(f"seed {seed}: accuracy {run['accuracy_start']} -> {run['accuracy_end']} "
                   f"in {run['wall_s']} s (median step {run['median_step_s']} s)", flush=True)
+    from vs_trl import machine  # the benchmarks folder is the script's: on sys.path
+
     report = {
         "benchmark": "grpo_arith",
         "command": "flowrl run pipelines/grpo_arith.yaml trainer.seed=S",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": _git("rev-parse", "HEAD"),
-        "uncommitted_files": _git("status", "--porcelain").splitlines(),
-        "platform": platform.platform(),
-        "cpu_count_logical": os.cpu_count(),
+        "machine": machine(),
         "metric": f"{KEY}: greedy accuracy on the 500 held-out problems (math_answer)",
         "runs": runs,
     }

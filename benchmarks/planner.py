@@ -187,9 +187,11 @@ def main() -> None:
     print("(c) case           gpus  nodes  plan time")
     for row in times:
         print(f"    {row['case']:<14} {row['gpus']:5d}  {row['nodes']:5d}  {row['plan_s'] * 1e3:8.1f} ms")
+    from vs_trl import machine  # the benchmarks folder is the script's: on sys.path
+
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps({
-        "machine": {"python": platform.python_version(), "processor": platform.processor() or platform.machine()},
+        "machine": {**machine(), "processor": platform.processor() or platform.machine()},
         "optimum_gap": gap, "hand_layouts": layouts, "planning_time": times,
     }, indent=2) + "\n")
     print(f"wrote {args.output}")

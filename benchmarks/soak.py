@@ -117,8 +117,11 @@ def main() -> None:
             "message": event["message"],
         })
     rewards = [line.get("critic/score/mean") for line in lines if line.get("critic/score/mean") is not None]
+    from vs_trl import machine  # the benchmarks folder is the script's: on sys.path
+
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine(),
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "steps_completed": len(steps),
         "cut_short": cut_short,

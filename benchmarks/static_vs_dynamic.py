@@ -25,7 +25,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -273,9 +272,11 @@ def main() -> None:
     parser.add_argument("--control", action="store_true", help="also run both policies without contention")
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
     args = parser.parse_args()
+    from vs_trl import machine  # the benchmarks folder is the script's: on sys.path
+
     report: dict[str, Any] = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "machine": machine(),
     }
     if args.part in ("sim", "both"):
         report["simulator"] = simulate_all(args.sim_steps, [int(s) for s in args.seeds.split(",")])
