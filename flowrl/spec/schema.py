@@ -680,7 +680,7 @@ class RuntimeSpec(_Strict):
     process group of the trainer and those workers (NCCL between GPU workers, gloo on CPU; like
     a data-parallel group it needs a free TCP port between the workers); ``call``, the
     trainer's worker sends them to each in a Dask call (only Dask's own connections). Default
-    collective: 4-7x faster than a call for a 0.4B model on CPU workers
+    collective: 6-9x faster than a call for a 0.4B model on CPU workers
     (``benchmarks/results/weight_sync.json``)."""
     dashboard: bool = False
     """Serve the Dask dashboard on 127.0.0.1:8787 (local cluster only). Default false."""
