@@ -7,17 +7,27 @@ attention has to stay inside each row, and the positions restart at 0 for each r
 
 transformers dispatches attention by name (``config._attn_implementation``) through
 ``AttentionInterface`` and builds masks through ``AttentionMaskInterface``. This module
-registers one more name: while :func:`packed` is active for a model, its attention runs per
-row (causal, from the row bounds given) and no mask of the packed length squared is ever
-built; outside that block the model is untouched. Only models that dispatch through the
-interface (``_supports_attention_backend``) can be packed: :func:`can_pack` says which.
+registers one more name: while :func:`packed` is active for a model, its attention stays
+inside each row (causal, from the row bounds given) and no mask of the packed length squared
+is ever built; outside that block the model is untouched. Only models that dispatch through
+the interface (``_supports_attention_backend``) can be packed: :func:`can_pack` says which.
+
+On a CUDA device with half-precision tensors, one variable-length flash-attention kernel
+(``torch.nn.attention.varlen``) covers every row of a layer, forward and backward. Elsewhere
+the rows go one ``scaled_dot_product_attention`` each: a loop of a few calls per layer for a
+pass of hundreds of rows would make the pass launch-bound on a GPU, which is why the kernel
+is preferred there. The loop splits the packed tensors with ``split`` and joins the outputs
+with ``cat``, so its backward gathers every row's gradient in one copy (slicing each row out
+would give each row a zero-filled gradient of the whole pass to add up).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import threading
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +43,85 @@ def _bounds() -> list[int] | None:
     return bounds
 
 
+@functools.cache
+def _varlen() -> tuple[Callable[..., Any], frozenset[str]] | None:
+    """torch's variable-length attention and its keyword names, or None where this torch
+    has none (the causal switch and grouped-query support are named differently across
+    versions)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    names = frozenset(inspect.signature(varlen_attn).parameters)
+    if not names & {"is_causal", "window_size"}:
+        return None
+    return varlen_attn, names
+
+
+def varlen_usable(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """True when one variable-length kernel can attend a packed pass: CUDA, half precision
+    and a head size the flash kernels take."""
+    return (_varlen() is not None and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+            and 0 < head_dim <= 256 and head_dim % 8 == 0)
+
+
+def varlen_expected(module: torch.nn.Module) -> bool:
+    """True when a packed pass of ``module`` will go through the variable-length kernel (its
+    parameters on a CUDA device in half precision, a head size the kernel takes): packing
+    then costs nothing over a padded pass, whatever the share of padding."""
+    parameter = next(module.parameters(), None)
+    config = getattr(module, "config", None)
+    head_dim = getattr(config, "head_dim", None) or (
+        getattr(config, "hidden_size", 0) // max(1, getattr(config, "num_attention_heads", 1)))
+    return parameter is not None and varlen_usable(parameter.device, parameter.dtype, head_dim)
+
+
+def _cumulative_bounds(bounds: list[int], device: torch.device) -> torch.Tensor:
+    """The row bounds as the kernel takes them (int32 on the device), made once per pass."""
+    cached: dict[torch.device, torch.Tensor] = _state.__dict__.setdefault("cumulative", {})
+    if device not in cached:
+        cached[device] = torch.tensor(bounds, dtype=torch.int32, device=device)
+    return cached[device]
+
+
+def _varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: list[int],
+                      scaling: float | None) -> torch.Tensor:
+    """[1, heads, T, D] queries, [1, kv_heads, T, D] keys and values -> [1, T, heads, D]."""
+    found = _varlen()
+    assert found is not None
+    varlen_attn, names = found
+    groups = query.shape[1] // key.shape[1]
+    q, k, v = (tensor[0].transpose(0, 1) for tensor in (query, key, value))  # [T, heads, D]
+    options: dict[str, Any] = {"scale": scaling}
+    if "window_size" in names:
+        options["window_size"] = (-1, 0)  # causal
+    else:
+        options["is_causal"] = True
+    if groups > 1:
+        if "enable_gqa" in names:
+            options["enable_gqa"] = True
+        else:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    cumulative = _cumulative_bounds(bounds, query.device)
+    longest = max(end - start for start, end in zip(bounds, bounds[1:]))
+    out = varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cumulative, cumulative,
+                      longest, longest, **options)
+    return out[None]
+
+
+def _looped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: list[int],
+                      scaling: float | None) -> torch.Tensor:
+    """One ``scaled_dot_product_attention`` per row; same shapes as :func:`_varlen_attention`."""
+    groups = query.shape[1] // key.shape[1]
+    lengths = [end - start for start, end in zip(bounds, bounds[1:])]
+    outputs = [
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=groups > 1)
+        for q, k, v in zip(query.split(lengths, dim=2), key.split(lengths, dim=2), value.split(lengths, dim=2))
+        if q.shape[2] > 0
+    ]
+    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
+
+
 @torch.compiler.disable
 def _packed_attention(
     module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -42,21 +131,14 @@ def _packed_attention(
     """Causal attention inside each packed row; query [1, heads, T, D], key and value
     [1, kv_heads, T, D]; returns [1, T, heads, D] as transformers' attention functions do.
 
-    Never traced by ``torch.compile`` (a compiled layer breaks its graph here): the loop
-    runs over bounds that change every pass."""
+    Never traced by ``torch.compile`` (a compiled layer breaks its graph here): the bounds
+    change every pass."""
     bounds = _bounds()
     if bounds is None:
         raise RuntimeError("packed attention called outside flowrl.backends.packed_attention.packed()")
-    groups = query.shape[1] // key.shape[1]
-    out = torch.empty_like(query)
-    for start, end in zip(bounds, bounds[1:]):
-        if start == end:
-            continue
-        out[:, :, start:end] = F.scaled_dot_product_attention(
-            query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
-            is_causal=True, scale=scaling, enable_gqa=groups > 1,
-        )
-    return out.transpose(1, 2).contiguous(), None
+    if varlen_usable(query.device, query.dtype, query.shape[-1]):
+        return _varlen_attention(query, key, value, bounds, scaling), None
+    return _looped_attention(query, key, value, bounds, scaling), None
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:
@@ -107,9 +189,11 @@ def packed(module: torch.nn.Module, lengths: list[int]) -> Iterator[None]:
     for length in lengths:
         bounds.append(bounds[-1] + length)
     _state.bounds = bounds
+    _state.cumulative = {}
     config._attn_implementation = NAME
     try:
         yield
     finally:
         config._attn_implementation = previous
         _state.bounds = None
+        _state.cumulative = {}

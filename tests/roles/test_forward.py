@@ -136,3 +136,83 @@ def test_a_checkpointed_model_is_not_packed_where_its_backward_recomputes_the_la
         grads.append({name: p.grad for name, p in model.named_parameters()})
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_the_row_loop_splits_and_joins_instead_of_slicing() -> None:
+    # The CPU path's backward must gather the rows' gradients, not add one zero-filled
+    # gradient of the whole pass per row: every row's gradient equals that row alone.
+    from flowrl.backends.packed_attention import _looped_attention
+
+    generator = torch.Generator().manual_seed(6)
+    query = torch.randn(1, 4, 9, 8, generator=generator, requires_grad=True)
+    key = torch.randn(1, 2, 9, 8, generator=generator, requires_grad=True)
+    value = torch.randn(1, 2, 9, 8, generator=generator, requires_grad=True)
+    out = _looped_attention(query, key, value, [0, 4, 4, 9], scaling=None)
+    assert out.shape == (1, 9, 4, 8)
+    weights = torch.randn(out.shape, generator=generator)
+    (out * weights).sum().backward()
+    for start, end in ((0, 4), (4, 9)):
+        q, k, v = (t.detach()[:, :, start:end].clone().requires_grad_() for t in (query, key, value))
+        alone = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        torch.testing.assert_close(out.detach()[:, start:end], alone.detach().transpose(1, 2))
+        (alone.transpose(1, 2) * weights[:, start:end]).sum().backward()
+        for whole, part in ((query, q), (key, k), (value, v)):
+            assert whole.grad is not None and part.grad is not None
+            torch.testing.assert_close(whole.grad[:, :, start:end], part.grad)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_one_varlen_kernel_attends_a_packed_pass_like_the_row_loop() -> None:
+    from flowrl.backends.packed_attention import _looped_attention, _varlen_attention, packed, varlen_usable
+
+    bounds = [0, 37, 38, 140, 301]
+    results = []
+    for attend in (_varlen_attention, _looped_attention):
+        generator = torch.Generator(device="cuda").manual_seed(7)  # the same tensors for both
+        tensors = [torch.randn(1, heads, 301, 64, generator=generator, device="cuda", dtype=torch.bfloat16)
+                   for heads in (14, 2, 2)]
+        leaves = [t.requires_grad_() for t in tensors]
+        with packed(tiny_policy(), [37, 1, 102, 161]):
+            out = attend(*leaves, bounds, scaling=0.125)
+        weights = torch.randn(out.shape, generator=torch.Generator(device="cuda").manual_seed(8), device="cuda",
+                              dtype=torch.bfloat16)
+        (out.float() * weights.float()).sum().backward()
+        results.append((out.detach().float(), [leaf.grad.float() for leaf in leaves if leaf.grad is not None]))
+    assert varlen_usable(tensors[0].device, tensors[0].dtype, 64)
+    (fused, fused_grads), (looped, looped_grads) = results
+    torch.testing.assert_close(fused, looped, atol=2e-2, rtol=2e-2)
+    assert len(fused_grads) == len(looped_grads) == 3
+    for mine, theirs in zip(fused_grads, looped_grads):
+        torch.testing.assert_close(mine, theirs, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_packed_bf16_pass_on_a_gpu_goes_through_the_varlen_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    import flowrl.backends.packed_attention as packed_attention
+    import flowrl.roles.forward as forward
+
+    def refused(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the row loop ran on a GPU pass")
+
+    rollout = _uneven_rollout()
+    mask = rollout.completion_mask.float().cuda()  # type: ignore[attr-defined]
+    monkeypatch.setattr(packed_attention, "_looped_attention", refused)
+    results = []
+    for pack in (False, True):
+        model = tiny_policy(seed=4).cuda().to(torch.bfloat16)
+        assert forward.varlen_expected(model)
+        if not pack:  # the padded pass, for reference
+            monkeypatch.setattr(forward, "varlen_expected", lambda module: False)
+            monkeypatch.setattr(forward, "PACK_BELOW", 0.0)
+        else:
+            monkeypatch.undo()
+            monkeypatch.setattr(packed_attention, "_looped_attention", refused)
+        logprobs = completion_logprobs(model, rollout, torch.device("cuda"))  # type: ignore[arg-type]
+        (logprobs * mask).sum().backward()
+        results.append((logprobs.detach() * mask, [p.grad.float() for p in model.parameters() if p.grad is not None]))
+    (padded, padded_grads), (packed, packed_grads) = results
+    torch.testing.assert_close(packed, padded, atol=5e-2, rtol=0)
+    for mine, theirs in zip(packed_grads, padded_grads):
+        torch.testing.assert_close(mine, theirs, atol=5e-2, rtol=5e-2)
