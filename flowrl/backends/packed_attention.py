@@ -65,17 +65,6 @@ def varlen_usable(device: torch.device, dtype: torch.dtype, head_dim: int) -> bo
             and 0 < head_dim <= 256 and head_dim % 8 == 0)
 
 
-def varlen_expected(module: torch.nn.Module) -> bool:
-    """True when a packed pass of ``module`` will go through the variable-length kernel (its
-    parameters on a CUDA device in half precision, a head size the kernel takes): packing
-    then costs nothing over a padded pass, whatever the share of padding."""
-    parameter = next(module.parameters(), None)
-    config = getattr(module, "config", None)
-    head_dim = getattr(config, "head_dim", None) or (
-        getattr(config, "hidden_size", 0) // max(1, getattr(config, "num_attention_heads", 1)))
-    return parameter is not None and varlen_usable(parameter.device, parameter.dtype, head_dim)
-
-
 def _cumulative_bounds(bounds: list[int], device: torch.device) -> torch.Tensor:
     """The row bounds as the kernel takes them (int32 on the device), made once per pass."""
     cached: dict[torch.device, torch.Tensor] = _state.__dict__.setdefault("cumulative", {})

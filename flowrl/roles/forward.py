@@ -10,7 +10,7 @@ import torch
 
 from flowrl.algorithms.logprobs import linear_token_logprobs, token_logprobs
 from flowrl.backends.compiled_layers import run_compiled
-from flowrl.backends.packed_attention import can_pack, packed, varlen_expected
+from flowrl.backends.packed_attention import can_pack, packed
 from flowrl.roles.batch import Rollout
 
 
@@ -147,8 +147,10 @@ def _logprobs(module: torch.nn.Module, rollout: Rollout, device: torch.device) -
 
 
 PACK_BELOW = 0.8
-"""A pass is packed when its real tokens are fewer than this share of its padded tokens
-(with the row-by-row attention; with the variable-length kernel, whenever it has padding)."""
+"""A pass is packed when its real tokens are fewer than this share of its padded tokens.
+Below it, the tokens saved pay for what a packed pass costs on top: a compiled layer sees a
+new sequence length every pass (compiled once more, for dynamic shapes) and the hidden
+states are scattered back to the padded layout."""
 
 
 def _hidden_states(module: torch.nn.Module, backbone: torch.nn.Module, window: CompletionWindow) -> torch.Tensor:
@@ -168,8 +170,7 @@ def _hidden_states(module: torch.nn.Module, backbone: torch.nn.Module, window: C
         # them eagerly, and the tensors saved would not match.
         return pass_() if recomputed else run_compiled(module, pass_)
 
-    share = 1.0 if varlen_expected(module) else PACK_BELOW
-    if recomputed or not (can_pack(module) and float(lengths.sum()) < share * real.numel()):
+    if recomputed or not (can_pack(module) and float(lengths.sum()) < PACK_BELOW * real.numel()):
         return run(lambda: backbone(
             input_ids=window.input_ids,
             attention_mask=window.attention_mask,

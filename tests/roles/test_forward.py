@@ -200,15 +200,9 @@ def test_a_packed_bf16_pass_on_a_gpu_goes_through_the_varlen_kernel(monkeypatch:
     mask = rollout.completion_mask.float().cuda()  # type: ignore[attr-defined]
     monkeypatch.setattr(packed_attention, "_looped_attention", refused)
     results = []
-    for pack in (False, True):
+    for pack_below in (0.0, 1.01):  # never packed, always packed
+        monkeypatch.setattr(forward, "PACK_BELOW", pack_below)
         model = tiny_policy(seed=4).cuda().to(torch.bfloat16)
-        assert forward.varlen_expected(model)
-        if not pack:  # the padded pass, for reference
-            monkeypatch.setattr(forward, "varlen_expected", lambda module: False)
-            monkeypatch.setattr(forward, "PACK_BELOW", 0.0)
-        else:
-            monkeypatch.undo()
-            monkeypatch.setattr(packed_attention, "_looped_attention", refused)
         logprobs = completion_logprobs(model, rollout, torch.device("cuda"))  # type: ignore[arg-type]
         (logprobs * mask).sum().backward()
         results.append((logprobs.detach() * mask, [p.grad.float() for p in model.parameters() if p.grad is not None]))
