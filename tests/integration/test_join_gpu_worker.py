@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.integration.test_join_scheduler import BIN, dask_processes
+from tests.integration.test_join_scheduler import dask_processes
 
 pytestmark = [pytest.mark.integration, pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -29,7 +30,7 @@ def test_a_joined_gpu_worker_runs_the_gpu_group(tmp_path: Path) -> None:
             client.wait_for_workers(3, timeout=120)
         output = tmp_path / "out"
         result = subprocess.run(
-            [str(BIN / "flowrl"), "run", str(REPO / "pipelines" / "grpo_tiny_gpu.yaml"), "--scheduler", address,
+            [sys.executable, "-m", "flowrl.cli.main", "run", str(REPO / "pipelines" / "grpo_tiny_gpu.yaml"), "--scheduler", address,
              "--plain", "--steps", "4", f"trainer.output_dir={output}"],
             capture_output=True, text=True, timeout=600, cwd=tmp_path,
         )

@@ -17,6 +17,9 @@ import pytest
 pytestmark = pytest.mark.integration
 
 BIN = Path(sys.executable).parent
+DASK = [sys.executable, "-m"]
+"""``dask scheduler`` / ``dask worker`` as their modules (``distributed.cli.dask_*``): the
+same programs, found wherever ``distributed`` is importable, with or without its scripts."""
 
 
 def _free_port() -> int:
@@ -46,7 +49,7 @@ def dask_processes(folder: Path, workers: dict[str, tuple[dict[str, str], list[s
     logs = [open(folder / f"{name}.log", "w") for name in ("scheduler", *workers)]
     processes = [
         subprocess.Popen(
-            [str(BIN / "dask"), "scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard"],
+            [*DASK, "distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard"],
             stdout=logs[0], stderr=subprocess.STDOUT, env=env,
         )
     ]
@@ -55,7 +58,7 @@ def dask_processes(folder: Path, workers: dict[str, tuple[dict[str, str], list[s
         for (name, (extra_env, extra_args)), log in zip(workers.items(), logs[1:]):
             processes.append(
                 subprocess.Popen(
-                    [str(BIN / "dask"), "worker", address, "--name", name, "--nthreads", "1",
+                    [*DASK, "distributed.cli.dask_worker", address, "--name", name, "--nthreads", "1",
                      "--memory-limit", "0", "--no-dashboard", "--host", "127.0.0.1", *extra_args],
                     stdout=log, stderr=subprocess.STDOUT, env={**env, **extra_env},
                 )
