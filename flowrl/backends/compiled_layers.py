@@ -107,6 +107,41 @@ def run_compiled(module: torch.nn.Module, run: Callable[[], T], force: bool = Fa
         return run()
 
 
+class CompiledFunction:
+    """A tensor function run through ``torch.compile`` when its first argument is on a device
+    of ``device_types`` (CUDA: on a CPU the compile time outweighs the gain, as for the
+    layers), plainly elsewhere; after a compiler failure it warns once and stays plain.
+
+    For the small element-wise and reduction steps around a large matrix product (a chunk of
+    logits cast to fp32, scaled, reduced), which eagerly are one pass over the chunk each and
+    compiled are one or two. Shapes start static; a second shape compiles a dynamic version."""
+
+    def __init__(self, function: Callable[..., T], what: str, device_types: tuple[str, ...] = ("cuda",),
+                 backend: str | Callable[..., Any] = "inductor") -> None:
+        self.function = function
+        self.what = what
+        self.device_types = device_types
+        self.backend = backend
+        self.compiled: Callable[..., T] | None = None
+        self.failed = False
+
+    def __call__(self, *args: Any) -> Any:
+        first = args[0]
+        if self.failed or not (isinstance(first, torch.Tensor) and first.device.type in self.device_types):
+            return self.function(*args)
+        if self.compiled is None:
+            self.compiled = torch.compile(self.function, dynamic=None, backend=self.backend)
+        try:
+            return self.compiled(*args)
+        except Exception as error:  # noqa: BLE001 - a compiler failure of any kind: stay plain
+            if not _is_compiler_error(error):
+                raise
+            self.failed = True
+            warnings.warn(f"torch.compile of {self.what} failed ({type(error).__name__}: {str(error)[:300]}); "
+                          "it runs uncompiled", stacklevel=2)
+            return self.function(*args)
+
+
 def _is_compiler_error(error: BaseException) -> bool:
     """Errors raised by dynamo or inductor (not by the model's own code or a lack of memory)."""
     if isinstance(error, torch.cuda.OutOfMemoryError):

@@ -177,3 +177,45 @@ def test_fused_head_on_a_gpu_in_bf16_matches_the_plain_head() -> None:
     assert ours_h.grad is not None and theirs_h.grad is not None and ours_w.grad is not None and theirs_w.grad is not None
     torch.testing.assert_close(ours_h.grad.float(), theirs_h.grad.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(ours_w.grad.float(), theirs_w.grad.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_compiled_chunk_steps_match_the_plain_ones_over_changing_shapes() -> None:
+    # What the GPU runs: each chunk's steps traced by torch.compile (here through the
+    # aot_eager backend on the CPU), a second row count compiling a dynamic version.
+    from flowrl.algorithms.logprobs import _logits_backward, _logits_forward
+    from flowrl.backends.compiled_layers import CompiledFunction
+
+    forward = CompiledFunction(_logits_forward, "forward", device_types=("cpu",), backend="aot_eager")
+    backward = CompiledFunction(_logits_backward, "backward", device_types=("cpu",), backend="aot_eager")
+    generator = torch.Generator().manual_seed(9)
+    for rows in (8, 5, 3):
+        logits = torch.randn(rows, 11, generator=generator).to(torch.bfloat16)
+        labels = torch.randint(0, 11, (rows, 1), generator=generator)
+        upstream = torch.randn(rows, 1, generator=generator)
+        lse, out = forward(logits, labels, 0.7)
+        plain_lse, plain_out = _logits_forward(logits, labels, 0.7)
+        torch.testing.assert_close(lse, plain_lse)
+        torch.testing.assert_close(out, plain_out)
+        grad, summed = backward(logits, lse, labels, upstream, 0.7, True)
+        plain_grad, plain_sum = _logits_backward(logits, lse, labels, upstream, 0.7, True)
+        assert grad.dtype == torch.bfloat16 and summed is not None and plain_sum is not None
+        torch.testing.assert_close(grad, plain_grad)
+        torch.testing.assert_close(summed, plain_sum)
+    assert forward.compiled is not None and not forward.failed
+
+
+def test_a_compiler_failure_warns_once_and_runs_the_plain_function() -> None:
+    from flowrl.algorithms.logprobs import _logits_forward
+    from flowrl.backends.compiled_layers import CompiledFunction
+
+    def broken(graph: object, example_inputs: object) -> object:
+        raise RuntimeError("no code generated")
+
+    forward = CompiledFunction(_logits_forward, "the chunks", device_types=("cpu",), backend=broken)
+    logits, labels = torch.tensor([[0.0, math.log(3.0)]]), torch.tensor([[1]])
+    with pytest.warns(UserWarning, match="torch.compile of the chunks failed"):
+        lse, out = forward(logits, labels, 1.0)
+    assert forward.failed
+    torch.testing.assert_close(out, torch.tensor([math.log(0.75)]))
+    lse, out = forward(logits, labels, 1.0)  # plain from now on, no second warning
+    torch.testing.assert_close(lse, torch.tensor([math.log(4.0)]))
