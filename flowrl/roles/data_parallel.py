@@ -96,6 +96,9 @@ class DataParallel:
     """Gradient bytes per all-reduce bucket."""
     buckets_started_in_backward: int = 0
     """Buckets whose all-reduce started while a backward was still running (all calls)."""
+    mesh: Any = None
+    """A ``DeviceMesh`` over the group: the model is then sharded over it (FSDP2,
+    :mod:`flowrl.roles.sharded`) instead of whole on every rank with summed gradients."""
     _buckets: dict[int, _Buckets] = field(default_factory=dict, repr=False)
 
 
@@ -107,6 +110,10 @@ class DataParallel:
     @property
     def rank(self) -> int:
         return self.collective.rank
+
+    @property
+    def sharded(self) -> bool:
+        return self.mesh is not None
 
     def rows(self, num_rows: int) -> slice:
         return weighted_rows(num_rows, self.rank, self.shares)

@@ -11,6 +11,7 @@ import torch
 from flowrl.algorithms.logprobs import linear_token_logprobs, token_logprobs
 from flowrl.backends.compiled_layers import run_compiled
 from flowrl.backends.packed_attention import can_pack, packed
+from flowrl.roles.sharded import is_sharded
 from flowrl.roles.batch import Rollout
 
 
@@ -204,6 +205,10 @@ forward instead of the fused head."""
 def output_head(module: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
     """(backbone, output head) of a causal LM whose logits are ``head(backbone(...))``, so the
     log-probs can skip the full logits; None for any other model."""
+    if is_sharded(module):
+        # A sharded model's parameters are gathered by its own forward only (the fused head
+        # would read the head's weight outside it, as a shard).
+        return None
     backbone = getattr(module, "base_model", None)
     get_head = getattr(module, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None

@@ -24,8 +24,9 @@ import torch
 from flowrl.algorithms.kl import kl_penalty
 from flowrl.algorithms.losses import aggregate, masked_mean, policy_loss, value_loss
 from flowrl.roles.batch import NodeOutput, Rollout
-from flowrl.roles.data_parallel import DataParallel
+from flowrl.roles.data_parallel import DataParallel, weighted_rows
 from flowrl.roles.forward import completion_logprobs, micro_batches
+from flowrl.roles.sharded import clip_sharded_gradients, gathered, is_sharded, set_gradient_sync, shard
 from flowrl.roles.state import ModelState
 from flowrl.roles.value import completion_values
 from flowrl.spec.schema import UpdateNode
@@ -112,7 +113,8 @@ class ValueObjective:
         self.mask = rollout.completion_mask.bool()
         if self.old_values is None:  # no value node read: the critic's values before this update
             state.module.eval()
-            with torch.no_grad():
+            sharded = dp is not None and dp.sharded
+            with torch.no_grad(), gathered(state.module) if sharded else contextlib.nullcontext():
                 self.old_values = completion_values(state.module, rollout, state.device).cpu()
             state.module.train()
 
@@ -160,7 +162,13 @@ def run_update(
     dp: DataParallel | None = None,
 ) -> NodeOutput:
     """One update from one rollout; with ``dp``, this rank's part of a data-parallel update
-    (see :mod:`flowrl.roles.data_parallel`): every rank returns the same whole-batch metrics."""
+    (see :mod:`flowrl.roles.data_parallel`; sharded when ``dp.mesh`` is set,
+    :mod:`flowrl.roles.sharded`): every rank returns the same whole-batch metrics."""
+    if dp is not None and dp.sharded and not is_sharded(state.module):
+        # The optimizer's moments are made for the sharded parameters (its first step
+        # creates them), so an optimizer made before the sharding is dropped.
+        shard(state.module, dp.mesh)
+        state.optimizer = None
     optimizer = state.ensure_optimizer(node.lr, node.betas, node.weight_decay)
     for group in optimizer.param_groups:
         group["lr"] = node.lr
@@ -202,9 +210,10 @@ def _old_logprobs(state: ModelState, rollout: Rollout, dp: DataParallel | None) 
     mine = dp.rows(rollout.num_sequences)
     width = rollout.completion_ids.shape[1]
     local = torch.zeros((0, width))
-    if mine.stop > mine.start:
-        part = rollout.select(torch.arange(mine.start, mine.stop))
-        local = completion_logprobs(state.module, part, state.device).detach().float().cpu()
+    with gathered(state.module) if dp.sharded else contextlib.nullcontext():
+        if mine.stop > mine.start:
+            part = rollout.select(torch.arange(mine.start, mine.stop))
+            local = completion_logprobs(state.module, part, state.device).detach().float().cpu()
     return dp.gather_rows(local, rollout.num_sequences)
 
 
@@ -237,37 +246,54 @@ def _step(
     keys = objective.keys
     values = [0.0] * len(keys)
     optimizer.zero_grad(set_to_none=True)
-    if mine.stop > mine.start:
-        sub = part if dp is None else part.select(torch.arange(mine.start, mine.stop))
-        sub_rows = rows[mine]
-        groups = micro_batches(sub, node.micro_batch_tokens)
-        for number, group in enumerate(groups):
-            # Each pass's loss, weighted by its share of the mini-batch's normaliser: the
-            # gradients of the passes add up to the gradient of the whole mini-batch's loss.
-            whole = len(groups) == 1
-            share = 1.0 if whole else _share(sub.completion_mask, group, node.loss_agg)
-            tokens_share = 1.0 if whole else _share(sub.completion_mask, group, "token_mean")
-            piece = sub if whole else sub.select(group)
-            loss, numbers = objective.loss(state, piece, sub_rows if whole else sub_rows[group])
-            scale = share * weight
-            # The last pass's backward makes the gradients final: their sum over the ranks
-            # starts bucket by bucket while it runs.
-            last = dp is not None and number == len(groups) - 1
-            with dp.overlapping(state.module) if last and dp is not None else contextlib.nullcontext():
-                (loss * scale if scale != 1.0 else loss).backward()
-            for index, key in enumerate(keys):
-                factor = tokens_share * token_weight if key in objective.token_means else share * weight
-                values[index] += numbers[key] * factor
-    if dp is not None:
-        # the whole mini-batch's gradient and numbers: each rank's part, weighted, summed
-        dp.sum_gradients(state.module)
+    sharded = dp is not None and dp.sharded
+    sub = part if dp is None else part.select(torch.arange(mine.start, mine.stop))
+    sub_rows = rows[mine]
+    groups = micro_batches(sub, node.micro_batch_tokens) if mine.stop > mine.start else []
+    # Sharded, every rank runs as many passes as the rank with the most: each pass's
+    # collectives (the gather of each layer, the last backward's reduce-scatter) meet their
+    # peers. A pass past this rank's own runs one row of the mini-batch with a zero loss.
+    passes = _most_passes(part, node, dp) if sharded and dp is not None else len(groups)
+    for number in range(passes):
+        last = number == passes - 1
+        if sharded:
+            set_gradient_sync(state.module, last)
+        if number >= len(groups):
+            loss, _ = objective.loss(state, part.select(torch.tensor([0])), rows[:1])
+            (loss * 0.0).backward()
+            continue
+        group = groups[number]
+        # Each pass's loss, weighted by its share of the mini-batch's normaliser: the
+        # gradients of the passes add up to the gradient of the whole mini-batch's loss.
+        whole = len(groups) == 1
+        share = 1.0 if whole else _share(sub.completion_mask, group, node.loss_agg)
+        tokens_share = 1.0 if whole else _share(sub.completion_mask, group, "token_mean")
+        piece = sub if whole else sub.select(group)
+        loss, numbers = objective.loss(state, piece, sub_rows if whole else sub_rows[group])
+        scale = share * weight
+        # Replicated, the last pass's backward makes the gradients final: their sum over the
+        # ranks starts bucket by bucket while it runs.
+        overlap = dp is not None and last and not sharded
+        with dp.overlapping(state.module) if overlap and dp is not None else contextlib.nullcontext():
+            (loss * scale if scale != 1.0 else loss).backward()
+        for index, key in enumerate(keys):
+            factor = tokens_share * token_weight if key in objective.token_means else share * weight
+            values[index] += numbers[key] * factor
+    if dp is not None and dp.sharded:
+        # the reduce-scatters summed the gradients; the numbers are summed here
         values = dp.sum_numbers(values)
-    if node.max_grad_norm > 0:
-        grad_norm = torch.nn.utils.clip_grad_norm_(state.module.parameters(), node.max_grad_norm)
+        grad_norm = clip_sharded_gradients(list(state.module.parameters()), node.max_grad_norm, dp.sum_numbers)
     else:
-        grad_norm = _grad_norm(state.module)
+        if dp is not None:
+            # the whole mini-batch's gradient and numbers: each rank's part, weighted, summed
+            dp.sum_gradients(state.module)
+            values = dp.sum_numbers(values)
+        if node.max_grad_norm > 0:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(state.module.parameters(), node.max_grad_norm))
+        else:
+            grad_norm = float(_grad_norm(state.module))
     result = dict(zip(keys, values))
-    result["grad_norm"] = float(grad_norm)
+    result["grad_norm"] = grad_norm
     # A NaN or infinite loss or gradient would poison the weights and the optimizer's moments
     # for good: the step is skipped instead (every data-parallel rank sees the same sums).
     finite = all(math.isfinite(value) for value in result.values())
@@ -277,6 +303,18 @@ def _step(
         optimizer.zero_grad(set_to_none=True)
     result["nonfinite_skipped"] = 0.0 if finite else 1.0
     return result
+
+
+def _most_passes(part: Rollout, node: UpdateNode, dp: DataParallel) -> int:
+    """The most passes any rank runs on mini-batch ``part``: every rank holds the whole
+    mini-batch, so each counts every rank's passes itself, without a collective."""
+    counts = []
+    for rank in range(dp.collective.world):
+        rows = weighted_rows(part.num_sequences, rank, dp.shares)
+        empty = rows.stop <= rows.start
+        counts.append(0 if empty else len(micro_batches(part.select(torch.arange(rows.start, rows.stop)),
+                                                         node.micro_batch_tokens)))
+    return max(counts)
 
 
 def _grad_norm(module: torch.nn.Module) -> torch.Tensor:

@@ -59,10 +59,14 @@ class _Staged:
 
 
 class DeviceGroup:
-    """One process group over a device group's workers, on ``device`` (this worker's)."""
+    """One process group over a device group's workers, on ``device`` (this worker's).
+
+    ``sharding``: the group a model is sharded over (FSDP2). torch's sharding builds its
+    device mesh from the process's default group, so such a group is the default group of its
+    workers: a worker can belong to one at a time (and to any number of other groups)."""
 
     def __init__(self, address: str, port: int, rank: int, world: int, timeout_s: float,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", sharding: bool = False) -> None:
         timeout = timedelta(seconds=timeout_s)
         self.rank = rank
         self.world = world
@@ -76,11 +80,34 @@ class DeviceGroup:
                 raise ClusterError("a GPU group needs NCCL, and this torch build has none: install a CUDA build of torch")
             for key, value in MULTICAST_OFF.items():
                 os.environ.setdefault(key, value)  # read when NCCL initialises, below
+        self.sharding = sharding
+        if sharding:
+            if dist.is_initialized():
+                raise ClusterError("this worker already belongs to a group that shards a model; "
+                                   "a worker can shard one group's models at a time")
+            if self.device.type == "cuda" and self.device.index is not None:
+                torch.cuda.set_device(self.device)
+            dist.init_process_group(self.backend, store=self._store, rank=rank, world_size=world, timeout=timeout)
+            self._group = dist.distributed_c10d._get_default_group()
+        elif self.backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
             self._group = dist.ProcessGroupNCCL(self._store, rank, world, options)
         else:
             self._group = dist.ProcessGroupGloo(self._store, rank, world, timeout)
+
+    def mesh(self) -> Any:
+        """The one-dimensional device mesh of a ``sharding`` group, for ``fully_shard``."""
+        if not self.sharding:
+            raise ValueError("only a group made with sharding=True has a device mesh")
+        from torch.distributed.device_mesh import DeviceMesh
+
+        return DeviceMesh.from_group(self._group, self.device.type)
+
+    def close(self) -> None:
+        """Leave the group; a ``sharding`` group stops being this process's default group."""
+        if self.sharding and dist.is_initialized():
+            dist.destroy_process_group()
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` over the group, in place."""

@@ -1,0 +1,97 @@
+"""Ranks of a sharded (FSDP2) update for tests: each a process of its own, since the sharding
+group is a process's default group. Importable by name, so ``spawn`` can start them."""
+
+from __future__ import annotations
+
+import multiprocessing
+import traceback
+from typing import Any, Callable
+
+import torch
+
+from flowrl.roles.data_parallel import DataParallel
+from flowrl.roles.sharded import full_state_dict
+from flowrl.roles.state import ModelState
+from flowrl.runtime.collective import DeviceGroup, free_port
+
+Train = Callable[[ModelState, DataParallel | None], list[dict[str, float]]]
+
+
+def _rank(make_state: Callable[[], ModelState], train: Train, index: int, shares: tuple[float, ...], port: int,
+          results: Any) -> None:
+    try:
+        state = make_state()
+        group = DeviceGroup("127.0.0.1", port, index, len(shares), timeout_s=60, sharding=True)
+        metrics = train(state, DataParallel(group, shares, mesh=group.mesh()))
+        weights = {name: tensor.tolist() for name, tensor in full_state_dict(state.module).items()}
+        group.close()
+        results.put((index, weights, metrics, None))
+    except BaseException:  # reported to the test
+        results.put((index, None, None, traceback.format_exc()))
+
+
+def run_sharded(make_state: Callable[[], ModelState], train: Train, shares: tuple[float, ...],
+                ) -> list[tuple[dict[str, torch.Tensor], list[dict[str, float]]]]:
+    """Whole weights and metrics of each rank after ``train`` over a gloo sharding group of
+    ``len(shares)`` processes."""
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    port = free_port("127.0.0.1")
+    processes = [context.Process(target=_rank, args=(make_state, train, index, shares, port, results))
+                 for index in range(len(shares))]
+    for process in processes:
+        process.start()
+    try:
+        got = sorted((results.get(timeout=180) for _ in processes), key=lambda item: item[0])
+    finally:
+        for process in processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+    failures = [error for _, _, _, error in got if error]
+    if failures:
+        raise AssertionError("a rank failed:\n" + failures[0])
+    return [({name: torch.tensor(value) for name, value in weights.items()}, metrics) for _, weights, metrics, _ in got]
+
+
+# What the ranks train, the same as one device trains in the tests (module level: ``spawn``
+# pickles them by name).
+
+ADVANTAGES = [1.0, -1.0, 0.5, -0.5, 2.0, -2.0]
+
+
+def rollout_of(state: ModelState) -> Any:
+    from tests.tiny_models import text_rollout
+
+    prompts = ["ab=", "ab=", "cd=", "cd=", "efg=", "efg="]
+    completions = ["1", "xyz", "34", "z", "5678", "ab"]  # unequal lengths
+    return text_rollout(state.tokenizer, prompts, completions, group_size=2, max_new_tokens=4)
+
+
+def policy_state() -> ModelState:
+    from tests.tiny_models import model_state, tiny_policy
+
+    return model_state("actor", tiny_policy(0), 0)
+
+
+def critic_state() -> ModelState:
+    from tests.tiny_models import model_state, tiny_scalar_model
+
+    return model_state("critic", tiny_scalar_model(0), 0)
+
+
+def train_policy(node: Any, updates: int, state: ModelState, dp: DataParallel | None) -> list[dict[str, float]]:
+    from flowrl.roles.update import update_policy
+
+    rollout = rollout_of(state)
+    reference = torch.randn(6, rollout.completion_ids.shape[1], generator=torch.Generator().manual_seed(1)) * 0.1 - 2.0
+    return [update_policy(state, rollout, torch.tensor(ADVANTAGES), reference, node, seed=0, dp=dp).metrics
+            for _ in range(updates)]
+
+
+def train_critic(node: Any, updates: int, state: ModelState, dp: DataParallel | None) -> list[dict[str, float]]:
+    from flowrl.roles.update import update_critic
+
+    rollout = rollout_of(state)
+    returns = rollout.completion_mask.float() * torch.linspace(-1.0, 1.0, rollout.completion_mask.shape[1])
+    return [update_critic(state, rollout, returns, None, node, seed=0, dp=dp).metrics for _ in range(updates)]
