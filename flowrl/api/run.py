@@ -7,13 +7,17 @@
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from flowrl.api.builder import Pipeline
 from flowrl.algorithms.kl_control import AdaptiveKLController, FixedKLController
+from flowrl.api.loggers import Logger, logger_problems, make_loggers
 from flowrl.api.outputs import RunFolder
+from flowrl.api.prometheus import PrometheusMetrics
 from flowrl.api.driver import Driver
 from flowrl.api.recovery import FoundCheckpoint, config_changes, newest_checkpoint
 from flowrl.api.replanning import Replanner
@@ -111,6 +115,16 @@ def run(
     if start is None:
         folder.reset_logs()
     watcher = _Watchers(folder, observer, spec.trainer.log_every)
+    try:
+        watcher.start_reporting(graph, config_text)
+        return _run_watched(graph, folder, watcher, base_dir, resume, start)
+    finally:
+        watcher.close()
+
+
+def _run_watched(graph: PipelineGraph, folder: RunFolder, watcher: "_Watchers", base_dir: Path | None,
+                 resume: bool, start: FoundCheckpoint | None) -> RunResult:
+    spec = graph.spec
     if resume:
         for line in start.skipped if start is not None else ():
             watcher.event(RunEvent("warning", f"checkpoint skipped: {line}", 0))
@@ -231,6 +245,7 @@ def check_runnable(graph: PipelineGraph) -> None:
             )
         if group.type == "gpu" and no_gpu is not None:
             problems.append(f"devices.{name}.type: this machine has no GPU ({no_gpu}); set type: cpu")
+    problems.extend(logger_problems(graph.spec.trainer.loggers))
     if problems:
         raise FlowrlError("this pipeline is valid but cannot run in this version:\n" + "\n".join(f"  {p}" for p in problems))
 
@@ -300,19 +315,61 @@ class RewardKL:
                 self.controllers[name].load_state_dict(saved)
 
 
+def finite_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """The finite numbers of a record (trackers take numbers only; NaN means not measured)."""
+    return {key: float(value) for key, value in metrics.items()
+            if isinstance(value, (int, float)) and math.isfinite(value)}
+
+
 class _Watchers:
+    """Everything a step's record and a run's events go to: the output folder, the terminal
+    view, the experiment trackers of ``trainer.loggers`` and ``/metrics``."""
+
     def __init__(self, folder: RunFolder, observer: Observer | None, log_every: int = 1) -> None:
         self.folder = folder
         self.observer = observer
         self.log_every = log_every
+        self.loggers: list[Logger] = []
+        self.prometheus: PrometheusMetrics | None = None
+        self.last: StepRecord | None = None
+
+    def start_reporting(self, graph: PipelineGraph, config_text: str) -> None:
+        spec = graph.spec
+        if spec.runtime.prometheus_port is not None:
+            self.prometheus = PrometheusMetrics(spec.runtime.prometheus_port)
+            self.event(RunEvent("status", f"Prometheus metrics: http://127.0.0.1:{self.prometheus.port}/metrics", 0))
+        self.loggers = make_loggers(spec.trainer.loggers, self.folder.path, spec.name,
+                                    spec.model_dump(mode="json"), config_text)
 
     def step(self, record: StepRecord) -> None:
         self.folder.append_metrics(record)
+        self.last = record
+        values = finite_metrics(record.metrics)
+        for logger in self.loggers:
+            logger.step(record.step, values)
+        if self.prometheus is not None:
+            self.prometheus.on_step(record)
         shown = record.step % self.log_every == 0 or record.step == record.num_steps
         if self.observer is not None and shown:
             self.observer.on_step(record)
 
     def event(self, event: RunEvent) -> None:
         self.folder.append_event(event)
+        if self.prometheus is not None:
+            self.prometheus.on_event(event)
         if self.observer is not None:
             self.observer.on_event(event)
+
+    def close(self) -> None:
+        """The run's summary to every logger (the last step's metrics, the steps done and
+        the seconds they took), then stop serving ``/metrics``."""
+        summary: dict[str, float] = {}
+        if self.last is not None:
+            summary = {**finite_metrics(self.last.metrics), "steps": float(self.last.step),
+                       "elapsed_s": self.last.elapsed_s}
+        for logger in self.loggers:
+            logger.close(summary)
+        self.loggers = []
+        if self.prometheus is not None:
+            self.prometheus.close()
+            self.prometheus = None

@@ -612,6 +612,12 @@ class TrainerSpec(_Strict):
     max_shard_size: str = Field(default="5GB", pattern=SHARD_SIZE_PATTERN)
     """Largest weights file of a checkpoint or ``final/``; bigger models are split into
     several files with a ``model.safetensors.index.json``. Default 5GB."""
+    loggers: tuple[Literal["jsonl", "tensorboard", "wandb", "mlflow"], ...] = ("jsonl",)
+    """Where every step's metrics, the resolved pipeline and the run's summary go besides
+    ``metrics.jsonl`` (always written): ``tensorboard`` (``OUTPUT_DIR/tensorboard``),
+    ``wandb`` (``OUTPUT_DIR/wandb``, offline without an API key), ``mlflow``
+    (``MLFLOW_TRACKING_URI``, else ``OUTPUT_DIR/mlruns``). Each needs its package (the
+    flowrl extra of the same name). Default [jsonl]."""
 
 
 class SchedulerSpec(_Strict):
@@ -684,6 +690,10 @@ class RuntimeSpec(_Strict):
     (``benchmarks/results/weight_sync.json``)."""
     dashboard: bool = False
     """Serve the Dask dashboard on 127.0.0.1:8787 (local cluster only). Default false."""
+    prometheus_port: int | None = Field(default=None, ge=1, le=65535)
+    """Serve ``/metrics`` for Prometheus on this port of the driver while the run goes: step
+    time, reward, per-node seconds and tokens/s, per-device utilisation and memory, faults
+    and moves. None serves nothing. Default None."""
     pin_cpus: bool = False
     """Pin each local CPU slot's worker to its own equal share of the cores, so that a slot
     is a fixed part of the machine (another busy process then slows one slot, not all).

@@ -1,0 +1,153 @@
+"""Experiment trackers a run reports to, besides ``metrics.jsonl`` (always written).
+
+``trainer.loggers`` names them: ``tensorboard`` (``torch.utils.tensorboard``, event files in
+``OUTPUT_DIR/tensorboard``), ``wandb`` (a W&B run in ``OUTPUT_DIR/wandb``; offline unless an
+API key or ``WANDB_MODE`` says otherwise, so it works without a network) and ``mlflow`` (an
+MLflow run in ``MLFLOW_TRACKING_URI``, by default the file store ``OUTPUT_DIR/mlruns``). Each
+gets the same thing: the resolved pipeline as its config, every step's metrics at that step,
+and the run's summary at the end. Their packages are optional (``pip install
+'flowrl[tensorboard]'`` and so on): :func:`logger_problems` names a missing one before the
+run starts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Protocol
+
+from flowrl.errors import FlowrlError
+
+
+PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
+            "mlflow": ("mlflow", "mlflow")}
+"""Logger name -> (module it needs, flowrl extra that installs it)."""
+
+
+class Logger(Protocol):
+    def step(self, step: int, metrics: dict[str, float]) -> None:
+        """Record one step's metrics."""
+
+    def close(self, summary: dict[str, float]) -> None:
+        """Record the run's summary and finish."""
+
+
+def logger_problems(names: tuple[str, ...]) -> list[str]:
+    """What stops a logger from running (its package is not installed), said before anything
+    starts."""
+    problems = []
+    for name in names:
+        module, extra = PACKAGES.get(name, (None, None))
+        if module is not None and importlib.util.find_spec(module) is None:
+            problems.append(
+                f"trainer.loggers: '{name}' needs the {module} package, which is not installed; "
+                f"install it (pip install 'flowrl[{extra}]') or remove '{name}' from trainer.loggers"
+            )
+    return problems
+
+
+def make_loggers(names: tuple[str, ...], folder: Path, run_name: str, config: dict[str, Any], config_text: str,
+                 ) -> list[Logger]:
+    loggers: list[Logger] = []
+    for name in names:
+        try:
+            if name == "tensorboard":
+                loggers.append(TensorBoardLogger(folder / "tensorboard", config_text))
+            elif name == "wandb":
+                loggers.append(WandbLogger(folder, run_name, config))
+            elif name == "mlflow":
+                loggers.append(MlflowLogger(folder, run_name, config, config_text))
+        except Exception as error:  # noqa: BLE001 - the tracker's own errors, said plainly
+            raise FlowrlError(f"trainer.loggers: {name} could not start ({type(error).__name__}: "
+                              f"{str(error)[:500]}); fix its settings or remove it from trainer.loggers") from error
+    return loggers
+
+
+class TensorBoardLogger:
+    def __init__(self, directory: Path, config_text: str) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(directory))
+        # Markdown code block: TensorBoard's text tab renders it as written.
+        self.writer.add_text("config", "```\n" + config_text + "\n```", global_step=0)
+
+    def step(self, step: int, metrics: dict[str, float]) -> None:
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, global_step=step)
+        self.writer.flush()
+
+    def close(self, summary: dict[str, float]) -> None:
+        self.writer.add_text("summary", "```\n" + json.dumps(summary, indent=1) + "\n```")
+        self.writer.close()
+
+
+class WandbLogger:
+    def __init__(self, folder: Path, run_name: str, config: dict[str, Any]) -> None:
+        import wandb
+
+        mode: Any = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", run_name), dir=str(folder), config=config,
+                              mode=mode, reinit="create_new")
+
+    def step(self, step: int, metrics: dict[str, float]) -> None:
+        self.run.log(metrics, step=step)
+
+    def close(self, summary: dict[str, float]) -> None:
+        self.run.summary.update(summary)
+        self.run.finish()
+
+
+_MLFLOW_KEY = re.compile(r"[^A-Za-z0-9_\-. /]")
+
+
+def mlflow_key(name: str) -> str:
+    """A metric or parameter name as MLflow accepts it (letters, digits, ``_-. /``)."""
+    return _MLFLOW_KEY.sub("_", name)
+
+
+class MlflowLogger:
+    def __init__(self, folder: Path, run_name: str, config: dict[str, Any], config_text: str) -> None:
+        import mlflow
+
+        self.mlflow = mlflow
+        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        if not uri:
+            uri = (folder / "mlruns").resolve().as_uri()
+            # MLflow keeps its file store working on request (it suggests a database now):
+            # a run folder that holds everything of the run is worth it.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        self.client = mlflow.MlflowClient(tracking_uri=uri)
+        experiment = self.client.get_experiment_by_name(run_name)
+        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(run_name)
+        self.run_id = self.client.create_run(experiment_id, run_name=folder.name).info.run_id
+        params = [mlflow.entities.Param(mlflow_key(key), str(value)[:6000]) for key, value in _flat(config).items()]
+        for start in range(0, len(params), 100):  # the store takes at most 100 per batch
+            self.client.log_batch(self.run_id, params=params[start:start + 100])
+        self.client.log_text(self.run_id, config_text, "config.yaml")
+
+    def step(self, step: int, metrics: dict[str, float]) -> None:
+        import time
+
+        now = int(time.time() * 1000)
+        entries = [self.mlflow.entities.Metric(mlflow_key(key), value, now, step) for key, value in metrics.items()]
+        for start in range(0, len(entries), 1000):
+            self.client.log_batch(self.run_id, metrics=entries[start:start + 1000])
+
+    def close(self, summary: dict[str, float]) -> None:
+        self.client.log_dict(self.run_id, summary, "summary.json")
+        self.client.set_terminated(self.run_id)
+
+
+def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (lists stay values)."""
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(_flat(value, name + "."))
+        else:
+            flat[name] = value
+    return flat

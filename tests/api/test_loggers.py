@@ -1,0 +1,176 @@
+"""trainer.loggers and runtime.prometheus_port on a real run: TensorBoard event files, an MLflow
+file store and a W&B offline run are read back with each tool's own reader (W&B's run file by
+its record format) and hold what metrics.jsonl holds; /metrics is scraped over HTTP while the
+run goes and parsed; a missing package and a busy port are clear errors before step 1."""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flowrl.api.run import check_runnable, run
+from flowrl.errors import FlowrlError
+from flowrl.records import RunEvent, StepRecord
+from flowrl.spec.loader import load_pipeline
+
+PIPELINE = Path(__file__).resolve().parents[2] / "pipelines" / "grpo_tiny.yaml"
+REWARD = "critic/rewards/mean"
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+class Scraper:
+    """Reads /metrics after every step, as Prometheus would."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.scrapes: list[dict[str, dict[tuple[tuple[str, str], ...], float]]] = []
+
+    def on_step(self, record: StepRecord) -> None:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10).read().decode()
+        families: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                families.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
+        self.scrapes.append(families)
+
+    def on_event(self, event: RunEvent) -> None:
+        pass
+
+
+def _wandb_records(path: Path) -> list[Any]:
+    """The records of a W&B run file: a header, then 32 KiB blocks of chunks (crc, length,
+    kind: whole, first, middle, last), each record a protobuf ``Record``."""
+    from wandb.proto import wandb_internal_pb2
+
+    raw = path.read_bytes()
+    block, position, pending, records = 32768, 7, b"", []
+    while position + 7 <= len(raw):
+        left = block - position % block
+        if left < 7:
+            position += left
+            continue
+        _, length, kind = struct.unpack("<IHB", raw[position:position + 7])
+        position += 7
+        if kind == 0 and length == 0:
+            position += left - 7
+            continue
+        chunk = raw[position:position + length]
+        position += length
+        if kind == 1:
+            records.append(chunk)
+        elif kind in (2, 3):
+            pending += chunk
+        elif kind == 4:
+            records.append(pending + chunk)
+            pending = b""
+    parsed = []
+    for data in records:
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(data)
+        parsed.append(record)
+    return parsed
+
+
+def _key(item: Any) -> str:
+    return "/".join(item.nested_key) or item.key
+
+
+def test_every_logger_and_prometheus_get_the_runs_metrics(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    port = _free_port()
+    scraper = Scraper(port)
+    output = tmp_path / "out"
+    graph = load_pipeline(PIPELINE, ["trainer.steps=3", "trainer.loggers=[jsonl,tensorboard,wandb,mlflow]",
+                                     f"runtime.prometheus_port={port}"])
+    run(graph, output_dir=output, observer=scraper)
+    lines = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+    rewards = {line["step"]: line[REWARD] for line in lines}
+    assert sorted(rewards) == [1, 2, 3]
+
+    # TensorBoard: scalars per step, the config as text
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(output / "tensorboard"))
+    events.Reload()
+    assert {event.step: event.value for event in events.Scalars(REWARD)} == pytest.approx(rewards)
+    assert "config/text_summary" in events.Tags()["tensors"]
+
+    # MLflow: the file store in the output folder, with params, metrics and the summary
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=(output / "mlruns").resolve().as_uri())
+    experiment = client.get_experiment_by_name(graph.spec.name)
+    assert experiment is not None
+    (found,) = client.search_runs([experiment.experiment_id])
+    history = client.get_metric_history(found.info.run_id, REWARD)
+    assert {metric.step: metric.value for metric in history} == pytest.approx(rewards)
+    assert found.data.params["trainer.steps"] == "3"
+    assert found.info.status == "FINISHED"
+    summary = client.download_artifacts(found.info.run_id, "summary.json", str(tmp_path))
+    assert json.loads(Path(summary).read_text())["steps"] == 3.0
+
+    # W&B: an offline run folder whose run file holds the config, every step and the summary
+    (run_file,) = (output / "wandb").glob("offline-run-*/run-*.wandb")
+    records = _wandb_records(run_file)
+    history = {}
+    for record in records:
+        if record.WhichOneof("record_type") == "history":
+            items = {_key(item): json.loads(item.value_json) for item in record.history.item}
+            history[items["_step"]] = items[REWARD]
+    assert history == pytest.approx(rewards)
+    config_keys = {_key(item) for record in records if record.WhichOneof("record_type") in ("run", "config")
+                   for item in (record.run.config.update if record.HasField("run") else record.config.update)}
+    assert {"trainer", "nodes", "models"} <= config_keys
+    summary_keys = {_key(item) for record in records if record.WhichOneof("record_type") == "summary"
+                    for item in record.summary.update}
+    assert {"steps", "elapsed_s"} <= summary_keys
+
+    # Prometheus: scraped after every step, the step's numbers in it
+    assert len(scraper.scrapes) == 3
+    last = scraper.scrapes[-1]
+    assert last["flowrl_step"][()] == 3.0
+    assert last["flowrl_reward_mean"][()] == pytest.approx(rewards[3])
+    assert {labels[0][1] for labels in last["flowrl_node_seconds"]} >= {"rollout", "ref", "train"}
+    assert all(value > 0 for value in last["flowrl_node_seconds"].values())
+    assert {labels[0][1] for labels in last["flowrl_device_utilization"]} == {"cpu-0", "cpu-1"}
+    assert last["flowrl_faults_total"][()] == 0.0
+    # the server is gone after the run
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+
+
+def test_a_logger_without_its_package_is_refused_before_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    graph = load_pipeline(PIPELINE, ["trainer.loggers=[jsonl,wandb]"])
+    with pytest.raises(FlowrlError, match=r"trainer.loggers: 'wandb' needs the wandb package.*flowrl\[wandb\]"):
+        check_runnable(graph)
+
+
+def test_a_busy_prometheus_port_is_a_clear_error() -> None:
+    from flowrl.api.prometheus import PrometheusMetrics
+
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(FlowrlError, match=rf"runtime.prometheus_port: cannot serve /metrics on port {port}"):
+            PrometheusMetrics(port)
