@@ -54,6 +54,15 @@ def _logits_forward(logits: Tensor, labels: Tensor, temperature: float) -> tuple
     return _chunk_logprobs(logits.to(torch.float32) / temperature, labels)
 
 
+def _logits_forward_entropy(logits: Tensor, labels: Tensor, temperature: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(logsumexp, log-prob of each label, entropy of each row) of one chunk of logits:
+    the entropy ``lse - sum(softmax(z) * z)`` comes from the same pass over the chunk."""
+    scaled = logits.to(torch.float32) / temperature
+    logsumexp, picked = _chunk_logprobs(scaled, labels)
+    entropy = logsumexp - (torch.exp(scaled - logsumexp[:, None]) * scaled).sum(dim=-1)
+    return logsumexp, picked, entropy
+
+
 def _logits_backward(logits: Tensor, logsumexp: Tensor, labels: Tensor, grad_out: Tensor,
                      temperature: float, with_sum: bool) -> tuple[Tensor, Tensor | None]:
     """Gradient in one chunk of logits (their dtype) from the upstream gradient ``grad_out``
@@ -66,6 +75,7 @@ def _logits_backward(logits: Tensor, logsumexp: Tensor, labels: Tensor, grad_out
 # instead of a pass over the fp32 chunk each (about a third of a small model's update time
 # outside the matrix products, otherwise).
 _chunk_forward = CompiledFunction(_logits_forward, "the log-prob chunks")
+_chunk_forward_entropy = CompiledFunction(_logits_forward_entropy, "the log-prob and entropy chunks")
 _chunk_backward = CompiledFunction(_logits_backward, "the log-prob chunk gradients")
 
 
@@ -171,22 +181,29 @@ class _LinearTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor,
-        temperature: float, chunk_rows: int,
-    ) -> Tensor:
+        temperature: float, chunk_rows: int, with_entropy: bool,
+    ) -> tuple[Tensor, Tensor | None]:
         num_rows = hidden.shape[0]
         out = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
         logsumexp = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
+        entropy = torch.empty(num_rows, dtype=torch.float32, device=hidden.device) if with_entropy else None
         for start in range(0, num_rows, chunk_rows):
             rows = slice(start, start + chunk_rows)
-            logsumexp[rows], out[rows] = _chunk_forward(F.linear(hidden[rows], weight, bias), labels[rows, None],
-                                                        temperature)
+            logits = F.linear(hidden[rows], weight, bias)
+            if entropy is not None:
+                logsumexp[rows], out[rows], entropy[rows] = _chunk_forward_entropy(logits, labels[rows, None],
+                                                                                   temperature)
+            else:
+                logsumexp[rows], out[rows] = _chunk_forward(logits, labels[rows, None], temperature)
         ctx.save_for_backward(hidden, weight, bias, labels, logsumexp)
         ctx.temperature = temperature
         ctx.chunk_rows = chunk_rows
-        return out
+        if entropy is not None:
+            ctx.mark_non_differentiable(entropy)
+        return out, entropy
 
     @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+    def backward(ctx: Any, grad_out: Tensor, grad_entropy: Tensor | None = None) -> tuple[Tensor | None, ...]:
         hidden, weight, bias, labels, logsumexp = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         temperature, chunk_rows = ctx.temperature, ctx.chunk_rows
@@ -211,7 +228,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             grad_hidden,
             None if grad_weight is None else grad_weight.to(weight.dtype),
             None if grad_bias is None else grad_bias.to(weight.dtype),
-            None, None, None,
+            None, None, None, None,
         )
 
 
@@ -232,6 +249,16 @@ def linear_token_logprobs(
     ``[R, H]``, ``weight`` ``[V, H]``, ``labels`` ``[R]``; the result is ``[R]`` fp32 and
     differentiable in ``hidden``, ``weight`` and ``bias``.
     """
+    rows = _linear_chunk_rows(hidden, weight, labels, temperature, chunk_rows)
+    result: tuple[Tensor, Tensor | None] = _LinearTokenLogprobs.apply(
+        hidden, weight, bias, labels.long(), float(temperature), rows, False
+    )
+    return result[0]
+
+
+def _linear_chunk_rows(hidden: Tensor, weight: Tensor, labels: Tensor, temperature: float,
+                       chunk_rows: int | None) -> int:
+    """Rows per chunk, after checking the arguments of the fused head."""
     if hidden.dim() != 2 or labels.shape != hidden.shape[:1] or weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
         raise ValueError(
             f"hidden {tuple(hidden.shape)} must be [R, H], weight {tuple(weight.shape)} [V, H] "
@@ -242,7 +269,15 @@ def linear_token_logprobs(
     rows = fused_chunk_rows(weight.shape[0]) if chunk_rows is None else chunk_rows
     if rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {rows}")
-    result: Tensor = _LinearTokenLogprobs.apply(
-        hidden, weight, bias, labels.long(), float(temperature), int(rows)
-    )
-    return result
+    return int(rows)
+
+
+def linear_token_logprobs_and_entropy(
+    hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None = None, temperature: float = 1.0,
+    chunk_rows: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """:func:`linear_token_logprobs` and, from the same chunks, the entropy of each row's
+    ``softmax(logits / temperature)`` ([R] fp32, not differentiable: a metric)."""
+    rows = _linear_chunk_rows(hidden, weight, labels, temperature, chunk_rows)
+    values, entropy = _LinearTokenLogprobs.apply(hidden, weight, bias, labels.long(), float(temperature), rows, True)
+    return values, entropy

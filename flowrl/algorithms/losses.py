@@ -78,9 +78,11 @@ def policy_loss(
         loss_agg: ``"token_mean"`` or ``"seq_mean"``, see :func:`aggregate`.
 
     Returns:
-        ``(loss, stats)``: the scalar loss to minimise, and floats ``clipfrac`` (share of
+        ``(loss, stats)``: the scalar loss to minimise, and floats ``pg_clipfrac`` (share of
         unmasked tokens where the clipped term is the smaller one, so the token gives no
-        gradient), ``ratio_mean`` (token mean of the ratio) and ``pg_loss`` (the loss value).
+        gradient), ``ratio_mean`` (token mean of the ratio), ``ppo_kl`` (token mean of
+        ``old_logprobs - logprobs``: how far the policy moved since the rollout) and
+        ``pg_loss`` (the loss value). The names are verl's.
     """
     if logprobs.shape != old_logprobs.shape or logprobs.shape != mask.shape:
         raise ValueError(
@@ -107,8 +109,9 @@ def policy_loss(
     loss = aggregate(per_token, selected, loss_agg)
     with torch.no_grad():
         stats = {
-            "clipfrac": float(masked_mean((clipped < unclipped).to(logprobs.dtype), selected)),
+            "pg_clipfrac": float(masked_mean((clipped < unclipped).to(logprobs.dtype), selected)),
             "ratio_mean": float(masked_mean(ratio, selected)),
+            "ppo_kl": float(masked_mean(-log_ratio, selected)),
             "pg_loss": float(loss),
         }
     return loss, stats
@@ -141,7 +144,7 @@ def value_loss(
     Returns:
         ``(loss, stats)``: the scalar loss and floats ``vf_loss`` (the loss value),
         ``vf_clipfrac`` (share of unmasked tokens where the clipped error is the larger one,
-        so the token gives no gradient) and ``values_mean`` (token mean of ``values``).
+        so the token gives no gradient) and ``vpred_mean`` (token mean of ``values``).
     """
     if not (values.shape == old_values.shape == returns.shape == mask.shape):
         raise ValueError(
@@ -173,6 +176,6 @@ def value_loss(
         stats = {
             "vf_loss": float(loss),
             "vf_clipfrac": float(masked_mean(clipped_is_larger.to(values.dtype), selected)),
-            "values_mean": float(masked_mean(values, selected)),
+            "vpred_mean": float(masked_mean(values, selected)),
         }
     return loss, stats

@@ -58,10 +58,21 @@ def step_metrics(
         metrics["perf/memory_headroom_gb"] = min(t.memory_headroom_gb for t in peaks)
     if len(score_nodes) > 1:
         metrics.update(_summed_scores({name: reports[name] for name in score_nodes}))
-    metrics["timing_s/step"] = step_s
+    metrics["timing_s/step"] = metrics["perf/time_per_step"] = step_s
     # verl's perf/throughput: prompt + response tokens per second per device.
     metrics["perf/throughput"] = generated_tokens / step_s / max(1, num_devices)
-    metrics["perf/total_tokens"] = float(generated_tokens)
+    metrics["perf/total_num_tokens"] = float(generated_tokens)
+    # verl's timing_per_token_ms: generation per generated token, every other node per
+    # prompt + response token of the step.
+    for name, report in reports.items():
+        parts = (report, *report.shards)
+        label = timing_name(graph, name)
+        if isinstance(graph.spec.nodes[name], GenerateNode):
+            tokens = sum(part.tokens_out for part in parts)
+        else:
+            tokens = generated_tokens
+        if tokens > 0:
+            metrics[f"timing_per_token_ms/{label}"] = metrics[f"timing_s/{label}"] * 1000.0 / tokens
     return metrics, nodes
 
 

@@ -103,5 +103,8 @@ def _metrics(output: Advantages, mask: torch.Tensor | None, group_size: int, est
         # The per-sequence sum is what an adaptive KL controller is fed (TRL's PPO measure).
         metrics["critic/kl/sequence_mean"] = float(kl.sum(dim=1).mean())
         metrics["critic/kl/token_mean"] = float(masked_mean(kl, selected))
-        metrics["critic/kl_coef"] = output.kl_coef
+        # verl's names: the mean over sequences of each one's token-mean KL, and its weight
+        per_sequence = kl.sum(dim=1) / selected.sum(dim=1).clamp(min=1)
+        metrics["actor/reward_kl_penalty"] = float(per_sequence.mean())
+        metrics["actor/reward_kl_penalty_coeff"] = output.kl_coef
     return metrics

@@ -8,7 +8,12 @@ from typing import Callable
 
 import torch
 
-from flowrl.algorithms.logprobs import linear_token_logprobs, token_logprobs
+from flowrl.algorithms.logprobs import (
+    linear_token_logprobs,
+    linear_token_logprobs_and_entropy,
+    token_entropy,
+    token_logprobs,
+)
 from flowrl.backends.compiled_layers import run_compiled
 from flowrl.backends.packed_attention import can_pack, packed
 from flowrl.roles.sharded import is_sharded
@@ -114,10 +119,21 @@ def completion_logprobs(
     Only the completion columns' logits become log-probabilities, and in row chunks, so the
     full-vocabulary float32 tensor of the whole batch never exists at once.
     """
-    return in_micro_batches(rollout, micro_batch_tokens, lambda part: _logprobs(module, part, device))
+    return in_micro_batches(rollout, micro_batch_tokens, lambda part: _logprobs(module, part, device, False)[0])
 
 
-def _logprobs(module: torch.nn.Module, rollout: Rollout, device: torch.device) -> torch.Tensor:
+def completion_logprobs_and_entropy(
+    module: torch.nn.Module, rollout: Rollout, device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`completion_logprobs` of one pass and the entropy of the policy at each
+    completion token ([N, T] float32, 0 at padding; a metric, not differentiable)."""
+    logprobs, entropy = _logprobs(module, rollout, device, True)
+    assert entropy is not None
+    return logprobs, entropy
+
+
+def _logprobs(module: torch.nn.Module, rollout: Rollout, device: torch.device,
+              with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     window = completion_window(rollout, device)
     labels = rollout.completion_ids[:, : window.width].to(device)
     head = output_head(module)
@@ -128,23 +144,30 @@ def _logprobs(module: torch.nn.Module, rollout: Rollout, device: torch.device) -
             position_ids=window.position_ids,
             use_cache=False,
         ).logits
-        logprobs = token_logprobs(window.completion_positions(logits), labels, temperature=rollout.temperature)
-        return window.pad(logprobs)
+        completion = window.completion_positions(logits)
+        logprobs = token_logprobs(completion, labels, temperature=rollout.temperature)
+        entropy = None
+        if with_entropy:
+            with torch.no_grad():
+                entropy = window.pad(token_entropy(completion.detach(), temperature=rollout.temperature))
+        return window.pad(logprobs), entropy
     backbone, linear = head
     hidden = window.completion_positions(_hidden_states(module, backbone, window))
     # The output head runs on the completion tokens only (not the prompt's positions, not the
     # padding after a row's end): the largest matrix product of the pass, and its logits are
     # never all in memory at once.
     real = rollout.completion_mask[:, : window.width].to(device).reshape(-1).nonzero().squeeze(-1)
-    values = linear_token_logprobs(
-        hidden.reshape(-1, hidden.shape[-1]).index_select(0, real),
-        linear.weight,
-        labels.reshape(-1).index_select(0, real),
-        bias=linear.bias,
-        temperature=rollout.temperature,
-    )
+    arguments = (hidden.reshape(-1, hidden.shape[-1]).index_select(0, real), linear.weight,
+                 labels.reshape(-1).index_select(0, real), linear.bias, rollout.temperature)
+    entropy = None
+    if with_entropy:
+        values, row_entropy = linear_token_logprobs_and_entropy(*arguments)
+        flat_entropy = torch.zeros(labels.numel(), dtype=torch.float32, device=device).index_copy(0, real, row_entropy)
+        entropy = window.pad(flat_entropy.view(labels.shape))
+    else:
+        values = linear_token_logprobs(*arguments)
     flat = torch.zeros(labels.numel(), dtype=torch.float32, device=device).index_copy(0, real, values)
-    return window.pad(flat.view(labels.shape))
+    return window.pad(flat.view(labels.shape)), entropy
 
 
 PACK_BELOW = 0.8

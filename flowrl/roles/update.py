@@ -25,7 +25,7 @@ from flowrl.algorithms.kl import kl_penalty
 from flowrl.algorithms.losses import aggregate, masked_mean, policy_loss, value_loss
 from flowrl.roles.batch import NodeOutput, Rollout
 from flowrl.roles.data_parallel import DataParallel, weighted_rows
-from flowrl.roles.forward import completion_logprobs, micro_batches
+from flowrl.roles.forward import completion_logprobs, completion_logprobs_and_entropy, micro_batches
 from flowrl.roles.sharded import clip_sharded_gradients, gathered, is_sharded, set_gradient_sync, shard
 from flowrl.roles.state import ModelState
 from flowrl.roles.value import completion_values
@@ -60,12 +60,14 @@ class PolicyObjective:
     """PPO's clipped surrogate on the advantages, plus ``kl_coef`` x KL to the reference."""
 
     prefix = "actor"
-    token_means: tuple[str, ...] = ("clipfrac", "ratio_mean")
+    token_means: tuple[str, ...] = ("pg_clipfrac", "ratio_mean", "ppo_kl", "entropy")
 
     def __init__(self, node: UpdateNode, advantages: torch.Tensor, ref_logprobs: torch.Tensor | None) -> None:
         self.node, self.advantages, self.ref_logprobs = node, advantages, ref_logprobs
         self.use_kl = ref_logprobs is not None and node.kl_coef > 0
-        self.keys: tuple[str, ...] = ("clipfrac", "ratio_mean", "pg_loss", *(("kl",) if self.use_kl else ()), "loss")
+        self.keys: tuple[str, ...] = (
+            "pg_clipfrac", "ratio_mean", "ppo_kl", "entropy", "pg_loss", *(("kl_loss",) if self.use_kl else ()),
+            "loss")
         self.old_logprobs: torch.Tensor | None = None
 
     def prepare(self, state: ModelState, rollout: Rollout, dp: DataParallel | None, single_step: bool) -> None:
@@ -78,18 +80,19 @@ class PolicyObjective:
     def loss(self, state: ModelState, piece: Rollout, rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         device, node = state.device, self.node
         mask = piece.completion_mask.to(device).float()
-        logprobs = completion_logprobs(state.module, piece, device)
+        logprobs, entropy = completion_logprobs_and_entropy(state.module, piece, device)
         old = logprobs.detach() if self.old_logprobs is None else self.old_logprobs[rows].to(device)
         loss, stats = policy_loss(
             logprobs, old, self.advantages[rows].to(device), mask, clip_eps=node.clip_eps, loss_agg=node.loss_agg
         )
         numbers = dict(stats)
+        numbers["entropy"] = float(masked_mean(entropy, mask.bool()))
         if self.use_kl:
             assert self.ref_logprobs is not None
             kl = kl_penalty(logprobs, self.ref_logprobs[rows].to(device), estimator=node.kl_estimator)
             kl_term = aggregate(kl, mask, node.loss_agg)
             loss = loss + node.kl_coef * kl_term
-            numbers["kl"] = float(kl_term.detach())
+            numbers["kl_loss"] = float(kl_term.detach())
         numbers["loss"] = float(loss.detach())
         return loss, numbers
 
@@ -102,8 +105,8 @@ class ValueObjective:
     node gave this rollout (the critic before this update)."""
 
     prefix = "critic"
-    keys: tuple[str, ...] = ("vf_loss", "vf_clipfrac", "values_mean")
-    token_means: tuple[str, ...] = ("vf_clipfrac", "values_mean")
+    keys: tuple[str, ...] = ("vf_loss", "vf_clipfrac", "vpred_mean")
+    token_means: tuple[str, ...] = ("vf_clipfrac", "vpred_mean")
 
     def __init__(self, node: UpdateNode, returns: torch.Tensor, old_values: torch.Tensor | None) -> None:
         self.node, self.returns, self.old_values = node, returns, old_values
@@ -133,7 +136,7 @@ class ValueObjective:
 
     def finish(self, metrics: dict[str, float]) -> None:
         assert self.old_values is not None and self.mask is not None
-        metrics["critic/explained_variance"] = _explained_variance(self.old_values, self.returns, self.mask)
+        metrics["critic/vf_explained_var"] = _explained_variance(self.old_values, self.returns, self.mask)
 
 
 def update_policy(

@@ -50,8 +50,10 @@ def test_clipping_active_on_one_token_and_not_the_others() -> None:
     loss, stats = policy_loss(logprobs, old, advantages, mask, clip_eps=0.2)
     assert loss.item() == pytest.approx(-0.2, abs=1e-6)
     assert stats["pg_loss"] == pytest.approx(-0.2, abs=1e-6)
-    assert stats["clipfrac"] == pytest.approx(1 / 3)  # only token a
+    assert stats["pg_clipfrac"] == pytest.approx(1 / 3)  # only token a
     assert stats["ratio_mean"] == pytest.approx((1.5 + 0.9 + 1.5) / 3)  # 1.3
+    # ppo_kl: token mean of old - new = -(ln 1.5 + ln 0.9 + ln 1.5) / 3
+    assert stats["ppo_kl"] == pytest.approx(-(2 * math.log(1.5) + math.log(0.9)) / 3)
     loss.backward()
     # d(-r*A)/dlogp = -r*A (since dr/dlogp = r), divided by the 3 counted tokens:
     #   a: clipped -> 0;  b: -0.9 / 3 = -0.3;  c: +1.5 / 3 = 0.5;  padding: exactly 0, not NaN
@@ -115,7 +117,7 @@ def test_on_policy_loss_is_reinforce() -> None:
     mask = torch.tensor([[True, True], [True, False]])
     loss, stats = policy_loss(logprobs, logprobs.detach(), torch.tensor([2.0, -1.0]), mask, 0.2)
     assert loss.item() == pytest.approx(-1.0)
-    assert stats["clipfrac"] == 0.0 and stats["ratio_mean"] == pytest.approx(1.0)
+    assert stats["pg_clipfrac"] == 0.0 and stats["ratio_mean"] == pytest.approx(1.0)
     loss.backward()
     assert logprobs.grad is not None
     torch.testing.assert_close(logprobs.grad, torch.tensor([[-2 / 3, -2 / 3], [1 / 3, 0.0]]))
@@ -127,7 +129,7 @@ def test_all_padding_gives_zero_loss_with_a_graph() -> None:
         loss, stats = policy_loss(
             logprobs, torch.zeros(2, 2), torch.ones(2), torch.zeros(2, 2), 0.2, loss_agg
         )
-        assert loss.item() == 0.0 and stats["clipfrac"] == 0.0
+        assert loss.item() == 0.0 and stats["pg_clipfrac"] == 0.0
         loss.backward()  # no "does not require grad" error, no NaN
     assert logprobs.grad is not None and not logprobs.grad.isnan().any()
 
@@ -166,7 +168,7 @@ def test_clipped_value_loss_hand_computed() -> None:
     assert loss.item() == pytest.approx(0.805 / 3)
     assert stats["vf_loss"] == pytest.approx(0.805 / 3)
     assert stats["vf_clipfrac"] == pytest.approx(1 / 3)
-    assert stats["values_mean"] == pytest.approx((1.0 + 0.6 + 0.0) / 3)
+    assert stats["vpred_mean"] == pytest.approx((1.0 + 0.6 + 0.0) / 3)
     loss.backward()
     # d/dv 0.5 * (v - R)^2 = v - R, over 3 tokens: a: 0 (clipped), b: 0.6 / 3, c: -1 / 3
     assert values.grad is not None

@@ -33,7 +33,7 @@ def test_ppo_tiny_learns_with_critic_reward_model_and_kl_penalty(tmp_path: Path)
     losses = result.metric("critic/vf_loss")
     assert sum(losses[-8:]) / 8 < sum(losses[:8]) / 8
     # KL enters as a reward penalty with the fixed coefficient of the file
-    assert result.metric("critic/kl_coef") == [0.02] * 40
+    assert result.metric("actor/reward_kl_penalty_coeff") == [0.02] * 40
 
     plan = json.loads((output / "plan-0.json").read_text())
     # four groups on two CPU slots: they share round-robin

@@ -29,8 +29,18 @@ def test_grpo_on_local_cluster_learns_and_writes_outputs(tmp_path: Path, make_pi
     # metrics.jsonl: one line per step, steps 1..40 in order, verl names present
     lines = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == list(range(1, 41))
-    for name in ("timing_s/gen", "timing_s/ref", "timing_s/update_actor", "timing_s/step", "perf/throughput", "actor/kl"):
+    for name in ("timing_s/gen", "timing_s/ref", "timing_s/update_actor", "timing_s/step", "perf/throughput",
+                 "actor/kl_loss", "actor/pg_clipfrac", "actor/ppo_kl", "perf/total_num_tokens", "perf/time_per_step"):
         assert name in lines[-1], name
+    last_line = lines[-1]
+    assert last_line["perf/time_per_step"] == last_line["timing_s/step"]
+    # generation per generated token; the others per prompt + response token of the step
+    profile = [json.loads(line) for line in (output / "profile.jsonl").read_text().splitlines()]
+    generated = sum(entry["tokens_out"] for entry in profile
+                    if entry["step"] == 40 and entry["type"] == "node" and entry["role"] == "generate")
+    assert last_line["timing_per_token_ms/gen"] == pytest.approx(last_line["timing_s/gen"] * 1000 / generated, rel=1e-6)
+    assert last_line["timing_per_token_ms/ref"] == pytest.approx(
+        last_line["timing_s/ref"] * 1000 / last_line["perf/total_num_tokens"], rel=1e-6)
 
     # config.yaml is the resolved pipeline, its output folder made absolute: it loads back
     # to an equal one

@@ -81,7 +81,9 @@ def test_gae_with_a_kl_reward_penalty_by_hand() -> None:
     # Sequence KL 0.2 + 0.4 = 0.6 (what an adaptive controller is fed); token mean 0.3.
     assert abs(output.metrics["critic/kl/sequence_mean"] - 0.6) < 1e-6
     assert abs(output.metrics["critic/kl/token_mean"] - 0.3) < 1e-6
-    assert output.metrics["critic/kl_coef"] == 0.1
+    assert output.metrics["actor/reward_kl_penalty_coeff"] == 0.1
+    # verl's penalty: the mean over sequences of each one's token mean, here 0.3
+    assert abs(output.metrics["actor/reward_kl_penalty"] - 0.3) < 1e-6
 
 
 def test_reinforce_pp_is_token_level_and_zero_on_padding() -> None:

@@ -54,11 +54,11 @@ def test_updates_on_constant_returns_move_values_toward_them_with_falling_loss()
     for key in (
         "critic/vf_loss",
         "critic/vf_clipfrac",
-        "critic/values_mean",
+        "critic/vpred_mean",
         "critic/grad_norm",
         "critic/num_optimizer_steps",
         "critic/lr",
-        "critic/explained_variance",
+        "critic/vf_explained_var",
     ):
         assert key in output.metrics
     assert state.num_updates == 20

@@ -44,6 +44,29 @@ def test_fused_head_gives_the_models_log_probs_and_gradients() -> None:
         torch.testing.assert_close(mine.grad, theirs.grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
+def test_the_entropy_comes_with_the_log_probs_from_either_head(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the fused head's entropy from its chunks, and the plain head's from the logits, both
+    # equal -sum(p log p) of softmax(logits / t) at each real completion token
+    import flowrl.roles.forward as forward
+
+    rollout = _rollout()
+    model = tiny_policy(seed=3)
+    window = completion_window(rollout, torch.device("cpu"))  # type: ignore[arg-type]
+    with torch.no_grad():
+        logits = model(input_ids=window.input_ids, attention_mask=window.attention_mask,
+                       position_ids=window.position_ids, use_cache=False).logits
+    scaled = window.completion_positions(logits) / rollout.temperature  # type: ignore[attr-defined]
+    log_p = torch.log_softmax(scaled, dim=-1)
+    expected = window.pad(-(log_p.exp() * log_p).sum(dim=-1))
+    mask = rollout.completion_mask.float()  # type: ignore[attr-defined]
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(forward, "output_head", lambda module: None)  # the model's own forward
+        logprobs, entropy = forward.completion_logprobs_and_entropy(model, rollout, torch.device("cpu"))  # type: ignore[arg-type]
+        assert not entropy.requires_grad and logprobs.requires_grad
+        torch.testing.assert_close(entropy * mask, expected * mask, atol=1e-5, rtol=0)
+
+
 def test_models_with_transformed_logits_use_their_own_forward() -> None:
     model = tiny_policy()
     model.config.final_logit_softcapping = 30.0

@@ -44,7 +44,7 @@ def test_a_sharded_policy_update_gives_the_one_device_steps(
     ranks = run_sharded(policy_state, functools.partial(train_policy, node, 2), shares)
     assert len(ranks) == len(shares)
     _close_to_one_device(ranks, alone.module, alone_metrics,
-                         ("actor/loss", "actor/pg_loss", "actor/kl", "actor/grad_norm", "actor/clipfrac"))
+                         ("actor/loss", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/pg_clipfrac"))
 
 
 def test_a_sharded_critic_update_gives_the_one_device_steps() -> None:
@@ -54,4 +54,4 @@ def test_a_sharded_critic_update_gives_the_one_device_steps() -> None:
     alone_metrics = train_critic(node, 2, alone, None)
     ranks = run_sharded(critic_state, functools.partial(train_critic, node, 2), (0.7, 0.3))
     _close_to_one_device(ranks, alone.module, alone_metrics,
-                         ("critic/vf_loss", "critic/grad_norm", "critic/vf_clipfrac", "critic/values_mean"))
+                         ("critic/vf_loss", "critic/grad_norm", "critic/vf_clipfrac", "critic/vpred_mean"))

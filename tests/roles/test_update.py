@@ -44,7 +44,7 @@ def test_single_step_update_has_ratio_one_and_raises_the_favoured_completion() -
 
     # one epoch, one mini-batch: old log-probs are the new ones detached, so ratio == 1 exactly
     assert output.metrics["actor/ratio_mean"] == 1.0
-    assert output.metrics["actor/clipfrac"] == 0.0
+    assert output.metrics["actor/pg_clipfrac"] == 0.0
     assert output.metrics["actor/num_optimizer_steps"] == 1.0
     gain = (after - before).sum(dim=1)
     assert gain[0] > 0 and gain[2] > 0      # favoured completions became likelier
@@ -72,7 +72,7 @@ def test_kl_term_is_reported_and_zero_against_itself() -> None:
     node = UpdateNode(model="actor", inputs=["rollout", "adv", "ref"], lr=1e-3, kl_coef=0.1, kl_estimator="k3")
     output = update_policy(state, rollout, torch.zeros(4), reference, node, seed=0)
     # the reference equals the policy before the step, so k3 = exp(0) - 0 - 1 = 0
-    assert output.metrics["actor/kl"] == pytest.approx(0.0, abs=1e-6)
+    assert output.metrics["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)
 
 
 def test_padding_columns_do_not_change_logprobs() -> None:
@@ -137,5 +137,5 @@ def test_micro_batches_give_the_whole_batch_gradient(loss_agg: str) -> None:
         results.append((output.metrics, grads))
     (whole, whole_grad), (parts, parts_grad) = results
     torch.testing.assert_close(parts_grad, whole_grad, atol=1e-6, rtol=1e-4)
-    for key in ("actor/loss", "actor/pg_loss", "actor/kl", "actor/ratio_mean", "actor/grad_norm"):
+    for key in ("actor/loss", "actor/pg_loss", "actor/kl_loss", "actor/ratio_mean", "actor/grad_norm"):
         assert parts[key] == pytest.approx(whole[key], rel=1e-4, abs=1e-7), key

@@ -54,7 +54,7 @@ def test_an_unchanged_plan_sends_nothing(tmp_path: Path) -> None:
     assert plan_transfers(pipeline, plan_for(pipeline, ALL_ON_0), plan_for(pipeline, ALL_ON_0)) == []
 
 
-COMPARED = ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/kl", "actor/loss", "actor/grad_norm")
+COMPARED = ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/kl_loss", "actor/loss", "actor/grad_norm")
 
 
 def started(cluster: Cluster, pipeline: PipelineGraph, plan: Plan) -> Session:
