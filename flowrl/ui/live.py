@@ -11,6 +11,7 @@
      cpu:0    cpu     75%   1.2 GB
      ...
      step 10  checkpoint: saved outputs/run/step-10
+    last warning (step 7): reward: 3 of 32 samples failed: ValueError: ...
 
 State changes only in ``on_step`` / ``on_event``; ``render`` is a pure function of that
 state and of ``clock``, so a test renders it into a recording console and reads the text.
@@ -48,6 +49,7 @@ from flowrl.ui.format import (
 from flowrl.ui.progress import (
     RESPONSE_LENGTH_KEY,
     FAILED_SHARE_KEY,
+    NUM_FAILED_KEY,
     REWARD_KEY,
     STEP_TIME_KEY,
     THROUGHPUT_KEY,
@@ -97,6 +99,9 @@ class LiveView:
         self._live: Live | None = None
         self._validation: dict[str, float] = {}
         """The newest evaluation's ``val/<score>/mean`` values (evaluations are sparse)."""
+        self._validation_step: int | None = None
+        self._warning: RunEvent | None = None
+        """The newest warning: it stays on screen after newer events push it out of the list."""
 
     # -- state -----------------------------------------------------------------------
 
@@ -113,7 +118,10 @@ class LiveView:
         """Take in an event; only the last ``NUM_EVENTS_SHOWN`` are kept."""
         with self._lock:
             self._events.append(event)
+            if event.kind == "warning":
+                self._warning = event
             if event.kind == "eval":
+                self._validation_step = event.step
                 metrics = event.data.get("metrics", {})
                 self._validation = {
                     key.removesuffix("/mean"): value for key, value in metrics.items()
@@ -133,6 +141,9 @@ class LiveView:
                 parts.append(self._device_table(self._last))
             if self._events:
                 parts.append(self._event_lines())
+            if self._warning is not None and self._warning not in self._events:
+                where = f" (step {self._warning.step})" if self._warning.step is not None else ""
+                parts.append(Text(f"last warning{where}: {self._warning.message}", style="yellow"))
             return Group(*parts)
 
     def _elapsed_s(self) -> float:
@@ -166,11 +177,16 @@ class LiveView:
             f"step {format_seconds(metrics.get(STEP_TIME_KEY))}",
             format_tokens_per_s(metrics.get(THROUGHPUT_KEY)),
         ]
-        parts += [f"{key} {format_number(value, 3)}" for key, value in self._validation.items()]
+        if self._validation:
+            # evaluations are sparse: say which step the numbers are from
+            parts.append(f"eval@{self._validation_step} " + "  ".join(
+                f"{key} {format_number(value, 3)}" for key, value in self._validation.items()))
         summary = Text("   ".join(parts))
         failed = metrics.get(FAILED_SHARE_KEY, 0.0)
         if failed > 0:
-            summary.append(f"   reward failed {failed:.0%}", style="bold red")
+            count = metrics.get(NUM_FAILED_KEY)
+            samples = f"{count:.0f} samples, " if count is not None else ""
+            summary.append(f"   reward failed: {samples}{failed:.0%}", style="bold red")
         return summary
 
     @staticmethod

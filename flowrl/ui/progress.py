@@ -12,6 +12,7 @@ from collections import deque
 REWARD_KEY = "critic/score/mean"
 """Mean sequence reward of the step (verl's name)."""
 FAILED_SHARE_KEY = "reward/failed_share"
+NUM_FAILED_KEY = "reward/num_failed"
 """Share of samples whose reward function failed (scored 0)."""
 RESPONSE_LENGTH_KEY = "response_length/mean"
 """Mean completion length in tokens."""

@@ -121,3 +121,26 @@ def test_context_manager_leaves_final_state(
     assert "step 120/120" in text
     assert "eta 0s" in text
     assert "update" in text
+
+
+def test_failed_reward_samples_evaluations_and_the_last_warning_stay_in_view(
+    clock: FakeClock, make_step: StepFactory
+) -> None:
+    from dataclasses import replace
+
+    console = Console(record=True, width=160, force_terminal=False, color_system=None)  # one summary line
+    view = LiveView("grpo-digits", 120, console, clock=clock)
+    view.on_event(RunEvent("warning", "reward: 3 of 32 samples failed: ValueError: no number", step=7))
+    view.on_event(RunEvent("eval", "500 held-out prompts", step=100,
+                           data={"metrics": {"val/reward/mean": 0.356, "val/response_length/mean": 5.0}}))
+    for step in range(101, 101 + NUM_EVENTS_SHOWN):
+        view.on_event(RunEvent("checkpoint", f"saved step-{step}", step=step))
+    record = make_step(104, elapsed_s=60.0)
+    view.on_step(replace(record, metrics={**record.metrics, "reward/failed_share": 3 / 32, "reward/num_failed": 3.0}))
+    text = rendered(view, console)
+    assert "reward failed: 3 samples, 9%" in text
+    # the evaluation's step is named; response lengths are not a score
+    assert "eval@100 val/reward 0.356" in text and "val/response_length" not in text
+    # the warning left the list of recent events and stays pinned under it
+    assert "step 7  warning" not in text
+    assert "last warning (step 7): reward: 3 of 32 samples failed: ValueError: no number" in text
