@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 from dataclasses import dataclass, field
@@ -179,6 +180,10 @@ def _train(
     slots = [slot.name for slot in cluster.slots]
     where = f"Dask scheduler {spec.runtime.scheduler_address}" if spec.runtime.scheduler_address else "local Dask cluster"
     watcher.event(RunEvent("cluster", f"{where}: {len(slots)} workers ({', '.join(slots)})", 0))
+    link = cluster.dashboard_link
+    if link is not None:
+        base = link.rsplit("/", 1)[0]
+        watcher.event(RunEvent("cluster", f"Dask dashboard: {link}; Dask's Prometheus metrics: {base}/metrics", 0))
     inventory = cluster.inventory()
     match = match_groups(pipeline_groups(spec), inventory)
     for line in [*inventory_lines(inventory), *match_lines(match, inventory, offload_notes(spec))]:
@@ -246,6 +251,9 @@ def check_runnable(graph: PipelineGraph) -> None:
         if group.type == "gpu" and no_gpu is not None:
             problems.append(f"devices.{name}.type: this machine has no GPU ({no_gpu}); set type: cpu")
     problems.extend(logger_problems(graph.spec.trainer.loggers))
+    if graph.spec.runtime.dashboard and importlib.util.find_spec("bokeh") is None:
+        problems.append("runtime.dashboard: Dask's dashboard needs the bokeh package, which is not installed; "
+                        "install it (pip install 'flowrl[dashboard]') or set dashboard: false")
     if problems:
         raise FlowrlError("this pipeline is valid but cannot run in this version:\n" + "\n".join(f"  {p}" for p in problems))
 

@@ -174,3 +174,36 @@ def test_a_busy_prometheus_port_is_a_clear_error() -> None:
         port = busy.getsockname()[1]
         with pytest.raises(FlowrlError, match=rf"runtime.prometheus_port: cannot serve /metrics on port {port}"):
             PrometheusMetrics(port)
+
+
+def test_the_dask_dashboard_needs_bokeh_before_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bokeh" else real(name, *a))
+    graph = load_pipeline(PIPELINE, ["runtime.dashboard=true"])
+    with pytest.raises(FlowrlError, match=r"runtime.dashboard: Dask's dashboard needs the bokeh package.*flowrl\[dashboard\]"):
+        check_runnable(graph)
+
+
+class Events:
+    def __init__(self) -> None:
+        self.messages: list[str] = []
+        self.metrics_text = ""
+
+    def on_step(self, record: StepRecord) -> None:
+        if not self.metrics_text:
+            link = next(m for m in self.messages if m.startswith("Dask dashboard: "))
+            url = link.split("Dask's Prometheus metrics: ")[1]
+            self.metrics_text = urllib.request.urlopen(url, timeout=10).read().decode()
+
+    def on_event(self, event: RunEvent) -> None:
+        self.messages.append(event.message)
+
+
+def test_a_run_with_the_dashboard_names_it_and_dasks_prometheus_endpoint(tmp_path: Path) -> None:
+    events = Events()
+    graph = load_pipeline(PIPELINE, ["trainer.steps=1", "runtime.dashboard=true"])
+    run(graph, output_dir=tmp_path / "out", observer=events)
+    assert any(m.startswith("Dask dashboard: http://127.0.0.1:") and m.endswith("/metrics") for m in events.messages)
+    assert "dask_scheduler_workers" in events.metrics_text  # Dask's own series, scraped mid-run
