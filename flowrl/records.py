@@ -32,6 +32,9 @@ class NodeTiming:
     """The GPU's memory minus that peak: what a larger batch could still use; 0 off a GPU."""
     rate_of_output: bool = False
     """Its throughput counts the tokens it produced (generation, evaluation), else those it read."""
+    arrived_at: float = 0.0
+    """When the call reached its worker (seconds since the epoch): where it sits on a step's
+    timeline; 0 where not measured."""
 
     @property
     def tokens_per_s(self) -> float:

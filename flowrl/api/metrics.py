@@ -49,6 +49,7 @@ def step_metrics(
                     part.peak_memory_gb,
                     part.device_memory_gb - part.peak_memory_gb if part.device_memory_gb else 0.0,
                     graph.spec.nodes[name].rate_of_output,
+                    part.arrived_at,
                 )
             )
     peaks = [timing for timing in nodes if timing.peak_memory_gb > 0]

@@ -193,7 +193,7 @@ def plan(
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON instead of tables."),
     output: Optional[Path] = typer.Option(
-        None, "--output", "-o", help="Write the timeline as a picture: .svg (or .png with matplotlib)."
+        None, "--output", "-o", help="Write the timeline as a picture: .svg or .png."
     ),
 ) -> None:
     """Place a pipeline's nodes on devices and predict one step: placement, memory, critical path, timeline."""
@@ -221,6 +221,20 @@ def simulate(
     from flowrl.cli.simulate import simulate_command
 
     simulate_command(pipeline_file, devices_file, steps, scenario, policy, seed, as_json, Console())
+
+
+@app.command()
+@_friendly
+def report(
+    output_dir: Path = typer.Argument(..., help="A run's output folder (trainer.output_dir)."),
+    step: Optional[int] = typer.Option(None, "--step", help="Step whose measured timeline is drawn; default: a median one."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Folder for the report; default OUTPUT_DIR/report."),
+) -> None:
+    """Draw a run: curves, the measured timeline of a step, predicted vs measured, devices; HTML, PNGs, trace."""
+    from flowrl.ui.report import build_report
+
+    page = build_report(output_dir, output, step)
+    Console().print(f"report: {page}  (Chrome/Perfetto trace: {page.parent / 'trace.json'})")
 
 
 def main() -> None:

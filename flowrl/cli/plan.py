@@ -6,7 +6,7 @@
     flowrl plan pipelines/ppo.yaml data.batch_size=16 --devices devices/mixed-4gpu.yaml
 
 Without ``--devices`` the plan is for this machine (NVML GPUs and ``runtime.cpu_slots``).
-The SVG is written by hand so no plotting library is needed; ``.png`` needs matplotlib.
+The picture is drawn with matplotlib (``flowrl.ui.plots``), as ``.svg`` or ``.png``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from xml.sax.saxutils import escape as xml_escape
 
 from rich.console import Console
 from rich.markup import escape
@@ -28,8 +27,6 @@ from flowrl.spec.loader import load_pipeline
 
 GANTT_WIDTH = 60
 """Characters of the terminal timeline's time axis."""
-_PALETTE = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1",
-            "#ff9da7", "#9c755f", "#bab0ac"]
 
 
 def plan_command(
@@ -40,7 +37,7 @@ def plan_command(
     the timeline to ``output``."""
     graph = load_pipeline(pipeline, overrides)
     if output is not None and output.suffix.lower() not in (".svg", ".png"):
-        raise FlowrlError(f"--output {output}: write the timeline as .svg (or .png with matplotlib)")
+        raise FlowrlError(f"--output {output}: write the timeline as .svg or .png")
     if devices_file is not None:
         inventory = load_inventory(devices_file)
     else:
@@ -121,79 +118,12 @@ def _keys(plan: CompiledPlan) -> dict[str, str]:
 
 
 def write_timeline(plan: CompiledPlan, output: Path) -> None:
-    if output.suffix.lower() == ".png":
-        _write_png(plan, output)
-    else:
-        output.write_text(timeline_svg(plan))
+    """The predicted timeline, drawn by the same module as ``flowrl report``'s measured one:
+    a lane per device, a bar per task, the critical path outlined."""
+    from flowrl.ui.plots import Bar, timeline
 
-
-def timeline_svg(plan: CompiledPlan) -> str:
-    """The timeline as an SVG document: one lane per device, one bar per task."""
-    lane, left, right, top, axis = 34, 150, 30, 40, 30
-    chart = 720
-    devices = [device.device for device in plan.devices]
-    labels = {device.device: device.label for device in plan.devices}
-    height = top + lane * len(devices) + axis + 10
-    total = plan.iteration_s or 1.0
-    tasks = list(dict.fromkeys(entry.task for entry in plan.timeline))
-    colors = {task: _PALETTE[i % len(_PALETTE)] for i, task in enumerate(tasks)}
-    parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + chart + right}" '
-        f'height="{height}" font-family="sans-serif" font-size="12">',
-        '<rect width="100%" height="100%" fill="white"/>',
-        f'<text x="{left}" y="20" font-size="14">{xml_escape(plan.pipeline)}: predicted step '
-        f'{_ms(plan.iteration_s)}; critical path {xml_escape(" → ".join(plan.critical_path))}</text>',
-    ]
-    for row, device in enumerate(devices):
-        y = top + row * lane
-        parts.append(f'<text x="{left - 8}" y="{y + lane / 2 + 4}" text-anchor="end">'
-                     f'{xml_escape(labels[device])}</text>')
-        parts.append(f'<line x1="{left}" y1="{y + lane}" x2="{left + chart}" y2="{y + lane}" '
-                     'stroke="#ddd"/>')
-        for entry in plan.timeline:
-            if entry.device != device:
-                continue
-            x = left + entry.start_s / total * chart
-            bar = max(1.0, (entry.end_s - entry.start_s) / total * chart)
-            critical = entry.task in plan.critical_path
-            stroke = ' stroke="black" stroke-width="2"' if critical else ""
-            parts.append(f'<rect x="{x:.1f}" y="{y + 4}" width="{bar:.1f}" height="{lane - 8}" '
-                         f'fill="{colors[entry.task]}"{stroke}><title>{xml_escape(entry.task)}: '
-                         f'{_ms(entry.start_s)} .. {_ms(entry.end_s)}</title></rect>')
-            if bar > 7 * len(entry.task):
-                parts.append(f'<text x="{x + 4:.1f}" y="{y + lane / 2 + 4}" fill="white">'
-                             f'{xml_escape(entry.task)}</text>')
-    base = top + lane * len(devices)
-    for tick in range(6):
-        x = left + tick / 5 * chart
-        parts.append(f'<line x1="{x:.1f}" y1="{base}" x2="{x:.1f}" y2="{base + 5}" stroke="black"/>')
-        parts.append(f'<text x="{x:.1f}" y="{base + 18}" text-anchor="middle">'
-                     f'{_ms(total * tick / 5)}</text>')
-    parts.append("</svg>")
-    return "\n".join(parts) + "\n"
-
-
-def _write_png(plan: CompiledPlan, output: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        from matplotlib import pyplot
-    except ImportError:
-        raise FlowrlError(
-            f"--output {output}: writing .png needs matplotlib, which is not installed; "
-            "write the timeline as .svg instead (--output timeline.svg)"
-        ) from None
-    devices = [device.device for device in plan.devices]
-    figure, axes = pyplot.subplots(figsize=(10, 0.5 * len(devices) + 1.5))
-    for row, device in enumerate(devices):
-        for entry in plan.timeline:
-            if entry.device == device:
-                axes.barh(row, (entry.end_s - entry.start_s) * 1e3, left=entry.start_s * 1e3)
-                axes.text(entry.start_s * 1e3, row, entry.task, va="center", fontsize=7)
-    axes.set_yticks(range(len(devices)), [device.label for device in plan.devices])
-    axes.set_xlabel("ms")
-    axes.set_title(f"{plan.pipeline}: predicted step {_ms(plan.iteration_s)}")
-    figure.tight_layout()
-    figure.savefig(output)
-    pyplot.close(figure)
+    bars = [Bar(entry.device, entry.task, entry.start_s, entry.end_s, emphasised=entry.task in plan.critical_path)
+            for entry in plan.timeline]
+    title = f"{plan.pipeline}: predicted step {_ms(plan.iteration_s)}; critical path {' -> '.join(plan.critical_path)}"
+    timeline(bars, [device.device for device in plan.devices], title, output,
+             {device.device: device.label for device in plan.devices})

@@ -91,6 +91,8 @@ class NodeReport:
     """What the run's log should say about this call (a reward function's first error)."""
     shards: tuple["NodeReport", ...] = ()
     """A node split over devices: the reports of shards 1.. (this one is shard 0's)."""
+    arrived_at: float = 0.0
+    """When the call reached the worker (seconds since the epoch, the worker's clock)."""
 
 
 def store_key(step: int, node: str, shard: int = 0) -> str:

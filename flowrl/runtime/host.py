@@ -166,7 +166,7 @@ class RoleHost:
 
     # ---- node calls ---------------------------------------------------------------
     async def run_node(self, call: NodeCall) -> NodeReport:
-        arrived = time.perf_counter()
+        arrived, arrived_at = time.perf_counter(), time.time()
         self._forget_before(call.step)
         index, count = call.shard
         key = store_key(call.step, call.node, index)
@@ -218,6 +218,7 @@ class RoleHost:
             metrics=output.metrics,
             peak_memory_gb=output.peak_memory_gb,
             device_memory_gb=output.device_memory_gb,
+            arrived_at=arrived_at,
             messages=output.messages,
         )
 
