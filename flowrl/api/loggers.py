@@ -31,8 +31,8 @@ class Logger(Protocol):
     def step(self, step: int, metrics: dict[str, float]) -> None:
         """Record one step's metrics."""
 
-    def close(self, summary: dict[str, float]) -> None:
-        """Record the run's summary and finish."""
+    def close(self, summary: dict[str, float], failed: bool = False) -> None:
+        """Record the run's summary and finish (``failed``: the run stopped with an error)."""
 
 
 def logger_problems(names: tuple[str, ...]) -> list[str]:
@@ -61,9 +61,21 @@ def make_loggers(names: tuple[str, ...], folder: Path, run_name: str, config: di
             elif name == "mlflow":
                 loggers.append(MlflowLogger(folder, run_name, config, config_text))
         except Exception as error:  # noqa: BLE001 - the tracker's own errors, said plainly
+            for started in loggers:  # the ones already started end, marked failed
+                close_quietly(started, {}, failed=True)
             raise FlowrlError(f"trainer.loggers: {name} could not start ({type(error).__name__}: "
                               f"{str(error)[:500]}); fix its settings or remove it from trainer.loggers") from error
     return loggers
+
+
+def close_quietly(logger: Logger, summary: dict[str, float], failed: bool) -> str | None:
+    """End a logger; what went wrong, if anything, as one line (a tracker's failure never
+    hides the run's own result or error)."""
+    try:
+        logger.close(summary, failed)
+    except Exception as error:  # noqa: BLE001 - any tracker error
+        return f"{type(logger).__name__}: {type(error).__name__}: {str(error)[:300]}"
+    return None
 
 
 class TensorBoardLogger:
@@ -79,8 +91,9 @@ class TensorBoardLogger:
             self.writer.add_scalar(key, value, global_step=step)
         self.writer.flush()
 
-    def close(self, summary: dict[str, float]) -> None:
-        self.writer.add_text("summary", "```\n" + json.dumps(summary, indent=1) + "\n```")
+    def close(self, summary: dict[str, float], failed: bool = False) -> None:
+        text = json.dumps({**summary, "failed": failed}, indent=1)
+        self.writer.add_text("summary", "```\n" + text + "\n```")
         self.writer.close()
 
 
@@ -95,9 +108,9 @@ class WandbLogger:
     def step(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log(metrics, step=step)
 
-    def close(self, summary: dict[str, float]) -> None:
+    def close(self, summary: dict[str, float], failed: bool = False) -> None:
         self.run.summary.update(summary)
-        self.run.finish()
+        self.run.finish(exit_code=1 if failed else 0)
 
 
 _MLFLOW_KEY = re.compile(r"[^A-Za-z0-9_\-. /]")
@@ -136,9 +149,9 @@ class MlflowLogger:
         for start in range(0, len(entries), 1000):
             self.client.log_batch(self.run_id, metrics=entries[start:start + 1000])
 
-    def close(self, summary: dict[str, float]) -> None:
+    def close(self, summary: dict[str, float], failed: bool = False) -> None:
         self.client.log_dict(self.run_id, summary, "summary.json")
-        self.client.set_terminated(self.run_id)
+        self.client.set_terminated(self.run_id, "FAILED" if failed else "FINISHED")
 
 
 def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:

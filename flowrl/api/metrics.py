@@ -24,11 +24,10 @@ def step_metrics(
     generated_tokens = 0
     score_nodes = [name for name in reports if isinstance(graph.spec.nodes[name], ScoreNode)]
     for name, report in reports.items():
-        if name in score_nodes and len(score_nodes) > 1:
-            continue  # several scores add up: see _summed_scores
-        for key, value in report.metrics.items():
-            # several updates (actor and critic) may each push weights: the step's sync is their sum
-            metrics[key] = metrics.get(key, 0.0) + value if key in SUMMED else value
+        if not (name in score_nodes and len(score_nodes) > 1):  # several scores add up: _summed_scores
+            for key, value in report.metrics.items():
+                # several updates (actor and critic) may each push weights: the step's sync is their sum
+                metrics[key] = metrics.get(key, 0.0) + value if key in SUMMED else value
         parts = (report, *report.shards)
         key = f"timing_s/{timing_name(graph, name)}"
         # a node split over devices takes as long as its slowest part
@@ -72,8 +71,9 @@ def step_metrics(
             tokens = sum(part.tokens_out for part in parts)
         else:
             tokens = generated_tokens
-        if tokens > 0:
-            metrics[f"timing_per_token_ms/{label}"] = metrics[f"timing_s/{label}"] * 1000.0 / tokens
+        seconds = metrics.get(f"timing_s/{label}")  # several score nodes are timed as one sum
+        if tokens > 0 and seconds is not None:
+            metrics[f"timing_per_token_ms/{label}"] = seconds * 1000.0 / tokens
     return metrics, nodes
 
 

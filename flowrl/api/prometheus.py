@@ -19,7 +19,8 @@ from typing import Any
 from flowrl.errors import FlowrlError
 from flowrl.records import RunEvent, StepRecord
 
-REWARD_KEY = "critic/rewards/mean"
+REWARD_KEY = "critic/score/mean"
+"""The reward the live view and the report show: the mean score of the step's samples."""
 
 
 class PrometheusMetrics:
@@ -50,7 +51,11 @@ class PrometheusMetrics:
         self.faults = Counter("flowrl_faults", "Faults recovered from", registry=registry)
         self.moves = Counter("flowrl_moves", "Nodes moved to other devices", registry=registry)
         self.server: Any
-        self.server, self.thread = start_http_server(port, addr=address, registry=registry)
+        try:
+            self.server, self.thread = start_http_server(port, addr=address, registry=registry)
+        except OSError as error:  # taken between the probe and now
+            raise FlowrlError(f"runtime.prometheus_port: cannot serve /metrics on port {port} ({error.strerror}); "
+                              "choose a free port") from error
         self.port = port
 
     def on_step(self, record: StepRecord) -> None:

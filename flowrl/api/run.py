@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from flowrl.api.builder import Pipeline
 from flowrl.algorithms.kl_control import AdaptiveKLController, FixedKLController
-from flowrl.api.loggers import Logger, logger_problems, make_loggers
+from flowrl.api.loggers import Logger, close_quietly, logger_problems, make_loggers
 from flowrl.api.outputs import RunFolder
 from flowrl.api.prometheus import PrometheusMetrics
 from flowrl.api.driver import Driver
@@ -116,11 +116,14 @@ def run(
     if start is None:
         folder.reset_logs()
     watcher = _Watchers(folder, observer, spec.trainer.log_every)
+    failed = True
     try:
         watcher.start_reporting(graph, config_text)
-        return _run_watched(graph, folder, watcher, base_dir, resume, start)
+        result = _run_watched(graph, folder, watcher, base_dir, resume, start)
+        failed = False
+        return result
     finally:
-        watcher.close()
+        watcher.close(failed)
 
 
 def _run_watched(graph: PipelineGraph, folder: RunFolder, watcher: "_Watchers", base_dir: Path | None,
@@ -251,7 +254,8 @@ def check_runnable(graph: PipelineGraph) -> None:
         if group.type == "gpu" and no_gpu is not None:
             problems.append(f"devices.{name}.type: this machine has no GPU ({no_gpu}); set type: cpu")
     problems.extend(logger_problems(graph.spec.trainer.loggers))
-    if graph.spec.runtime.dashboard and importlib.util.find_spec("bokeh") is None:
+    runtime = graph.spec.runtime
+    if runtime.dashboard and runtime.scheduler_address is None and importlib.util.find_spec("bokeh") is None:
         problems.append("runtime.dashboard: Dask's dashboard needs the bokeh package, which is not installed; "
                         "install it (pip install 'flowrl[dashboard]') or set dashboard: false")
     if problems:
@@ -345,7 +349,8 @@ class _Watchers:
         spec = graph.spec
         if spec.runtime.prometheus_port is not None:
             self.prometheus = PrometheusMetrics(spec.runtime.prometheus_port)
-            self.event(RunEvent("status", f"Prometheus metrics: http://127.0.0.1:{self.prometheus.port}/metrics", 0))
+            self.event(RunEvent("status", f"Prometheus metrics: port {self.prometheus.port} of every interface of "
+                                          f"this machine (http://127.0.0.1:{self.prometheus.port}/metrics here)", 0))
         self.loggers = make_loggers(spec.trainer.loggers, self.folder.path, spec.name,
                                     spec.model_dump(mode="json"), config_text)
 
@@ -353,8 +358,15 @@ class _Watchers:
         self.folder.append_metrics(record)
         self.last = record
         values = finite_metrics(record.metrics)
-        for logger in self.loggers:
-            logger.step(record.step, values)
+        for logger in list(self.loggers):
+            try:
+                logger.step(record.step, values)
+            except Exception as error:  # noqa: BLE001 - a tracker's trouble must not stop training
+                self.loggers.remove(logger)
+                close_quietly(logger, {}, failed=True)
+                self.event(RunEvent("warning", f"trainer.loggers: {type(logger).__name__} stopped at step "
+                                               f"{record.step} ({type(error).__name__}: {str(error)[:300]}); "
+                                               "the run goes on without it", record.step))
         if self.prometheus is not None:
             self.prometheus.on_step(record)
         shown = record.step % self.log_every == 0 or record.step == record.num_steps
@@ -368,16 +380,21 @@ class _Watchers:
         if self.observer is not None:
             self.observer.on_event(event)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         """The run's summary to every logger (the last step's metrics, the steps done and
-        the seconds they took), then stop serving ``/metrics``."""
+        the seconds they took; ``failed`` when the run stopped with an error), then stop
+        serving ``/metrics``. A tracker that cannot finish is reported, never raised: the
+        run's own result or error is what the caller gets."""
         summary: dict[str, float] = {}
         if self.last is not None:
             summary = {**finite_metrics(self.last.metrics), "steps": float(self.last.step),
                        "elapsed_s": self.last.elapsed_s}
-        for logger in self.loggers:
-            logger.close(summary)
-        self.loggers = []
+        loggers, self.loggers = self.loggers, []
+        problems = [problem for logger in loggers if (problem := close_quietly(logger, summary, failed))]
         if self.prometheus is not None:
-            self.prometheus.close()
-            self.prometheus = None
+            try:
+                self.prometheus.close()
+            finally:
+                self.prometheus = None
+        for problem in problems:
+            self.event(RunEvent("warning", f"trainer.loggers: could not finish {problem}"))

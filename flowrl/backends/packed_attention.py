@@ -59,10 +59,11 @@ def _varlen() -> tuple[Callable[..., Any], frozenset[str]] | None:
 
 
 def varlen_usable(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    """True when one variable-length kernel can attend a packed pass: CUDA, half precision
-    and a head size the flash kernels take."""
+    """True when one variable-length kernel can attend a packed pass: CUDA on a card the
+    flash kernels run on (compute capability 8.0 or newer), half precision and a head size
+    they take."""
     return (_varlen() is not None and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
-            and 0 < head_dim <= 256 and head_dim % 8 == 0)
+            and 0 < head_dim <= 256 and head_dim % 8 == 0 and torch.cuda.get_device_capability(device) >= (8, 0))
 
 
 def _cumulative_bounds(bounds: list[int], device: torch.device) -> torch.Tensor:

@@ -126,7 +126,8 @@ def completion_logprobs_and_entropy(
     module: torch.nn.Module, rollout: Rollout, device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`completion_logprobs` of one pass and the entropy of the policy at each
-    completion token ([N, T] float32, 0 at padding; a metric, not differentiable)."""
+    completion token ([N, T] float32, padding included: mask it; a metric, not
+    differentiable)."""
     logprobs, entropy = _logprobs(module, rollout, device, True)
     assert entropy is not None
     return logprobs, entropy

@@ -73,7 +73,9 @@ def gathered(module: torch.nn.Module) -> Iterator[None]:
     finally:
         for unit in units:
             unit.reshard()
-            unit.set_reshard_after_forward(True, recurse=False)
+            # fully_shard's own choice: the layers free their gathered parameters after the
+            # forward, the root keeps them for the backward that follows at once
+            unit.set_reshard_after_forward(unit is not module, recurse=False)
 
 
 def local_part(tensor: torch.Tensor) -> torch.Tensor:

@@ -61,6 +61,7 @@ def timeline(bars: list[Bar], lanes: list[str], title: str, path: Path, lane_lab
     scale = 1e3 if unit_ms else 1.0
     figure, axes = pyplot.subplots(figsize=(10, 0.55 * len(lanes) + 1.6))
     end = max((bar.end_s for bar in bars), default=1.0) * scale
+    lanes = list(lanes) + sorted({bar.lane for bar in bars} - set(lanes))
     for bar in bars:
         row = lanes.index(bar.lane)
         width = max((bar.end_s - bar.start_s) * scale, end / 500)

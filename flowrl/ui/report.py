@@ -52,6 +52,8 @@ class RunFiles:
     samples: list[dict[str, Any]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
     plan: dict[str, Any] = field(default_factory=dict)
+    elapsed: dict[int, float] = field(default_factory=dict)
+    """Seconds from the start of the run to the end of each step."""
 
     @classmethod
     def read(cls, folder: Path) -> "RunFiles":
@@ -60,6 +62,7 @@ class RunFiles:
                               "(trainer.output_dir)")
         files = cls(folder)
         files.metrics = _lines(folder / "metrics.jsonl")
+        files.elapsed = {line["step"]: float(line.get("elapsed_s", 0.0)) for line in files.metrics}
         for line in _lines(folder / "profile.jsonl"):
             if line.get("type") == "node":
                 files.calls.append(line)
@@ -73,10 +76,7 @@ class RunFiles:
         return files
 
     def elapsed_of(self, step: int) -> float:
-        for line in self.metrics:
-            if line["step"] == step:
-                return float(line.get("elapsed_s", 0.0))
-        return 0.0
+        return self.elapsed.get(step, 0.0)
 
     def marks(self, on_time: bool) -> tuple[Mark, ...]:
         """Faults and moves, at their step (or its elapsed seconds)."""
@@ -100,12 +100,15 @@ def _lines(path: Path) -> list[dict[str, Any]]:
     return lines
 
 
-def chosen_step(files: RunFiles, step: int | None) -> int:
+def chosen_step(files: RunFiles, step: int | None) -> int | None:
     """``step`` if the run has its node calls, else the step whose duration is the median
-    of the run's (a typical step, not the first, which compiles and warms up)."""
+    of the run's (a typical step, not the first, which compiles and warms up); None when no
+    call was timed (a run of an older version), unless ``step`` was asked for."""
     steps = sorted({call["step"] for call in files.calls if call["step"] > 0 and call.get("arrived_at")})
+    if not steps and step is None:
+        return None
     if not steps:
-        raise FlowrlError(f"{files.folder}: profile.jsonl has no timed node calls (a run of an older version?)")
+        raise FlowrlError(f"--step {step}: profile.jsonl has no timed node calls (a run of an older version?)")
     if step is not None:
         if step not in steps:
             raise FlowrlError(f"--step {step}: the run has node calls for steps {steps[0]}..{steps[-1]}")
@@ -192,11 +195,13 @@ def build_report(folder: Path, output: Path | None = None, step: int | None = No
         pictures.append(("eval.png", "Evaluation", "held-out prompts, at step 0 and every eval.every_steps"))
 
     shown = chosen_step(files, step)
-    bars, lanes = step_bars(files, shown)
-    took = max(bar.end_s for bar in bars)
-    timeline(bars, lanes, f"{name}: step {shown} as measured, {took * 1e3:.0f} ms from the first call", out / "timeline.png")
-    pictures.append(("timeline.png", f"Step {shown}, measured",
-                     "a lane per worker; each node call's wait for its inputs (grey), then its computation"))
+    if shown is not None:
+        bars, lanes = step_bars(files, shown)
+        took = max(bar.end_s for bar in bars)
+        timeline(bars, lanes, f"{name}: step {shown} as measured, {took * 1e3:.0f} ms from the first call",
+                 out / "timeline.png")
+        pictures.append(("timeline.png", f"Step {shown}, measured",
+                         "a lane per worker; each node call's wait for its inputs (grey), then its computation"))
 
     names, predicted, measured = node_seconds(files)
     if names:

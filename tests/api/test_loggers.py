@@ -145,7 +145,7 @@ def test_every_logger_and_prometheus_get_the_runs_metrics(tmp_path: Path, monkey
     assert len(scraper.scrapes) == 3
     last = scraper.scrapes[-1]
     assert last["flowrl_step"][()] == 3.0
-    assert last["flowrl_reward_mean"][()] == pytest.approx(rewards[3])
+    assert last["flowrl_reward_mean"][()] == pytest.approx(lines[-1]["critic/score/mean"])
     assert {labels[0][1] for labels in last["flowrl_node_seconds"]} >= {"rollout", "ref", "train"}
     assert all(value > 0 for value in last["flowrl_node_seconds"].values())
     assert {labels[0][1] for labels in last["flowrl_device_utilization"]} == {"cpu-0", "cpu-1"}
@@ -207,3 +207,79 @@ def test_a_run_with_the_dashboard_names_it_and_dasks_prometheus_endpoint(tmp_pat
     run(graph, output_dir=tmp_path / "out", observer=events)
     assert any(m.startswith("Dask dashboard: http://127.0.0.1:") and m.endswith("/metrics") for m in events.messages)
     assert "dask_scheduler_workers" in events.metrics_text  # Dask's own series, scraped mid-run
+
+
+class Broken:
+    """A tracker that fails: at a step, and again when it is closed."""
+
+    def __init__(self) -> None:
+        self.closed: list[bool] = []
+
+    def step(self, step: int, metrics: dict[str, float]) -> None:
+        raise ConnectionError("tracking server unreachable")
+
+    def close(self, summary: dict[str, float], failed: bool = False) -> None:
+        self.closed.append(failed)
+        raise ConnectionError("still unreachable")
+
+
+class Kept:
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+        self.closed: list[tuple[dict[str, float], bool]] = []
+
+    def step(self, step: int, metrics: dict[str, float]) -> None:
+        self.steps.append(step)
+
+    def close(self, summary: dict[str, float], failed: bool = False) -> None:
+        self.closed.append((summary, failed))
+
+
+def test_a_failing_tracker_is_dropped_with_a_warning_and_never_stops_the_run(tmp_path: Path) -> None:
+    from flowrl.api.outputs import RunFolder
+    from flowrl.api.run import _Watchers
+
+    watchers = _Watchers(RunFolder(tmp_path), None)
+    broken, kept = Broken(), Kept()
+    watchers.loggers = [broken, kept]
+    for step in (1, 2):
+        watchers.step(StepRecord(step, 2, {"critic/score/mean": 0.5, "nan": float("nan")}))
+    assert watchers.loggers == [kept] and kept.steps == [1, 2] and broken.closed == [True]
+    watchers.close(failed=True)  # the run stopped with an error: trackers are told so
+    assert kept.closed == [({"critic/score/mean": 0.5, "steps": 2.0, "elapsed_s": 0.0}, True)]
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [e["kind"] for e in events] == ["warning"]
+    assert "Broken stopped at step 1 (ConnectionError: tracking server unreachable)" in events[0]["message"]
+
+
+def test_a_tracker_that_cannot_finish_is_reported_not_raised(tmp_path: Path) -> None:
+    from flowrl.api.outputs import RunFolder
+    from flowrl.api.run import _Watchers
+
+    watchers = _Watchers(RunFolder(tmp_path), None)
+    broken, kept = Broken(), Kept()
+    watchers.loggers = [broken, kept]
+    watchers.close()
+    assert broken.closed == [False] and kept.closed == [({}, False)]
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert "could not finish Broken: ConnectionError: still unreachable" in events[0]["message"]
+
+
+def test_a_tracker_that_cannot_start_ends_the_ones_started_before_it(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    import mlflow
+
+    import flowrl.api.loggers as loggers
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise PermissionError("no write access")
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setattr(loggers, "WandbLogger", refuse)
+    with pytest.raises(FlowrlError, match=r"trainer.loggers: wandb could not start \(PermissionError: no write access\)"):
+        loggers.make_loggers(("mlflow", "wandb"), tmp_path, "p", {"a": 1}, "a: 1\n")
+    client = mlflow.MlflowClient(tracking_uri=(tmp_path / "mlruns").resolve().as_uri())
+    experiment = client.get_experiment_by_name("p")
+    assert experiment is not None
+    (found,) = client.search_runs([experiment.experiment_id])
+    assert found.info.status == "FAILED"

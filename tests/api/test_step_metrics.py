@@ -1,0 +1,53 @@
+"""A step's metrics from its node reports: verl's per-token timings, with one score node and
+with several (whose scores, and times, add up)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from flowrl.api.metrics import step_metrics
+from flowrl.runtime.calls import NodeReport
+from flowrl.spec.loader import load_pipeline
+
+PIPELINE = """
+name: two-scores
+models:
+  actor: {path: builtin:tiny-llama, device_group: g}
+devices:
+  g: {type: cpu}
+nodes:
+  rollout: {role: generate, model: actor, inputs: [prompts], n: 2, max_new_tokens: 4}
+  digits:  {role: score, fn: digits, inputs: [rollout]}
+  again:   {role: score, fn: digits, inputs: [rollout]}
+  adv:     {role: advantage, estimator: grpo, inputs: [digits, again]}
+  train:   {role: update, model: actor, inputs: [rollout, adv], lr: 1.0e-4}
+data: {source: builtin:digits, batch_size: 2}
+"""
+
+
+def _report(node: str, role: str, compute_s: float, tokens_in: int, tokens_out: int, **metrics: float) -> NodeReport:
+    return NodeReport(node, role, "cpu-0", f"1:{node}", compute_s, compute_s, 0.0, tokens_in, tokens_out, metrics)
+
+
+def test_per_token_timings_with_two_score_nodes(tmp_path: Path) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text(PIPELINE)
+    graph = load_pipeline(path)
+    reports = {
+        # 4 completions of 4 tokens after prompts of 6: 16 generated, 40 read in all
+        "rollout": _report("rollout", "generate", 0.2, 24, 16),
+        "digits": _report("digits", "score", 0.01, 16, 0, **{"critic/score/mean": 0.25}),
+        "again": _report("again", "score", 0.03, 16, 0, **{"critic/score/mean": 0.5}),
+        "adv": _report("adv", "advantage", 0.002, 0, 0),
+        "train": _report("train", "update", 0.4, 40, 0),
+    }
+    metrics, _ = step_metrics(graph, reports, step_s=0.7, num_devices=1)
+    assert metrics["critic/score/mean"] == pytest.approx(0.75)  # the two scores add up
+    assert metrics["perf/total_num_tokens"] == 40.0 and metrics["perf/time_per_step"] == 0.7
+    assert metrics["timing_per_token_ms/gen"] == pytest.approx(200.0 / 16)  # per generated token
+    assert metrics["timing_per_token_ms/update_actor"] == pytest.approx(400.0 / 40)  # per token of the step
+    # the score nodes are timed together (their sum), and so is their per-token time
+    assert metrics["timing_s/reward"] == pytest.approx(0.04)
+    assert metrics["timing_per_token_ms/reward"] == pytest.approx(40.0 / 40)
