@@ -10,6 +10,15 @@ import pytest
 from flowrl.api.driver import _InterruptFlag
 
 
+@pytest.fixture(autouse=True)
+def python_handles_sigint() -> object:
+    """Python's own Ctrl-C handler, as in a terminal, whatever started the tests (a shell
+    starts background jobs with SIGINT ignored, and Python then installs no handler)."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 def test_sigint_raises_and_is_remembered_even_when_the_exception_is_swallowed() -> None:
     before = signal.getsignal(signal.SIGINT)
     with _InterruptFlag() as flag:

@@ -109,6 +109,8 @@ def test_ctrl_c_to_the_whole_process_group_stops_cleanly(tmp_path: Path) -> None
     process = subprocess.Popen(
         [FLOWRL, "run", str(ROOT / "pipelines" / "grpo_tiny.yaml"), "--plain", "-o", str(tmp_path / "out")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        # Ctrl-C as in a terminal, even where the tests were started with SIGINT ignored
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     # wait until training has started, then interrupt driver and workers together, as a terminal does
     deadline = time.monotonic() + 120
