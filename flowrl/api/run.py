@@ -184,7 +184,7 @@ def _train(
     where = f"Dask scheduler {spec.runtime.scheduler_address}" if spec.runtime.scheduler_address else "local Dask cluster"
     watcher.event(RunEvent("cluster", f"{where}: {len(slots)} workers ({', '.join(slots)})", 0))
     link = cluster.dashboard_link
-    if link is not None:
+    if link is not None and spec.runtime.dashboard:
         base = link.rsplit("/", 1)[0]
         watcher.event(RunEvent("cluster", f"Dask dashboard: {link}; Dask's Prometheus metrics: {base}/metrics", 0))
     inventory = cluster.inventory()

@@ -35,6 +35,7 @@ class Scraper:
     def __init__(self, port: int) -> None:
         self.port = port
         self.scrapes: list[dict[str, dict[tuple[tuple[str, str], ...], float]]] = []
+        self.messages: list[str] = []
 
     def on_step(self, record: StepRecord) -> None:
         from prometheus_client.parser import text_string_to_metric_families
@@ -47,7 +48,7 @@ class Scraper:
         self.scrapes.append(families)
 
     def on_event(self, event: RunEvent) -> None:
-        pass
+        self.messages.append(event.message)
 
 
 def _wandb_records(path: Path) -> list[Any]:
@@ -150,6 +151,8 @@ def test_every_logger_and_prometheus_get_the_runs_metrics(tmp_path: Path, monkey
     assert all(value > 0 for value in last["flowrl_node_seconds"].values())
     assert {labels[0][1] for labels in last["flowrl_device_utilization"]} == {"cpu-0", "cpu-1"}
     assert last["flowrl_faults_total"][()] == 0.0
+    # runtime.dashboard is off: no dashboard is announced
+    assert not any(message.startswith("Dask dashboard") for message in scraper.messages)
     # the server is gone after the run
     with pytest.raises(OSError):
         urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
