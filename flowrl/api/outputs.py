@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -84,6 +85,29 @@ class RunFolder:
             path.write_text("".join(line + "\n" for line in kept))
         return dropped
 
+    def add_measured_to_plans(self, records: list[StepRecord]) -> None:
+        """Put what the run measured beside what each plan predicted: plan-N.json gets a
+        ``measured`` section over the steps it governed (from N, or 1, to the next plan):
+        per node the median compute and wall seconds (a split node's slowest part) and the
+        largest peak memory, per device the largest memory and the mean utilisation, and
+        the median step; each entry of its ``nodes`` gets ``predicted_s`` (its ``end_s`` -
+        ``start_s``) and ``measured_s`` side by side. Plans whose steps this process did not run are left as they are."""
+        plans = sorted((int(path.stem.split("-", 1)[1]), path) for path in self.path.glob("plan-*.json")
+                       if path.stem.split("-", 1)[1].isdigit())
+        for index, (first, path) in enumerate(plans):
+            last = plans[index + 1][0] - 1 if index + 1 < len(plans) else None
+            governed = [r for r in records if r.step >= max(first, 1) and (last is None or r.step <= last)]
+            if not governed:
+                continue
+            plan = json.loads(path.read_text())
+            plan["measured"] = _measured(governed)
+            nodes = plan["measured"]["nodes"]
+            for entry in plan.get("nodes", []):
+                if entry.get("node") in nodes:
+                    entry["predicted_s"] = entry["end_s"] - entry["start_s"]
+                    entry["measured_s"] = nodes[entry["node"]]["compute_s_median"]
+            path.write_text(json.dumps(plan, indent=2) + "\n")
+
     def write_plan(self, step: int, plan: dict[str, Any]) -> Path:
         target = self.path / f"plan-{step}.json"
         target.write_text(json.dumps(plan, indent=2) + "\n")
@@ -145,6 +169,35 @@ class RunFolder:
     def _append(self, name: str, line: dict[str, Any]) -> None:
         with open(self.path / name, "a") as handle:
             handle.write(json.dumps(line) + "\n")
+
+
+def _measured(records: list[StepRecord]) -> dict[str, Any]:
+    """Medians and peaks of ``records`` (the steps one plan governed), for :meth:`RunFolder.add_measured_to_plans`."""
+    compute: dict[str, dict[int, float]] = {}
+    wall: dict[str, dict[int, float]] = {}
+    node_peak: dict[str, float] = {}
+    device_peak: dict[str, float] = {}
+    utilization: dict[str, list[float]] = {}
+    for record in records:
+        for timing in record.nodes:
+            per_step = compute.setdefault(timing.node, {})
+            per_step[record.step] = max(per_step.get(record.step, 0.0), timing.compute_s)
+            walls = wall.setdefault(timing.node, {})
+            walls[record.step] = max(walls.get(record.step, 0.0), timing.wall_s)
+            node_peak[timing.node] = max(node_peak.get(timing.node, 0.0), timing.peak_memory_gb)
+        for sample in record.devices:
+            device_peak[sample.device] = max(device_peak.get(sample.device, 0.0), sample.memory_gb)
+            utilization.setdefault(sample.device, []).append(sample.utilization)
+    steps = [r.metrics["timing_s/step"] for r in records if math.isfinite(r.metrics.get("timing_s/step", math.nan))]
+    return {
+        "steps": [records[0].step, records[-1].step],
+        "step_s_median": statistics.median(steps) if steps else None,
+        "nodes": {node: {"compute_s_median": statistics.median(compute[node].values()),
+                         "wall_s_median": statistics.median(wall[node].values()),
+                         "peak_memory_gb": node_peak[node]} for node in compute},
+        "devices": {device: {"peak_memory_gb": device_peak[device],
+                             "utilization_mean": statistics.fmean(utilization[device])} for device in device_peak},
+    }
 
 
 def _finite(metrics: dict[str, float]) -> dict[str, float | None]:

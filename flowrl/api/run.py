@@ -211,6 +211,7 @@ def _train(
         driver.run()
     finally:
         driver.close()
+        folder.add_measured_to_plans(result.records)
     return result
 
 

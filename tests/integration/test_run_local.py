@@ -52,6 +52,16 @@ def test_grpo_on_local_cluster_learns_and_writes_outputs(tmp_path: Path, make_pi
     # the plan puts actor and reference on different workers, and predicts the step
     plan = json.loads((output / "plan-0.json").read_text())
     assert plan["iteration_s"] > 0 and plan["critical_path"][0] == "rollout"
+    # predicted and measured side by side: per node the median of its steps' compute seconds
+    import statistics
+
+    assert plan["measured"]["steps"] == [1, 40]
+    for entry in plan["nodes"]:
+        seconds = [call["compute_s"] for call in profile if call["type"] == "node" and call["node"] == entry["node"]
+                   and 1 <= call["step"] <= 40]
+        assert entry["measured_s"] == pytest.approx(statistics.median(seconds)), entry["node"]
+        assert entry["predicted_s"] == pytest.approx(entry["end_s"] - entry["start_s"])
+    assert set(plan["measured"]["devices"]) == {"cpu-0", "cpu-1"}
     assert plan["runtime"]["node_slots"]["rollout"] != plan["runtime"]["node_slots"]["ref"]
     assert plan["runtime"]["node_slots"]["rollout"] == plan["runtime"]["node_slots"]["train"]
 
