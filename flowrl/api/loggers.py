@@ -35,17 +35,26 @@ class Logger(Protocol):
         """Record the run's summary and finish (``failed``: the run stopped with an error)."""
 
 
+def missing_package(module: str, place: str, who: str, extra: str, instead: str) -> str | None:
+    """What to say, before anything starts, when ``module`` (what ``who`` needs) is not
+    installed: the field, the flowrl extra that installs it, and the other way out."""
+    if importlib.util.find_spec(module) is not None:
+        return None
+    return (f"{place}: {who} needs the {module} package, which is not installed; "
+            f"install it (pip install 'flowrl[{extra}]') or {instead}")
+
+
 def logger_problems(names: tuple[str, ...]) -> list[str]:
     """What stops a logger from running (its package is not installed), said before anything
     starts."""
     problems = []
     for name in names:
         module, extra = PACKAGES.get(name, (None, None))
-        if module is not None and importlib.util.find_spec(module) is None:
-            problems.append(
-                f"trainer.loggers: '{name}' needs the {module} package, which is not installed; "
-                f"install it (pip install 'flowrl[{extra}]') or remove '{name}' from trainer.loggers"
-            )
+        if module is not None and extra is not None:
+            problem = missing_package(module, "trainer.loggers", f"'{name}'", extra,
+                                      f"remove '{name}' from trainer.loggers")
+            if problem is not None:
+                problems.append(problem)
     return problems
 
 

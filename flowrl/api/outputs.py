@@ -25,7 +25,7 @@ import shutil
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from flowrl.api.recovery import TRAINER_STATE, file_digests
 from flowrl.errors import CheckpointError, FlowrlError
@@ -171,20 +171,27 @@ class RunFolder:
             handle.write(json.dumps(line) + "\n")
 
 
+def slowest_part_medians(calls: Iterable[tuple[str, int, float]]) -> dict[str, float]:
+    """Per node, the median over steps of its seconds in a step, from (node, step, seconds)
+    of every call: a node split over devices takes as long as its slowest part."""
+    per_step: dict[str, dict[int, float]] = {}
+    for node, step, seconds in calls:
+        steps = per_step.setdefault(node, {})
+        steps[step] = max(steps.get(step, 0.0), seconds)
+    return {node: statistics.median(steps.values()) for node, steps in per_step.items()}
+
+
 def _measured(records: list[StepRecord]) -> dict[str, Any]:
     """Medians and peaks of ``records`` (the steps one plan governed), for :meth:`RunFolder.add_measured_to_plans`."""
-    compute: dict[str, dict[int, float]] = {}
-    wall: dict[str, dict[int, float]] = {}
+    calls = [(record.step, timing) for record in records for timing in record.nodes]
+    compute = slowest_part_medians((t.node, step, t.compute_s) for step, t in calls)
+    wall = slowest_part_medians((t.node, step, t.wall_s) for step, t in calls)
     node_peak: dict[str, float] = {}
     device_peak: dict[str, float] = {}
     utilization: dict[str, list[float]] = {}
+    for _, timing in calls:
+        node_peak[timing.node] = max(node_peak.get(timing.node, 0.0), timing.peak_memory_gb)
     for record in records:
-        for timing in record.nodes:
-            per_step = compute.setdefault(timing.node, {})
-            per_step[record.step] = max(per_step.get(record.step, 0.0), timing.compute_s)
-            walls = wall.setdefault(timing.node, {})
-            walls[record.step] = max(walls.get(record.step, 0.0), timing.wall_s)
-            node_peak[timing.node] = max(node_peak.get(timing.node, 0.0), timing.peak_memory_gb)
         for sample in record.devices:
             device_peak[sample.device] = max(device_peak.get(sample.device, 0.0), sample.memory_gb)
             utilization.setdefault(sample.device, []).append(sample.utilization)
@@ -192,8 +199,7 @@ def _measured(records: list[StepRecord]) -> dict[str, Any]:
     return {
         "steps": [records[0].step, records[-1].step],
         "step_s_median": statistics.median(steps) if steps else None,
-        "nodes": {node: {"compute_s_median": statistics.median(compute[node].values()),
-                         "wall_s_median": statistics.median(wall[node].values()),
+        "nodes": {node: {"compute_s_median": compute[node], "wall_s_median": wall[node],
                          "peak_memory_gb": node_peak[node]} for node in compute},
         "devices": {device: {"peak_memory_gb": device_peak[device],
                              "utilization_mean": statistics.fmean(utilization[device])} for device in device_peak},
@@ -203,3 +209,8 @@ def _measured(records: list[StepRecord]) -> dict[str, Any]:
 def _finite(metrics: dict[str, float]) -> dict[str, float | None]:
     # JSON has no NaN; a missing number is written as null.
     return {k: (v if isinstance(v, (int, float)) and math.isfinite(v) else None) for k, v in metrics.items()}
+
+
+def finite_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """The finite numbers of a record (trackers take numbers only; NaN means not measured)."""
+    return {key: float(value) for key, value in _finite(metrics).items() if value is not None}

@@ -7,17 +7,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-import math
-
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from flowrl.api.builder import Pipeline
 from flowrl.algorithms.kl_control import AdaptiveKLController, FixedKLController
-from flowrl.api.loggers import Logger, close_quietly, logger_problems, make_loggers
-from flowrl.api.outputs import RunFolder
+from flowrl.api.loggers import Logger, close_quietly, logger_problems, make_loggers, missing_package
+from flowrl.api.outputs import RunFolder, finite_metrics
 from flowrl.api.prometheus import PrometheusMetrics
 from flowrl.api.driver import Driver
 from flowrl.api.recovery import FoundCheckpoint, config_changes, newest_checkpoint
@@ -256,9 +253,10 @@ def check_runnable(graph: PipelineGraph) -> None:
             problems.append(f"devices.{name}.type: this machine has no GPU ({no_gpu}); set type: cpu")
     problems.extend(logger_problems(graph.spec.trainer.loggers))
     runtime = graph.spec.runtime
-    if runtime.dashboard and runtime.scheduler_address is None and importlib.util.find_spec("bokeh") is None:
-        problems.append("runtime.dashboard: Dask's dashboard needs the bokeh package, which is not installed; "
-                        "install it (pip install 'flowrl[dashboard]') or set dashboard: false")
+    if runtime.dashboard and runtime.scheduler_address is None:
+        problem = missing_package("bokeh", "runtime.dashboard", "Dask's dashboard", "dashboard", "set dashboard: false")
+        if problem is not None:
+            problems.append(problem)
     if problems:
         raise FlowrlError("this pipeline is valid but cannot run in this version:\n" + "\n".join(f"  {p}" for p in problems))
 
@@ -326,12 +324,6 @@ class RewardKL:
         for name, saved in state.items():
             if name in self.controllers:
                 self.controllers[name].load_state_dict(saved)
-
-
-def finite_metrics(metrics: dict[str, float]) -> dict[str, float]:
-    """The finite numbers of a record (trackers take numbers only; NaN means not measured)."""
-    return {key: float(value) for key, value in metrics.items()
-            if isinstance(value, (int, float)) and math.isfinite(value)}
 
 
 class _Watchers:

@@ -21,11 +21,11 @@ from __future__ import annotations
 import base64
 import html
 import json
-import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from flowrl.api.outputs import slowest_part_medians
 from flowrl.errors import FlowrlError
 from flowrl.ui.plots import Bar, Mark, compared_bars, curves, timeline
 
@@ -159,14 +159,10 @@ def node_seconds(files: RunFiles) -> tuple[list[str], list[float], list[float]]:
     """Per node of the plan: predicted seconds (plan-0.json) and the median measured compute
     seconds (the slowest part, for a split node), both in ms."""
     predicted = {node["node"]: node["end_s"] - node["start_s"] for node in files.plan.get("nodes", [])}
-    per_step: dict[str, dict[int, float]] = {}
-    for call in files.calls:
-        if call["step"] > 0 and call["node"] in predicted:
-            steps = per_step.setdefault(call["node"], {})
-            steps[call["step"]] = max(steps.get(call["step"], 0.0), call["compute_s"])
-    names = [name for name in predicted if name in per_step]
-    return (names, [predicted[name] * 1e3 for name in names],
-            [statistics.median(per_step[name].values()) * 1e3 for name in names])
+    measured = slowest_part_medians((call["node"], call["step"], call["compute_s"]) for call in files.calls
+                                    if call["step"] > 0 and call["node"] in predicted)
+    names = [name for name in predicted if name in measured]
+    return names, [predicted[name] * 1e3 for name in names], [measured[name] * 1e3 for name in names]
 
 
 def build_report(folder: Path, output: Path | None = None, step: int | None = None) -> Path:

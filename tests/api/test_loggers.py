@@ -158,11 +158,16 @@ def test_every_logger_and_prometheus_get_the_runs_metrics(tmp_path: Path, monkey
         urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
 
 
-def test_a_logger_without_its_package_is_refused_before_start(monkeypatch: pytest.MonkeyPatch) -> None:
+def _uninstalled(monkeypatch: pytest.MonkeyPatch, package: str) -> None:
+    """``package`` looks not installed to the checks made before a run starts."""
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == package else real(name, *a))
+
+
+def test_a_logger_without_its_package_is_refused_before_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    _uninstalled(monkeypatch, "wandb")
     graph = load_pipeline(PIPELINE, ["trainer.loggers=[jsonl,wandb]"])
     with pytest.raises(FlowrlError, match=r"trainer.loggers: 'wandb' needs the wandb package.*flowrl\[wandb\]"):
         check_runnable(graph)
@@ -180,10 +185,7 @@ def test_a_busy_prometheus_port_is_a_clear_error() -> None:
 
 
 def test_the_dask_dashboard_needs_bokeh_before_start(monkeypatch: pytest.MonkeyPatch) -> None:
-    import importlib.util
-
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bokeh" else real(name, *a))
+    _uninstalled(monkeypatch, "bokeh")
     graph = load_pipeline(PIPELINE, ["runtime.dashboard=true"])
     with pytest.raises(FlowrlError, match=r"runtime.dashboard: Dask's dashboard needs the bokeh package.*flowrl\[dashboard\]"):
         check_runnable(graph)
