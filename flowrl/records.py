@@ -5,6 +5,8 @@ They hold numbers and names only, so every layer can produce or read them.
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -86,3 +88,13 @@ class RunEvent:
     message: str
     step: int | None = None
     data: dict[str, Any] = field(default_factory=dict)
+
+
+def slowest_part_medians(calls: Iterable[tuple[str, int, float]]) -> dict[str, float]:
+    """Per node, the median over steps of its seconds in a step, from (node, step, seconds)
+    of every call: a node split over devices takes as long as its slowest part."""
+    per_step: dict[str, dict[int, float]] = {}
+    for node, step, seconds in calls:
+        steps = per_step.setdefault(node, {})
+        steps[step] = max(steps.get(step, 0.0), seconds)
+    return {node: statistics.median(steps.values()) for node, steps in per_step.items()}

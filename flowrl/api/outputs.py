@@ -25,12 +25,12 @@ import shutil
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from flowrl.api.recovery import TRAINER_STATE, file_digests
 from flowrl.errors import CheckpointError, FlowrlError
 from flowrl.profiler import NodeSummary
-from flowrl.records import NodeTiming, RunEvent, StepRecord
+from flowrl.records import NodeTiming, RunEvent, StepRecord, slowest_part_medians
 
 
 class RunFolder:
@@ -108,6 +108,19 @@ class RunFolder:
                     entry["measured_s"] = nodes[entry["node"]]["compute_s_median"]
             path.write_text(json.dumps(plan, indent=2) + "\n")
 
+    def governed_by_first_plan(self, records: list[StepRecord]) -> list[StepRecord]:
+        """The steps of ``records`` that ``plan-0.json`` governed (before any re-plan)."""
+        later = [int(path.stem.split("-", 1)[1]) for path in self.path.glob("plan-*.json")
+                 if path.stem.split("-", 1)[1].isdigit() and path.stem != "plan-0"]
+        end = min(later, default=None)
+        return [record for record in records if end is None or record.step < end]
+
+    def add_to_plan(self, step: int, key: str, value: Any) -> None:
+        path = self.path / f"plan-{step}.json"
+        plan = json.loads(path.read_text())
+        plan[key] = value
+        path.write_text(json.dumps(plan, indent=2) + "\n")
+
     def write_plan(self, step: int, plan: dict[str, Any]) -> Path:
         target = self.path / f"plan-{step}.json"
         target.write_text(json.dumps(plan, indent=2) + "\n")
@@ -169,16 +182,6 @@ class RunFolder:
     def _append(self, name: str, line: dict[str, Any]) -> None:
         with open(self.path / name, "a") as handle:
             handle.write(json.dumps(line) + "\n")
-
-
-def slowest_part_medians(calls: Iterable[tuple[str, int, float]]) -> dict[str, float]:
-    """Per node, the median over steps of its seconds in a step, from (node, step, seconds)
-    of every call: a node split over devices takes as long as its slowest part."""
-    per_step: dict[str, dict[int, float]] = {}
-    for node, step, seconds in calls:
-        steps = per_step.setdefault(node, {})
-        steps[step] = max(steps.get(step, 0.0), seconds)
-    return {node: statistics.median(steps.values()) for node, steps in per_step.items()}
 
 
 def _measured(records: list[StepRecord]) -> dict[str, Any]:

@@ -36,6 +36,7 @@ from flowrl.planner.placement import node_group, plan_from_compiled, splittable
 from flowrl.records import RunEvent, StepRecord
 from flowrl.runtime.cluster import Cluster
 from flowrl.scheduler import make_policy, settings_from_spec
+from flowrl.scheduler.calibration import calibrated_prediction
 from flowrl.spec.dump import to_yaml
 from flowrl.spec.schema import AdvantageNode, GenerateNode
 
@@ -209,6 +210,10 @@ def _train(
     finally:
         driver.close()
         folder.add_measured_to_plans(result.records)
+        calibrated = calibrated_prediction(graph, compiled, inventory, costs,
+                                           folder.governed_by_first_plan(result.records))
+        if calibrated is not None:
+            folder.add_to_plan(0, "calibrated", calibrated)
     return result
 
 

@@ -9,7 +9,7 @@ JSON-ready and a run can write one per re-plan (``plan-<step>.json``).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +83,8 @@ class CompiledPlan:
     num_evaluated: int
     reasons: list[str] = field(default_factory=list)
     """One line per decision."""
+    shared: dict[str, str] = field(default_factory=dict)
+    """Device group -> the group whose devices it runs on (groups sharing devices)."""
 
     @property
     def node_devices(self) -> dict[str, list[str]]:
@@ -125,9 +127,10 @@ def _compiled(
     reasons = {
         node: _reason(pipeline, inventory, costs, result, options, node) for node in pipeline.topological_order()
     }
-    return plan_from_evaluation(
+    plan = plan_from_evaluation(
         pipeline, inventory, costs, result.best, reasons, step, result.method, result.num_evaluated
     )
+    return replace(plan, shared=dict(result.shared))
 
 
 def plan_from_evaluation(

@@ -20,9 +20,14 @@ Memory (bytes):
     weights   P*b;  gradients P*b;  AdamW moments 2*P*b (torch keeps them in the
               parameter dtype, as flowrl's update does)
     KV cache  sequences * (prompt + response) * 2 * L * kv * b
-    training activations per micro-batch (Korthikanti et al. 2022, scaled from 16-bit):
-              L * T * (34*h + 5*H*s) * b/2, or with checkpointing L*T*h*b plus one layer's
-    logits    T * V * 8 (fp32 logits and their log-softmax)
+    training activations per micro-batch, per token and layer, with SDPA attention (no
+              s*s scores are kept):  b*(8h + 4I + 2kv), plus 4h at 16 bits (RMSNorm
+              computes in fp32). Counted with saved-tensor hooks on a Qwen2 layer (57,408
+              bytes per token at h=896, I=4864, kv=128 in bf16; 107,584 in fp32; the
+              formula gives 57,344 and 107,520). With checkpointing: L*T*h*b plus one layer's
+    output head  a causal LM's log-probs run through the fused head, which holds one
+              chunk of FUSED_CHUNK_ELEMENTS logits at a time (16-bit logits, fp32 scaled
+              copy and, training, their fp32 gradient); a scalar head holds T*4
 """
 
 from __future__ import annotations
@@ -188,9 +193,27 @@ def training_state_bytes(shape: ModelShape, kind: str, dtype: str) -> float:
     return 3 * weight_bytes(shape, kind, dtype)
 
 
-def logits_bytes(shape: ModelShape, kind: str, tokens: float) -> float:
-    """fp32 logits and their log-softmax: T * V * 8."""
-    return float(tokens * shape.output_size(kind) * 8)
+FUSED_CHUNK_ELEMENTS = 1 << 25
+"""Logits in one chunk of the fused output head (``flowrl.algorithms.logprobs``, same value)."""
+
+
+def logits_bytes(shape: ModelShape, kind: str, tokens: float, dtype: str = "fp32",
+                 training: bool = False) -> float:
+    """The output head's transient memory over ``tokens`` tokens (see the module docstring)."""
+    vocab = shape.output_size(kind)
+    if vocab == 1:
+        return float(tokens * 4)
+    rows = min(tokens, max(64, FUSED_CHUNK_ELEMENTS // vocab))
+    per_logit = DTYPE_BYTES[dtype] + 4 + (4 if training else 0)
+    return float(rows * vocab * per_logit)
+
+
+def layer_activation_bytes(shape: ModelShape, dtype: str) -> float:
+    """Bytes one decoder layer keeps for backward per token (see the module docstring)."""
+    b = DTYPE_BYTES[dtype]
+    h = shape.hidden_size
+    upcast = 4 * h if b < 4 else 0
+    return float(b * (8 * h + 4 * shape.intermediate_size + 2 * shape.kv_width) + upcast)
 
 
 def activation_bytes(
@@ -198,8 +221,7 @@ def activation_bytes(
 ) -> float:
     """Activations kept for backward in one micro-batch (see the module docstring)."""
     tokens = num_sequences * seq_len
-    scale = DTYPE_BYTES[dtype] / 2
-    one_layer = tokens * (34 * shape.hidden_size + 5 * shape.num_heads * seq_len) * scale
+    one_layer = tokens * layer_activation_bytes(shape, dtype)
     if checkpointing:
         return float(shape.num_layers * tokens * shape.hidden_size * DTYPE_BYTES[dtype] + one_layer)
     return float(shape.num_layers * one_layer)
@@ -207,12 +229,22 @@ def activation_bytes(
 
 def inference_bytes(shape: ModelShape, kind: str, dtype: str, num_sequences: float,
                     seq_len: int) -> float:
-    """Transient memory of a no-grad forward: logits, a few hidden-sized buffers, and one
-    layer's attention scores (H * s * s per sequence)."""
+    """Transient memory of a no-grad forward: the output head's chunk, the residual stream
+    and a few hidden-sized buffers, and the MLP's three intermediate tensors of one layer."""
     tokens = num_sequences * seq_len
-    hidden = 4 * tokens * shape.hidden_size * DTYPE_BYTES[dtype]
-    scores = num_sequences * shape.num_heads * seq_len * seq_len * DTYPE_BYTES[dtype]
-    return logits_bytes(shape, kind, tokens) + hidden + scores
+    hidden = tokens * (4 * shape.hidden_size + 3 * shape.intermediate_size) * DTYPE_BYTES[dtype]
+    return logits_bytes(shape, kind, tokens, dtype) + hidden
+
+
+def decoder_cache_bytes(shape: ModelShape, kind: str, dtype: str, num_sequences: float,
+                        seq_len: int) -> float:
+    """What generation keeps between calls (the static decoder reuses it every step): the
+    KV cache, the sampling noise (rows x V, fp32) and the stacked q/k/v and gate/up
+    weights of every layer."""
+    h = shape.hidden_size
+    stacked = shape.num_layers * (h * (h + 2 * shape.kv_width) + 2 * h * shape.intermediate_size)
+    noise = num_sequences * shape.output_size(kind) * 4
+    return kv_cache_bytes(shape, dtype, num_sequences, seq_len) + noise + stacked * DTYPE_BYTES[dtype]
 
 
 # ---- CPU rates ---------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from flowrl.planner.cost import (
     CpuRates,
     DTYPE_BYTES,
     activation_bytes,
+    decoder_cache_bytes,
     forward_flops,
     inference_bytes,
     kv_cache_bytes,
@@ -101,7 +102,8 @@ class NodeMemory:
     weights_gb: float
     """The model's weights (0 for a node without a model)."""
     state_gb: float
-    """Gradients and optimizer state (update nodes only); resident like the weights."""
+    """Resident like the weights: gradients and optimizer state (update nodes), the
+    generation engine's cache and stacked weights (generate nodes)."""
     transient_gb: float
     """Activations, KV cache and logits while the node runs."""
 
@@ -216,12 +218,12 @@ class EstimatedCosts:
         seq_len = work.prompt_tokens + work.response_tokens
         weights = weight_bytes(shape, kind, dtype)
         if work.work == "decode":
-            transient = kv_cache_bytes(shape, dtype, share, seq_len) + logits_bytes(shape, kind, share)
-            return NodeMemory(weights / GB, 0.0, transient / GB)
+            cache = decoder_cache_bytes(shape, kind, dtype, share, seq_len)
+            return NodeMemory(weights / GB, cache / GB, logits_bytes(shape, kind, share, dtype) / GB)
         if work.work == "train":
             micro = work.pass_sequences(min(share, work.mini_batch_sequences / max(1, width)))
             transient = activation_bytes(shape, dtype, micro, seq_len, work.checkpointing)
-            transient += logits_bytes(shape, kind, micro * seq_len)
+            transient += logits_bytes(shape, kind, micro * seq_len, dtype, training=True)
             return NodeMemory(weights / GB, training_state_bytes(shape, kind, dtype) / GB, transient / GB)
         transient = inference_bytes(shape, kind, dtype, work.pass_sequences(share), seq_len)
         return NodeMemory(weights / GB, 0.0, transient / GB)

@@ -14,6 +14,12 @@ Options per node (``candidates``), in a fixed order, the natural one first:
   free GPU of each type (free GPUs of one type differ only in their links, which matter
   little next to the compute a whole model brings).
 
+Device groups may share devices: besides its own devices, a group that is neither
+``exclusive`` nor pinned by ``device_ids`` may run on the first devices of another group of
+the same type (one that keeps its own). Every such sharing is searched like the plain match,
+and the best of them wins; a shared device holds both groups' models (time-shared), which
+the memory check covers.
+
 Objective: the simulated iteration time; ties go to the larger memory headroom (the
 smallest share of a device left free), then to the earlier options. A choice is feasible
 when every device's predicted peak plus a 10 % reserve fits its memory.
@@ -27,8 +33,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 from flowrl.devices.inventory import Device, Inventory
 from flowrl.devices.matching import Match
@@ -55,6 +61,10 @@ class SearchOptions:
     """Local-search rounds at most (each tries every option of every node). Default 6."""
     move_offloaded: bool = True
     """Let offload_to_cpu models' inference nodes leave their group (see module docs)."""
+    share_groups: bool = True
+    """Let device groups share devices (see module docs)."""
+    max_sharings: int = 64
+    """Most ways of sharing tried (the plain match first). Default 64."""
 
 
 @dataclass(frozen=True)
@@ -81,10 +91,50 @@ class SearchResult:
     method: str
     """``exact`` or ``greedy+local``."""
     num_evaluated: int
+    shared: dict[str, str] = field(default_factory=dict)
+    """Group -> the group whose devices it runs on (shares)."""
+    unshared: Evaluation | None = None
+    """The best placement without sharing, when sharing won (for the reasons)."""
+
+
+def sharings(pipeline: PipelineGraph, match: Match, options: SearchOptions) -> Iterator[dict[str, str]]:
+    """Ways device groups may share devices (group -> the group it runs on), the plain
+    match (no sharing) first; at most ``options.max_sharings``."""
+    yield {}
+    if not options.share_groups:
+        return
+    specs = pipeline.spec.devices
+    used = [group for group in specs if match.assignment.get(group)]
+    movable = [g for g in used if not specs[g].exclusive and specs[g].device_ids is None]
+    choices = []
+    for group in movable:
+        hosts = [other for other in used if other != group and not specs[other].exclusive
+                 and specs[other].type == specs[group].type
+                 and len(match.assignment[other]) >= len(match.assignment[group])]
+        choices.append([None, *hosts])
+    count = 1
+    for combination in itertools.product(*choices):
+        shared = {group: host for group, host in zip(movable, combination) if host is not None}
+        if not shared or any(host in shared for host in shared.values()):
+            continue  # the plain match came first; a host keeps its own devices
+        if count >= options.max_sharings:
+            return
+        count += 1
+        yield shared
+
+
+def shared_match(match: Match, shared: Mapping[str, str]) -> Match:
+    """``match`` with each sharing group on the first devices of its host group."""
+    assignment = {
+        group: list(match.assignment[shared[group]][: len(devices)]) if group in shared else list(devices)
+        for group, devices in match.assignment.items()
+    }
+    return replace(match, assignment=assignment)
 
 
 def candidates(
-    pipeline: PipelineGraph, inventory: Inventory, match: Match, options: SearchOptions
+    pipeline: PipelineGraph, inventory: Inventory, match: Match, options: SearchOptions,
+    shared: Mapping[str, str] | None = None,
 ) -> dict[str, list[Placement]]:
     """Every node's options, natural first, without duplicates."""
     spec = pipeline.spec
@@ -114,13 +164,14 @@ def candidates(
 
         if group is not None and group in spec.devices:
             devices = match.assignment.get(group, [])
+            label = f"{group} on {shared[group]}'s devices" if shared and group in shared else group
             if node_spec.inference:
                 for width in _widths(len(devices)):
-                    add(devices[:width], f"{group}, width {width} of {len(devices)}")
+                    add(devices[:width], f"{label}, width {width} of {len(devices)}")
             elif node_spec.model is None:
-                add(devices[:1], f"its device_group {group}")
+                add(devices[:1], f"its device_group {label}")
             else:
-                add(devices, f"{group}")
+                add(devices, label)
             if offload and options.move_offloaded and node_spec.inference:
                 host = by_id[devices[0]].host if devices else None
                 for device_id in pinned_devices:
@@ -135,7 +186,9 @@ def candidates(
                 add([device_id], f"its slot ({group})")
             for device_id in pinned_devices:
                 add([device_id], f"next to the nodes on {device_id}")
-            for cpu in cpus[:1]:
+            # a CPU slot no group uses, if there is one: there the node runs beside the others
+            spare = [cpu for cpu in cpus if cpu.id not in pinned_devices] or cpus
+            for cpu in spare[:1]:
                 add([cpu.id], "cpu slot")
             if model is not None:  # a reward function or advantage gains nothing from a GPU
                 for device in free_gpus:
@@ -212,8 +265,31 @@ def search(
     costs: CostSource,
     options: SearchOptions | None = None,
 ) -> SearchResult:
+    """The best placement over the plain match and every way of sharing groups' devices;
+    ``PlacementError`` (the plain match's) when none fits."""
     options = options or SearchOptions()
-    option_sets = candidates(pipeline, inventory, match, options)
+    plain = _search_one(pipeline, inventory, match, costs, options, {})
+    best, evaluated = plain, plain.num_evaluated
+    for shared in itertools.islice(sharings(pipeline, match, options), 1, None):
+        result = _search_one(pipeline, inventory, shared_match(match, shared), costs, options, shared)
+        evaluated += result.num_evaluated
+        if result.best.feasible and result.best.key < best.best.key:
+            best = result
+    unshared = plain.best if best is not plain and plain.best.feasible else None
+    if not best.best.feasible:
+        raise PlacementError(_memory_message(best.best, inventory, options.memory_reserve))
+    return replace(best, num_evaluated=evaluated, unshared=unshared)
+
+
+def _search_one(
+    pipeline: PipelineGraph,
+    inventory: Inventory,
+    match: Match,
+    costs: CostSource,
+    options: SearchOptions,
+    shared: Mapping[str, str],
+) -> SearchResult:
+    option_sets = candidates(pipeline, inventory, match, options, shared)
     nodes = list(option_sets)
     counter = [0]
 
@@ -252,9 +328,7 @@ def search(
                         best, best_choice, improved = current, choice, True
             if not improved:
                 break
-    if not best.feasible:
-        raise PlacementError(_memory_message(best, inventory, options.memory_reserve))
-    return SearchResult(best, option_sets, best_choice, method, counter[0])
+    return SearchResult(best, option_sets, best_choice, method, counter[0], dict(shared))
 
 
 def _memory_message(best: Evaluation, inventory: Inventory, reserve: float) -> str:

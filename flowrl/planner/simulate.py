@@ -186,7 +186,7 @@ def device_memory_gb(
                 else:
                     held[f"{model}:weights"] = memory.weights_gb
                 if memory.state_gb:
-                    held[f"{model}:state"] = memory.state_gb
+                    held[f"{node}:state"] = memory.state_gb
             transient[device_id] = max(transient.get(device_id, 0.0), passing)
     return {
         device_id: sum(held.values())

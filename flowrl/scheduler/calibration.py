@@ -34,14 +34,18 @@ is taken as it is.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from flowrl.devices.inventory import Device
+from flowrl.devices.inventory import Device, Inventory
+from flowrl.graph import PipelineGraph
+from flowrl.planner.compiled import CompiledPlan
 from flowrl.planner.costs import CostSource, NodeMemory
+from flowrl.planner.simulate import Placement, simulate
 from flowrl.planner.work import NodeWork
-from flowrl.records import NodeTiming
+from flowrl.records import NodeTiming, StepRecord, slowest_part_medians
 
 
 @dataclass
@@ -158,3 +162,48 @@ class DeviceCalibration:
 
     def work(self, node: str) -> NodeWork:
         return self.base.work(node)
+
+
+def calibrated_prediction(
+    pipeline: PipelineGraph,
+    plan: CompiledPlan,
+    inventory: Inventory,
+    base: CostSource,
+    records: Sequence[StepRecord],
+) -> dict[str, object] | None:
+    """How well ``plan``'s prediction does once calibrated, judged on steps it has not seen.
+
+    The steps ``plan`` governed (step 1 is left out: it pays for lazy initialisation) are
+    split in halves. Over the first half each node's factor is the median of measured /
+    predicted (``DeviceCalibration``'s calibration, as the dynamic policy learns it); the
+    plan's placement is then simulated again with the calibrated costs and set beside the
+    second half's measured medians. None when there are too few steps (fewer than 4).
+    """
+    steps = [record for record in records if record.step > max(plan.step, 1)]
+    if len(steps) < 4:
+        return None
+    half = len(steps) // 2
+    learn, judge = steps[:half], steps[half:]
+    placement = {item.node: Placement(tuple(item.devices), item.offloaded, item.reason) for item in plan.nodes}
+    by_id = {device.id: device for device in inventory.devices}
+    calibration = DeviceCalibration(base, calibration_steps=len(learn))
+    calibration.observe_step([], {}, {})  # the warm-up step was left out above
+    devices = {node: [by_id[d] for d in where.devices if d in by_id] for node, where in placement.items()}
+    offloaded = {node: where.offloaded for node, where in placement.items()}
+    for record in learn:
+        calibration.observe_step(record.nodes, devices, offloaded)
+    schedule = simulate(pipeline, placement, inventory, calibration)
+    measured = slowest_part_medians((t.node, r.step, t.compute_s) for r in judge for t in r.nodes)
+    step_times = [r.metrics["timing_s/step"] for r in judge if math.isfinite(r.metrics.get("timing_s/step", math.nan))]
+    return {
+        "learned_from_steps": [learn[0].step, learn[-1].step],
+        "judged_on_steps": [judge[0].step, judge[-1].step],
+        "node_factors": dict(calibration.node_factors),
+        "iteration_s": schedule.iteration_s,
+        "measured_step_s_median": statistics.median(step_times) if step_times else None,
+        "nodes": {
+            node: {"predicted_s": schedule.task(node).end_s - schedule.task(node).start_s,
+                   "measured_s": measured.get(node)}
+            for node in pipeline.topological_order()
+        },
+    }

@@ -64,6 +64,11 @@ class DeviceGroupSpec(_Strict):
     """Architectures tried first when several match. Default None (no preference)."""
     device_ids: list[Annotated[int, Field(ge=0)]] | None = None
     """Pin the group to these physical device indices; turns matching off. Default None."""
+    exclusive: bool = False
+    """Keep this group's devices to itself: the planner then never runs another group's nodes
+    on them, nor this group's nodes on another group's devices. Without it the planner may
+    let two groups share devices when memory fits and the predicted step is shorter (a
+    reference model next to the actor saves the transfers between them). Default false."""
 
     @model_validator(mode="after")
     def _counts_agree(self) -> DeviceGroupSpec:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flowrl.api.outputs import slowest_part_medians
+from flowrl.records import slowest_part_medians
 from flowrl.errors import FlowrlError
 from flowrl.ui.plots import Bar, Mark, compared_bars, curves, timeline
 

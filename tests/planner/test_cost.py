@@ -11,9 +11,12 @@ from flowrl.errors import PlacementError
 from flowrl.planner.cost import (
     KNOWN_SHAPES,
     ModelShape,
+    FUSED_CHUNK_ELEMENTS,
     activation_bytes,
+    decoder_cache_bytes,
     forward_flops,
     kv_cache_bytes,
+    logits_bytes,
     measure_cpu_rates,
     resolve_shape,
     training_state_bytes,
@@ -48,10 +51,64 @@ def test_flops_and_memory_of_the_toy_shape() -> None:
     assert training_state_bytes(TOY, "policy", "fp32") == 17760
     # KV cache: per token 2 (k,v) * L 2 * kv 8 * 4 bytes = 128; 15 tokens -> 1920
     assert kv_cache_bytes(TOY, "fp32", 3, 5) == 1920
-    # activations (fp32: scale 4/2 = 2): one layer 15*(34*8 + 5*2*5)*2 = 15*322*2 = 9660
-    assert activation_bytes(TOY, "fp32", 3, 5, checkpointing=False) == 2 * 9660
+    # activations per token and layer, fp32: 4*(8h + 4I + 2kv) = 4*(64 + 64 + 16) = 576;
+    # one layer of 15 tokens 8640, two layers 17280
+    assert activation_bytes(TOY, "fp32", 3, 5, checkpointing=False) == 2 * 8640
+    # bf16 adds RMSNorm's fp32 copies (4h = 32): 2*144 + 32 = 320 per token and layer
+    assert activation_bytes(TOY, "bf16", 3, 5, checkpointing=False) == 2 * 15 * 320
     # checkpointing keeps layer inputs L*T*h*b = 2*15*8*4 = 960, plus one layer recomputed
-    assert activation_bytes(TOY, "fp32", 3, 5, checkpointing=True) == 960 + 9660
+    assert activation_bytes(TOY, "fp32", 3, 5, checkpointing=True) == 960 + 8640
+
+
+def test_output_head_and_generation_memory_of_the_toy_shape() -> None:
+    # the fused head holds one chunk: rows = max(64, 2**25 // 10) = 3355443, capped by the 15
+    # tokens; per logit bf16 2 + fp32 4 (+ fp32 gradient 4 when training)
+    assert logits_bytes(TOY, "policy", 15, "bf16") == 15 * 10 * 6
+    assert logits_bytes(TOY, "policy", 15, "bf16", training=True) == 15 * 10 * 10
+    # a scalar head: fp32 per token
+    assert logits_bytes(TOY, "value", 15, "bf16") == 60
+    # the decoder keeps: KV 1920 (fp32, above) + noise 3 rows * 10 * 4 = 120 + stacked
+    # q/k/v and gate/up, L*(h*(h + 2kv) + 2*h*I) = 2*(8*24 + 256) = 896 numbers * 4 bytes
+    assert decoder_cache_bytes(TOY, "policy", "fp32", 3, 5) == 1920 + 120 + 3584
+
+
+def test_the_fused_head_chunk_is_the_one_the_log_probs_use() -> None:
+    from flowrl.algorithms.logprobs import FUSED_CHUNK_ELEMENTS as used
+
+    assert FUSED_CHUNK_ELEMENTS == used
+
+
+@pytest.mark.parametrize(("dtype", "kind"), [("fp32", "float32"), ("bf16", "bfloat16")])
+def test_activation_bytes_are_what_a_qwen2_layer_saves_for_backward(dtype: str, kind: str) -> None:
+    """Count the bytes autograd saves (distinct storages, not the parameters) in a 1- and a
+    3-layer Qwen2 stack: their difference over two layers is one layer's per-token share."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    shape = ModelShape(num_layers=1, hidden_size=64, num_heads=4, num_kv_heads=2,
+                       intermediate_size=160, vocab_size=50)
+
+    def saved(layers: int) -> int:
+        config = Qwen2Config(hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                             num_key_value_heads=2, intermediate_size=160, vocab_size=50,
+                             attn_implementation="sdpa")
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(config).to(getattr(torch, kind))
+        ids = torch.randint(0, 50, (2, 16))
+        storages: dict[int, int] = {}
+
+        def keep(tensor: torch.Tensor) -> torch.Tensor:
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+            model.model(input_ids=ids, attention_mask=torch.ones_like(ids))
+        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        return sum(size for pointer, size in storages.items() if pointer not in weights)
+
+    per_token_layer = (saved(3) - saved(1)) / 2 / 32
+    assert per_token_layer == pytest.approx(activation_bytes(shape, dtype, 2, 16, False) / 32, rel=0.02)
 
 
 @pytest.mark.parametrize(

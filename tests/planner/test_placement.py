@@ -42,12 +42,25 @@ def _place(data: dict[str, Any], *devices: Any) -> Plan:
     return plan_from_compiled(pipeline, compile_plan(pipeline, inventory(*devices)), slots)
 
 
-def test_one_group_per_slot_and_modelless_nodes_next_to_their_input() -> None:
-    plan = _place(_data(), cpu(0), cpu(1))
+def test_exclusive_groups_get_a_slot_each_and_modelless_nodes_run_next_to_their_input() -> None:
+    data = _data(devices={"actor_group": {"type": "cpu", "exclusive": True}, "ref_group": {"type": "cpu"}})
+    plan = _place(data, cpu(0), cpu(1))
     assert plan.group_slots == {"actor_group": ["cpu-0"], "ref_group": ["cpu-1"]}
     assert plan.node_slots == {"rollout": "cpu-0", "reward": "cpu-0", "ref": "cpu-1", "adv": "cpu-0", "train": "cpu-0"}
     assert plan.model_slots == {"actor": ["cpu-0"], "reference": ["cpu-1"]}
     assert plan.weight_peers("train", "actor") == []
+
+
+def test_the_reference_shares_the_actor_s_slot_when_that_saves_the_transfers() -> None:
+    # rollout -> ref -> train is a chain: a second slot lets no two of them run together, so
+    # the planner puts the reference next to the actor (no copies of the rollout and the
+    # log-probs between workers) and the reward and advantage on the free slot
+    pipeline = pipeline_from_dict(_data())
+    compiled = compile_plan(pipeline, inventory(cpu(0), cpu(1)))
+    assert compiled.shared == {"ref_group": "actor_group"}
+    plan = plan_from_compiled(pipeline, compiled, ["cpu-0", "cpu-1"])
+    assert plan.node_slots == {"rollout": "cpu-0", "reward": "cpu-1", "ref": "cpu-0", "adv": "cpu-1", "train": "cpu-0"}
+    assert "ref_group on actor_group's devices" in next(n.reason for n in compiled.nodes if n.node == "ref")
 
 
 def test_more_groups_than_slots_share_a_slot() -> None:
@@ -63,7 +76,7 @@ def test_a_pinned_group_gets_its_device() -> None:
 
 def test_a_node_on_another_group_gets_a_copy_of_its_model_and_pushed_weights() -> None:
     data = _data()
-    data["devices"]["gen_group"] = {"type": "cpu"}
+    data["devices"]["gen_group"] = {"type": "cpu", "exclusive": True}
     data["nodes"]["rollout"]["device_group"] = "gen_group"
     plan = _place(data, cpu(0), cpu(1), cpu(2))
     assert plan.node_slots["rollout"] != plan.node_slots["train"]

@@ -1,0 +1,180 @@
+"""The planner against measurement: predicted vs measured per node, per step and per device's
+peak memory, and whether the planner's placement is the measured fastest of its candidates.
+
+    python benchmarks/planner_accuracy.py --pipelines grpo_tiny,ppo_tiny,grpo_data_parallel \
+        --candidates grpo_tiny,ppo_tiny --output benchmarks/results/planner_accuracy_cpu.json
+    python benchmarks/planner_accuracy.py --pipelines grpo_tiny_gpu,grpo_0.4b_gpu --steps 12 \
+        --output benchmarks/results/planner_accuracy_h200.json
+
+Per pipeline, one ``flowrl run`` (a process of its own) writes ``plan-0.json``: the first plan's
+prediction (per node and the step), what was measured over the run (``measured``), and the
+calibrated prediction (``calibrated``: per-node factors learned on the first half of the steps
+after the first, the plan simulated again with them, set beside the second half's medians).
+Memory: the plan's predicted peak per device (without the CUDA context the planner adds, since
+``torch.cuda.max_memory_allocated`` does not see it) against the largest measured peak of the
+node calls on it.
+
+Candidates (``--candidates``): every way of putting the pipeline's device groups on the CPU
+slots (``devices.G.device_ids``, the first group on slot 0) is run for real, ``--repeats``
+rounds interleaved; the planner's own choice (the default run's placement of each group) is
+marked, and its measured median step is compared with the fastest candidate's. Each candidate
+is also predicted by the planner (``flowrl plan`` with the same pins) before it runs.
+Writes JSON with the commit measured; never asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+from vs_trl import machine  # noqa: E402
+
+
+def flowrl(*arguments: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "flowrl.cli.main", *arguments], capture_output=True,
+                          text=True, cwd=ROOT)
+
+
+def run_once(pipeline: Path, steps: int, output: Path, overrides: list[str]) -> dict[str, Any]:
+    done = flowrl("run", str(pipeline), "--plain", f"trainer.steps={steps}", f"trainer.output_dir={output}",
+                  *overrides)
+    if done.returncode != 0:
+        return {"returncode": done.returncode, "stderr_tail": done.stderr[-3000:]}
+    plan = json.loads((output / "plan-0.json").read_text())
+    measured = plan.get("measured", {})
+    node_peak = {node: item["peak_memory_gb"] for node, item in measured.get("nodes", {}).items()}
+    context = 0.5  # simulate.GPU_CONTEXT_GB, which max_memory_allocated does not count
+    devices = {}
+    for device in plan["devices"]:
+        here = [node_peak.get(node, 0.0) for node in device["nodes"]]
+        gpu = device["kind"] == "gpu"
+        devices[device["device"]] = {
+            "predicted_peak_gb": device["peak_gb"] - (context if gpu else 0.0),
+            "measured_peak_gb": max(here, default=0.0) if gpu else None,
+            "nodes": device["nodes"],
+            "models": device["models"],
+        }
+    for item in devices.values():
+        if item["measured_peak_gb"]:
+            item["predicted_over_measured"] = item["predicted_peak_gb"] / item["measured_peak_gb"]
+    calibrated = plan.get("calibrated") or {}
+    return {
+        "returncode": 0,
+        "placement": {node["node"]: node["devices"] for node in plan["nodes"]},
+        "model_devices": plan["runtime"]["model_slots"],
+        "predicted_step_s": plan["iteration_s"],
+        "measured_step_s": measured.get("step_s_median"),
+        "nodes": {node["node"]: {"predicted_s": node.get("predicted_s"), "measured_s": node.get("measured_s"),
+                                 "predicted_gb": node["memory_gb"],
+                                 "measured_peak_gb": node_peak.get(node["node"])} for node in plan["nodes"]},
+        "devices": devices,
+        "calibrated": calibrated,
+        "calibrated_step_error": (calibrated["iteration_s"] / calibrated["measured_step_s_median"] - 1)
+        if calibrated.get("measured_step_s_median") else None,
+    }
+
+
+def group_layouts(pipeline: Path, slots: int) -> list[dict[str, int]]:
+    """Every assignment of the pipeline's device groups to ``slots`` CPU slots, up to renaming
+    the slots (the first group on slot 0)."""
+    import yaml
+
+    groups = list(yaml.safe_load(pipeline.read_text())["devices"])
+    layouts = []
+    for rest in itertools.product(range(slots), repeat=len(groups) - 1):
+        layout = dict(zip(groups, (0, *rest)))
+        used = sorted(set(layout.values()))
+        if used == list(range(len(used))):  # slots numbered in order of first use
+            layouts.append(layout)
+    return layouts
+
+
+def pins(layout: dict[str, int]) -> list[str]:
+    return [f"devices.{group}.device_ids=[{slot}]" for group, slot in layout.items()]
+
+
+def predicted(pipeline: Path, overrides: list[str]) -> float | None:
+    done = flowrl("plan", str(pipeline), "--json", *overrides)
+    return json.loads(done.stdout)["iteration_s"] if done.returncode == 0 else None
+
+
+def layout_of(result: dict[str, Any], pipeline: Path) -> dict[str, int] | None:
+    """The default run's placement as group -> slot number (slots renumbered by first use)."""
+    import yaml
+
+    spec = yaml.safe_load(pipeline.read_text())
+    order: list[str] = []
+    layout = {}
+    for model, item in spec["models"].items():
+        devices = result.get("model_devices", {}).get(model)
+        if not devices:
+            return None
+        if devices[0] not in order:
+            order.append(devices[0])
+        layout[item["device_group"]] = order.index(devices[0])
+    return layout
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pipelines", default="grpo_tiny,ppo_tiny,grpo_data_parallel")
+    parser.add_argument("--candidates", default="", help="pipelines whose group layouts are all run")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--candidate-steps", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--slots", type=int, default=2)
+    parser.add_argument("--output", type=Path, required=True)
+    args = parser.parse_args()
+    result: dict[str, Any] = {"benchmark": "planner_accuracy", "command": " ".join(sys.argv),
+                              "machine": machine(), "pipelines": {}, "candidates": {}}
+    with tempfile.TemporaryDirectory() as scratch:
+        for name in [item for item in args.pipelines.split(",") if item]:
+            pipeline = ROOT / "pipelines" / f"{name}.yaml"
+            result["pipelines"][name] = run_once(pipeline, args.steps, Path(scratch) / name, [])
+            print(name, json.dumps({k: result["pipelines"][name].get(k) for k in
+                                    ("predicted_step_s", "measured_step_s", "calibrated_step_error")}), flush=True)
+        for name in [item for item in args.candidates.split(",") if item]:
+            pipeline = ROOT / "pipelines" / f"{name}.yaml"
+            default = result["pipelines"].get(name) or run_once(pipeline, args.steps, Path(scratch) / name, [])
+            chosen = layout_of(default, pipeline)
+            layouts = group_layouts(pipeline, args.slots)
+            runs: list[dict[str, Any]] = [{"layout": layout, "planner_choice": layout == chosen,
+                                           "predicted_step_s": predicted(pipeline, pins(layout)),
+                                           "measured_step_s": []} for layout in layouts]
+            for round_ in range(args.repeats):
+                for index, item in enumerate(runs):
+                    out = Path(scratch) / f"{name}-{index}-{round_}"
+                    once = run_once(pipeline, args.candidate_steps, out, pins(item["layout"]))
+                    item["measured_step_s"].append(once.get("measured_step_s"))
+                    print(name, item["layout"], once.get("measured_step_s"), flush=True)
+            for item in runs:
+                times = [t for t in item["measured_step_s"] if t is not None]
+                item["median_s"] = statistics.median(times) if times else None
+            timed = [item for item in runs if item["median_s"] is not None]
+            fastest = min(timed, key=lambda item: item["median_s"]) if timed else None
+            mine = next((item for item in runs if item["planner_choice"]), None)
+            result["candidates"][name] = {
+                "planner_choice": chosen,
+                "runs": runs,
+                "fastest": fastest["layout"] if fastest else None,
+                "choice_over_fastest": mine["median_s"] / fastest["median_s"]
+                if mine and fastest and mine["median_s"] else None,
+            }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
