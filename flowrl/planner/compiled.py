@@ -149,7 +149,8 @@ def plan_from_evaluation(
     for node in pipeline.topological_order():
         chosen = evaluation.placement[node]
         task = schedule.task(node)
-        memory = costs.memory(node, len(chosen.devices))
+        gpu = any(device.kind == "gpu" for device in inventory.devices if device.id in chosen.devices)
+        memory = costs.memory(node, len(chosen.devices), gpu)
         nodes.append(
             NodePlan(
                 node=node,
@@ -159,7 +160,7 @@ def plan_from_evaluation(
                 offloaded=chosen.offloaded,
                 start_s=task.start_s,
                 end_s=task.end_s,
-                memory_gb=memory.weights_gb + memory.state_gb + memory.transient_gb,
+                memory_gb=memory.weights_gb + memory.state_gb + memory.transient_gb + memory.cache_gb,
                 reason=reasons.get(node, ""),
             )
         )

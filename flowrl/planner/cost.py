@@ -24,7 +24,10 @@ Memory (bytes):
               s*s scores are kept):  b*(8h + 4I + 2kv), plus 4h at 16 bits (RMSNorm
               computes in fp32). Counted with saved-tensor hooks on a Qwen2 layer (57,408
               bytes per token at h=896, I=4864, kv=128 in bf16; 107,584 in fp32; the
-              formula gives 57,344 and 107,520). With checkpointing: L*T*h*b plus one layer's
+              formula gives 57,344 and 107,520). Compiled layers (GPU passes) keep
+              b*(6h + 3I + 2kv): the compiler's partitioner recomputes the norms and the
+              gated activation in the backward (fitted on four Qwen2 shapes with that
+              partitioner, within 0.5 %). With checkpointing: L*T*h*b plus one layer's
     output head  a causal LM's log-probs run through the fused head, which holds one
               chunk of FUSED_CHUNK_ELEMENTS logits at a time (16-bit logits, fp32 scaled
               copy and, training, their fp32 gradient); a scalar head holds T*4
@@ -208,20 +211,24 @@ def logits_bytes(shape: ModelShape, kind: str, tokens: float, dtype: str = "fp32
     return float(rows * vocab * per_logit)
 
 
-def layer_activation_bytes(shape: ModelShape, dtype: str) -> float:
+def layer_activation_bytes(shape: ModelShape, dtype: str, compiled: bool = False) -> float:
     """Bytes one decoder layer keeps for backward per token (see the module docstring)."""
     b = DTYPE_BYTES[dtype]
-    h = shape.hidden_size
+    h, mlp, kv = shape.hidden_size, shape.intermediate_size, shape.kv_width
+    if compiled:
+        return float(b * (6 * h + 3 * mlp + 2 * kv))
     upcast = 4 * h if b < 4 else 0
-    return float(b * (8 * h + 4 * shape.intermediate_size + 2 * shape.kv_width) + upcast)
+    return float(b * (8 * h + 4 * mlp + 2 * kv) + upcast)
 
 
 def activation_bytes(
-    shape: ModelShape, dtype: str, num_sequences: float, seq_len: int, checkpointing: bool
+    shape: ModelShape, dtype: str, num_sequences: float, seq_len: int, checkpointing: bool,
+    compiled: bool = False,
 ) -> float:
-    """Activations kept for backward in one micro-batch (see the module docstring)."""
+    """Activations kept for backward in one micro-batch (see the module docstring); layers
+    recomputed under checkpointing run eagerly."""
     tokens = num_sequences * seq_len
-    one_layer = tokens * layer_activation_bytes(shape, dtype)
+    one_layer = tokens * layer_activation_bytes(shape, dtype, compiled and not checkpointing)
     if checkpointing:
         return float(shape.num_layers * tokens * shape.hidden_size * DTYPE_BYTES[dtype] + one_layer)
     return float(shape.num_layers * one_layer)

@@ -102,10 +102,12 @@ class NodeMemory:
     weights_gb: float
     """The model's weights (0 for a node without a model)."""
     state_gb: float
-    """Resident like the weights: gradients and optimizer state (update nodes), the
-    generation engine's cache and stacked weights (generate nodes)."""
+    """Gradients and optimizer state (update nodes only); resident like the weights."""
     transient_gb: float
-    """Activations, KV cache and logits while the node runs."""
+    """Activations and the output head's logits while the node runs."""
+    cache_gb: float = 0.0
+    """What generation keeps between its calls (the decoder's KV cache and stacked
+    weights); resident like the weights, but rebuilt rather than moved with the model."""
 
 
 class CostSource(Protocol):
@@ -115,8 +117,9 @@ class CostSource(Protocol):
         """Seconds ``node`` runs on ``devices`` (data-parallel over all of them)."""
         ...
 
-    def memory(self, node: str, width: int) -> NodeMemory:
-        """Memory per device when ``node`` runs ``width`` ways data-parallel."""
+    def memory(self, node: str, width: int, gpu: bool = False) -> NodeMemory:
+        """Memory per device when ``node`` runs ``width`` ways data-parallel (on GPUs when
+        ``gpu``: their training passes run compiled layers, which keep fewer activations)."""
         ...
 
     def output_bytes(self, node: str) -> float:
@@ -209,7 +212,7 @@ class EstimatedCosts:
         bandwidth = (device.bandwidth_gbs or DEFAULT_BANDWIDTH_GBS) * GB * GPU_BANDWIDTH_EFFICIENCY
         return flops, bandwidth, GPU_LAYER_OVERHEAD_S
 
-    def memory(self, node: str, width: int) -> NodeMemory:
+    def memory(self, node: str, width: int, gpu: bool = False) -> NodeMemory:
         work = self._work[node]
         if work.shape is None:
             return NodeMemory(0.0, 0.0, 0.0)
@@ -219,10 +222,10 @@ class EstimatedCosts:
         weights = weight_bytes(shape, kind, dtype)
         if work.work == "decode":
             cache = decoder_cache_bytes(shape, kind, dtype, share, seq_len)
-            return NodeMemory(weights / GB, cache / GB, logits_bytes(shape, kind, share, dtype) / GB)
+            return NodeMemory(weights / GB, 0.0, logits_bytes(shape, kind, share, dtype) / GB, cache / GB)
         if work.work == "train":
             micro = work.pass_sequences(min(share, work.mini_batch_sequences / max(1, width)))
-            transient = activation_bytes(shape, dtype, micro, seq_len, work.checkpointing)
+            transient = activation_bytes(shape, dtype, micro, seq_len, work.checkpointing, compiled=gpu)
             transient += logits_bytes(shape, kind, micro * seq_len, dtype, training=True)
             return NodeMemory(weights / GB, training_state_bytes(shape, kind, dtype) / GB, transient / GB)
         transient = inference_bytes(shape, kind, dtype, work.pass_sequences(share), seq_len)
@@ -265,8 +268,8 @@ class MeasuredCosts:
             return self.times_s[key]
         return self.fallback.compute_s(node, devices, offloaded)
 
-    def memory(self, node: str, width: int) -> NodeMemory:
-        return self.fallback.memory(node, width)
+    def memory(self, node: str, width: int, gpu: bool = False) -> NodeMemory:
+        return self.fallback.memory(node, width, gpu)
 
     def output_bytes(self, node: str) -> float:
         return self.fallback.output_bytes(node)

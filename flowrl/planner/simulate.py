@@ -175,7 +175,8 @@ def device_memory_gb(
     kinds = {device.id: device.kind for device in inventory.devices}
     for node in pipeline.topological_order():
         chosen = placement[node]
-        memory = costs.memory(node, len(chosen.devices))
+        gpu = any(kinds[device_id] == "gpu" for device_id in chosen.devices)
+        memory = costs.memory(node, len(chosen.devices), gpu)
         model = costs.work(node).model
         for device_id in chosen.devices:
             held = resident.setdefault(device_id, {})
@@ -186,7 +187,9 @@ def device_memory_gb(
                 else:
                     held[f"{model}:weights"] = memory.weights_gb
                 if memory.state_gb:
-                    held[f"{node}:state"] = memory.state_gb
+                    held[f"{model}:state"] = memory.state_gb
+                if memory.cache_gb:
+                    held[f"{node}:cache"] = memory.cache_gb
             transient[device_id] = max(transient.get(device_id, 0.0), passing)
     return {
         device_id: sum(held.values())

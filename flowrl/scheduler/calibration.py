@@ -154,8 +154,8 @@ class DeviceCalibration:
         slowest = max((self.ratio(device.id) for device in devices), default=1.0)
         return self.base.compute_s(node, devices, offloaded) * self.factor(node) * slowest
 
-    def memory(self, node: str, width: int) -> NodeMemory:
-        return self.base.memory(node, width)
+    def memory(self, node: str, width: int, gpu: bool = False) -> NodeMemory:
+        return self.base.memory(node, width, gpu)
 
     def output_bytes(self, node: str) -> float:
         return self.base.output_bytes(node)

@@ -111,8 +111,8 @@ class _StepCosts:
         nominal = self.base.compute_s(node, devices, offloaded)
         return nominal * self.slowdown(devices) * self.noise.get(node, 1.0)
 
-    def memory(self, node: str, width: int) -> NodeMemory:
-        return self.base.memory(node, width)
+    def memory(self, node: str, width: int, gpu: bool = False) -> NodeMemory:
+        return self.base.memory(node, width, gpu)
 
     def output_bytes(self, node: str) -> float:
         return self.base.output_bytes(node)

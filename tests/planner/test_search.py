@@ -66,11 +66,11 @@ def test_cpu_offload_when_the_gpu_is_full() -> None:
     pipeline = pipeline_from_dict(data)
     costs = EstimatedCosts(pipeline)
     # size the card so the actor alone fits but paging the reference in does not
-    actor = costs.memory("train", 1)
-    generate = costs.memory("rollout", 1)
-    ref = costs.memory("ref", 1)
+    actor = costs.memory("train", 1, gpu=True)
+    generate = costs.memory("rollout", 1, gpu=True)
+    ref = costs.memory("ref", 1, gpu=True)
     # 0.5 GB CUDA context; the decoder's cache stays between calls like the training state
-    resident = actor.weights_gb + actor.state_gb + generate.state_gb + 0.5
+    resident = actor.weights_gb + actor.state_gb + generate.cache_gb + 0.5
     alone = resident + max(actor.transient_gb, generate.transient_gb)
     paged = resident + ref.weights_gb + ref.transient_gb
     assert paged > alone
