@@ -180,7 +180,7 @@ def test_resume_restores_the_sampling_rng_of_a_generator_on_another_worker(tmp_p
 
     def split(output: Path) -> Any:
         spec = tiny_grpo(output, steps=6, kl_coef=0.0, checkpoint_every=3).to_dict()
-        spec["devices"]["gen_group"] = {"type": "cpu"}
+        spec["devices"]["gen_group"] = {"type": "cpu", "exclusive": True}
         spec["nodes"]["rollout"]["device_group"] = "gen_group"
         spec["models"].pop("reference")
         spec["devices"].pop("ref_group")

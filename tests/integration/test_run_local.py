@@ -49,7 +49,8 @@ def test_grpo_on_local_cluster_learns_and_writes_outputs(tmp_path: Path, make_pi
     built = pipeline.build().spec
     assert saved.spec.model_copy(update={"trainer": built.trainer}) == built
 
-    # the plan puts actor and reference on different workers, and predicts the step
+    # the plan puts the reference next to the actor (rollout -> ref -> train is a chain, so
+    # a second worker would only add transfers) and the reward on the other worker
     plan = json.loads((output / "plan-0.json").read_text())
     assert plan["iteration_s"] > 0 and plan["critical_path"][0] == "rollout"
     # predicted and measured side by side: per node the median of its steps' compute seconds
@@ -62,8 +63,22 @@ def test_grpo_on_local_cluster_learns_and_writes_outputs(tmp_path: Path, make_pi
         assert entry["measured_s"] == pytest.approx(statistics.median(seconds)), entry["node"]
         assert entry["predicted_s"] == pytest.approx(entry["end_s"] - entry["start_s"])
     assert set(plan["measured"]["devices"]) == {"cpu-0", "cpu-1"}
-    assert plan["runtime"]["node_slots"]["rollout"] != plan["runtime"]["node_slots"]["ref"]
-    assert plan["runtime"]["node_slots"]["rollout"] == plan["runtime"]["node_slots"]["train"]
+    slots = plan["runtime"]["node_slots"]
+    assert plan["shared"] == {"ref_group": "actor_group"}
+    assert slots["rollout"] == slots["ref"] == slots["train"] != slots["reward"]
+    # calibrated: per-node factors learned on steps 2-20 (step 1 pays for lazy start-up), the
+    # placement simulated again with them, beside the medians of steps 21-40
+    calibrated = plan["calibrated"]
+    assert calibrated["learned_from_steps"] == [2, 20] and calibrated["judged_on_steps"] == [21, 40]
+    for node, entry in calibrated["nodes"].items():
+        later = [call["compute_s"] for call in profile if call["type"] == "node" and call["node"] == node
+                 and 21 <= call["step"] <= 40]
+        assert entry["measured_s"] == pytest.approx(statistics.median(later)), node
+        learned = [call["compute_s"] for call in profile if call["type"] == "node" and call["node"] == node
+                   and 2 <= call["step"] <= 20]
+        # the factor is the median of measured / predicted over the learning steps, so the
+        # calibrated prediction is (up to the call overhead's share) their median
+        assert entry["predicted_s"] == pytest.approx(statistics.median(learned), rel=0.05), node
 
     # checkpoints every 10 steps, the last 2 kept, each complete; none at the final step
     kept = sorted(p.name for p in (output / "checkpoints").iterdir())

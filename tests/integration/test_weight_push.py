@@ -21,7 +21,7 @@ def test_generator_on_another_worker_learns_through_pushed_weights(tmp_path: Pat
     # Sample on the second worker while the update stays on the first: the only way the
     # sampled completions can improve is the weights pushed after every update.
     spec = pipeline.to_dict()
-    spec["devices"]["gen_group"] = {"type": "cpu"}
+    spec["devices"]["gen_group"] = {"type": "cpu", "exclusive": True}
     spec["nodes"]["rollout"]["device_group"] = "gen_group"
     spec["models"].pop("reference")
     spec["devices"].pop("ref_group")

@@ -70,7 +70,7 @@ class TableCosts:
     def compute_s(self, node: str, devices: Sequence[Device], offloaded: bool) -> float:
         return TIMES_S[node]
 
-    def memory(self, node: str, width: int) -> NodeMemory:
+    def memory(self, node: str, width: int, gpu: bool = False) -> NodeMemory:
         return NodeMemory(0.0, 0.0, 0.0)
 
     def output_bytes(self, node: str) -> float:
