@@ -30,13 +30,15 @@ def build_pipeline(job: dict[str, Any], output_dir: str) -> Any:
     dtype = job.get("dtype", "fp32")
     p = Pipeline(f"vs-trl-{job['config']}")
     actor = p.model("actor", path=model_path, group="actor_group", dtype=dtype)
-    # "separate": the reference on its own worker (the default pipeline's layout);
-    # "colocated": actor and reference share one worker and its cores (or its GPU).
-    colocated = on_gpu or job.get("layout", "separate") == "colocated"
+    # "planned": two groups as in the default pipeline, placed by the planner (which may let
+    # them share a worker); "separate": the reference's group kept to itself (exclusive);
+    # "colocated": one group for both models (on a GPU always).
+    layout = job.get("layout", "planned")
+    colocated = on_gpu or layout == "colocated"
     reference = p.model("reference", path=model_path, group="actor_group" if colocated else "ref_group", dtype=dtype)
     p.devices("actor_group", type="gpu" if on_gpu else "cpu")
     if not colocated:
-        p.devices("ref_group", type="cpu")
+        p.devices("ref_group", type="cpu", exclusive=layout == "separate")
     prompts = p.source("builtin:digits", batch_size=job["prompts_per_step"])
     rollout = p.generate(
         actor, prompts, n=job["num_generations"], max_new_tokens=job["max_new_tokens"],

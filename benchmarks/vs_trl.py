@@ -44,7 +44,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
 """Config name -> builtin model (``builtin_model_dir`` name) and completion length in tokens."""
 
 
-def job_for(config: str, steps: int, seed: int, layout: str = "separate") -> dict[str, Any]:
+def job_for(config: str, steps: int, seed: int, layout: str = "planned") -> dict[str, Any]:
     """Everything both runners need to run the same job."""
     return {
         "config": config,
@@ -149,8 +149,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=60, help="training steps per run (default 60)")
     parser.add_argument("--configs", default="default,small-32tok", help=f"comma-separated, from: {', '.join(CONFIGS)}")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each framework and config (default 1)")
-    parser.add_argument("--flowrl-layout", choices=["separate", "colocated"], default="separate",
-                        help="flowrl's placement: reference on its own worker (default) or on the actor's")
+    parser.add_argument("--flowrl-layout", choices=["planned", "separate", "colocated"], default="planned",
+                        help="flowrl's placement: the planner's choice for the default pipeline's two groups "
+                             "(default), the reference forced onto a worker of its own, or one group for both")
     parser.add_argument("--seed", type=int, default=0, help="seed of both frameworks and of the bootstrap (default 0)")
     parser.add_argument("--max-wait-idle", type=float, default=300.0,
                         help="before each run, wait up to this many seconds for other work on the machine to stop (default 300)")

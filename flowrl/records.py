@@ -98,3 +98,24 @@ def slowest_part_medians(calls: Iterable[tuple[str, int, float]]) -> dict[str, f
         steps = per_step.setdefault(node, {})
         steps[step] = max(steps.get(step, 0.0), seconds)
     return {node: statistics.median(steps.values()) for node, steps in per_step.items()}
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """How completions are sampled for evaluation (a generate node's fields, plus chunking)."""
+
+    n: int
+    temperature: float
+    """0 decodes greedily."""
+    max_new_tokens: int
+    top_p: float = 1.0
+    top_k: int = 0
+    engine: str = "auto"
+    batch_size: int = 64
+    """Prompts per generation call."""
+    seed: int = 0
+
+
+NONFINITE_METRICS = ("actor/nonfinite_skipped", "critic/nonfinite_skipped")
+"""1.0 when a policy's (a critic's) optimizer step was skipped because its loss or gradient was
+NaN or infinite."""

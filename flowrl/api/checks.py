@@ -12,6 +12,8 @@ from typing import Any
 
 from flowrl.api.data import eval_examples, policy_formatter, training_source
 from flowrl.data import PromptExample, PromptSource
+from flowrl.data.files import missing_local_source
+from flowrl.data.source import BUILTIN_PREFIX
 from flowrl.errors import DataError, ModelLoadError, RewardError, SpecError, SpecIssue
 from flowrl.graph import PipelineGraph
 from flowrl.rewards import FLOWRL_KEYWORDS, resolve_reward, signature_problem
@@ -73,3 +75,19 @@ def check_inputs(graph: PipelineGraph, base_dir: Path | None, file: str | None =
     if issues:
         lines = line_map or {}
         raise SpecError([SpecIssue(path, message, file, line_of(path, lines) if file else None) for path, message in issues])
+
+
+def raise_early_issues(graph: PipelineGraph, base_dir: Path | None) -> None:
+    """The checks that need no data loaded and no worker: reward functions that cannot be
+    loaded, local data files that are not there. SpecError listing them (a run checks the
+    rest, with the data, as it starts)."""
+    issues = reward_issues(graph, base_dir, None)
+    sources = [("data.source", graph.spec.data.source)]
+    if graph.spec.eval is not None and graph.spec.eval.source:
+        sources.append(("eval.source", graph.spec.eval.source))
+    for path, source in sources:
+        problem = None if source.startswith(BUILTIN_PREFIX) else missing_local_source(source, base_dir)
+        if problem is not None:
+            issues.append((path, problem))
+    if issues:
+        raise SpecError([SpecIssue(path, message) for path, message in issues])

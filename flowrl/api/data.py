@@ -10,7 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from flowrl.backends.policy_tokenizer import load_tokenizer
 from flowrl.data import PromptExample, PromptFormatter, PromptSource, eval_split, read_examples
 from flowrl.graph import PipelineGraph
 from flowrl.spec.schema import GenerateNode
@@ -28,6 +27,9 @@ class _LazyTokenizer:
 
     def __call__(self) -> Any:
         if self._loaded is None:
+            # transformers is imported only now: prompts that need no tokenizer never pay for it
+            from flowrl.backends.policy_tokenizer import load_tokenizer
+
             model = self._model
             self._loaded = load_tokenizer(
                 model.path, self._base_dir, getattr(model, "revision", None), getattr(model, "trust_remote_code", False)

@@ -12,8 +12,7 @@ import time
 from typing import Any, Callable
 
 from flowrl.graph import PipelineGraph
-from flowrl.records import NodeTiming, RunEvent
-from flowrl.roles.evaluate import EvalSettings
+from flowrl.records import EvalSettings, NodeTiming, RunEvent
 from flowrl.runtime.calls import EvalCall
 from flowrl.runtime.session import Session
 from flowrl.spec.schema import GenerateNode, ScoreNode

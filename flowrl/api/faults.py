@@ -9,8 +9,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from flowrl.errors import FlowrlError
-from flowrl.records import RunEvent, StepRecord
-from flowrl.roles.update import NONFINITE_METRICS
+from flowrl.records import NONFINITE_METRICS, RunEvent, StepRecord
 
 
 class Events(Protocol):

@@ -19,7 +19,7 @@ from flowrl.api.prometheus import PrometheusMetrics
 from flowrl.api.driver import Driver
 from flowrl.api.recovery import FoundCheckpoint, config_changes, newest_checkpoint
 from flowrl.api.replanning import Replanner
-from flowrl.backends.models import resolve_model_path
+from flowrl.backends.cache import BUILTIN_PREFIX, built_builtin_dir
 from flowrl.api.data import eval_examples, policy_formatter, training_source
 from flowrl.api.checks import offered_keywords, reward_issues
 from flowrl.api.evaluation import Evaluator
@@ -34,7 +34,7 @@ from flowrl.planner.cost import measure_cpu_rates
 from flowrl.planner.costs import EstimatedCosts
 from flowrl.planner.placement import node_group, plan_from_compiled, splittable
 from flowrl.records import RunEvent, StepRecord
-from flowrl.runtime.cluster import Cluster
+from flowrl.runtime.cluster import Cluster, PendingCluster
 from flowrl.scheduler import make_policy, settings_from_spec
 from flowrl.scheduler.calibration import calibrated_prediction
 from flowrl.spec.dump import to_yaml
@@ -85,15 +85,30 @@ def run(
     base_dir: Path | None = None,
     resume: bool = False,
     force: bool = False,
+    local_cluster: PendingCluster | None = None,
 ) -> RunResult:
     """Train ``pipeline``; returns the per-step records. Arguments override the file's values.
 
     ``resume``: continue the run in the output folder from its newest intact checkpoint (a
     run that finished says so and trains nothing). A pipeline that differs from the one the
     run started with is refused, with the differences, unless ``force``.
+
+    ``local_cluster``: a local cluster already starting (``flowrl run`` starts it before it
+    imports the rest of flowrl); taken when it has the run's slots, closed otherwise. Without
+    one, the local cluster starts as soon as the pipeline is checked.
     """
+    try:
+        return _run(pipeline, RunOptions(steps, str(output_dir) if output_dir is not None else None,
+                                         scheduler_address, cpu_slots, seed),
+                    observer, base_dir, resume, force, local_cluster)
+    finally:
+        if local_cluster is not None:
+            local_cluster.discard()  # a run that stopped before taking it
+
+
+def _run(pipeline: PipelineGraph | Pipeline, options: RunOptions, observer: Observer | None,
+         base_dir: Path | None, resume: bool, force: bool, local_cluster: PendingCluster | None) -> RunResult:
     graph = pipeline.build() if isinstance(pipeline, Pipeline) else pipeline
-    options = RunOptions(steps, str(output_dir) if output_dir is not None else None, scheduler_address, cpu_slots, seed)
     graph = apply_options(graph, options)
     # The folder is named absolutely in config.yaml, so `flowrl resume DIR` from anywhere
     # resolves to the same pipeline text as `flowrl run FILE --resume` did.
@@ -113,19 +128,25 @@ def run(
     folder.write_run_info({"base_dir": str(base_dir or Path.cwd()), "finished_steps": None})
     if start is None:
         folder.reset_logs()
+    if local_cluster is None and not spec.runtime.scheduler_address:
+        # The workers start now and import torch while the trackers, the data and the checks
+        # are set up here.
+        local_cluster = PendingCluster(spec.runtime.cpu_slots, spec.runtime.dashboard, spec.runtime.pin_cpus)
     watcher = _Watchers(folder, observer, spec.trainer.log_every)
     failed = True
     try:
         watcher.start_reporting(graph, config_text)
-        result = _run_watched(graph, folder, watcher, base_dir, resume, start)
+        result = _run_watched(graph, folder, watcher, base_dir, resume, start, local_cluster)
         failed = False
         return result
     finally:
         watcher.close(failed)
+        if local_cluster is not None:
+            local_cluster.discard()  # closed here unless the run took it (it closes it then)
 
 
 def _run_watched(graph: PipelineGraph, folder: RunFolder, watcher: "_Watchers", base_dir: Path | None,
-                 resume: bool, start: FoundCheckpoint | None) -> RunResult:
+                 resume: bool, start: FoundCheckpoint | None, pending: PendingCluster | None = None) -> RunResult:
     spec = graph.spec
     if resume:
         for line in start.skipped if start is not None else ():
@@ -143,11 +164,13 @@ def _run_watched(graph: PipelineGraph, folder: RunFolder, watcher: "_Watchers", 
     address = spec.runtime.scheduler_address
     runtime = spec.runtime
     tls = {"ca_file": runtime.tls_ca_file, "cert": runtime.tls_cert, "key": runtime.tls_key}
-    cluster = (
-        Cluster.join(address, tls=tls)
-        if address
-        else Cluster.start_local(spec.runtime.cpu_slots, spec.runtime.dashboard, spec.runtime.pin_cpus)
-    )
+    local = (spec.runtime.cpu_slots, spec.runtime.dashboard, spec.runtime.pin_cpus)
+    if address:
+        if pending is not None:
+            pending.discard()
+        cluster = Cluster.join(address, tls=tls)
+    else:
+        cluster = (pending.take(*local) if pending is not None else None) or Cluster.start_local(*local)
     try:
         return _train(graph, cluster, folder, source, watcher, base_dir, start, Evaluator(graph, held_out))
     finally:
@@ -285,7 +308,12 @@ def preflight(graph: PipelineGraph, base_dir: Path | None, offered: set[str] | N
     the same cache directory.
     """
     for model in graph.spec.models.values():
-        resolve_model_path(model.path, base_dir)
+        path = model.path
+        if path.startswith(BUILTIN_PREFIX) and built_builtin_dir(path[len(BUILTIN_PREFIX):]) is not None:
+            continue  # built already: the driver need not import the builders (transformers)
+        from flowrl.backends.models import resolve_model_path
+
+        resolve_model_path(path, base_dir)
     issues = reward_issues(graph, base_dir, offered)
     if issues:
         raise SpecError([SpecIssue(path, message) for path, message in issues])

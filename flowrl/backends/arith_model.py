@@ -83,7 +83,7 @@ class ArithModelRecipe:
     """The dataset whose train split the fit reads (its test split is evaluated)."""
     seed: int = 0
     """Seed of the weights and of the order of the training problems."""
-    version: int = 1
+    version: int = BUILTIN_MODELS["arith-llama"].version
     """Bumped whenever the bytes would change, so stale caches are never reused."""
 
 

@@ -14,6 +14,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from flowrl.backends.catalog import builtin_folder
 from flowrl.errors import FlowrlError, ModelLoadError
 
 CACHE_ENV_VAR = "FLOWRL_CACHE"
@@ -69,3 +70,11 @@ def write_once(
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def built_builtin_dir(name: str, cache_dir: Path | None = None) -> Path | None:
+    """The folder of builtin model ``name`` when it is built already, else None; without
+    importing its builder (torch, transformers), so a process that only checks pays nothing."""
+    folder, marker = builtin_folder(name)
+    target = cache_root(cache_dir) / "models" / folder
+    return target if (target / marker).is_file() else None

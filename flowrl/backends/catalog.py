@@ -82,10 +82,22 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
     ),
     "tiny-rm": BuiltinModel(
         hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4, intermediate_size=128, recipe="tiny-rm",
-        kind="reward",
+        kind="reward", version=2,
     ),
 }
 """Every ``builtin:NAME`` model."""
+
+
+def builtin_folder(name: str) -> tuple[str, str]:
+    """(folder name under the cache's ``models/``, the file written last) of builtin model
+    ``name``'s default build: what its builder writes, so a caller can see it is there
+    without importing the builder (torch, transformers)."""
+    model = lookup_builtin(name)
+    if model.recipe == "arith":
+        return f"arith-llama-v{model.version}", "fit.json"
+    if model.recipe == "tiny-rm":
+        return f"tiny-rm-digits-v{model.version}", "fit.json"
+    return f"{name}-v{model.version}", "config.json"
 
 
 def lookup_builtin(name: str) -> BuiltinModel:

@@ -72,7 +72,7 @@ class TinyRMRecipe:
     """Held-out sequences for the reported fit."""
     seed: int = 0
     """Seed of the weights, the training strings and the held-out strings."""
-    version: int = 2
+    version: int = BUILTIN_MODELS["tiny-rm"].version
     """Bumped whenever the bytes would change, so stale caches are never reused (2: saved as
     a ...ForSequenceClassification checkpoint, head without bias)."""
 

@@ -48,6 +48,21 @@ def resolve_local(source: str, base_dir: Path | None) -> Path | None:
     return None
 
 
+def missing_local_source(source: str, base_dir: Path | None) -> str | None:
+    """Why ``source`` cannot be a dataset: it names a local file or folder that is not there
+    (not a hub name); None when it exists or may be a hub dataset."""
+    if resolve_local(source, base_dir) is not None:
+        return None
+    if source.startswith((".", "/", "~")) or Path(source).suffix in FILE_BUILDERS or not HUB_NAME_PATTERN.match(source):
+        where = f" (looked in {base_dir} and {Path.cwd()})" if base_dir is not None else ""
+        return (
+            f"data source '{source}' not found{where}; give a .parquet, .jsonl, .json or .csv "
+            "file, a folder written by save_to_disk, a hub dataset name, or a built-in task "
+            "such as builtin:digits"
+        )
+    return None
+
+
 def has_splits(source: str, base_dir: Path | None) -> bool:
     """Whether ``source`` can hold several splits (a folder or a hub name, not one file)."""
     local = resolve_local(source, base_dir)
@@ -64,13 +79,9 @@ def load_split(source: str, split: str, subset: str | None, base_dir: Path | Non
         if local.is_dir():
             return _load_folder(local, source, split)
         return _load_file(local, source, split)
-    if source.startswith((".", "/", "~")) or Path(source).suffix in FILE_BUILDERS or not HUB_NAME_PATTERN.match(source):
-        where = f" (looked in {base_dir} and {Path.cwd()})" if base_dir is not None else ""
-        raise DataError(
-            f"data source '{source}' not found{where}; give a .parquet, .jsonl, .json or .csv "
-            "file, a folder written by save_to_disk, a hub dataset name, or a built-in task "
-            "such as builtin:digits"
-        )
+    missing = missing_local_source(source, base_dir)
+    if missing is not None:
+        raise DataError(missing)
     return _load_hub(source, split, subset)
 
 

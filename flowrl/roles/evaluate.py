@@ -22,23 +22,8 @@ from flowrl.rewards import score_safely
 from flowrl.roles.batch import NodeOutput
 from flowrl.roles.generate import run_generate
 from flowrl.roles.score import reward_inputs
+from flowrl.records import EvalSettings
 from flowrl.roles.state import ModelState
-
-
-@dataclass(frozen=True)
-class EvalSettings:
-    """How completions are sampled for evaluation (a generate node's fields, plus chunking)."""
-
-    n: int
-    temperature: float
-    """0 decodes greedily."""
-    max_new_tokens: int
-    top_p: float = 1.0
-    top_k: int = 0
-    engine: str = "auto"
-    batch_size: int = 64
-    """Prompts per generation call."""
-    seed: int = 0
 
 
 @dataclass(frozen=True)

@@ -32,11 +32,6 @@ from flowrl.roles.value import completion_values
 from flowrl.spec.schema import UpdateNode
 
 
-NONFINITE_METRICS = ("actor/nonfinite_skipped", "critic/nonfinite_skipped")
-"""1.0 when a policy's (a critic's) optimizer step was skipped because its loss or gradient was
-NaN or infinite."""
-
-
 class Objective(Protocol):
     prefix: str
     """Metric prefix: ``actor`` or ``critic``."""

@@ -62,7 +62,7 @@ class EvalCall:
     model: str
     examples: tuple[Any, ...]
     settings: Any
-    """``flowrl.roles.evaluate.EvalSettings``."""
+    """``flowrl.records.EvalSettings``."""
     scorers: tuple[tuple[str, Any, dict[str, Any]], ...]
     """(score node, its ``fn`` spec, its params) for every score node applied."""
 

@@ -33,8 +33,10 @@ from flowrl.devices.inventory import (
     visible_items,
 )
 from flowrl.errors import ClusterError
-from flowrl.runtime.collective import MULTICAST_OFF
-from flowrl.runtime.serialization import TorchSerializerPlugin, register
+
+# torch (the serializers, the process groups) is imported where a cluster starts or joins,
+# not here: a command starts the local cluster first (``PendingCluster``), so that the
+# worker processes import torch while the command does.
 
 
 @dataclass(frozen=True)
@@ -74,10 +76,13 @@ class Cluster:
         nanny's environment before the worker process starts, so CUDA there knows that card
         alone, as ``cuda:0``.
         """
+        from flowrl.runtime.serialization import TorchSerializerPlugin, register
+
         gpus = [device.index for device in detect_local(num_cpu_slots=0).devices if device.kind == "gpu"]
         register()
         _quiet_worker_config()
         _spawn_ignoring_interrupt()
+        _fork_from_a_warm_server()
         specs = {f"cpu-{number}": _worker_spec(f"cpu-{number}", "") for number in range(num_slots)}
         specs.update({f"gpu-{index}": _worker_spec(f"gpu-{index}", str(index)) for index in gpus})
         scheduler = {
@@ -112,6 +117,8 @@ class Cluster:
         """Join a running scheduler. ``tls`` (``ca_file``, ``cert``, ``key``) builds Dask's
         ``Security`` with encryption required; without it Dask's own configuration applies
         (``distributed.comm.tls.*``)."""
+        from flowrl.runtime.serialization import TorchSerializerPlugin, register
+
         register()
         security = None
         if tls and any(tls.values()):
@@ -336,7 +343,7 @@ def _worker_spec(name: str, visible_devices: str) -> dict[str, Any]:
     multicast off (see ``collective.MULTICAST_OFF``)."""
     options = {
         "name": name, "nthreads": 1, "memory_limit": 0, "host": "127.0.0.1", "silence_logs": logging.CRITICAL,
-        "env": {"CUDA_VISIBLE_DEVICES": visible_devices, **MULTICAST_OFF}, "preload": [WARM_PRELOAD],
+        "env": {"CUDA_VISIBLE_DEVICES": visible_devices, **_multicast_off()}, "preload": [WARM_PRELOAD],
     }
     return {"cls": Nanny, "options": options}
 
@@ -353,6 +360,22 @@ def _worker_kind(name: str) -> str:
     if base.startswith("gpu-"):
         return "gpu-" + base.removeprefix("gpu-").split("-")[0]
     return "cpu"
+
+
+def _fork_from_a_warm_server() -> None:
+    """Local worker processes fork from one server process that imported torch, transformers
+    and the role hosts (``WARM_PRELOAD``) once, instead of each importing them afresh: on 2
+    cores two workers were ready 4.9 s after the start, most of it importing the same modules
+    twice at once, and forked workers share those modules' memory. A replacement worker after
+    a fault forks from the same warm server. The server never touches CUDA, so each GPU
+    worker still sees only the card its ``CUDA_VISIBLE_DEVICES`` names (set in the worker
+    before anything initialises CUDA)."""
+    import distributed.utils
+
+    dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
+    multiprocessing.get_context("forkserver").set_forkserver_preload(["distributed", WARM_PRELOAD])
+    # Dask's own forkserver preload would import its optional packages in this process first.
+    distributed.utils._forkserver_preload_set = True
 
 
 def _quiet_worker_config() -> None:
@@ -447,3 +470,64 @@ def _natural_key(name: str) -> tuple[Any, ...]:
     head = name.rstrip("0123456789")
     tail = name[len(head):]
     return (head, int(tail) if tail else -1)
+
+
+def _multicast_off() -> dict[str, str]:
+    from flowrl.runtime.collective import MULTICAST_OFF
+
+    return dict(MULTICAST_OFF)
+
+
+class PendingCluster:
+    """A local cluster that starts on a thread of its own (``Cluster.start_local``), so the
+    worker processes start and import torch while the caller goes on: imports, the data,
+    the checks. ``take`` waits for it; a pending cluster nobody takes is closed by
+    ``discard``."""
+
+    def __init__(self, num_slots: int, dashboard: bool = False, pin_cpus: bool = False) -> None:
+        self.arguments = (num_slots, dashboard, pin_cpus)
+        self._cluster: Cluster | None = None
+        self._error: BaseException | None = None
+        self._taken = False
+        self._wanted = False
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._start, name="flowrl-cluster-start", daemon=True)
+        self._thread.start()
+
+    def _start(self) -> None:
+        try:
+            cluster = Cluster.start_local(*self.arguments)
+        except BaseException as error:  # raised to whoever takes the cluster
+            self._error = error
+            return
+        with self._lock:
+            self._cluster = cluster
+            unwanted = self._taken and not self._wanted
+        if unwanted:  # discarded while it started
+            cluster.close()
+
+    def take(self, num_slots: int, dashboard: bool, pin_cpus: bool) -> Cluster | None:
+        """The started cluster when it has these settings (its start-up error, if it failed);
+        None, after closing it, when the run asks for another one."""
+        if (num_slots, dashboard, pin_cpus) != self.arguments:
+            self.discard()
+            return None
+        with self._lock:
+            self._taken = self._wanted = True
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._cluster is not None
+        return self._cluster
+
+    def discard(self) -> None:
+        """Close the cluster unless a run took it (that run closes it). A cluster still
+        starting is closed by its own thread once started (the process exits only after
+        that: Dask's exit handlers close what it started)."""
+        with self._lock:
+            if self._taken:
+                return
+            self._taken, self._wanted = True, False
+            cluster = self._cluster
+        if cluster is not None:
+            cluster.close()

@@ -21,25 +21,27 @@ from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 import torch
 
-from flowrl.backends.hf import HubOptions
 from flowrl.profiler import DeviceSampler
 from flowrl.records import DeviceSample
 from flowrl.rewards import RewardCache
 from flowrl.roles.batch import NodeOutput
 from flowrl.roles.data_parallel import DataParallel, weighted_rows
-from flowrl.roles.evaluate import EvalScorer, run_evaluation
-from flowrl.roles import registry
 from flowrl.roles.shards import shard_of
-from flowrl.roles.state import ModelState
-from flowrl.runtime import checkpoint
 from flowrl.runtime.collective import DeviceGroup, free_port, weights_group
 from flowrl.runtime.calls import EvalCall, NodeCall, NodeReport, key_step, store_key
 from flowrl.runtime.serialization import register
+
+if TYPE_CHECKING:
+    from flowrl.roles.state import ModelState
+
+# The role modules (and with them transformers) are imported where a worker first needs
+# them, not here: the driver imports this module for the actor's class only, and a worker
+# has them already (it preloads ``flowrl.runtime.warm``).
 
 
 class RoleHost:
@@ -78,6 +80,9 @@ class RoleHost:
 
     # ---- models -------------------------------------------------------------------
     def load_model(self, name: str, spec: Any, seed: int) -> dict[str, Any]:
+        from flowrl.backends.hf import HubOptions
+        from flowrl.roles.state import ModelState
+
         state = ModelState.load(
             name,
             spec.path,
@@ -225,6 +230,8 @@ class RoleHost:
     async def evaluate(self, call: EvalCall) -> NodeReport:
         """Generate for the held-out prompts and score them, on the compute thread (between
         two steps, so it never overlaps a node call)."""
+        from flowrl.roles.evaluate import EvalScorer, run_evaluation
+
         arrived = time.perf_counter()
         scorers = tuple(
             EvalScorer(node, self._rewards.get(fn), fn if isinstance(fn, str) else fn.name, params)
@@ -246,6 +253,8 @@ class RoleHost:
 
     async def _join(self, call: NodeCall, own: NodeOutput, rollout: Any) -> NodeOutput:
         """Shard 0 of a split node: wait for the other shards' parts, join them in row order."""
+        from flowrl.roles import registry
+
         parts = [own.value]
         for number, peer in enumerate(call.shard_peers, start=1):
             part = await peer.fetch(store_key(call.step, call.node, number))
@@ -280,6 +289,8 @@ class RoleHost:
     def _dispatch(self, call: NodeCall, inputs: dict[str, Any]) -> NodeOutput:
         """Run the call's role (``roles.registry``); after a role that trains, push the new
         weights to the model's other copies."""
+        from flowrl.roles import registry
+
         role, trains = registry.role(call.role), call.spec.trains
         group = DataParallel(self._groups[call.node], call.part_shares) if call.shard[1] > 1 and trains else None
         context = registry.RoleContext(self.models, self._rewards, self.seed, group)
@@ -338,11 +349,15 @@ class RoleHost:
     def save_models(self, directory: str, names: list[str], with_state: bool, max_shard_size: str) -> None:
         """Write models to ``directory/<name>/``, weights in files of at most ``max_shard_size``
         (``trainer.max_shard_size``, which the driver passes with each call)."""
+        from flowrl.runtime import checkpoint
+
         for name in names:
             checkpoint.save_model_state(self.models[name], Path(directory) / name, with_state, max_shard_size)
 
     def load_models(self, directory: str, names: list[str], parts: tuple[str, ...] | None = None) -> None:
         """Restore models from a checkpoint; ``parts`` limits what is taken (None: all)."""
+        from flowrl.runtime import checkpoint
+
         for name in names:
             checkpoint.load_model_state(self.models[name], Path(directory) / name, parts)
 

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import flowrl.runtime.host  # noqa: F401 - torch, transformers and every role module
+import flowrl.runtime.checkpoint  # noqa: F401 - what a host imports when it first needs it
+import flowrl.runtime.host  # noqa: F401 - torch and the host itself
+import flowrl.roles.evaluate  # noqa: F401
+import flowrl.roles.registry  # noqa: F401 - every role module
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification  # noqa: F401
 from transformers.models.llama import modeling_llama  # noqa: F401 - the builtin models' class
 

@@ -85,7 +85,24 @@ def test_a_worker_killed_mid_step_is_replaced_and_the_run_completes(
     assert " s lost" in recovered["message"]
 
 
-def test_a_worker_that_does_not_come_back_in_time_leaves_its_roles_to_the_survivor(tmp_path: Path) -> None:
+def test_a_worker_that_does_not_come_back_in_time_leaves_its_roles_to_the_survivor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Local workers fork from a warm server and are back within a second of a kill; this
+    # worker's comeback is held back 5 s (its nanny lives in this process), far past the run's
+    # recovery_timeout_s.
+    import asyncio
+
+    from distributed.nanny import WorkerProcess
+
+    start = WorkerProcess.start
+
+    async def slow_start(self: WorkerProcess) -> Any:
+        if (tmp_path / "fault-done").exists():
+            await asyncio.sleep(5)
+        return await start(self)
+
+    monkeypatch.setattr(WorkerProcess, "start", slow_start)
     (tmp_path / "killer.py").write_text(KILLER)
     output = tmp_path / "out"
     pipeline = tiny_grpo(output, steps=5, reward="killer:score",
