@@ -106,6 +106,8 @@ def run_trl(job: dict[str, Any]) -> dict[str, Any]:
     from flowrl.backends.builtin import builtin_model_dir
     from flowrl.rewards import REWARD_FUNCTIONS
 
+    if job.get("trl_threads"):
+        torch.set_num_threads(int(job["trl_threads"]))
     model_dir = str(builtin_model_dir(job["model"]))
     prompts = prompt_list(job)
     max_new_tokens = job["max_new_tokens"]

@@ -152,6 +152,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--flowrl-layout", choices=["planned", "separate", "colocated"], default="planned",
                         help="flowrl's placement: the planner's choice for the default pipeline's two groups "
                              "(default), the reference forced onto a worker of its own, or one group for both")
+    parser.add_argument("--trl-threads", type=int, default=None,
+                        help="torch threads of the TRL process (default: torch's, one per core)")
     parser.add_argument("--seed", type=int, default=0, help="seed of both frameworks and of the bootstrap (default 0)")
     parser.add_argument("--max-wait-idle", type=float, default=300.0,
                         help="before each run, wait up to this many seconds for other work on the machine to stop (default 300)")
@@ -184,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     total = len(args.configs) * args.repeats * 2
     done = 0
     for config in args.configs:
-        job = job_for(config, args.steps, args.seed, args.flowrl_layout)
+        job = {**job_for(config, args.steps, args.seed, args.flowrl_layout), "trl_threads": args.trl_threads}
         runs: dict[str, list[dict[str, Any]]] = {"flowrl": [], "trl": []}
         for repeat in range(args.repeats):
             for framework in ("flowrl", "trl"):

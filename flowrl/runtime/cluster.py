@@ -82,7 +82,6 @@ class Cluster:
         register()
         _quiet_worker_config()
         _spawn_ignoring_interrupt()
-        _fork_from_a_warm_server()
         specs = {f"cpu-{number}": _worker_spec(f"cpu-{number}", "") for number in range(num_slots)}
         specs.update({f"gpu-{index}": _worker_spec(f"gpu-{index}", str(index)) for index in gpus})
         scheduler = {
@@ -360,22 +359,6 @@ def _worker_kind(name: str) -> str:
     if base.startswith("gpu-"):
         return "gpu-" + base.removeprefix("gpu-").split("-")[0]
     return "cpu"
-
-
-def _fork_from_a_warm_server() -> None:
-    """Local worker processes fork from one server process that imported torch, transformers
-    and the role hosts (``WARM_PRELOAD``) once, instead of each importing them afresh: on 2
-    cores two workers were ready 4.9 s after the start, most of it importing the same modules
-    twice at once, and forked workers share those modules' memory. A replacement worker after
-    a fault forks from the same warm server. The server never touches CUDA, so each GPU
-    worker still sees only the card its ``CUDA_VISIBLE_DEVICES`` names (set in the worker
-    before anything initialises CUDA)."""
-    import distributed.utils
-
-    dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
-    multiprocessing.get_context("forkserver").set_forkserver_preload(["distributed", WARM_PRELOAD])
-    # Dask's own forkserver preload would import its optional packages in this process first.
-    distributed.utils._forkserver_preload_set = True
 
 
 def _quiet_worker_config() -> None:

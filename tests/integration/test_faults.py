@@ -88,9 +88,9 @@ def test_a_worker_killed_mid_step_is_replaced_and_the_run_completes(
 def test_a_worker_that_does_not_come_back_in_time_leaves_its_roles_to_the_survivor(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Local workers fork from a warm server and are back within a second of a kill; this
-    # worker's comeback is held back 5 s (its nanny lives in this process), far past the run's
-    # recovery_timeout_s.
+    # A killed local worker is started again by its nanny (which lives in this process) at
+    # once; its comeback is held back 5 s here, far past the run's recovery_timeout_s, so the
+    # outcome does not depend on how fast a worker starts.
     import asyncio
 
     from distributed.nanny import WorkerProcess

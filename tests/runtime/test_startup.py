@@ -1,0 +1,83 @@
+"""What a run does before its first step: the driver's imports, the checks before any worker
+starts, and a local cluster that starts while the driver sets up."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flowrl.backends import arith_model, builtin, tiny_rm
+from flowrl.backends.catalog import BUILTIN_MODELS, builtin_folder
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_driver_imports_neither_transformers_nor_the_roles() -> None:
+    # transformers costs the driver seconds of start-up; only the workers load models
+    code = ("import sys, flowrl.api.run, flowrl.cli.main; "
+            "print(sorted(m for m in ('transformers', 'flowrl.roles.registry', 'flowrl.roles.generate') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(("override", "expected"), [
+    ("nodes.reward.fn=nope", "nodes.reward.fn: unknown reward function 'nope'"),
+    ("data.source=no/such/prompts.jsonl", "data.source: data source 'no/such/prompts.jsonl' not found"),
+])
+def test_the_usual_mistakes_are_reported_before_any_worker_starts(
+    override: str, expected: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from typer.testing import CliRunner
+
+    from flowrl.cli.main import app
+    from flowrl.runtime import cluster
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a local cluster was started")
+
+    monkeypatch.setattr(cluster, "PendingCluster", refuse)
+    monkeypatch.setattr(cluster.Cluster, "start_local", refuse)
+    result = CliRunner().invoke(app, ["run", str(ROOT / "pipelines" / "grpo_tiny.yaml"), override,
+                                      "-o", str(tmp_path / "out"), "--plain"])
+    assert result.exit_code == 2, result.output
+    assert expected in result.output
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_MODELS))
+def test_builtin_folder_names_what_the_builder_writes(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The driver checks for a built model by ``builtin_folder`` without importing its builder:
+    the folder and the file written last must be the builder's own."""
+    written: list[tuple[str, str]] = []
+
+    def capture(target: Path, marker: str, build: Any, what: str, *args: Any) -> Path:
+        written.append((target.name, marker))
+        return target
+
+    for module in (builtin, arith_model, tiny_rm):
+        monkeypatch.setattr(module, "write_once", capture)
+    from flowrl.backends.models import builtin_dir
+
+    builtin_dir(name)
+    assert written == [builtin_folder(name)]
+
+
+@pytest.mark.integration
+def test_a_pending_cluster_is_taken_when_it_has_the_run_s_settings_and_closed_otherwise() -> None:
+    from flowrl.runtime.cluster import PendingCluster
+
+    pending = PendingCluster(2)
+    other = PendingCluster(1)
+    assert other.take(2, False, False) is None  # other settings: closed, the run starts its own
+    cluster = pending.take(2, False, False)
+    assert cluster is not None
+    try:
+        assert sorted(slot.name for slot in cluster.slots) == ["cpu-0", "cpu-1"]
+        assert cluster.client.submit(sum, [1, 2]).result() == 3
+    finally:
+        cluster.close()
+    pending.discard()  # taken: the run that took it closes it, not discard
