@@ -23,6 +23,7 @@ from flowrl.devices.files import load_inventory
 from flowrl.devices.inventory import detect_local
 from flowrl.errors import FlowrlError
 from flowrl.planner.compiled import CompiledPlan, compile_plan
+from flowrl.planner.cost import measure_cpu_rates
 from flowrl.spec.loader import load_pipeline
 
 GANTT_WIDTH = 60
@@ -38,11 +39,14 @@ def plan_command(
     graph = load_pipeline(pipeline, overrides)
     if output is not None and output.suffix.lower() not in (".svg", ".png"):
         raise FlowrlError(f"--output {output}: write the timeline as .svg or .png")
+    cpu_rates = None
     if devices_file is not None:
         inventory = load_inventory(devices_file)
     else:
         inventory = detect_local(num_cpu_slots=graph.spec.runtime.cpu_slots)
-    plan = compile_plan(graph, inventory, base_dir=pipeline.resolve().parent)
+        # this machine: its CPUs measured as `flowrl run` measures them, so both predict alike
+        cpu_rates = measure_cpu_rates()
+    plan = compile_plan(graph, inventory, base_dir=pipeline.resolve().parent, cpu_rates=cpu_rates)
     if as_json:
         console.print(json.dumps(plan.to_dict(), indent=2), markup=False, highlight=False,
                       soft_wrap=True)

@@ -54,3 +54,24 @@ def test_json_is_the_plan(tmp_path: Path) -> None:
 def test_unknown_picture_format(tmp_path: Path) -> None:
     with pytest.raises(FlowrlError, match=r"\.svg"):
         plan_command(PPO, MIXED, as_json=False, output=tmp_path / "t.pdf", console=_console())
+
+
+def test_a_plan_for_this_machine_prices_its_cpus_as_a_run_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without --devices the CPU slots are measured (``measure_cpu_rates``), as ``flowrl run``
+    measures them before its first plan, so the two predict the same step."""
+    from flowrl.cli import plan as plan_cli
+    from flowrl.devices.inventory import detect_local
+    from flowrl.planner.compiled import compile_plan
+    from flowrl.planner.cost import CpuRates
+    from flowrl.spec.loader import load_pipeline
+
+    rates = CpuRates(flops_per_s=3e10, bandwidth_gbs=20.0)
+    monkeypatch.setattr(plan_cli, "measure_cpu_rates", lambda: rates)
+    tiny = ROOT / "pipelines" / "grpo_tiny.yaml"
+    shown = plan_command(tiny, None, as_json=True, output=None, console=_console())
+    graph = load_pipeline(tiny)
+    expected = compile_plan(graph, detect_local(num_cpu_slots=graph.spec.runtime.cpu_slots),
+                            base_dir=tiny.parent, cpu_rates=rates)
+    assert shown.iteration_s == pytest.approx(expected.iteration_s)
+    assert shown.iteration_s != pytest.approx(compile_plan(graph, detect_local(num_cpu_slots=2),
+                                                           base_dir=tiny.parent).iteration_s)
