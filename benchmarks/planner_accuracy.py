@@ -40,6 +40,8 @@ sys.path.insert(0, str(HERE))
 
 from vs_trl import machine  # noqa: E402
 
+from flowrl.planner.simulate import GPU_CONTEXT_GB  # noqa: E402
+
 
 def flowrl(*arguments: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "flowrl.cli.main", *arguments], capture_output=True,
@@ -54,7 +56,7 @@ def run_once(pipeline: Path, steps: int, output: Path, overrides: list[str]) -> 
     plan = json.loads((output / "plan-0.json").read_text())
     measured = plan.get("measured", {})
     node_peak = {node: item["peak_memory_gb"] for node, item in measured.get("nodes", {}).items()}
-    context = 0.5  # simulate.GPU_CONTEXT_GB, which max_memory_allocated does not count
+    context = GPU_CONTEXT_GB  # max_memory_allocated does not count the CUDA context
     devices = {}
     for device in plan["devices"]:
         here = [node_peak.get(node, 0.0) for node in device["nodes"]]

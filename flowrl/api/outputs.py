@@ -92,8 +92,7 @@ class RunFolder:
         largest peak memory, per device the largest memory and the mean utilisation, and
         the median step; each entry of its ``nodes`` gets ``predicted_s`` (its ``end_s`` -
         ``start_s``) and ``measured_s`` side by side. Plans whose steps this process did not run are left as they are."""
-        plans = sorted((int(path.stem.split("-", 1)[1]), path) for path in self.path.glob("plan-*.json")
-                       if path.stem.split("-", 1)[1].isdigit())
+        plans = self._plans()
         for index, (first, path) in enumerate(plans):
             last = plans[index + 1][0] - 1 if index + 1 < len(plans) else None
             governed = [r for r in records if r.step >= max(first, 1) and (last is None or r.step <= last)]
@@ -110,10 +109,13 @@ class RunFolder:
 
     def governed_by_first_plan(self, records: list[StepRecord]) -> list[StepRecord]:
         """The steps of ``records`` that ``plan-0.json`` governed (before any re-plan)."""
-        later = [int(path.stem.split("-", 1)[1]) for path in self.path.glob("plan-*.json")
-                 if path.stem.split("-", 1)[1].isdigit() and path.stem != "plan-0"]
-        end = min(later, default=None)
+        end = min((step for step, _ in self._plans() if step > 0), default=None)
         return [record for record in records if end is None or record.step < end]
+
+    def _plans(self) -> list[tuple[int, Path]]:
+        """(step, path) of every ``plan-N.json``, by step."""
+        return sorted((int(path.stem.split("-", 1)[1]), path) for path in self.path.glob("plan-*.json")
+                      if path.stem.split("-", 1)[1].isdigit())
 
     def add_to_plan(self, step: int, key: str, value: Any) -> None:
         path = self.path / f"plan-{step}.json"

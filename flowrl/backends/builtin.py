@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qw
 from transformers.utils import logging as hf_logging
 
 from flowrl.backends.cache import BUILTIN_PREFIX, CACHE_ENV_VAR, cache_root, make_readable, write_once
-from flowrl.backends.catalog import BUILTIN_MODELS, BuiltinModel, lookup_builtin
+from flowrl.backends.catalog import BUILTIN_MODELS, BuiltinModel, builtin_folder, lookup_builtin
 from flowrl.backends.tokenizer import build_char_tokenizer
 from flowrl.errors import ModelLoadError
 
@@ -63,8 +63,9 @@ def builtin_model_dir(name: str, cache_dir: Path | None = None) -> Path:
     shape = lookup_builtin(name)
     if shape.recipe != "init":
         raise ModelLoadError(f"builtin model '{name}' is fitted, not initialised: load it as 'builtin:{name}'")
-    target = cache_root(cache_dir) / "models" / f"{name}-v{shape.version}"
-    return write_once(target, "config.json", lambda folder: write_builtin(shape, folder), f"'{name}'")
+    folder, marker = builtin_folder(name)
+    target = cache_root(cache_dir) / "models" / folder
+    return write_once(target, marker, lambda staging: write_builtin(shape, staging), f"'{name}'")
 
 
 def build_builtin(name: str, cache_dir: Path | None = None) -> Path:

@@ -43,7 +43,6 @@ def _friendly(function: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-
 OVERRIDES_HELP = (
     "Set fields of the file: KEY=VALUE with a dotted KEY, such as trainer.steps=50 or "
     "nodes.train.lr=1e-5; VALUE is read as YAML."

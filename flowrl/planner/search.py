@@ -64,7 +64,8 @@ class SearchOptions:
     share_groups: bool = True
     """Let device groups share devices (see module docs)."""
     max_sharings: int = 64
-    """Most ways of sharing tried (the plain match first). Default 64."""
+    """Most matches searched: the plain one and up to this many less one ways of sharing.
+    Default 64."""
 
 
 @dataclass(frozen=True)
@@ -93,14 +94,11 @@ class SearchResult:
     num_evaluated: int
     shared: dict[str, str] = field(default_factory=dict)
     """Group -> the group whose devices it runs on (shares)."""
-    unshared: Evaluation | None = None
-    """The best placement without sharing, when sharing won (for the reasons)."""
 
 
 def sharings(pipeline: PipelineGraph, match: Match, options: SearchOptions) -> Iterator[dict[str, str]]:
-    """Ways device groups may share devices (group -> the group it runs on), the plain
-    match (no sharing) first; at most ``options.max_sharings``."""
-    yield {}
+    """Ways device groups may share devices (group -> the group it runs on); the plain match
+    (no sharing) is not one of them."""
     if not options.share_groups:
         return
     specs = pipeline.spec.devices
@@ -112,15 +110,10 @@ def sharings(pipeline: PipelineGraph, match: Match, options: SearchOptions) -> I
                  and specs[other].type == specs[group].type
                  and len(match.assignment[other]) >= len(match.assignment[group])]
         choices.append([None, *hosts])
-    count = 1
     for combination in itertools.product(*choices):
         shared = {group: host for group, host in zip(movable, combination) if host is not None}
-        if not shared or any(host in shared for host in shared.values()):
-            continue  # the plain match came first; a host keeps its own devices
-        if count >= options.max_sharings:
-            return
-        count += 1
-        yield shared
+        if shared and not any(host in shared for host in shared.values()):  # a host keeps its devices
+            yield shared
 
 
 def shared_match(match: Match, shared: Mapping[str, str]) -> Match:
@@ -270,15 +263,14 @@ def search(
     options = options or SearchOptions()
     plain = _search_one(pipeline, inventory, match, costs, options, {})
     best, evaluated = plain, plain.num_evaluated
-    for shared in itertools.islice(sharings(pipeline, match, options), 1, None):
+    for shared in itertools.islice(sharings(pipeline, match, options), options.max_sharings - 1):
         result = _search_one(pipeline, inventory, shared_match(match, shared), costs, options, shared)
         evaluated += result.num_evaluated
         if result.best.feasible and result.best.key < best.best.key:
             best = result
-    unshared = plain.best if best is not plain and plain.best.feasible else None
     if not best.best.feasible:
         raise PlacementError(_memory_message(best.best, inventory, options.memory_reserve))
-    return replace(best, num_evaluated=evaluated, unshared=unshared)
+    return replace(best, num_evaluated=evaluated)
 
 
 def _search_one(

@@ -340,9 +340,11 @@ def _worker_spec(name: str, visible_devices: str) -> dict[str, Any]:
     """A local worker: a nanny-kept process with one thread, no memory limit (model weights
     are unmanaged memory the nanny would otherwise kill it for), warm imports, NVLink
     multicast off (see ``collective.MULTICAST_OFF``)."""
+    from flowrl.runtime.collective import MULTICAST_OFF
+
     options = {
         "name": name, "nthreads": 1, "memory_limit": 0, "host": "127.0.0.1", "silence_logs": logging.CRITICAL,
-        "env": {"CUDA_VISIBLE_DEVICES": visible_devices, **_multicast_off()}, "preload": [WARM_PRELOAD],
+        "env": {"CUDA_VISIBLE_DEVICES": visible_devices, **MULTICAST_OFF}, "preload": [WARM_PRELOAD],
     }
     return {"cls": Nanny, "options": options}
 
@@ -455,12 +457,6 @@ def _natural_key(name: str) -> tuple[Any, ...]:
     return (head, int(tail) if tail else -1)
 
 
-def _multicast_off() -> dict[str, str]:
-    from flowrl.runtime.collective import MULTICAST_OFF
-
-    return dict(MULTICAST_OFF)
-
-
 class PendingCluster:
     """A local cluster that starts on a thread of its own (``Cluster.start_local``), so the
     worker processes start and import torch while the caller goes on: imports, the data,
@@ -471,8 +467,8 @@ class PendingCluster:
         self.arguments = (num_slots, dashboard, pin_cpus)
         self._cluster: Cluster | None = None
         self._error: BaseException | None = None
-        self._taken = False
-        self._wanted = False
+        self._outcome: str | None = None
+        """None while nobody decided; ``taken`` by a run, or ``discarded``."""
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._start, name="flowrl-cluster-start", daemon=True)
         self._thread.start()
@@ -485,8 +481,8 @@ class PendingCluster:
             return
         with self._lock:
             self._cluster = cluster
-            unwanted = self._taken and not self._wanted
-        if unwanted:  # discarded while it started
+            discarded = self._outcome == "discarded"
+        if discarded:  # while it started
             cluster.close()
 
     def take(self, num_slots: int, dashboard: bool, pin_cpus: bool) -> Cluster | None:
@@ -496,7 +492,7 @@ class PendingCluster:
             self.discard()
             return None
         with self._lock:
-            self._taken = self._wanted = True
+            self._outcome = "taken"
         self._thread.join()
         if self._error is not None:
             raise self._error
@@ -508,9 +504,9 @@ class PendingCluster:
         starting is closed by its own thread once started (the process exits only after
         that: Dask's exit handlers close what it started)."""
         with self._lock:
-            if self._taken:
+            if self._outcome is not None:
                 return
-            self._taken, self._wanted = True, False
+            self._outcome = "discarded"
             cluster = self._cluster
         if cluster is not None:
             cluster.close()
