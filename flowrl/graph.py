@@ -48,6 +48,7 @@ class _Checker:
         for name, model in self.spec.models.items():
             self._check_group(f"models.{name}.device_group", model.device_group)
             self._check_offload(name)
+            self._check_sharded(name)
         for name in self.spec.nodes:
             self._check_node(name)
         self._check_cycles()
@@ -94,6 +95,25 @@ class _Checker:
                     "serve only inference (reference, reward or value nodes); set offload_to_cpu: false",
                 )
                 return
+
+    def _check_sharded(self, model: str) -> None:
+        """Sharding is how an update trains: a model no update trains has nothing to shard,
+        and two sharded models never share a group (a worker shards one model at a time)."""
+        spec = self.spec.models[model]
+        path = f"models.{model}.sharded"
+        if not spec.sharded or not self.reliable(path):
+            return
+        nodes_known = not any(path == "nodes" or path.startswith("nodes.") for path in self.broken)
+        if nodes_known and not any(node.model == model and node.trains for node in self.spec.nodes.values()):
+            self.add(path, f"no update node trains '{model}', and sharding splits a model's training over "
+                           "the update's devices; set sharded: false, or train the model")
+            return
+        others = [name for name, other in self.spec.models.items()
+                  if name < model and other.sharded and other.device_group and other.device_group == spec.device_group]
+        if others:
+            self.add(path, f"'{others[0]}' is sharded over device group '{spec.device_group}' too, and a device "
+                           "shards one model at a time; give one of them a device group of its own, or set "
+                           "sharded: false on one")
 
     def _check_group(self, path: str, group: str | None) -> None:
         if group is None or self.known("devices", group):

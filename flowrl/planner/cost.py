@@ -31,6 +31,8 @@ Memory (bytes):
     output head  a causal LM's log-probs run through the fused head, which holds one
               chunk of FUSED_CHUNK_ELEMENTS logits at a time (16-bit logits, fp32 scaled
               copy and, training, their fp32 gradient); a scalar head holds T*4
+    sharded training over N devices (FSDP2) keeps the whole weights plus 4*P*b/N, and
+              gathers one layer and the outer unit at a time (``sharded_training_bytes``)
 """
 
 from __future__ import annotations
@@ -194,6 +196,19 @@ def weight_bytes(shape: ModelShape, kind: str, dtype: str) -> float:
 def training_state_bytes(shape: ModelShape, kind: str, dtype: str) -> float:
     """Gradients (P*b) plus AdamW's two moments (2*P*b)."""
     return 3 * weight_bytes(shape, kind, dtype)
+
+
+def sharded_training_bytes(shape: ModelShape, kind: str, dtype: str, width: int) -> tuple[float, float]:
+    """(resident, transient) bytes per device of training sharded over ``width`` devices
+    (FSDP2, ``ModelSpec.sharded``), besides the whole copy of the weights every device keeps:
+    resident, 1/width of the trained parameters, their gradients and AdamW's moments (4*P*b);
+    transient, the parameters and gradients of what is gathered at once in a pass: one
+    decoder layer plus the outer unit (embeddings, final norm, head), which stays gathered
+    from its forward to its backward."""
+    per_parameter = DTYPE_BYTES[dtype]
+    outer = shape.num_parameters(kind) - shape.num_layers * shape.layer_parameters()
+    resident = 4 * weight_bytes(shape, kind, dtype) / max(1, width)
+    return resident, 2.0 * per_parameter * (shape.layer_parameters() + outer)
 
 
 FUSED_CHUNK_ELEMENTS = 1 << 25

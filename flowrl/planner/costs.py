@@ -25,6 +25,7 @@ from flowrl.planner.cost import (
     inference_bytes,
     kv_cache_bytes,
     logits_bytes,
+    sharded_training_bytes,
     training_state_bytes,
     weight_bytes,
 )
@@ -156,10 +157,21 @@ class EstimatedCosts:
         width = max(1, len(devices))
         slowest = max((self._on_device(work, device, width) for device in devices), default=0.0)
         if work.shape is not None and width > 1 and work.work == "train":
-            # data-parallel update: a ring all-reduce of the gradients per optimizer step
             grads = weight_bytes(work.shape, work.kind, work.dtype)
-            ring = transfer_s(2 * (width - 1) / width * grads, devices[:1], devices[1:])
-            slowest += ring * work.num_mini_batches * work.ppo_epochs
+            steps = work.num_mini_batches * work.ppo_epochs
+            if work.sharded:
+                # sharded: each pass gathers the parameters for its forward and again for its
+                # backward, the last one reduce-scatters the gradients; one more gather
+                # refreshes the whole copy after the update. Each of these is one collective
+                # per unit (a decoder layer, or the outer unit), each paying the link's latency.
+                share = work.mini_batch_sequences / width
+                passes = max(1.0, share / work.pass_sequences(share))
+                units = work.shape.num_layers + 1
+                gather = units * transfer_s((width - 1) / width * grads / units, devices[:1], devices[1:])
+                slowest += gather * ((2 * passes + 1) * steps + 1)
+            else:
+                # a ring all-reduce of the gradients per optimizer step
+                slowest += transfer_s(2 * (width - 1) / width * grads, devices[:1], devices[1:]) * steps
         if offloaded and work.shape is not None:
             weights = weight_bytes(work.shape, work.kind, work.dtype)
             slowest += max(weights / (_pcie_gbs(d) * GB) for d in devices if d.kind == "gpu") if any(
@@ -227,6 +239,9 @@ class EstimatedCosts:
             micro = work.pass_sequences(min(share, work.mini_batch_sequences / max(1, width)))
             transient = activation_bytes(shape, dtype, micro, seq_len, work.checkpointing, compiled=gpu)
             transient += logits_bytes(shape, kind, micro * seq_len, dtype, training=True)
+            if work.sharded and width > 1:
+                resident, gathered = sharded_training_bytes(shape, kind, dtype, width)
+                return NodeMemory(weights / GB, resident / GB, (transient + gathered) / GB)
             return NodeMemory(weights / GB, training_state_bytes(shape, kind, dtype) / GB, transient / GB)
         transient = inference_bytes(shape, kind, dtype, work.pass_sequences(share), seq_len)
         return NodeMemory(weights / GB, 0.0, transient / GB)

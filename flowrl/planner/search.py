@@ -110,9 +110,15 @@ def sharings(pipeline: PipelineGraph, match: Match, options: SearchOptions) -> I
                  and specs[other].type == specs[group].type
                  and len(match.assignment[other]) >= len(match.assignment[group])]
         choices.append([None, *hosts])
+    # a worker trains one model sharded at a time (the process's default group): two groups
+    # of sharded models never share devices
+    sharding = [model.device_group for model in pipeline.spec.models.values() if model.sharded and model.device_group]
     for combination in itertools.product(*choices):
         shared = {group: host for group, host in zip(movable, combination) if host is not None}
-        if shared and not any(host in shared for host in shared.values()):  # a host keeps its devices
+        if not shared or any(host in shared for host in shared.values()):  # a host keeps its devices
+            continue
+        roots = [shared.get(group, group) for group in sharding]
+        if len(set(roots)) == len(roots):
             yield shared
 
 
@@ -261,6 +267,7 @@ def search(
     """The best placement over the plain match and every way of sharing groups' devices;
     ``PlacementError`` (the plain match's) when none fits."""
     options = options or SearchOptions()
+    _check_sharding(pipeline, match)
     plain = _search_one(pipeline, inventory, match, costs, options, {})
     best, evaluated = plain, plain.num_evaluated
     for shared in itertools.islice(sharings(pipeline, match, options), options.max_sharings - 1):
@@ -271,6 +278,24 @@ def search(
     if not best.best.feasible:
         raise PlacementError(_memory_message(best.best, inventory, options.memory_reserve))
     return replace(best, num_evaluated=evaluated)
+
+
+def _check_sharding(pipeline: PipelineGraph, match: Match) -> None:
+    """Two models trained sharded over groups that the match puts on the same devices (more
+    groups than devices) cannot run: a device shards one model at a time."""
+    sharded = [(name, model.device_group) for name, model in pipeline.spec.models.items()
+               if model.sharded and model.device_group]
+    for index, (first, first_group) in enumerate(sharded):
+        for second, second_group in sharded[index + 1:]:
+            assert first_group is not None and second_group is not None
+            first_devices = match.assignment.get(first_group, [])
+            second_devices = match.assignment.get(second_group, [])
+            common = [device for device in first_devices if device in second_devices]
+            if common and len(first_devices) > 1 and len(second_devices) > 1:
+                raise PlacementError(
+                    f"models '{first}' and '{second}' train sharded over {first_group} and {second_group}, which "
+                    f"share {', '.join(common)} here (too few devices for every group), and a device shards one "
+                    "model at a time: ask for fewer devices per group, add devices, or set sharded: false on one")
 
 
 def _search_one(

@@ -47,6 +47,8 @@ class NodeWork:
     """The rollout's max_new_tokens (completions are costed at full length)."""
     offload_to_cpu: bool = False
     checkpointing: bool = False
+    sharded: bool = False
+    """The model trains sharded over its update's devices (``ModelSpec.sharded``)."""
     ppo_epochs: int = 1
     num_mini_batches: int = 1
     """Optimizer steps per epoch (update nodes)."""
@@ -97,6 +99,7 @@ def node_work(
         response_tokens=rollout_spec.max_new_tokens,
         offload_to_cpu=bool(model and model.offload_to_cpu),
         checkpointing=bool(model and model.gradient_checkpointing),
+        sharded=bool(model and model.sharded),
         ppo_epochs=epochs,
         num_mini_batches=mini_batches,
         mini_batch_sequences=mini_sequences,

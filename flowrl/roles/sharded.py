@@ -10,17 +10,20 @@ the rank with the most (a rank with fewer rows runs passes whose loss is multipl
 and gradients are reduce-scattered only in the last pass of an optimizer step.
 
 The reduce-scatter sums (divide factor 1), as the all-reduce path does: each rank's loss is
-already weighted by its share of the mini-batch. Passes that are not training (old log-probs
-before the first step) run with the whole model gathered once (:func:`gathered`), so a rank
-may run any number of them. :func:`full_state_dict` gathers whole tensors for checkpoints
-and weight pushes; every rank must call it.
+already weighted by its share of the mini-batch.
+
+A sharded model's worker also keeps the whole weights in a plain copy of the model (see
+``roles.state.ModelState.sharded``): generation, scoring, the old log-probs, checkpoints and
+weight pushes read that copy, with no collective, and :func:`copy_whole` refreshes it after
+each update. Whole tensors for a checkpoint or a move come from :func:`whole_optimizer_state`
+(every rank must call it); :func:`shard_optimizer_state` and :func:`load_whole` go the other
+way and need no peer, so a state saved on any number of ranks loads onto any other.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -58,26 +61,6 @@ def set_gradient_sync(module: torch.nn.Module, sync: bool) -> None:
     module.set_requires_gradient_sync(sync)
 
 
-@contextlib.contextmanager
-def gathered(module: torch.nn.Module) -> Iterator[None]:
-    """Inside this block the whole model is gathered on every rank (one all-gather, at the
-    start: every rank must enter), and forward passes run without collectives."""
-    from torch.distributed.fsdp import FSDPModule
-
-    units = [unit for unit in module.modules() if isinstance(unit, FSDPModule)]
-    for unit in units:
-        unit.set_reshard_after_forward(False, recurse=False)
-        unit.unshard()
-    try:
-        yield
-    finally:
-        for unit in units:
-            unit.reshard()
-            # fully_shard's own choice: the layers free their gathered parameters after the
-            # forward, the root keeps them for the backward that follows at once
-            unit.set_reshard_after_forward(unit is not module, recurse=False)
-
-
 def local_part(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (a plain tensor as it is)."""
     from torch.distributed.tensor import DTensor
@@ -107,3 +90,66 @@ def clip_sharded_gradients(params: list[torch.nn.Parameter], max_norm: float, su
                 if p.grad is not None:
                     local_part(p.grad).mul_(coefficient)
     return total
+
+
+def copy_whole(sharded: torch.nn.Module, whole: torch.nn.Module) -> None:
+    """Write the sharded model's current parameters into the plain model ``whole`` (the same
+    architecture), one all-gathered tensor at a time (every rank must call)."""
+    from torch.distributed.tensor import DTensor
+
+    targets = dict(whole.named_parameters())
+    with torch.no_grad():
+        for name, param in sharded.named_parameters():
+            value = param.full_tensor() if isinstance(param, DTensor) else param
+            targets[name].copy_(value)
+
+
+def load_whole(sharded: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Set the sharded model's parameters from whole tensors (``state_dict`` names): each
+    rank takes its own shard, with no collective."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    with torch.no_grad():
+        for name, param in sharded.named_parameters():
+            if name not in weights:
+                continue
+            value = weights[name]
+            if isinstance(param, DTensor):
+                # src_data_rank=None: every rank holds the whole tensor and keeps its slice
+                part = distribute_tensor(value.to(param.device, param.dtype), param.device_mesh,
+                                         param.placements, src_data_rank=None)
+                param.to_local().copy_(part.to_local())
+            else:
+                param.copy_(value)
+
+
+def whole_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state dict with every sharded tensor whole (every rank must call, in
+    the same order: the state dict lists parameters by index)."""
+    from torch.distributed.tensor import DTensor
+
+    saved = optimizer.state_dict()
+    state = {
+        index: {key: value.full_tensor() if isinstance(value, DTensor) else value for key, value in entry.items()}
+        for index, entry in saved["state"].items()
+    }
+    return {**saved, "state": state}
+
+
+def shard_optimizer_state(whole: dict[str, Any], params: list[torch.nn.Parameter]) -> dict[str, Any]:
+    """A whole optimizer state dict (:func:`whole_optimizer_state`, or a one-device run's)
+    cut to this rank's shards of ``params`` (the optimizer's parameters, in its order);
+    per-parameter tensors of the parameter's shape become shards, scalars (the step count)
+    stay as they are. No collective."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    state: dict[Any, dict[str, Any]] = {}
+    for index, entry in whole["state"].items():
+        param = params[int(index)]
+        state[index] = {
+            key: distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+            if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and value.shape == param.shape
+            else value
+            for key, value in entry.items()
+        }
+    return {**whole, "state": state}

@@ -34,6 +34,61 @@ class ModelState:
     offloaded: bool = False
     """``ModelSpec.offload_to_cpu`` on a GPU: the weights live in pinned host memory and are
     on ``device`` only during a call (``paged_in``)."""
+    sharded: torch.nn.Module | None = None
+    """While an update trains the model sharded over a group (``ModelSpec.sharded``), the
+    FSDP2 copy it trains; ``module`` then stays a plain whole copy that every other reader
+    uses (generation, scoring, checkpoints, weight pushes), refreshed after each update
+    (:meth:`refresh_whole`). The optimizer steps the sharded copy's parameters."""
+
+    @property
+    def training_module(self) -> torch.nn.Module:
+        """The copy an update trains: the sharded one while there is one, else ``module``."""
+        return self.sharded if self.sharded is not None else self.module
+
+    def shard_training(self, mesh: Any) -> None:
+        """Train sharded over ``mesh`` from now on: a copy of the model is sharded (FSDP2)
+        and the optimizer's state, if any, is cut to this rank's shards (no collective)."""
+        import copy
+
+        from flowrl.roles.sharded import shard, shard_optimizer_state
+
+        whole_state = self.optimizer.state_dict() if self.optimizer is not None else None
+        sharded = copy.deepcopy(self.module)
+        shard(sharded, mesh)
+        self.sharded = sharded
+        self.optimizer = None
+        if whole_state is not None:
+            optimizer = self._new_optimizer()
+            optimizer.load_state_dict(shard_optimizer_state(whole_state, self._trained_parameters()))
+
+    def unshard_training(self) -> None:
+        """Stop training sharded (the group is about to go): the whole optimizer state is
+        gathered (every rank of the group must call) and steps ``module`` from now on."""
+        if self.sharded is None:
+            return
+        whole_state = self.optimizer_state()
+        self.sharded = None
+        self.optimizer = None
+        if whole_state is not None:
+            self._new_optimizer().load_state_dict(whole_state)
+
+    def refresh_whole(self) -> None:
+        """After a sharded update: the whole copy gets the new weights (every rank must call)."""
+        from flowrl.roles.sharded import copy_whole
+
+        if self.sharded is not None:
+            copy_whole(self.sharded, self.module)
+
+    def optimizer_state(self) -> dict[str, Any] | None:
+        """The optimizer's state dict with whole tensors (every rank of a sharded model's
+        group must call, at once); None before the first update."""
+        if self.optimizer is None:
+            return None
+        if self.sharded is None:
+            return self.optimizer.state_dict()
+        from flowrl.roles.sharded import whole_optimizer_state
+
+        return whole_optimizer_state(self.optimizer)
 
     def page_out(self) -> None:
         """Keep the weights in pinned host memory until the next call (``paged_in``)."""
@@ -102,10 +157,18 @@ class ModelState:
     def ensure_optimizer(self, lr: float, betas: tuple[float, float], weight_decay: float) -> torch.optim.Optimizer:
         """The optimizer is created by the first update, with that node's settings."""
         if self.optimizer is None:
-            params = [p for p in self.module.parameters() if p.requires_grad]
-            fused = self._fused_adamw()
-            self.optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay,
-                                               fused=fused, foreach=not fused)
+            self._new_optimizer(lr=lr, betas=betas, weight_decay=weight_decay)
+        assert self.optimizer is not None
+        return self.optimizer
+
+    def _trained_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.training_module.parameters() if p.requires_grad]
+
+    def _new_optimizer(self, **settings: Any) -> torch.optim.Optimizer:
+        """AdamW over the trained copy's parameters (hyper-parameters from ``settings``, or
+        from a state dict loaded after)."""
+        fused = self._fused_adamw()
+        self.optimizer = torch.optim.AdamW(self._trained_parameters(), fused=fused, foreach=not fused, **settings)
         return self.optimizer
 
     def _fused_adamw(self) -> bool:
@@ -124,10 +187,7 @@ class ModelState:
             self.load_weights(saved["weights"])
         if saved.get("optimizer") is not None:
             if self.optimizer is None:
-                # Hyper-parameters come with the state dict's param_groups.
-                params = [p for p in self.module.parameters() if p.requires_grad]
-                fused = self._fused_adamw()
-                self.optimizer = torch.optim.AdamW(params, fused=fused, foreach=not fused)
+                self._new_optimizer()  # hyper-parameters come with the state dict's param_groups
             # A state saved on another device kind (or before fused AdamW) carries that kind's
             # implementation flags; they decide, while loading, where each step counter goes
             # (the fused kernel wants it on the parameter's device), so they are set first.
@@ -136,6 +196,11 @@ class ModelState:
             optimizer_state["param_groups"] = [
                 {**group, "fused": fused, "foreach": not fused} for group in optimizer_state["param_groups"]
             ]
+            if self.sharded is not None:
+                from flowrl.roles.sharded import shard_optimizer_state
+
+                optimizer_state = shard_optimizer_state(optimizer_state, self._trained_parameters())
+            assert self.optimizer is not None
             self.optimizer.load_state_dict(optimizer_state)
         if "num_updates" in saved:
             self.num_updates = int(saved["num_updates"])
@@ -143,7 +208,13 @@ class ModelState:
             self.generator.set_state(saved["generator"])
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Whole tensors by ``state_dict`` name, into the whole copy and, when sharded, into
+        this rank's shards (no collective)."""
         with torch.no_grad():
             own = self.module.state_dict()
             for key, value in weights.items():
                 own[key].copy_(value.to(own[key].device, own[key].dtype))
+        if self.sharded is not None:
+            from flowrl.roles.sharded import load_whole
+
+            load_whole(self.sharded, weights)

@@ -26,7 +26,7 @@ from flowrl.algorithms.losses import aggregate, masked_mean, policy_loss, value_
 from flowrl.roles.batch import NodeOutput, Rollout
 from flowrl.roles.data_parallel import DataParallel, weighted_rows
 from flowrl.roles.forward import completion_logprobs, completion_logprobs_and_entropy, micro_batches
-from flowrl.roles.sharded import clip_sharded_gradients, gathered, is_sharded, set_gradient_sync, shard
+from flowrl.roles.sharded import clip_sharded_gradients, set_gradient_sync
 from flowrl.roles.state import ModelState
 from flowrl.roles.value import completion_values
 from flowrl.spec.schema import UpdateNode
@@ -75,7 +75,7 @@ class PolicyObjective:
     def loss(self, state: ModelState, piece: Rollout, rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         device, node = state.device, self.node
         mask = piece.completion_mask.to(device).float()
-        logprobs, entropy = completion_logprobs_and_entropy(state.module, piece, device)
+        logprobs, entropy = completion_logprobs_and_entropy(state.training_module, piece, device)
         old = logprobs.detach() if self.old_logprobs is None else self.old_logprobs[rows].to(device)
         loss, stats = policy_loss(
             logprobs, old, self.advantages[rows].to(device), mask, clip_eps=node.clip_eps, loss_agg=node.loss_agg
@@ -110,16 +110,17 @@ class ValueObjective:
     def prepare(self, state: ModelState, rollout: Rollout, dp: DataParallel | None, single_step: bool) -> None:
         self.mask = rollout.completion_mask.bool()
         if self.old_values is None:  # no value node read: the critic's values before this update
+            # the whole copy (current before this update, also when training is sharded)
+            was_training = state.module.training
             state.module.eval()
-            sharded = dp is not None and dp.sharded
-            with torch.no_grad(), gathered(state.module) if sharded else contextlib.nullcontext():
+            with torch.no_grad():
                 self.old_values = completion_values(state.module, rollout, state.device).cpu()
-            state.module.train()
+            state.module.train(was_training)
 
     def loss(self, state: ModelState, piece: Rollout, rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         assert self.old_values is not None
         device = state.device
-        values = completion_values(state.module, piece, device)
+        values = completion_values(state.training_module, piece, device)
         return value_loss(
             values,
             self.old_values[rows].to(device),
@@ -162,15 +163,12 @@ def run_update(
     """One update from one rollout; with ``dp``, this rank's part of a data-parallel update
     (see :mod:`flowrl.roles.data_parallel`; sharded when ``dp.mesh`` is set,
     :mod:`flowrl.roles.sharded`): every rank returns the same whole-batch metrics."""
-    if dp is not None and dp.sharded and not is_sharded(state.module):
-        # The optimizer's moments are made for the sharded parameters (its first step
-        # creates them), so an optimizer made before the sharding is dropped.
-        shard(state.module, dp.mesh)
-        state.optimizer = None
+    if dp is not None and dp.sharded and state.sharded is None:
+        state.shard_training(dp.mesh)
     optimizer = state.ensure_optimizer(node.lr, node.betas, node.weight_decay)
     for group in optimizer.param_groups:
         group["lr"] = node.lr
-    state.module.train()
+    state.training_module.train()
     num_rows = rollout.num_sequences
     mini_batch = min(node.mini_batch_size or num_rows, num_rows)
     single_step = node.ppo_epochs == 1 and mini_batch == num_rows
@@ -190,6 +188,8 @@ def run_update(
                 totals[key] = totals.get(key, 0.0) + value
             num_steps += 1
     state.num_updates += 1
+    if dp is not None and dp.sharded:
+        state.refresh_whole()  # every rank gathers the new weights into its whole copy
     prefix = objective.prefix
     metrics = {f"{prefix}/{key}": value / num_steps for key, value in totals.items()}
     metrics[f"{prefix}/lr"] = node.lr
@@ -208,10 +208,10 @@ def _old_logprobs(state: ModelState, rollout: Rollout, dp: DataParallel | None) 
     mine = dp.rows(rollout.num_sequences)
     width = rollout.completion_ids.shape[1]
     local = torch.zeros((0, width))
-    with gathered(state.module) if dp.sharded else contextlib.nullcontext():
-        if mine.stop > mine.start:
-            part = rollout.select(torch.arange(mine.start, mine.stop))
-            local = completion_logprobs(state.module, part, state.device).detach().float().cpu()
+    if mine.stop > mine.start:
+        # the whole copy: a sharded model's one is current before the update
+        part = rollout.select(torch.arange(mine.start, mine.stop))
+        local = completion_logprobs(state.module, part, state.device).detach().float().cpu()
     return dp.gather_rows(local, rollout.num_sequences)
 
 
@@ -255,7 +255,7 @@ def _step(
     for number in range(passes):
         last = number == passes - 1
         if sharded:
-            set_gradient_sync(state.module, last)
+            set_gradient_sync(state.training_module, last)
         if number >= len(groups):
             loss, _ = objective.loss(state, part.select(torch.tensor([0])), rows[:1])
             (loss * 0.0).backward()
@@ -280,7 +280,8 @@ def _step(
     if dp is not None and dp.sharded:
         # the reduce-scatters summed the gradients; the numbers are summed here
         values = dp.sum_numbers(values)
-        grad_norm = clip_sharded_gradients(list(state.module.parameters()), node.max_grad_norm, dp.sum_numbers)
+        grad_norm = clip_sharded_gradients(list(state.training_module.parameters()), node.max_grad_norm,
+                                           dp.sum_numbers)
     else:
         if dp is not None:
             # the whole mini-batch's gradient and numbers: each rank's part, weighted, summed

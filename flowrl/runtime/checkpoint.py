@@ -34,7 +34,8 @@ def save_model_state(state: ModelState, directory: Path, with_state: bool, max_s
         if with_state:
             torch.save(
                 {
-                    "optimizer": state.optimizer.state_dict() if state.optimizer is not None else None,
+                    # whole tensors (a sharded model's other ranks export at the same time)
+                    "optimizer": state.optimizer_state(),
                     "generator": state.generator.get_state(),
                     "num_updates": state.num_updates,
                 },

@@ -81,6 +81,7 @@ class DeviceGroup:
             for key, value in MULTICAST_OFF.items():
                 os.environ.setdefault(key, value)  # read when NCCL initialises, below
         self.sharding = sharding
+        self._mesh: Any = None
         if sharding:
             if dist.is_initialized():
                 raise ClusterError("this worker already belongs to a group that shards a model; "
@@ -102,7 +103,9 @@ class DeviceGroup:
             raise ValueError("only a group made with sharding=True has a device mesh")
         from torch.distributed.device_mesh import DeviceMesh
 
-        return DeviceMesh.from_group(self._group, self.device.type)
+        if self._mesh is None:  # one mesh per group: the sharded model keeps referring to it
+            self._mesh = DeviceMesh.from_group(self._group, self.device.type)
+        return self._mesh
 
     def close(self) -> None:
         """Leave the group; a ``sharding`` group stops being this process's default group."""

@@ -115,25 +115,42 @@ class RoleHost:
     def free_port(self, address: str) -> int:
         return free_port(address)
 
-    def form_group(self, name: str, rank: int, world: int, address: str, port: int, timeout_s: float) -> None:
-        """Join the process group ``name`` (blocks until every member has joined)."""
-        self._groups.pop(name, None)
-        self._groups[name] = DeviceGroup(address, port, rank, world, timeout_s, self.device)
+    def form_group(self, name: str, rank: int, world: int, address: str, port: int, timeout_s: float,
+                   sharding: bool = False) -> None:
+        """Join the process group ``name`` (blocks until every member has joined); with
+        ``sharding``, the group the update ``name`` trains its model sharded over."""
+        self.leave_group(name)
+        self._groups[name] = DeviceGroup(address, port, rank, world, timeout_s, self.device, sharding)
 
     def leave_group(self, name: str) -> None:
-        self._groups.pop(name, None)
+        """Leave group ``name``. Models trained sharded over it gather their whole optimizer
+        state first (every member leaves at once, so the gathers meet) and train whole until
+        a new group shards them again."""
+        group = self._groups.pop(name, None)
+        if group is None:
+            return
+        if group.sharding:
+            for state in self.models.values():
+                if state.sharded is not None:
+                    state.unshard_training()
+        group.close()
 
     # ---- migration ----------------------------------------------------------------
     def export_state(self, model: str, parts: tuple[str, ...]) -> dict[str, Any]:
         """Parts of a model's state for another host: ``weights``, ``optimizer`` (with the
-        update count) and ``generator`` (the sampling RNG)."""
+        update count) and ``generator`` (the sampling RNG). ``optimizer_peer``: this rank of
+        a sharded model takes part in gathering the whole optimizer state that another rank
+        exports (or saves) at the same time, and returns nothing of it."""
         state = self.models[model]
         exported: dict[str, Any] = {}
         if "weights" in parts:
             exported["weights"] = state.weights()
         if "optimizer" in parts:
-            exported["optimizer"] = state.optimizer.state_dict() if state.optimizer is not None else None
+            # whole tensors: for a sharded model, every rank exports at once (a gather)
+            exported["optimizer"] = state.optimizer_state()
             exported["num_updates"] = state.num_updates
+        if "optimizer_peer" in parts:
+            state.optimizer_state()
         if "generator" in parts:
             exported["generator"] = state.generator.get_state()
         return exported
@@ -161,9 +178,13 @@ class RoleHost:
         return {"seconds": time.perf_counter() - started, "bytes": float(num_bytes)}
 
     def drop_all(self) -> None:
-        """Forget every model and stored output (this host's session is over)."""
+        """Forget every model, stored output and process group (this host's session is over;
+        its peers may be gone, so nothing is gathered)."""
         self.models.clear()
         self.store.clear()
+        for group in set(self._groups.values()):
+            group.close()
+        self._groups.clear()
 
     def drop_model(self, name: str) -> None:
         """Forget a model whose nodes all moved away (its memory goes back to the worker)."""
@@ -292,7 +313,10 @@ class RoleHost:
         from flowrl.roles import registry
 
         role, trains = registry.role(call.role), call.spec.trains
-        group = DataParallel(self._groups[call.node], call.part_shares) if call.shard[1] > 1 and trains else None
+        group = None
+        if call.shard[1] > 1 and trains:
+            members = self._groups[call.node]
+            group = DataParallel(members, call.part_shares, mesh=members.mesh() if members.sharding else None)
         context = registry.RoleContext(self.models, self._rewards, self.seed, group)
         request = registry.RoleCall(call.node, call.spec, call.prompts, call.group_size, call.kl_coef)
         output = role.run(context, _inputs_by_role(call, inputs), request)

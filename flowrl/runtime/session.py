@@ -19,6 +19,7 @@ from flowrl.planner.placement import Plan
 from flowrl.records import DeviceSample
 from flowrl.runtime.calls import EvalCall, NodeReport
 from flowrl.runtime.cluster import Cluster, WorkerSlot
+from flowrl.errors import ClusterError
 from flowrl.runtime.collective import weights_group
 from flowrl.runtime.executor import StepExecutor
 from flowrl.runtime.host import RoleHost
@@ -76,28 +77,55 @@ class Session:
                 groups[weights_group(node)] = (plan.slots_of(node)[0], *plan.weight_peers(node, model))
         return groups
 
-    def _form_groups(self, plan: Plan) -> None:
-        """One process group per data-parallel update, over its slots in rank order, and one
-        per weight broadcast (``_weight_groups``); a group whose members changed is formed
-        again on a new port, one that is gone is left."""
+    def _wanted_groups(self, plan: Plan) -> dict[str, tuple[str, ...]]:
+        """Group name -> member slots in rank order: one per data-parallel update (over its
+        slots) and one per weight broadcast (``_weight_groups``)."""
         wanted = {
             node: tuple(plan.slots_of(node))
             for node in self.pipeline.nodes_of(UpdateNode)
             if node in plan.node_slots and len(plan.slots_of(node)) > 1
         }
         wanted.update(self._weight_groups(plan))
+        return wanted
+
+    def _sharded(self, node: str) -> bool:
+        """Whether ``node`` is an update whose model trains sharded (``ModelSpec.sharded``)."""
+        model = self.pipeline.spec.nodes[node].model if node in self.pipeline.spec.nodes else None
+        return model is not None and self.pipeline.spec.models[model].sharded
+
+    def _leave_groups(self, plan: Plan) -> None:
+        """Leave every group whose members ``plan`` changes or drops, all members at once (a
+        sharded model gathers its optimizer state as its group goes, see ``RoleHost.leave_group``)."""
+        wanted = self._wanted_groups(plan)
         for node, members in list(self._groups.items()):
             if wanted.get(node) != members:
                 _settle([(self.hosts[slot], "leave_group", (node,)) for slot in members if slot in self.hosts])
                 del self._groups[node]
+
+    def _form_groups(self, plan: Plan) -> None:
+        """Form the groups ``plan`` needs (``_wanted_groups``) that do not exist yet, each on a
+        new port, after leaving those it changes. torch's sharding works over the process's
+        default group, and a worker has one: two sharded updates on one worker are refused."""
+        self._leave_groups(plan)
         timeout_s = self.pipeline.spec.runtime.node_timeout_s
-        for node, members in wanted.items():
+        sharding = {node: members for node, members in self._groups.items() if self._sharded(node)}
+        for node, members in self._wanted_groups(plan).items():
             if self._groups.get(node) == members:
                 continue
+            sharded = self._sharded(node)
+            if sharded:
+                for other, slots in sharding.items():
+                    if set(slots) & set(members):
+                        raise ClusterError(
+                            f"updates '{other}' and '{node}' both train a model sharded over worker "
+                            f"{sorted(set(slots) & set(members))[0]}, and a worker shards one model at a time: "
+                            "give the two models device groups of their own (exclusive: true), or set "
+                            "sharded: false on one")
+                sharding[node] = members
             address = self._slots[members[0]].host or "127.0.0.1"
             port = self.gather([(members[0], self.hosts[members[0]].free_port(address))], 60, "a free port")[0]
             joins = [
-                (slot, self.hosts[slot].form_group(node, rank, len(members), address, port, timeout_s))
+                (slot, self.hosts[slot].form_group(node, rank, len(members), address, port, timeout_s, sharded))
                 for rank, slot in enumerate(members)
             ]
             self.gather(joins, 120, f"forming the group of {node}")
@@ -198,6 +226,9 @@ class Session:
         alive = {str(info["name"]) for info in self.cluster.client.scheduler_info(n_workers=-1)["workers"].values()}
         alive = {slot.name for slot in self.cluster.slots if str(slot.worker) in alive}
         transfers = plan_transfers(self.pipeline, self.plan, plan, alive)
+        # first: a sharded model whose group changes gathers its whole state on its ranks,
+        # so that any of them can hand it over below
+        self._leave_groups(plan)
         self._ensure_hosts(_slots_in_use(plan), plan)
         self._retune_threads(plan)
         seed = self.pipeline.spec.trainer.seed
@@ -261,7 +292,10 @@ class Session:
             for slot, models in by_slot.items()
         ]
         copies = self._other_copies() if with_state else []
-        exports = [(slot, self.hosts[slot].export_state(model, ("generator",))) for model, slot in copies]
+        gathering = self._sharded_ranks()
+        exports = [(slot, self.hosts[slot].export_state(
+            model, ("generator", "optimizer_peer") if (model, slot) in gathering else ("generator",)))
+            for model, slot in copies]
         self.gather(calls, self._long_s, "saving models")
         generators: dict[str, dict[str, Any]] = {}
         for (model, slot), export in zip(copies, self.gather(exports, self._long_s, "saving sampling states")):
@@ -288,6 +322,11 @@ class Session:
             ranks.update((model, slot) for slot in self.plan.slots_of(node)[1:])
         return ranks
 
+    def _sharded_ranks(self) -> set[tuple[str, str]]:
+        """The :meth:`_ranks` of models trained sharded: the training copy's whole optimizer
+        state is gathered from them, so they export theirs at the same time."""
+        return {(model, slot) for model, slot in self._ranks() if self.pipeline.spec.models[model].sharded}
+
     def _other_copies(self) -> list[tuple[str, str]]:
         """(model, slot) of every copy of a trained model that is not the training copy."""
         return [(model, slot) for model, slot, training in self._copies() if not training]
@@ -297,8 +336,10 @@ class Session:
         training copy gives weights, optimizer and sampling RNG; every other copy of the
         model its own sampling RNG."""
         calls = []
+        gathering = self._sharded_ranks()
         for model, slot, training in self._copies():
-            parts = ("weights", "optimizer", "generator") if training else ("generator",)
+            parts = ("weights", "optimizer", "generator") if training else (
+                ("generator", "optimizer_peer") if (model, slot) in gathering else ("generator",))
             calls.append((model, slot, self.hosts[slot].export_state(model, parts)))
         results = self.gather([(slot, call) for _, slot, call in calls], self._long_s, "taking a snapshot")
         taken: dict[str, dict[str, dict[str, Any]]] = {}

@@ -37,6 +37,14 @@ class ModelSpec(_Strict):
     """On a GPU, keep the weights in pinned host memory between calls and copy them to the GPU
     for each call (the planner then counts no resident weights). Only for models that are
     never trained or sampled from: a reference, a reward model. Default false."""
+    sharded: bool = False
+    """When its update node runs on several devices, train the model sharded over them
+    (FSDP2): each device keeps 1/N of the trained parameters, their gradients and the
+    optimizer's moments, plus the whole weights in bf16/fp32 as declared, for generation,
+    scoring and checkpoints (refreshed after each update). Saves memory against a whole
+    trainable copy per device, at the price of gathering each layer's parameters in every
+    pass. One sharded model per device. Default false (every device trains a whole copy and
+    the gradients are summed)."""
     revision: str | None = None
     """Branch, tag or commit of a hub model (``path: org/name``); None takes the default
     branch. Default None."""

@@ -19,6 +19,7 @@ from flowrl.planner.cost import (
     logits_bytes,
     measure_cpu_rates,
     resolve_shape,
+    sharded_training_bytes,
     training_state_bytes,
     weight_bytes,
 )
@@ -70,6 +71,17 @@ def test_output_head_and_generation_memory_of_the_toy_shape() -> None:
     # the decoder keeps: KV 1920 (fp32, above) + noise 3 rows * 10 * 4 = 120 + stacked
     # q/k/v and gate/up, L*(h*(h + 2kv) + 2*h*I) = 2*(8*24 + 256) = 896 numbers * 4 bytes
     assert decoder_cache_bytes(TOY, "policy", "fp32", 3, 5) == 1920 + 120 + 3584
+
+
+def test_sharded_training_memory_of_the_toy_shape() -> None:
+    # over 4 devices each keeps a quarter of parameters, gradients and two moments:
+    # 4 * 5920 / 4 = 5920 bytes (a whole trainable copy keeps 5920 + 17760 = 23680)
+    resident, gathered = sharded_training_bytes(TOY, "policy", "fp32", 4)
+    assert resident == 5920
+    # gathered at once: one layer (656) and the outer unit (1480 - 2*656 = 168: embedding 80,
+    # final norm 8, head 80), parameters and gradients, 4 bytes each: 2 * 4 * 824 = 6592
+    assert gathered == 6592
+    assert sharded_training_bytes(TOY, "policy", "fp32", 2)[0] == 11840
 
 
 def test_the_fused_head_chunk_is_the_one_the_log_probs_use() -> None:

@@ -81,6 +81,40 @@ def test_cpu_offload_when_the_gpu_is_full() -> None:
     _fits(plan)
 
 
+def test_a_sharded_update_needs_less_memory_per_device_and_pays_for_its_gathers() -> None:
+    def costs_of(sharded: bool) -> EstimatedCosts:
+        data = grpo({"path": QWEN, "device_group": "actor_group", "dtype": "bf16", "sharded": sharded},
+                    {"path": QWEN, "device_group": "ref_group", "dtype": "bf16"},
+                    {"actor_group": {"type": "gpu", "count": 4}, "ref_group": {"type": "cpu"}},
+                    batch_size=8, n=4, max_new_tokens=64, mini_batch_size=8)
+        return EstimatedCosts(pipeline_from_dict(data))
+
+    whole, sharded = costs_of(False), costs_of(True)
+    replicated = whole.memory("train", 4, gpu=True)
+    split = sharded.memory("train", 4, gpu=True)
+    assert split.weights_gb == replicated.weights_gb  # the whole copy for generation stays
+    assert split.state_gb == pytest.approx((replicated.weights_gb + replicated.state_gb) / 4)
+    assert split.transient_gb > replicated.transient_gb  # one layer and the outer unit gathered
+    # on one device nothing is sharded
+    assert sharded.memory("train", 1, gpu=True) == whole.memory("train", 1, gpu=True)
+    cards = [gpu(index, "H100-80GB", 80, 989, 3350) for index in range(4)]
+    assert sharded.compute_s("train", cards, False) > whole.compute_s("train", cards, False)
+
+
+def test_two_sharded_models_on_devices_the_match_shares_are_refused_with_the_fix() -> None:
+    import yaml
+
+    spec = yaml.safe_load((ROOT / "pipelines" / "ppo_tiny.yaml").read_text())
+    spec["models"]["actor"]["sharded"] = spec["models"]["critic"]["sharded"] = True
+    spec["devices"]["actor_group"]["count"] = spec["devices"]["critic_group"]["count"] = 2
+    # two CPU slots for four groups: every group time-shares both
+    with pytest.raises(PlacementError, match="models 'actor' and 'critic' train sharded over actor_group and "
+                                             "critic_group, which share cpu-0, cpu-1 here"):
+        compile_plan(pipeline_from_dict(spec), inventory(cpu(0), cpu(1)))
+    # with four slots each pair of groups has its own
+    compile_plan(pipeline_from_dict(spec), inventory(cpu(0), cpu(1), cpu(2), cpu(3)))
+
+
 def test_no_placement_fits_raises_with_the_numbers() -> None:
     data = grpo({"path": "Qwen/Qwen2.5-7B", "device_group": "actor_group"},
                 {"path": "Qwen/Qwen2.5-7B", "device_group": "ref_group"},

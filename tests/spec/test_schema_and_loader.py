@@ -257,3 +257,24 @@ def test_error_message_counts_problems() -> None:
     with pytest.raises(SpecError) as caught:
         pipeline_from_dict(minimal())
     assert str(caught.value).splitlines()[0] == "1 problem in the pipeline:"
+
+
+def test_sharding_a_model_no_update_trains_or_two_models_on_one_group_is_refused() -> None:
+    import yaml
+
+    ppo = yaml.safe_load((Path(__file__).resolve().parents[2] / "pipelines" / "ppo_tiny.yaml").read_text())
+    ppo["models"]["reference"]["sharded"] = True
+    ppo["models"]["actor"]["sharded"] = True
+    ppo["models"]["critic"].update({"sharded": True, "device_group": "actor_group"})
+    with pytest.raises(SpecError) as raised:
+        pipeline_from_dict(ppo)
+    # (critic_group, now unused, is an issue of its own)
+    sharding = [issue for issue in raised.value.issues if issue.path.endswith(".sharded")]
+    assert [issue.path for issue in sharding] == ["models.critic.sharded", "models.reference.sharded"]
+    critic, reference = (issue.message for issue in sharding)
+    assert "'actor' is sharded over device group 'actor_group' too" in critic
+    assert "no update node trains 'reference'" in reference
+    # each on a group of its own, actor and critic both train sharded
+    ppo["models"]["reference"]["sharded"] = False
+    ppo["models"]["critic"]["device_group"] = "critic_group"
+    pipeline_from_dict(ppo)
