@@ -85,6 +85,30 @@ def test_a_worker_killed_mid_step_is_replaced_and_the_run_completes(
     assert " s lost" in recovered["message"]
 
 
+def test_a_rank_of_a_sharded_update_killed_mid_step_is_replaced_and_the_run_completes(tmp_path: Path) -> None:
+    # Both workers are ranks of the actor's sharding group; one dies in step 3. The survivor
+    # leaves the dead group (its process's default group), the restarted worker joins a new
+    # one, and the sharded model is restored from the snapshot of step 2.
+    (tmp_path / "killer.py").write_text(KILLER)
+    output = tmp_path / "out"
+    spec = tiny_grpo(output, steps=5, reward="killer:score").to_dict()
+    spec["models"]["actor"]["sharded"] = True
+    spec["devices"]["actor_group"]["count"] = 2
+    from flowrl.spec.loader import pipeline_from_dict
+
+    graph = pipeline_from_dict(spec)
+    result = run(graph, base_dir=tmp_path)
+    assert (tmp_path / "fault-done").exists()
+    assert _steps(output) == [1, 2, 3, 4, 5]
+    assert [record.step for record in result.records] == [1, 2, 3, 4, 5]
+    recovered = next(e for e in _events(output) if e["kind"] == "recovered")
+    assert "the in-memory snapshot of step 2" in recovered["message"]
+    plan = json.loads((output / "plan-0.json").read_text())["runtime"]
+    assert len(plan["node_shards"]["train"]) == 2  # trained sharded over both workers
+    # the update still ran on both ranks after the fault
+    assert sorted(node.device for node in result.records[-1].nodes if node.node == "train") == ["cpu-0", "cpu-1"]
+
+
 def test_a_worker_that_does_not_come_back_in_time_leaves_its_roles_to_the_survivor(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
