@@ -276,7 +276,7 @@ def search(
         if result.best.feasible and result.best.key < best.best.key:
             best = result
     if not best.best.feasible:
-        raise PlacementError(_memory_message(best.best, inventory, options.memory_reserve))
+        raise PlacementError(_memory_message(best.best, inventory, options.memory_reserve, pipeline))
     return replace(best, num_evaluated=evaluated)
 
 
@@ -348,20 +348,29 @@ def _search_one(
     return SearchResult(best, option_sets, best_choice, method, counter[0], dict(shared))
 
 
-def _memory_message(best: Evaluation, inventory: Inventory, reserve: float) -> str:
+def _memory_message(best: Evaluation, inventory: Inventory, reserve: float, pipeline: PipelineGraph) -> str:
     over = []
+    overflowing: set[str] = set()
     for device_id, peak in sorted(best.memory_gb.items()):
         device = inventory.by_id(device_id)
         assert device is not None
         if peak * (1 + reserve) > device.memory_gb:
             models = sorted({n for n, p in best.placement.items() if device_id in p.devices})
+            overflowing.add(device_id)
             over.append(
                 f"{device.label} needs {peak:.1f} GB + {reserve:.0%} reserve of "
                 f"{device.memory_gb:g} GB (runs {', '.join(models)})"
             )
+    # an update over several of the overflowing devices could keep 1/N of its training state
+    shardable = sorted({
+        f"models.{spec.model}.sharded: true" for node, spec in pipeline.spec.nodes.items()
+        if spec.trains and spec.model is not None and not pipeline.spec.models[spec.model].sharded
+        and node in best.placement and len(best.placement[node].devices) > 1
+        and overflowing & set(best.placement[node].devices)})
     return (
         "no placement fits in memory; the closest one still overflows: "
         + "; ".join(over)
         + ". Use bf16, gradient_checkpointing, a smaller mini_batch_size or batch, "
-        "offload_to_cpu for inference-only models, or larger devices"
+        + "".join(f"{hint} (training state split over the update's devices), " for hint in shardable)
+        + "offload_to_cpu for inference-only models, or larger devices"
     )

@@ -101,6 +101,29 @@ def test_a_sharded_update_needs_less_memory_per_device_and_pays_for_its_gathers(
     assert sharded.compute_s("train", cards, False) > whole.compute_s("train", cards, False)
 
 
+def test_a_model_that_fits_only_sharded_is_refused_whole_with_the_hint_and_placed_sharded() -> None:
+    def data(sharded: bool) -> dict:
+        return grpo({"path": QWEN, "device_group": "actor_group", "dtype": "bf16", "sharded": sharded},
+                    {"path": QWEN, "device_group": "ref_group", "dtype": "bf16"},
+                    {"actor_group": {"type": "gpu", "count": 4}, "ref_group": {"type": "cpu"}},
+                    batch_size=8, n=4, max_new_tokens=64, mini_batch_size=8)
+
+    def peak(sharded: bool, memory_gb: float) -> float:
+        cards = [gpu(index, "BIG", memory_gb, 989, 3350) for index in range(4)]
+        plan = compile_plan(pipeline_from_dict(data(sharded)), inventory(*cards, cpu(0, 256)))
+        return max(device.peak_gb for device in plan.devices if device.kind == "gpu")
+
+    whole, sharded = peak(False, 1000), peak(True, 1000)
+    assert sharded < whole
+    between = (whole + sharded) * 1.1 / 2
+    cards = [gpu(index, "MID", between, 989, 3350) for index in range(4)]
+    with pytest.raises(PlacementError, match=r"models\.actor\.sharded: true \(training state split"):
+        compile_plan(pipeline_from_dict(data(False)), inventory(*cards, cpu(0, 256)))
+    plan = compile_plan(pipeline_from_dict(data(True)), inventory(*cards, cpu(0, 256)))
+    assert len(plan.node_devices["train"]) == 4
+    _fits(plan)
+
+
 def test_two_sharded_models_on_devices_the_match_shares_are_refused_with_the_fix() -> None:
     import yaml
 

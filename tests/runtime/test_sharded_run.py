@@ -142,3 +142,24 @@ def test_moving_a_sharded_update_to_other_workers_trains_on(tmp_path: Path) -> N
     finally:
         cluster.close()
     _close(expected, curve, 1)
+
+
+def test_a_generator_on_another_worker_gets_the_sharded_update_s_weights(tmp_path: Path) -> None:
+    # Rollout on cpu-2, the update sharded over cpu-0 and cpu-1: the trainer pushes its whole
+    # copy, refreshed from the shards after each update; a stale copy would sample from old
+    # weights and leave the one-device curve.
+    graph = pipeline(tmp_path)
+    elsewhere = {"rollout": "cpu-2", "reward": "cpu-2", "ref": "cpu-1", "adv": "cpu-0", "train": "cpu-0"}
+    cluster = Cluster.start_local(3)
+    try:
+        alone = started(cluster, graph, plan_for(graph, ALL_ON_0))
+        expected = _train(alone, graph, range(1, 5), {})
+        _released(alone)
+
+        session = started(cluster, graph, plan_for(graph, elsewhere, node_shards=TWO))
+        assert session.plan.weight_peers("train", "actor")
+        curve = _train(session, graph, range(1, 5), {})
+        _released(session)
+    finally:
+        cluster.close()
+    _close(expected, curve, 1)
