@@ -103,17 +103,27 @@ class _Checker:
         path = f"models.{model}.sharded"
         if not spec.sharded or not self.reliable(path):
             return
-        nodes_known = not any(path == "nodes" or path.startswith("nodes.") for path in self.broken)
-        if nodes_known and not any(node.model == model and node.trains for node in self.spec.nodes.values()):
+        if any(broken == "nodes" or broken.startswith("nodes.") for broken in self.broken):
+            return  # which nodes train what is not known
+        trained, group = self._training_group(model)
+        if not trained:
             self.add(path, f"no update node trains '{model}', and sharding splits a model's training over "
                            "the update's devices; set sharded: false, or train the model")
             return
         others = [name for name, other in self.spec.models.items()
-                  if name < model and other.sharded and other.device_group and other.device_group == spec.device_group]
+                  if name < model and other.sharded and group is not None and self._training_group(name)[1] == group]
         if others:
-            self.add(path, f"'{others[0]}' is sharded over device group '{spec.device_group}' too, and a device "
+            self.add(path, f"'{others[0]}' is trained sharded in device group '{group}' too, and a device "
                            "shards one model at a time; give one of them a device group of its own, or set "
                            "sharded: false on one")
+
+    def _training_group(self, model: str) -> tuple[bool, str | None]:
+        """Whether an update node trains ``model``, and the declared device group it trains it
+        in (the node's own, else the model's; None: the model's own automatic group)."""
+        for node in self.spec.nodes.values():
+            if node.model == model and node.trains:
+                return True, node.device_group or self.spec.models[model].device_group
+        return False, None
 
     def _check_group(self, path: str, group: str | None) -> None:
         if group is None or self.known("devices", group):

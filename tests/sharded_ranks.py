@@ -10,7 +10,6 @@ from typing import Any, Callable
 import torch
 
 from flowrl.roles.data_parallel import DataParallel
-from flowrl.roles.sharded import full_state_dict
 from flowrl.roles.state import ModelState
 from flowrl.runtime.collective import DeviceGroup, free_port
 
@@ -23,11 +22,23 @@ def _rank(make_state: Callable[[], ModelState], train: Train, index: int, shares
         state = make_state()
         group = DeviceGroup("127.0.0.1", port, index, len(shares), timeout_s=60, sharding=True)
         metrics = train(state, DataParallel(group, shares, mesh=group.mesh()))
-        weights = {name: tensor.tolist() for name, tensor in full_state_dict(state.module).items()}
+        # the shards themselves, gathered (the whole copy beside them is checked to equal them)
+        assert state.sharded is not None
+        weights = {name: tensor.tolist() for name, tensor in _gathered(state.sharded).items()}
+        for name, tensor in state.module.state_dict().items():
+            assert tensor.tolist() == weights[name], name
         group.close()
         results.put((index, weights, metrics, None))
     except BaseException:  # reported to the test
         results.put((index, None, None, traceback.format_exc()))
+
+
+def _gathered(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole tensors of a sharded model's state dict (every rank must call)."""
+    from torch.distributed.tensor import DTensor
+
+    return {name: value.full_tensor() if isinstance(value, DTensor) else value
+            for name, value in module.state_dict().items()}
 
 
 def run_sharded(make_state: Callable[[], ModelState], train: Train, shares: tuple[float, ...],

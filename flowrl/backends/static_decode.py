@@ -575,9 +575,13 @@ class _Result:
         )
 
 
+DECODER_ATTRIBUTE = "_flowrl_static_decoder"
+"""Where a model instance keeps its decoder."""
+
+
 def decoder_for(model: Any) -> StaticDecoder | None:
     """The model's cached decoder, built on first use; None when the model is unsupported."""
-    decoder = getattr(model, "_flowrl_static_decoder", None)
+    decoder = getattr(model, DECODER_ATTRIBUTE, None)
     weight = model.get_input_embeddings().weight if hasattr(model, "get_input_embeddings") else None
     stale = decoder is None or decoder.model is not model or (
         weight is not None and (weight.device != decoder.device or weight.dtype != decoder.dtype))
@@ -586,5 +590,5 @@ def decoder_for(model: Any) -> StaticDecoder | None:
             return None
         decoder = StaticDecoder(model)
         # Stored outside the module's registries so it never enters a state_dict or .to().
-        object.__setattr__(model, "_flowrl_static_decoder", decoder)
+        object.__setattr__(model, DECODER_ATTRIBUTE, decoder)
     return decoder

@@ -237,9 +237,11 @@ class EstimatedCosts:
             return NodeMemory(weights / GB, 0.0, logits_bytes(shape, kind, share, dtype) / GB, cache / GB)
         if work.work == "train":
             micro = work.pass_sequences(min(share, work.mini_batch_sequences / max(1, width)))
+            sharded = work.sharded and width > 1
             transient = activation_bytes(shape, dtype, micro, seq_len, work.checkpointing, compiled=gpu)
-            transient += logits_bytes(shape, kind, micro * seq_len, dtype, training=True)
-            if work.sharded and width > 1:
+            # a sharded model's head runs inside its own forward, on full logits
+            transient += logits_bytes(shape, kind, micro * seq_len, dtype, training=True, fused=not sharded)
+            if sharded:
                 resident, gathered = sharded_training_bytes(shape, kind, dtype, width)
                 return NodeMemory(weights / GB, resident / GB, (transient + gathered) / GB)
             return NodeMemory(weights / GB, training_state_bytes(shape, kind, dtype) / GB, transient / GB)

@@ -112,7 +112,7 @@ def sharings(pipeline: PipelineGraph, match: Match, options: SearchOptions) -> I
         choices.append([None, *hosts])
     # a worker trains one model sharded at a time (the process's default group): two groups
     # of sharded models never share devices
-    sharding = [model.device_group for model in pipeline.spec.models.values() if model.sharded and model.device_group]
+    sharding = [group for _, group in _sharded_training_groups(pipeline)]
     for combination in itertools.product(*choices):
         shared = {group: host for group, host in zip(movable, combination) if host is not None}
         if not shared or any(host in shared for host in shared.values()):  # a host keeps its devices
@@ -280,14 +280,23 @@ def search(
     return replace(best, num_evaluated=evaluated)
 
 
+def _sharded_training_groups(pipeline: PipelineGraph) -> list[tuple[str, str]]:
+    """(model, the device group its update trains it in) of every model trained sharded."""
+    found = []
+    for node, spec in pipeline.spec.nodes.items():
+        if spec.trains and spec.model is not None and pipeline.spec.models[spec.model].sharded:
+            group = _group_of(pipeline, node)
+            if group is not None:
+                found.append((spec.model, group))
+    return found
+
+
 def _check_sharding(pipeline: PipelineGraph, match: Match) -> None:
     """Two models trained sharded over groups that the match puts on the same devices (more
     groups than devices) cannot run: a device shards one model at a time."""
-    sharded = [(name, model.device_group) for name, model in pipeline.spec.models.items()
-               if model.sharded and model.device_group]
+    sharded = _sharded_training_groups(pipeline)
     for index, (first, first_group) in enumerate(sharded):
         for second, second_group in sharded[index + 1:]:
-            assert first_group is not None and second_group is not None
             first_devices = match.assignment.get(first_group, [])
             second_devices = match.assignment.get(second_group, [])
             common = [device for device in first_devices if device in second_devices]

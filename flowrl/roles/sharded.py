@@ -68,14 +68,6 @@ def local_part(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The whole tensors of a sharded model's state dict (every rank must call)."""
-    from torch.distributed.tensor import DTensor
-
-    return {name: value.full_tensor() if isinstance(value, DTensor) else value
-            for name, value in module.state_dict().items()}
-
-
 def clip_sharded_gradients(params: list[torch.nn.Parameter], max_norm: float, sum_over_ranks: Any) -> float:
     """The global gradient norm of sharded parameters (each rank's squares summed over the
     ranks by ``sum_over_ranks``), and, with ``max_norm`` > 0, the gradients scaled as
@@ -94,14 +86,24 @@ def clip_sharded_gradients(params: list[torch.nn.Parameter], max_norm: float, su
 
 def copy_whole(sharded: torch.nn.Module, whole: torch.nn.Module) -> None:
     """Write the sharded model's current parameters into the plain model ``whole`` (the same
-    architecture), one all-gathered tensor at a time (every rank must call)."""
+    architecture), one unit at a time: each unit's parameters gathered at once, copied,
+    freed again (every rank must call)."""
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
     targets = dict(whole.named_parameters())
+    copied: set[str] = set()
     with torch.no_grad():
-        for name, param in sharded.named_parameters():
-            value = param.full_tensor() if isinstance(param, DTensor) else param
-            targets[name].copy_(value)
+        for unit in [module for module in sharded.modules() if isinstance(module, FSDPModule)]:
+            unit.unshard()  # this unit's own parameters become whole tensors until reshard()
+            for name, param in sharded.named_parameters():
+                if name not in copied and not isinstance(param, DTensor):
+                    targets[name].copy_(param)
+                    copied.add(name)
+            unit.reshard()
+        for name, param in sharded.named_parameters():  # any left outside every unit
+            if name not in copied:
+                targets[name].copy_(param.full_tensor() if isinstance(param, DTensor) else param)
 
 
 def load_whole(sharded: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
@@ -124,13 +126,15 @@ def load_whole(sharded: torch.nn.Module, weights: dict[str, torch.Tensor]) -> No
 
 
 def whole_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's state dict with every sharded tensor whole (every rank must call, in
-    the same order: the state dict lists parameters by index)."""
+    """The optimizer's state dict with every sharded tensor whole, in host memory (every rank
+    must call, in the same order: the state dict lists parameters by index)."""
     from torch.distributed.tensor import DTensor
 
     saved = optimizer.state_dict()
+    # one tensor at a time into host memory: the whole state never sits on the device
     state = {
-        index: {key: value.full_tensor() if isinstance(value, DTensor) else value for key, value in entry.items()}
+        index: {key: value.full_tensor().cpu() if isinstance(value, DTensor) else value
+                for key, value in entry.items()}
         for index, entry in saved["state"].items()
     }
     return {**saved, "state": state}

@@ -14,7 +14,14 @@ from transformers import PreTrainedModel
 
 from flowrl.backends.hf import DtypeName, HubOptions
 from flowrl.backends.models import load_policy, load_scalar
+from flowrl.backends.compiled_layers import ATTRIBUTE as COMPILED_ATTRIBUTE
+from flowrl.backends.static_decode import DECODER_ATTRIBUTE
 from flowrl.backends.value_model import ScalarHeadModel
+
+MODULE_CACHES = (DECODER_ATTRIBUTE, COMPILED_ATTRIBUTE)
+"""Instance attributes where generation and the compiled passes keep what they built for a
+model."""
+
 
 @dataclass
 class ModelState:
@@ -37,8 +44,15 @@ class ModelState:
     sharded: torch.nn.Module | None = None
     """While an update trains the model sharded over a group (``ModelSpec.sharded``), the
     FSDP2 copy it trains; ``module`` then stays a plain whole copy that every other reader
-    uses (generation, scoring, checkpoints, weight pushes), refreshed after each update
-    (:meth:`refresh_whole`). The optimizer steps the sharded copy's parameters."""
+    uses (generation, scoring, the old log-probs, checkpoints, weight pushes), refreshed after
+    each update (:meth:`refresh_whole`). The optimizer steps the sharded copy's parameters."""
+    shards_training: bool = False
+    """``ModelSpec.sharded``: restored optimizer state waits in host memory
+    (``pending_optimizer``) for the update to cut it into shards, instead of becoming a
+    whole optimizer on the device first."""
+    pending_optimizer: dict[str, Any] | None = None
+    """A whole optimizer state dict (host memory) that the next update loads: restored for a
+    model that trains sharded, or gathered when its sharding group went."""
 
     @property
     def training_module(self) -> torch.nn.Module:
@@ -46,31 +60,36 @@ class ModelState:
         return self.sharded if self.sharded is not None else self.module
 
     def shard_training(self, mesh: Any) -> None:
-        """Train sharded over ``mesh`` from now on: a copy of the model is sharded (FSDP2)
-        and the optimizer's state, if any, is cut to this rank's shards (no collective)."""
+        """Train sharded over ``mesh`` from now on: a copy of the model is sharded (FSDP2);
+        the optimizer's state, if any, waits to be cut into this rank's shards when the
+        update makes its optimizer (no collective)."""
         import copy
 
-        from flowrl.roles.sharded import shard, shard_optimizer_state
+        from flowrl.roles.sharded import shard
 
-        whole_state = self.optimizer.state_dict() if self.optimizer is not None else None
-        sharded = copy.deepcopy(self.module)
+        if self.optimizer is not None and self.pending_optimizer is None:
+            self.pending_optimizer = self.optimizer.state_dict()
+        self.optimizer = None
+        self.module.zero_grad(set_to_none=True)  # whole-size gradients of earlier whole training
+        # Generation's caches (the static decoder: captured graphs, stacked weights, KV
+        # buffers) and compiled layers are attributes of the instance: the copy starts without.
+        caches = [getattr(self.module, name, None) for name in MODULE_CACHES]
+        memo: dict[int, Any] = {id(cache): None for cache in caches if cache is not None}
+        sharded = copy.deepcopy(self.module, memo)
         shard(sharded, mesh)
         self.sharded = sharded
-        self.optimizer = None
-        if whole_state is not None:
-            optimizer = self._new_optimizer()
-            optimizer.load_state_dict(shard_optimizer_state(whole_state, self._trained_parameters()))
 
     def unshard_training(self) -> None:
         """Stop training sharded (the group is about to go): the whole optimizer state is
-        gathered (every rank of the group must call) and steps ``module`` from now on."""
+        gathered into host memory (every rank of the group must call) and waits there for
+        the next update, sharded or not."""
         if self.sharded is None:
             return
-        whole_state = self.optimizer_state()
-        self.sharded = None
-        self.optimizer = None
-        if whole_state is not None:
-            self._new_optimizer().load_state_dict(whole_state)
+        try:
+            self.pending_optimizer = self.optimizer_state()
+        finally:
+            self.sharded = None
+            self.optimizer = None
 
     def refresh_whole(self) -> None:
         """After a sharded update: the whole copy gets the new weights (every rank must call)."""
@@ -80,8 +99,10 @@ class ModelState:
             copy_whole(self.sharded, self.module)
 
     def optimizer_state(self) -> dict[str, Any] | None:
-        """The optimizer's state dict with whole tensors (every rank of a sharded model's
-        group must call, at once); None before the first update."""
+        """The optimizer's state dict with whole tensors (sharded: gathered into host memory;
+        every rank of the group must call, at once); None before the first update."""
+        if self.pending_optimizer is not None:
+            return self.pending_optimizer
         if self.optimizer is None:
             return None
         if self.sharded is None:
@@ -157,9 +178,27 @@ class ModelState:
     def ensure_optimizer(self, lr: float, betas: tuple[float, float], weight_decay: float) -> torch.optim.Optimizer:
         """The optimizer is created by the first update, with that node's settings."""
         if self.optimizer is None:
-            self._new_optimizer(lr=lr, betas=betas, weight_decay=weight_decay)
+            optimizer = self._new_optimizer(lr=lr, betas=betas, weight_decay=weight_decay)
+            if self.pending_optimizer is not None:
+                optimizer.load_state_dict(self._for_this_optimizer(self.pending_optimizer))
+                self.pending_optimizer = None
         assert self.optimizer is not None
         return self.optimizer
+
+    def _for_this_optimizer(self, whole: dict[str, Any]) -> dict[str, Any]:
+        """A whole optimizer state dict made loadable here. A state saved on another device
+        kind (or before fused AdamW) carries that kind's implementation flags; they decide,
+        while loading, where each step counter goes (the fused kernel wants it on the
+        parameter's device), so they are set first. Sharded, each tensor is cut to this
+        rank's shard."""
+        fused = self._fused_adamw()
+        state = {**whole, "param_groups": [{**group, "fused": fused, "foreach": not fused}
+                                           for group in whole["param_groups"]]}
+        if self.sharded is None:
+            return state
+        from flowrl.roles.sharded import shard_optimizer_state
+
+        return shard_optimizer_state(state, self._trained_parameters())
 
     def _trained_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.training_module.parameters() if p.requires_grad]
@@ -186,22 +225,15 @@ class ModelState:
         if "weights" in saved:
             self.load_weights(saved["weights"])
         if saved.get("optimizer") is not None:
-            if self.optimizer is None:
-                self._new_optimizer()  # hyper-parameters come with the state dict's param_groups
-            # A state saved on another device kind (or before fused AdamW) carries that kind's
-            # implementation flags; they decide, while loading, where each step counter goes
-            # (the fused kernel wants it on the parameter's device), so they are set first.
-            fused = self._fused_adamw()
-            optimizer_state = dict(saved["optimizer"])
-            optimizer_state["param_groups"] = [
-                {**group, "fused": fused, "foreach": not fused} for group in optimizer_state["param_groups"]
-            ]
-            if self.sharded is not None:
-                from flowrl.roles.sharded import shard_optimizer_state
-
-                optimizer_state = shard_optimizer_state(optimizer_state, self._trained_parameters())
-            assert self.optimizer is not None
-            self.optimizer.load_state_dict(optimizer_state)
+            if self.shards_training and self.sharded is None:
+                # cut into shards by the next update; no whole optimizer on the device before
+                self.pending_optimizer, self.optimizer = saved["optimizer"], None
+            else:
+                self.pending_optimizer = None
+                if self.optimizer is None:
+                    self._new_optimizer()  # hyper-parameters come with the state dict's param_groups
+                assert self.optimizer is not None
+                self.optimizer.load_state_dict(self._for_this_optimizer(saved["optimizer"]))
         if "num_updates" in saved:
             self.num_updates = int(saved["num_updates"])
         if saved.get("generator") is not None:

@@ -26,6 +26,8 @@ STATE_FILE = "state.pt"
 def save_model_state(state: ModelState, directory: Path, with_state: bool, max_shard_size: str) -> None:
     """Write ``state``'s weights (and tokenizer; with ``with_state`` also optimizer, RNG and
     update count) to ``directory``, weights in files of at most ``max_shard_size``."""
+    # first, before anything can fail here: a sharded model's other ranks wait in this gather
+    optimizer = state.optimizer_state() if with_state else None
     try:
         directory.mkdir(parents=True, exist_ok=True)
         state.module.save_pretrained(directory, max_shard_size=shard_size_bytes(max_shard_size))
@@ -33,12 +35,7 @@ def save_model_state(state: ModelState, directory: Path, with_state: bool, max_s
             state.tokenizer.save_pretrained(directory)
         if with_state:
             torch.save(
-                {
-                    # whole tensors (a sharded model's other ranks export at the same time)
-                    "optimizer": state.optimizer_state(),
-                    "generator": state.generator.get_state(),
-                    "num_updates": state.num_updates,
-                },
+                {"optimizer": optimizer, "generator": state.generator.get_state(), "num_updates": state.num_updates},
                 directory / STATE_FILE,
             )
     except OSError as error:

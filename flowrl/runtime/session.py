@@ -98,9 +98,17 @@ class Session:
         sharded model gathers its optimizer state as its group goes, see ``RoleHost.leave_group``)."""
         wanted = self._wanted_groups(plan)
         for node, members in list(self._groups.items()):
-            if wanted.get(node) != members:
+            if wanted.get(node) == members:
+                continue
+            del self._groups[node]
+            if self._sharded(node):
+                # its ranks gather the model's whole optimizer state: a failure must not pass
+                # unnoticed (the run recovers from its snapshot instead)
+                self.gather([(slot, self.hosts[slot].leave_group(node)) for slot in members if slot in self.hosts],
+                            self._long_s,
+                            f"gathering the state of {node}'s sharded model")
+            else:
                 _settle([(self.hosts[slot], "leave_group", (node,)) for slot in members if slot in self.hosts])
-                del self._groups[node]
 
     def _form_groups(self, plan: Plan) -> None:
         """Form the groups ``plan`` needs (``_wanted_groups``) that do not exist yet, each on a
@@ -292,10 +300,7 @@ class Session:
             for slot, models in by_slot.items()
         ]
         copies = self._other_copies() if with_state else []
-        gathering = self._sharded_ranks()
-        exports = [(slot, self.hosts[slot].export_state(
-            model, ("generator", "optimizer_peer") if (model, slot) in gathering else ("generator",)))
-            for model, slot in copies]
+        exports = [(slot, self.hosts[slot].export_state(model, self._copy_parts(model, slot))) for model, slot in copies]
         self.gather(calls, self._long_s, "saving models")
         generators: dict[str, dict[str, Any]] = {}
         for (model, slot), export in zip(copies, self.gather(exports, self._long_s, "saving sampling states")):
@@ -322,10 +327,12 @@ class Session:
             ranks.update((model, slot) for slot in self.plan.slots_of(node)[1:])
         return ranks
 
-    def _sharded_ranks(self) -> set[tuple[str, str]]:
-        """The :meth:`_ranks` of models trained sharded: the training copy's whole optimizer
-        state is gathered from them, so they export theirs at the same time."""
-        return {(model, slot) for model, slot in self._ranks() if self.pipeline.spec.models[model].sharded}
+    def _copy_parts(self, model: str, slot: str) -> tuple[str, ...]:
+        """What a copy that is not the training one exports with a snapshot or checkpoint: its
+        sampling RNG; a rank of a model trained sharded also takes part in gathering the
+        training copy's whole optimizer state (``optimizer_peer``)."""
+        sharded = self.pipeline.spec.models[model].sharded and (model, slot) in self._ranks()
+        return ("generator", "optimizer_peer") if sharded else ("generator",)
 
     def _other_copies(self) -> list[tuple[str, str]]:
         """(model, slot) of every copy of a trained model that is not the training copy."""
@@ -336,10 +343,8 @@ class Session:
         training copy gives weights, optimizer and sampling RNG; every other copy of the
         model its own sampling RNG."""
         calls = []
-        gathering = self._sharded_ranks()
         for model, slot, training in self._copies():
-            parts = ("weights", "optimizer", "generator") if training else (
-                ("generator", "optimizer_peer") if (model, slot) in gathering else ("generator",))
+            parts = ("weights", "optimizer", "generator") if training else self._copy_parts(model, slot)
             calls.append((model, slot, self.hosts[slot].export_state(model, parts)))
         results = self.gather([(slot, call) for _, slot, call in calls], self._long_s, "taking a snapshot")
         taken: dict[str, dict[str, dict[str, Any]]] = {}

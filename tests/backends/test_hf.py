@@ -219,6 +219,6 @@ def test_a_worker_loads_with_the_models_revision_and_trust_remote_code(monkeypat
     monkeypatch.setattr(ModelState, "load", classmethod(load))
     host = SimpleNamespace(device="cpu", device_name="cpu-0", base_dir=None, models={})
     spec = ModelSpec(path="org/model", kind="value", revision="refs/pr/7", trust_remote_code=True)
-    RoleHost.load_model(host, "critic", spec, seed=0)  # type: ignore[arg-type]
+    RoleHost._load_model(host, "critic", spec, seed=0)  # type: ignore[arg-type]
     assert calls[0]["kind"] == "value"
     assert calls[0]["options"] == HubOptions(revision="refs/pr/7", trust_remote_code=True)

@@ -272,7 +272,7 @@ def test_sharding_a_model_no_update_trains_or_two_models_on_one_group_is_refused
     sharding = [issue for issue in raised.value.issues if issue.path.endswith(".sharded")]
     assert [issue.path for issue in sharding] == ["models.critic.sharded", "models.reference.sharded"]
     critic, reference = (issue.message for issue in sharding)
-    assert "'actor' is sharded over device group 'actor_group' too" in critic
+    assert "'actor' is trained sharded in device group 'actor_group' too" in critic
     assert "no update node trains 'reference'" in reference
     # each on a group of its own, actor and critic both train sharded
     ppo["models"]["reference"]["sharded"] = False
