@@ -80,10 +80,10 @@ class RoleHost:
 
     async def _computed(self, work: Any, *args: Any) -> Any:
         """Run ``work(*args)`` on the compute thread. Every tensor operation of this host goes
-        there: torch's parallel CPU kernels keep a pool of threads per calling thread, and
-        once a second thread of the worker had run one (a copy of the weights for a
-        snapshot, say), each update on the compute thread took 1.4x as long for the rest of
-        the run (tiny-llama: 32 -> 45 ms)."""
+        there, one at a time, never beside a node call: torch's parallel CPU kernels keep a
+        pool of threads per calling thread, and a second pool in the worker (made by a
+        snapshot's copy of the weights on another thread) changed how the first one waited
+        for work (with OpenMP's spinning on, each later update took 1.4x as long)."""
         return await asyncio.get_running_loop().run_in_executor(self._compute, work, *args)
 
     # ---- models -------------------------------------------------------------------
