@@ -38,8 +38,6 @@ def run_once(pipeline: Path, model: str, offload: bool, steps: int, output: Path
         return {"offload_to_cpu": offload, "returncode": done.returncode, "stderr_tail": done.stderr[-3000:]}
     plan = json.loads((output / "plan-0.json").read_text())
     rows = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
-    timed = rows[1:] or rows
-    timings = sorted({key for row in timed for key in row if key.startswith("timing_s/")})
     return {
         "offload_to_cpu": offload,
         "returncode": 0,
@@ -47,9 +45,17 @@ def run_once(pipeline: Path, model: str, offload: bool, steps: int, output: Path
         "predicted_peak_gb": {device["device"]: device["peak_gb"] for device in plan["devices"]},
         "predicted_node_gb": {node["node"]: node["memory_gb"] for node in plan["nodes"]},
         "measured_peak_gb_per_step": [row.get("perf/max_memory_allocated_gb") for row in rows],
-        "median_s": {key.removeprefix("timing_s/"): statistics.median(row[key] for row in timed if key in row)
-                     for key in timings},
+        "median_s": median_timings(rows),
     }
+
+
+def median_timings(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Median seconds of the step and of each node (``timing_s/*``) over a run's metric rows,
+    the first step (warm-up) left out."""
+    timed = rows[1:] or rows
+    timings = sorted({key for row in timed for key in row if key.startswith("timing_s/")})
+    return {key.removeprefix("timing_s/"): statistics.median(row[key] for row in timed if key in row)
+            for key in timings}
 
 
 def main() -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from offload import median_timings  # noqa: E402
 from vs_trl import machine  # noqa: E402
 
 COMPARED = ("actor/loss", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/score/mean")
@@ -52,8 +52,6 @@ def run_once(model: str, sharded: bool, steps: int, batch: tuple[int, int, int],
     for sample in profile:
         if sample.get("type") == "device":
             measured[sample["device"]] = max(measured.get(sample["device"], 0.0), sample["memory_gb"])
-    timed = rows[1:] or rows
-    timings = sorted({key for row in timed for key in row if key.startswith("timing_s/")})
     return {
         "sharded": sharded,
         "returncode": 0,
@@ -61,8 +59,7 @@ def run_once(model: str, sharded: bool, steps: int, batch: tuple[int, int, int],
         "predicted_train_gb": next(node["memory_gb"] for node in plan["nodes"] if node["node"] == "train"),
         "predicted_train_s": next(node["predicted_s"] for node in plan["nodes"] if node["node"] == "train"),
         "measured_peak_rss_gb": measured,
-        "median_s": {key.removeprefix("timing_s/"): statistics.median(row[key] for row in timed if key in row)
-                     for key in timings},
+        "median_s": median_timings(rows),
         "per_step": [{key: row.get(key) for key in COMPARED} for row in rows],
     }
 

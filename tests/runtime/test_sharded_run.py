@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from flowrl.graph import PipelineGraph
-from flowrl.planner.placement import plan_for
+from flowrl.planner.placement import Plan, plan_for
 from flowrl.runtime.cluster import Cluster
-from flowrl.runtime.session import Session
 from flowrl.spec.loader import pipeline_from_dict
 from tests.integration.conftest import tiny_grpo
 from tests.runtime.test_migration import ALL_ON_0, _train, _weights, started
@@ -40,10 +39,14 @@ def _close(want: list[dict[str, float]], got: list[dict[str, float]], first_step
             assert measured[key] == pytest.approx(value, rel=1e-4, abs=1e-5), f"step {step}: {key}"
 
 
-def _released(session: Session) -> None:
-    # a worker's sharding group is its process's default group: the next session's group
-    # forms only after this one is left
+def _curve(cluster: Cluster, graph: PipelineGraph, plan: Plan, steps: range) -> list[dict[str, float]]:
+    """A session on ``plan`` trained over ``steps``, then released (a worker's sharding group
+    is its process's default group: the next session's group forms only after this one is
+    left)."""
+    session = started(cluster, graph, plan)
+    curve = _train(session, graph, steps, {})
     session.release()
+    return curve
 
 
 def test_two_sharded_workers_train_the_policy_to_the_weights_of_one(tmp_path: Path) -> None:
@@ -53,7 +56,7 @@ def test_two_sharded_workers_train_the_policy_to_the_weights_of_one(tmp_path: Pa
         alone = started(cluster, graph, plan_for(graph, ALL_ON_0))
         expected = _train(alone, graph, range(1, 4), {})
         expected_weights = _weights(alone, tmp_path / "alone")
-        _released(alone)
+        alone.release()
 
         sharded = started(cluster, graph, plan_for(graph, ALL_ON_0, node_shards=TWO))
         sharded.set_shares({"train": [3.0, 1.0]})  # uneven, as measured speeds set them
@@ -61,7 +64,7 @@ def test_two_sharded_workers_train_the_policy_to_the_weights_of_one(tmp_path: Pa
         weights = _weights(sharded, tmp_path / "sharded")
         addresses = [slot.address for slot in cluster.slots if slot.name in ("cpu-0", "cpu-1")]
         shapes = list(cluster.client.run(_trained_shapes, workers=addresses).values())
-        _released(sharded)
+        sharded.release()
     finally:
         cluster.close()
     _close(expected, curve, 1)
@@ -96,26 +99,24 @@ def test_a_sharded_checkpoint_and_snapshot_resume_on_another_number_of_ranks(tmp
     after = {"train": ["cpu-0", "cpu-1", "cpu-2"][:ranks_after]} if ranks_after > 1 else None
     cluster = Cluster.start_local(3)
     try:
-        uninterrupted = started(cluster, graph, plan_for(graph, ALL_ON_0, node_shards=TWO))
-        expected = _train(uninterrupted, graph, range(1, 6), {})
-        _released(uninterrupted)
+        expected = _curve(cluster, graph, plan_for(graph, ALL_ON_0, node_shards=TWO), range(1, 6))
 
         first = started(cluster, graph, plan_for(graph, ALL_ON_0, node_shards=TWO))
         _train(first, graph, range(1, 3), {})
         first.save_models(tmp_path / "checkpoint", with_state=True)
         _train(first, graph, range(3, 4), {})
         snapshot = first.snapshot()  # what fault recovery keeps, after step 3
-        _released(first)
+        first.release()
 
         resumed = started(cluster, graph, plan_for(graph, ALL_ON_0, node_shards=after))
         resumed.load_checkpoint(tmp_path / "checkpoint")
         from_checkpoint = _train(resumed, graph, range(3, 5), {})
-        _released(resumed)
+        resumed.release()
 
         restored = started(cluster, graph, plan_for(graph, ALL_ON_0, node_shards=after))
         restored.restore(snapshot)
         from_snapshot = _train(restored, graph, range(4, 6), {})
-        _released(restored)
+        restored.release()
     finally:
         cluster.close()
     _close(expected[2:4], from_checkpoint, 3)
@@ -129,16 +130,14 @@ def test_moving_a_sharded_update_to_other_workers_trains_on(tmp_path: Path) -> N
     moved = {"train": ["cpu-0", "cpu-2"]}
     cluster = Cluster.start_local(3)
     try:
-        still = started(cluster, graph, plan_for(graph, ALL_ON_0, node_shards=TWO))
-        expected = _train(still, graph, range(1, 5), {})
-        _released(still)
+        expected = _curve(cluster, graph, plan_for(graph, ALL_ON_0, node_shards=TWO), range(1, 5))
 
         session = started(cluster, graph, plan_for(graph, ALL_ON_0, node_shards=TWO))
         curve = _train(session, graph, range(1, 3), {})
         session.apply_plan(plan_for(graph, ALL_ON_0, step=3, node_shards=moved))
         assert session.plan.slots_of("train") == ["cpu-0", "cpu-2"]
         curve += _train(session, graph, range(3, 5), {})
-        _released(session)
+        session.release()
     finally:
         cluster.close()
     _close(expected, curve, 1)
@@ -152,14 +151,12 @@ def test_a_generator_on_another_worker_gets_the_sharded_update_s_weights(tmp_pat
     elsewhere = {"rollout": "cpu-2", "reward": "cpu-2", "ref": "cpu-1", "adv": "cpu-0", "train": "cpu-0"}
     cluster = Cluster.start_local(3)
     try:
-        alone = started(cluster, graph, plan_for(graph, ALL_ON_0))
-        expected = _train(alone, graph, range(1, 5), {})
-        _released(alone)
+        expected = _curve(cluster, graph, plan_for(graph, ALL_ON_0), range(1, 5))
 
         session = started(cluster, graph, plan_for(graph, elsewhere, node_shards=TWO))
         assert session.plan.weight_peers("train", "actor")
         curve = _train(session, graph, range(1, 5), {})
-        _released(session)
+        session.release()
     finally:
         cluster.close()
     _close(expected, curve, 1)
