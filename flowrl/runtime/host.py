@@ -135,7 +135,11 @@ class RoleHost:
         self._groups[name] = DeviceGroup(address, port, rank, world, timeout_s, self.device, sharding)
 
     async def leave_group(self, name: str) -> None:
-        await self._computed(self._leave_group, name)
+        group = self._groups.get(name)
+        if group is not None and group.sharding:
+            await self._computed(self._leave_group, name)  # its gathers are tensor work
+        else:
+            self._leave_group(name)  # nothing to compute: never queued behind a node call
 
     def _leave_group(self, name: str) -> None:
         """Leave group ``name``. Models trained sharded over it gather their whole optimizer

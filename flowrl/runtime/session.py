@@ -14,12 +14,12 @@ from typing import Any, Sequence
 
 import torch
 
+from flowrl.errors import ClusterError
 from flowrl.graph import PipelineGraph
 from flowrl.planner.placement import Plan
 from flowrl.records import DeviceSample
 from flowrl.runtime.calls import EvalCall, NodeReport
 from flowrl.runtime.cluster import Cluster, WorkerSlot
-from flowrl.errors import ClusterError
 from flowrl.runtime.collective import weights_group
 from flowrl.runtime.executor import StepExecutor
 from flowrl.runtime.host import RoleHost
