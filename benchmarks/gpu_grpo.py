@@ -130,6 +130,10 @@ def summary(result: dict[str, Any], warmup: int) -> dict[str, Any]:
             for key, values in metrics.items()
             if key.startswith("timing_s/") and key != "timing_s/step" and all(v is not None for v in values)
         }
+        engine = metrics.get("perf/generate_engine_s")
+        if engine and all(v is not None for v in engine):
+            # the decode engine's own time inside the generate node (the rest: the hand-off)
+            out["generate_engine_s_median"] = statistics.median(timed(engine, warmup))
         peaks = metrics.get("perf/max_memory_allocated_gb")
         out["peak_gpu_memory_gb"] = max(peaks) if peaks else None
     out["reward_mean"] = result.get("reward_mean")
@@ -185,7 +189,8 @@ def main() -> None:
             if "error" in raw:
                 result["logs_tail"] = str(raw)[-2000:]
             report["runs"][name].append(result)
-            short = {k: result.get(k) for k in ("step_s_median", "node_s_median", "peak_gpu_memory_gb", "error")}
+            short = {k: result.get(k) for k in ("step_s_median", "node_s_median", "generate_engine_s_median",
+                                                "peak_gpu_memory_gb", "error")}
             print(f"round {round_index} {name}: {json.dumps(short, default=str)}", flush=True)
             write()
 
@@ -203,6 +208,9 @@ def main() -> None:
                               for key in nodes},
             "peak_gpu_memory_gb": max((run["peak_gpu_memory_gb"] or 0.0) for run in good),
         }
+        engines = [run["generate_engine_s_median"] for run in good if "generate_engine_s_median" in run]
+        if engines:
+            report["summary"][name]["generate_engine_s_median"] = statistics.median(engines)
     if "flowrl" in variants:
         for name in variants:
             if name == "flowrl":

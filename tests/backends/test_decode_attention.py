@@ -115,3 +115,56 @@ def test_triton_kernel_matches_the_arithmetic_by_hand(window: int, dtype: torch.
     check(inputs, window, tolerance=1e-5 if dtype == torch.float32 else 3e-2)
     changed = (inputs["keys"] != untouched).any(dim=-1).nonzero()[:, 2].unique().tolist()
     assert changed == [int(inputs["column"])]
+
+
+INTERPRETED = """
+import sys
+import torch
+sys.path.insert(0, {root!r})
+from flowrl.backends import decode_attention as attention
+from tests.backends import test_decode_attention as case
+for window in (20, 64, 150, 320):
+    for split in (64, 10 ** 6):
+        attention.SPLIT_COLUMNS = split
+        inputs = case.step_inputs("cpu", torch.float32, window)
+        untouched = inputs["keys"].clone()
+        expected, new_keys, _ = case.by_hand(inputs)
+        batch = inputs["qkv"].shape[0]
+        out = attention._triton_attention(
+            inputs["qkv"], inputs["cos"], inputs["sin"], inputs["keys"][:batch, :, :window],
+            inputs["values"][:batch, :, :window], inputs["column"], inputs["valid"], case.SCALING)
+        column = int(inputs["column"])
+        assert (out.double() - expected).abs().max() < 1e-5, (window, split)
+        assert (inputs["keys"][:batch, :, column].double() - new_keys).abs().max() < 1e-5
+        changed = (inputs["keys"] != untouched).any(dim=-1).nonzero()[:, 2].unique().tolist()
+        assert changed == [column], changed
+        print(window, attention.window_shares(window))
+"""
+
+
+def test_triton_kernel_in_the_interpreter_matches_by_hand_in_one_share_and_in_several() -> None:
+    """The Triton kernels run on CPU tensors under Triton's interpreter (fp32: its bf16 is not
+    faithful), the window in one share and cut into shares of 64 columns."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    result = subprocess.run([sys.executable, "-c", INTERPRETED.format(root=root)], capture_output=True, text=True,
+                            env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split("\n")[:8] == [
+        "20 (1, 64)", "20 (1, 64)", "64 (1, 64)", "64 (1, 64)",
+        "150 (3, 64)", "150 (1, 192)", "320 (5, 64)", "320 (1, 320)"]
+
+
+def test_window_shares_cover_the_window_in_whole_blocks() -> None:
+    for window in (1, 63, 64, 65, 150, 320, 1000, 1024, 5000):
+        shares, per_share = attention.window_shares(window)
+        assert per_share % attention.BLOCK_COLUMNS == 0
+        assert shares <= attention.MAX_SPLITS
+        assert (shares - 1) * per_share < window <= shares * per_share
+    assert attention.window_shares(320) == (5, 64)
+    assert attention.window_shares(5000) == (16, 320)

@@ -29,3 +29,27 @@ def test_rollout_is_grouped_by_prompt_and_decodes_its_own_tokens() -> None:
     assert output.tokens_out == int(rollout.completion_mask.sum())
     # tensors leave inference mode, so a training step on the same worker can use them
     assert not rollout.completion_ids.is_inference()
+
+
+def test_completion_texts_equal_batch_decode_with_padding_special_tokens_and_clean_up() -> None:
+    import torch
+
+    from flowrl.backends.tokenizer import build_char_tokenizer
+    from flowrl.roles.generate import _decode
+
+    tokenizer = build_char_tokenizer()
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    rows = [tokenizer("ab ,c", add_special_tokens=False)["input_ids"] + [eos],
+            tokenizer("x y", add_special_tokens=False)["input_ids"], []]
+    width = max(len(row) for row in rows) + 2
+    ids = torch.tensor([row + [pad] * (width - len(row)) for row in rows])
+    mask = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in rows])
+    expected = tokenizer.batch_decode(rows, skip_special_tokens=True)
+    assert _decode(tokenizer, ids, mask) == expected == ["ab ,c", "x y", ""]
+    # a mask with holes keeps only the marked tokens
+    holes = mask.clone()
+    holes[0, 1] = 0
+    assert _decode(tokenizer, ids, holes)[0] == "a ,c"
+    # the tokenizer's clean-up of spaces before punctuation is kept
+    tokenizer.clean_up_tokenization_spaces = True
+    assert _decode(tokenizer, ids, mask)[0] == tokenizer.batch_decode(rows, skip_special_tokens=True)[0] == "ab,c"
