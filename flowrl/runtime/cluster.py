@@ -80,7 +80,7 @@ class Cluster:
 
         gpus = [device.index for device in detect_local(num_cpu_slots=0).devices if device.kind == "gpu"]
         register()
-        _quiet_worker_config(pin_cpus)
+        _quiet_worker_config()
         _spawn_ignoring_interrupt()
         specs = {f"cpu-{number}": _worker_spec(f"cpu-{number}", "") for number in range(num_slots)}
         specs.update({f"gpu-{index}": _worker_spec(f"gpu-{index}", str(index)) for index in gpus})
@@ -363,7 +363,7 @@ def _worker_kind(name: str) -> str:
     return "cpu"
 
 
-def _quiet_worker_config(pin_cpus: bool = False) -> None:
+def _quiet_worker_config() -> None:
     # Worker config travels with the nanny to each worker process. The statistical
     # profiler samples every thread's stack every 10 ms while holding the GIL, which
     # roughly doubled the time of a small model's node calls: flowrl times nodes itself.
@@ -373,18 +373,11 @@ def _quiet_worker_config(pin_cpus: bool = False) -> None:
     # the time (measured: an update step of builtin:tiny-llama 41 ms -> 72-76 ms).
     environ = dict(dask.config.get("distributed.nanny.pre-spawn-environ"))
     environ.pop("MALLOC_TRIM_THRESHOLD_", None)
-    #
-    # Unpinned, every worker's torch threads may use every core, and nodes on two workers
-    # can run at once (a PPO actor's and critic's updates). OpenMP threads that spin while
-    # they wait for work then take the cores the other worker computes on: ppo_tiny's
-    # updates took 166-176 ms instead of 57-64 (measured on 2 cores, 30 steps each). They
-    # sleep at once here instead (the default pipeline's update: 47-50 ms against 34-39 ms
-    # spinning, where only one worker computes at a time). Pinned workers keep spinning on
-    # cores of their own.
-    if not pin_cpus:
-        environ["GOMP_SPINCOUNT"] = "0"
-    else:
-        environ.pop("GOMP_SPINCOUNT", None)
+    # OpenMP's threads keep their default wait (spinning a while before they sleep): node
+    # calls never put more torch threads on a machine's cores than it has (``runtime.threads``),
+    # and a thread that sleeps at once costs each parallel region a wake-up (the default
+    # pipeline's update: 47-50 ms against 34-39 ms spinning). The variable is left unset.
+    environ.pop("GOMP_SPINCOUNT", None)
     #
     # A local cluster closes the nanny of a worker that has not registered again within
     # ``distributed.deploy.lost-worker-timeout`` (15 s) of its loss. Several replacements

@@ -31,7 +31,7 @@ def _plain_gather(calls: list[tuple[str, Any]], timeout_s: float, what: str) -> 
 
 class StepExecutor:
     def __init__(self, pipeline: PipelineGraph, plan: Plan, hosts: dict[str, Any], node_timeout_s: float,
-                 gather: Gather | None = None) -> None:
+                 gather: Gather | None = None, threads: dict[tuple[str, str], int] | None = None) -> None:
         self.pipeline = pipeline
         self.plan = plan
         self.hosts = hosts
@@ -39,6 +39,9 @@ class StepExecutor:
         self.gather = gather or _plain_gather
         self._order = pipeline.topological_order()
         self._group_size = {node: _group_size(pipeline, node) for node in self._order}
+        self.threads = threads or {}
+        """(node, slot) -> torch threads of that call (``runtime.threads``); absent: the
+        worker's own setting."""
 
     def run_step(
         self, step: int, prompts: Sequence[Any], kl_coefs: dict[str, float] | None = None
@@ -114,6 +117,7 @@ class StepExecutor:
             group_size=self._group_size[node],
             weight_peers=peers,
             kl_coef=kl_coef,
+            threads=self.threads.get((node, slot), 0),
         )
 
     def close(self) -> None:

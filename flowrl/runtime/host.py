@@ -119,10 +119,6 @@ class RoleHost:
         """Receive ``model``'s new weights from the trainer over process group ``group``."""
         await self._computed(_broadcast_weights, self.models[model], self._groups[group])
 
-    def set_threads(self, threads: int) -> None:
-        """Torch threads for this worker's compute from the next node call on."""
-        torch.set_num_threads(max(1, threads))
-
     # ---- process groups (data-parallel training) -----------------------------------
     def free_port(self, address: str) -> int:
         return free_port(address)
@@ -317,6 +313,8 @@ class RoleHost:
             # Node calls run one after another on the compute thread: the peak between two
             # resets is this call's own.
             torch.cuda.reset_peak_memory_stats()
+        if call.threads and call.threads != torch.get_num_threads():
+            torch.set_num_threads(call.threads)
         started = time.perf_counter()
         state = self.models.get(call.model) if call.model is not None else None
         if state is not None:

@@ -22,6 +22,7 @@ from flowrl.runtime.calls import EvalCall, NodeReport
 from flowrl.runtime.cluster import Cluster, WorkerSlot
 from flowrl.runtime.collective import weights_group
 from flowrl.runtime.executor import StepExecutor
+from flowrl.runtime.threads import call_threads
 from flowrl.runtime.host import RoleHost
 from flowrl.runtime.migration import Transfer, plan_transfers, stream_offset
 from flowrl.runtime.waiting import gather
@@ -56,7 +57,7 @@ class Session:
         """Slot -> the worker this session's hosts live on; another one there means it was lost."""
         self.hosts: dict[str, Any] = {}
         self._groups: dict[str, tuple[str, ...]] = {}
-        self.executor = StepExecutor(pipeline, plan, self.hosts, pipeline.spec.runtime.node_timeout_s, self.gather)
+        self.executor = self._executor(plan, pipeline.spec.runtime.node_timeout_s)
         self._ensure_hosts(_slots_in_use(plan))
         self._form_groups(plan)
 
@@ -139,10 +140,8 @@ class Session:
             self.gather(joins, 120, f"forming the group of {node}")
             self._groups[node] = members
 
-    def _ensure_hosts(self, names: list[str], plan: Plan | None = None) -> None:
-        """Start a ``RoleHost`` on every slot in ``names`` that has none yet, all at once
-        (threads chosen for ``plan``, the one about to run)."""
-        plan = plan or self.plan
+    def _ensure_hosts(self, names: list[str]) -> None:
+        """Start a ``RoleHost`` on every slot in ``names`` that has none yet, all at once."""
         runtime = self.pipeline.spec.runtime
         seed = self.pipeline.spec.trainer.seed
         futures = {}
@@ -150,7 +149,7 @@ class Session:
             if name in self.hosts:
                 continue
             slot = self._slots[name]
-            threads = runtime.torch_threads or self._default_threads(slot, plan)
+            threads = runtime.torch_threads or self._default_threads(slot)
             futures[name] = self.cluster.client.submit(
                 RoleHost,
                 name,
@@ -173,29 +172,38 @@ class Session:
         started = self.gather(list(futures.items()), deadline_s, "starting role hosts")
         self.hosts.update(zip(futures, started))
 
-    def _retune_threads(self, plan: Plan) -> None:
-        """Hosts that already run keep their threads unless the plan changes what suits
-        them: a split that starts (or ends) running parts at the same time."""
-        if self.pipeline.spec.runtime.torch_threads or bool(plan.node_shards) == bool(self.plan.node_shards):
-            return
-        _settle([(self.hosts[name], "set_threads", (self._default_threads(self._slots[name], plan),)) for name in self.hosts])
+    def _executor(self, plan: Plan, node_timeout_s: float) -> StepExecutor:
+        return StepExecutor(self.pipeline, plan, self.hosts, node_timeout_s, self.gather,
+                            threads=self._call_threads(plan))
 
-    def _default_threads(self, slot: WorkerSlot, plan: Plan) -> int:
-        """Torch threads of a worker when the file does not say.
+    def _call_threads(self, plan: Plan) -> dict[tuple[str, str], int]:
+        """(node, slot) -> torch threads of that call on an unpinned CPU worker
+        (``runtime.threads``): none when the file sets ``runtime.torch_threads``."""
+        if self.pipeline.spec.runtime.torch_threads:
+            return {}
+        shared: dict[str, set[str]] = {}
+        for name, slot in self._slots.items():
+            if slot.kind == "cpu" and not slot.cores:
+                shared.setdefault(slot.host, set()).add(name)
+        cores = max(1, os.cpu_count() or 1)
+        threads: dict[tuple[str, str], int] = {}
+        for names in shared.values():
+            threads.update(call_threads(self.pipeline, plan, cores, names))
+        return threads
 
-        A pinned worker uses its own cores. Otherwise nodes of one step mostly run one after
-        another (rollout -> ref -> update), so each worker may use every core of the host
-        (measured on 2 cores: 0.105 s/step with one thread per worker, 0.085 s with two)
-        unless the plan splits a node over workers: then parts run at the same time and
-        2 workers x 2 threads on 2 cores made the split reference forward 10x slower.
-        """
+    def _default_threads(self, slot: WorkerSlot) -> int:
+        """Torch threads of a worker when the file does not say, for what it does outside
+        node calls (loading and moving models, evaluations); each node call on an unpinned
+        CPU worker brings its own (``_call_threads``). A pinned worker uses its own cores; an
+        unpinned CPU worker every core of its host (those calls run while no node does); a
+        GPU worker a few, the card computes."""
         if slot.cores:
             return len(slot.cores)
         cores = max(1, os.cpu_count() or 1)
-        share = max(1, cores // sum(1 for other in self._slots.values() if other.host == slot.host))
         if slot.kind == "gpu":
-            return min(4, share)  # the card computes; a few threads feed it and run its CPU-side work
-        return share if plan.node_shards else cores
+            share = max(1, cores // sum(1 for other in self._slots.values() if other.host == slot.host))
+            return min(4, share)  # a few threads feed the card and run its CPU-side work
+        return cores
 
     def load_models(self) -> list[dict[str, Any]]:
         """Load every model on every slot that holds it, all slots at once.
@@ -237,8 +245,7 @@ class Session:
         # first: a sharded model whose group changes gathers its whole state on its ranks,
         # so that any of them can hand it over below
         self._leave_groups(plan)
-        self._ensure_hosts(_slots_in_use(plan), plan)
-        self._retune_threads(plan)
+        self._ensure_hosts(_slots_in_use(plan))
         seed = self.pipeline.spec.trainer.seed
         calls = [
             (t.slot, self.hosts[t.slot].adopt_model(
@@ -261,7 +268,7 @@ class Session:
         )
         self._form_groups(plan)
         self.plan = plan
-        self.executor = StepExecutor(self.pipeline, plan, self.hosts, self.executor.node_timeout_s, self.gather)
+        self.executor = self._executor(plan, self.executor.node_timeout_s)
         return MigrationResult(time.perf_counter() - started, num_bytes, tuple(transfers))
 
     @property
@@ -271,7 +278,7 @@ class Session:
     def set_shares(self, shares: dict[str, list[float]]) -> None:
         """New row shares for split nodes, from the next step on (nothing moves)."""
         self.plan = replace(self.plan, node_shares={**self.plan.node_shares, **shares})
-        self.executor = StepExecutor(self.pipeline, self.plan, self.hosts, self.executor.node_timeout_s, self.gather)
+        self.executor = self._executor(self.plan, self.executor.node_timeout_s)
 
     def sample_devices(self) -> list[DeviceSample]:
         return self.gather([(slot, host.sample_device()) for slot, host in self.hosts.items()], 30, "sampling devices")

@@ -1,0 +1,49 @@
+"""Torch threads for each node call on an unpinned CPU worker.
+
+Workers of one machine that are not pinned share its cores. Most nodes of a step run one after
+another (rollout -> ref -> update), and each should then use every core; but nodes on
+different workers that the graph lets run at the same time (a PPO actor's and critic's
+updates, a reference forward beside a value forward, the parts of a split node) would put
+2 x cores threads on the cores. OpenMP threads that wait for work spin for a while before they
+sleep, so an oversubscribed machine loses most of its time to spinning (ppo_tiny's updates
+took 166-176 ms instead of 57-64 on 2 cores). Each call therefore gets the cores divided by
+the workers that may compute beside it: never more threads than cores, and every core to a
+node that runs alone.
+
+A node "may compute beside" another when neither depends on the other and both do model work;
+a score function or an advantage estimate is light and counted as nothing.
+"""
+
+from __future__ import annotations
+
+import networkx as nx
+
+from flowrl.graph import PipelineGraph
+from flowrl.planner.placement import Plan
+
+
+def heavy(pipeline: PipelineGraph, node: str) -> bool:
+    """A node that runs a model (generation, a forward, an update): light nodes are not
+    counted as company."""
+    return pipeline.spec.nodes[node].model is not None
+
+
+def call_threads(pipeline: PipelineGraph, plan: Plan, cores: int, shared: set[str]) -> dict[tuple[str, str], int]:
+    """(node, slot) -> torch threads for that call, for the slots in ``shared`` (unpinned CPU
+    workers of one machine with ``cores`` cores). Calls on other slots are not listed."""
+    graph = pipeline.graph
+    related = {node: nx.ancestors(graph, node) | nx.descendants(graph, node) | {node}
+               for node in plan.node_slots}
+    threads: dict[tuple[str, str], int] = {}
+    for node in plan.node_slots:
+        for slot in plan.slots_of(node):
+            if slot not in shared:
+                continue
+            company = {other_slot for other_slot in plan.slots_of(node) if other_slot != slot}
+            if heavy(pipeline, node):
+                for other in plan.node_slots:
+                    if other in related[node] or not heavy(pipeline, other):
+                        continue
+                    company.update(s for s in plan.slots_of(other) if s != slot)
+            threads[node, slot] = max(1, cores // (1 + len(company & shared)))
+    return threads

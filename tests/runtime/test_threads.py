@@ -1,0 +1,55 @@
+"""Torch threads per node call: cores divided by the workers that may compute beside it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from flowrl.planner.placement import plan_for
+from flowrl.runtime.threads import call_threads
+from flowrl.spec.loader import load_pipeline
+
+PIPELINES = Path(__file__).resolve().parents[2] / "pipelines"
+SLOTS = {"cpu-0", "cpu-1"}
+
+
+def test_grpo_nodes_that_run_one_after_another_get_every_core() -> None:
+    pipeline = load_pipeline(PIPELINES / "grpo_tiny.yaml")
+    # the models on cpu-0; the score and the advantage (light: no model) on cpu-1
+    plan = plan_for(pipeline, {"rollout": "cpu-0", "reward": "cpu-1", "ref": "cpu-0", "adv": "cpu-1", "train": "cpu-0"})
+    assert call_threads(pipeline, plan, 2, SLOTS) == {
+        ("rollout", "cpu-0"): 2, ("reward", "cpu-1"): 2, ("ref", "cpu-0"): 2, ("adv", "cpu-1"): 2,
+        ("train", "cpu-0"): 2}
+    # the reference on a worker of its own: generation and the update depend on it or it on
+    # them, so nothing runs beside it
+    plan = plan_for(pipeline, {"rollout": "cpu-0", "reward": "cpu-0", "ref": "cpu-1", "adv": "cpu-0", "train": "cpu-0"})
+    assert set(call_threads(pipeline, plan, 4, SLOTS).values()) == {4}
+
+
+def test_ppo_calls_that_may_run_at_once_on_two_workers_share_the_cores() -> None:
+    pipeline = load_pipeline(PIPELINES / "ppo_tiny.yaml")
+    plan = plan_for(pipeline, {"rollout": "cpu-0", "reward": "cpu-1", "ref": "cpu-0", "values": "cpu-1",
+                               "adv": "cpu-0", "train_actor": "cpu-0", "train_critic": "cpu-1"})
+    threads = call_threads(pipeline, plan, 4, SLOTS)
+    assert threads[("rollout", "cpu-0")] == 4  # everything else waits for the rollout
+    assert threads[("adv", "cpu-0")] == 4  # light
+    # ref, the reward model and the values read the rollout side by side on both workers;
+    # the two updates after the advantages likewise
+    for call in (("ref", "cpu-0"), ("reward", "cpu-1"), ("values", "cpu-1"), ("train_actor", "cpu-0"),
+                 ("train_critic", "cpu-1")):
+        assert threads[call] == 2, call
+    # the same calls all on one worker: nothing beside them on another
+    alone = plan_for(pipeline, {node: "cpu-0" for node in plan.node_slots})
+    assert set(call_threads(pipeline, alone, 4, SLOTS).values()) == {4}
+    # a worker outside ``shared`` (pinned, or a GPU) is neither given threads nor counted
+    assert ("values", "cpu-1") not in call_threads(pipeline, plan, 4, {"cpu-0"})
+    assert call_threads(pipeline, plan, 4, {"cpu-0"})[("train_actor", "cpu-0")] == 4
+
+
+def test_the_parts_of_a_split_node_share_the_cores_and_three_workers_leave_one_each() -> None:
+    pipeline = load_pipeline(PIPELINES / "grpo_tiny.yaml")
+    plan = plan_for(pipeline, {"rollout": "cpu-0", "reward": "cpu-0", "ref": "cpu-0", "adv": "cpu-0", "train": "cpu-0"},
+                    node_shards={"ref": ["cpu-0", "cpu-1", "cpu-2"]})
+    threads = call_threads(pipeline, plan, 3, {"cpu-0", "cpu-1", "cpu-2"})
+    assert [threads[("ref", slot)] for slot in ("cpu-0", "cpu-1", "cpu-2")] == [1, 1, 1]
+    assert threads[("train", "cpu-0")] == 3
+    assert call_threads(pipeline, plan, 2, {"cpu-0", "cpu-1", "cpu-2"})[("ref", "cpu-2")] == 1  # never 0
