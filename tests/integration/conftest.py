@@ -13,6 +13,8 @@ def tiny_grpo(output_dir: Path, steps: int, kl_coef: float = 0.02, checkpoint_ev
               **trainer: Any) -> Pipeline:
     """The default pipeline's shape, small enough for a test."""
     p = Pipeline("test-grpo")
+    # The reference on a worker of its own: the tests run (and break) two workers.
+    p.devices("ref_group", type="cpu", exclusive=True)
     actor = p.model("actor", path="builtin:tiny-llama", group="actor_group")
     reference = p.model("reference", path="builtin:tiny-llama", group="ref_group")
     prompts = p.source("builtin:digits", batch_size=4)

@@ -43,13 +43,13 @@ def test_schedule_of_a_grpo_step_on_two_cpu_slots() -> None:
     assert ends["rollout"] == (0.0, 10.0)
     # reward: same device, data ready at 10 -> 10..11
     assert ends["reward"] == (10.0, 11.0)
-    # ref on cpu-1: 1 GB over the host link (5 GB/s) = 0.2 s plus 0.5 ms latency -> 10.2005..14.2005
-    assert ends["ref"] == pytest.approx((10.2005, 14.2005))
+    # ref on cpu-1: 1 GB over the host link (5 GB/s) = 0.2 s plus 3 ms latency -> 10.203..14.203
+    assert ends["ref"] == pytest.approx((10.203, 14.203))
     # adv after reward on cpu-0: 11..13
     assert ends["adv"] == (11.0, 13.0)
-    # train waits for ref's (empty) result: 14.2005 + 0.0005 latency = 14.201 .. 19.201
-    assert ends["train"] == pytest.approx((14.201, 19.201))
-    assert schedule.iteration_s == pytest.approx(19.201)
+    # train waits for ref's (empty) result: 14.203 + 0.003 latency = 14.206 .. 19.206
+    assert ends["train"] == pytest.approx((14.206, 19.206))
+    assert schedule.iteration_s == pytest.approx(19.206)
     assert schedule.critical_path == ("rollout", "ref", "train")
 
 
