@@ -10,11 +10,13 @@ from flowrl.api.builder import Pipeline
 
 def tiny_grpo(output_dir: Path, steps: int, kl_coef: float = 0.02, checkpoint_every: int = 0,
               reward: str = "digits", lr: float = 5e-4, runtime: dict[str, Any] | None = None,
-              **trainer: Any) -> Pipeline:
-    """The default pipeline's shape, small enough for a test."""
+              own_ref_worker: bool = True, **trainer: Any) -> Pipeline:
+    """The default pipeline's shape, small enough for a test. ``own_ref_worker``: the
+    reference group is exclusive, so runs use (and tests can break) two workers; without it
+    the planner places the groups as it would the shipped pipeline."""
     p = Pipeline("test-grpo")
-    # The reference on a worker of its own: the tests run (and break) two workers.
-    p.devices("ref_group", type="cpu", exclusive=True)
+    if own_ref_worker:
+        p.devices("ref_group", type="cpu", exclusive=True)
     actor = p.model("actor", path="builtin:tiny-llama", group="actor_group")
     reference = p.model("reference", path="builtin:tiny-llama", group="ref_group")
     prompts = p.source("builtin:digits", batch_size=4)

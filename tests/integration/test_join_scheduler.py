@@ -98,9 +98,10 @@ def test_run_joins_an_existing_scheduler(tmp_path: Path, dask_cluster: str, make
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"Dask scheduler {dask_cluster}: 2 workers (node-a, node-b)" in result.stdout
     plan = json.loads((output / "plan-0.json").read_text())
-    # The workers' own names are the device slots: the models on one, the reward on the other.
+    # The workers' own names are the device slots: the reference on one (its group is
+    # exclusive), the actor's nodes on the other.
     slots = plan["runtime"]["node_slots"]
-    assert {slots["rollout"], slots["reward"]} == {"node-a", "node-b"} and slots["ref"] == slots["rollout"]
+    assert {slots["rollout"], slots["ref"]} == {"node-a", "node-b"} and slots["train"] == slots["rollout"]
     steps = [json.loads(line)["step"] for line in (output / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
     assert (output / "final" / "model.safetensors").exists()
