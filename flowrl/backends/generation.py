@@ -78,12 +78,13 @@ def generate_tokens(
         model.train(was_training)
 
 
-SMALL_DECODE_MACS = 1 << 24
+SMALL_DECODE_MACS = 1 << 22
 """Multiply-adds of one MLP product of one decode step (rows x hidden x MLP width) below
-which a CPU decode runs on one thread. Measured on 2 cores, 32 rows: builtin:tiny-llama
-(rows x 128 x 512 = 2.1 M) samples 16 tokens in 37 ms on one thread against 66 ms on two,
-builtin:small-llama (8.4 M) 32 tokens in 0.34 s against 0.37 s; a thread pool's start and
-join on every small product costs more than the second core gives."""
+which a CPU decode runs on one thread: a thread pool's start and join on every product costs
+more than the second core gives. Measured on 2 cores in grpo_tiny runs (OpenMP's default
+wait): builtin:tiny-llama (32 x 128 x 512 = 2.1 M) samples 16 tokens in 37-41 ms on one thread
+against 38-48 ms on two; builtin:small-llama (8.4 M) 32 tokens in 0.29-0.30 s on one against
+0.24-0.26 s on two."""
 
 
 @contextlib.contextmanager
