@@ -25,12 +25,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-try:  # Triton ships with CUDA builds of torch; CPU builds may lack it.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
+import importlib.util
+from typing import Any
 
 BLOCK_COLUMNS = 64
 """Cached columns one loop iteration of the kernel reads."""
@@ -51,7 +47,13 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 def triton_usable(qkv: torch.Tensor, head_dim: int) -> bool:
     """True when the Triton kernel can run: a CUDA tensor and a head size that is a power of
     two of at least 32 (each half of a head is a block of at least 16 for ``tl.dot``)."""
-    return triton is not None and qkv.is_cuda and head_dim >= 32 and head_dim & (head_dim - 1) == 0
+    return qkv.is_cuda and head_dim >= 32 and head_dim & (head_dim - 1) == 0 and _has_triton()
+
+
+def _has_triton() -> bool:
+    # Triton ships with CUDA builds of torch; CPU builds may lack it. It is imported only when
+    # a kernel first runs: a CPU worker never pays for it.
+    return importlib.util.find_spec("triton") is not None
 
 
 def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
@@ -109,8 +111,9 @@ def _triton_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k
     out = torch.empty((batch, kv_heads, group, head_dim), dtype=qkv.dtype, device=qkv.device)
     valid = key_valid.view(torch.uint8) if key_valid.dtype == torch.bool else key_valid
     shares, per_share = window_shares(window)
+    kernel, merge_kernel = _kernels()
     # tl.dot needs 16 rows at least.
-    block_group = max(16, triton.next_power_of_2(group))
+    block_group = max(16, 1 << (group - 1).bit_length())
     programs = batch * kv_heads
     # Partial results of each share (unused with one share: the kernel writes ``out``).
     best = torch.empty((programs, shares, block_group) if shares > 1 else (1,), dtype=torch.float32,
@@ -118,7 +121,7 @@ def _triton_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k
     total = torch.empty_like(best)
     acc = torch.empty((programs, shares, block_group, head_dim) if shares > 1 else (1,), dtype=torch.float32,
                       device=qkv.device)
-    _kernel[(programs, shares)](
+    kernel[(programs, shares)](
         qkv, cos, sin, keys, values, column, valid, out, best, total, acc,
         qkv.stride(0), cos.stride(0), keys.stride(0), keys.stride(1), keys.stride(2),
         valid.stride(0), window, per_share, scaling,
@@ -127,117 +130,14 @@ def _triton_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k
         num_warps=4, num_stages=2,
     )
     if shares > 1:
-        _merge_kernel[(programs,)](best, total, acc, out, GROUP=group, HEAD_DIM=head_dim,
+        merge_kernel[(programs,)](best, total, acc, out, GROUP=group, HEAD_DIM=head_dim,
                                    BLOCK_GROUP=block_group, SHARES=shares, num_warps=4)
     return out
 
 
-if triton is not None:
-    EMPTY = tl.constexpr(-1.0e30)
-    """The running maximum of a share that has seen no column yet: finite, so that an empty
-    share's corrections stay exp2(0) = 1 and its weights exp2(-inf) = 0 (never inf - inf)."""
+def _kernels() -> tuple[Any, Any]:
+    """The Triton kernels (the attention of each share, the merge of the shares), imported
+    on first use (``decode_kernels``)."""
+    from flowrl.backends import decode_kernels
 
-    @triton.jit
-    def _dot(a, b, EXACT: tl.constexpr):
-        # fp32 inputs get fp32 products (tl.dot would round them to tf32).
-        if EXACT:
-            return tl.dot(a, b, input_precision="ieee")
-        return tl.dot(a, b)
-
-    @triton.jit
-    def _rotated(ptr, partner_ptr, cos, sin, sign, mask):
-        # rotate-half: x * cos + (-x_hi, x_lo) * sin, the partner of dimension d being d +- half
-        x = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
-        partner = tl.load(partner_ptr, mask=mask, other=0.0).to(tl.float32)
-        return x * cos + sign * partner * sin
-
-    @triton.jit
-    def _kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, column_ptr, valid_ptr, out_ptr,
-                best_ptr, total_ptr, acc_ptr, qkv_stride, trig_stride, stride_row, stride_head,
-                stride_column, valid_stride, window, per_share, scaling,
-                KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                BLOCK_GROUP: tl.constexpr, BLOCK_COLUMNS: tl.constexpr, SHARES: tl.constexpr,
-                EXACT: tl.constexpr):
-        program = tl.program_id(0)
-        share = tl.program_id(1)
-        first = share == 0
-        row = program // KV_HEADS
-        head = program % KV_HEADS
-        dtype = out_ptr.dtype.element_ty
-        dims = tl.arange(0, HEAD_DIM)
-        half: tl.constexpr = HEAD_DIM // 2
-        partner = (dims + half) % HEAD_DIM
-        sign = tl.where(dims < half, -1.0, 1.0)
-        queries = tl.arange(0, BLOCK_GROUP)
-        q_mask = queries[:, None] < GROUP
-        heads = KV_HEADS * GROUP
-        cos = tl.load(cos_ptr + row * trig_stride + dims).to(tl.float32)
-        sin = tl.load(sin_ptr + row * trig_stride + dims).to(tl.float32)
-
-        # The group's queries and the new key, rotated; the new value.
-        q_base = qkv_ptr + row * qkv_stride + ((head * GROUP + queries) * HEAD_DIM)[:, None]
-        rq = _rotated(q_base + dims[None, :], q_base + partner[None, :], cos[None, :], sin[None, :],
-                      sign[None, :], q_mask).to(dtype)
-        k_base = qkv_ptr + row * qkv_stride + (heads + head) * HEAD_DIM
-        rk = _rotated(k_base + dims, k_base + partner, cos, sin, sign, dims < HEAD_DIM).to(dtype)
-        v = tl.load(qkv_ptr + row * qkv_stride + (heads + KV_HEADS + head) * HEAD_DIM + dims)
-        column = tl.load(column_ptr)
-        cache = row * stride_row + head * stride_head
-        mine = (dims < HEAD_DIM) & first
-        tl.store(k_ptr + cache + column * stride_column + dims, rk, mask=mine)
-        tl.store(v_ptr + cache + column * stride_column + dims, v, mask=mine)
-
-        # exp2 instead of exp: fold log2(e) into the scale once. The first share starts from
-        # the new column (always valid); the others from nothing.
-        scale = scaling * 1.4426950408889634
-        own = tl.sum(rq.to(tl.float32) * rk.to(tl.float32)[None, :], axis=1) * scale
-        best = tl.where(first, own, EMPTY)
-        total = tl.where(first, 1.0, 0.0) + tl.zeros((BLOCK_GROUP,), tl.float32)
-        acc = tl.broadcast_to(v.to(tl.float32)[None, :], (BLOCK_GROUP, HEAD_DIM)) * tl.where(first, 1.0, 0.0)
-        start = share * per_share
-        stop = tl.minimum(start + per_share, window)
-        for block in tl.range(start, stop, BLOCK_COLUMNS):
-            columns = block + tl.arange(0, BLOCK_COLUMNS)
-            valid = tl.load(valid_ptr + row * valid_stride + columns, mask=columns < stop, other=0) != 0
-            valid = valid & (columns != column)
-            offsets = cache + columns[:, None] * stride_column + dims[None, :]
-            kc = tl.load(k_ptr + offsets, mask=valid[:, None], other=0.0)
-            vc = tl.load(v_ptr + offsets, mask=valid[:, None], other=0.0)
-            scores = _dot(rq, tl.trans(kc), EXACT) * scale
-            scores = tl.where(valid[None, :], scores, float("-inf"))
-            new_best = tl.maximum(best, tl.max(scores, axis=1))
-            weights = tl.exp2(scores - new_best[:, None])
-            correction = tl.exp2(best - new_best)
-            total = total * correction + tl.sum(weights, axis=1)
-            acc = acc * correction[:, None] + _dot(weights.to(dtype), vc, EXACT)
-            best = new_best
-        if SHARES == 1:
-            out = out_ptr + ((program * GROUP + queries) * HEAD_DIM)[:, None] + dims[None, :]
-            tl.store(out, (acc / total[:, None]).to(dtype), mask=q_mask)
-        else:
-            part = (program * SHARES + share) * BLOCK_GROUP + queries
-            tl.store(best_ptr + part, best)
-            tl.store(total_ptr + part, total)
-            tl.store(acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=q_mask)
-
-    @triton.jit
-    def _merge_kernel(best_ptr, total_ptr, acc_ptr, out_ptr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      BLOCK_GROUP: tl.constexpr, SHARES: tl.constexpr):
-        # The shares' softmax sums rescaled to their common maximum, then added.
-        program = tl.program_id(0)
-        queries = tl.arange(0, BLOCK_GROUP)
-        q_mask = queries[:, None] < GROUP
-        dims = tl.arange(0, HEAD_DIM)
-        best = tl.full((BLOCK_GROUP,), EMPTY, tl.float32)
-        for share in tl.static_range(SHARES):
-            best = tl.maximum(best, tl.load(best_ptr + (program * SHARES + share) * BLOCK_GROUP + queries))
-        total = tl.zeros((BLOCK_GROUP,), tl.float32)
-        acc = tl.zeros((BLOCK_GROUP, HEAD_DIM), tl.float32)
-        for share in tl.static_range(SHARES):
-            part = (program * SHARES + share) * BLOCK_GROUP + queries
-            weight = tl.exp2(tl.load(best_ptr + part) - best)
-            total += weight * tl.load(total_ptr + part)
-            acc += weight[:, None] * tl.load(acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=q_mask,
-                                             other=0.0)
-        out = out_ptr + ((program * GROUP + queries) * HEAD_DIM)[:, None] + dims[None, :]
-        tl.store(out, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
+    return decode_kernels.attention_kernel, decode_kernels.merge_kernel

@@ -1,0 +1,121 @@
+"""The Triton kernels of ``decode_attention`` (imported only where one runs: a CUDA device with
+Triton installed). ``attention_kernel``: the attention of one share of the window for a
+(row, KV head); ``merge_kernel``: the shares' partial softmax sums merged into the output."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+EMPTY = tl.constexpr(-1.0e30)
+"""The running maximum of a share that has seen no column yet: finite, so that an empty
+share's corrections stay exp2(0) = 1 and its weights exp2(-inf) = 0 (never inf - inf)."""
+
+
+@triton.jit
+def _dot(a, b, EXACT: tl.constexpr):
+    # fp32 inputs get fp32 products (tl.dot would round them to tf32).
+    if EXACT:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _rotated(ptr, partner_ptr, cos, sin, sign, mask):
+    # rotate-half: x * cos + (-x_hi, x_lo) * sin, the partner of dimension d being d +- half
+    x = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+    partner = tl.load(partner_ptr, mask=mask, other=0.0).to(tl.float32)
+    return x * cos + sign * partner * sin
+
+
+@triton.jit
+def attention_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, column_ptr, valid_ptr, out_ptr,
+                     best_ptr, total_ptr, acc_ptr, qkv_stride, trig_stride, stride_row, stride_head,
+                     stride_column, valid_stride, window, per_share, scaling,
+                     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     BLOCK_GROUP: tl.constexpr, BLOCK_COLUMNS: tl.constexpr, SHARES: tl.constexpr,
+                     EXACT: tl.constexpr):
+    program = tl.program_id(0)
+    share = tl.program_id(1)
+    first = share == 0
+    row = program // KV_HEADS
+    head = program % KV_HEADS
+    dtype = out_ptr.dtype.element_ty
+    dims = tl.arange(0, HEAD_DIM)
+    half: tl.constexpr = HEAD_DIM // 2
+    partner = (dims + half) % HEAD_DIM
+    sign = tl.where(dims < half, -1.0, 1.0)
+    queries = tl.arange(0, BLOCK_GROUP)
+    q_mask = queries[:, None] < GROUP
+    heads = KV_HEADS * GROUP
+    cos = tl.load(cos_ptr + row * trig_stride + dims).to(tl.float32)
+    sin = tl.load(sin_ptr + row * trig_stride + dims).to(tl.float32)
+
+    # The group's queries and the new key, rotated; the new value.
+    q_base = qkv_ptr + row * qkv_stride + ((head * GROUP + queries) * HEAD_DIM)[:, None]
+    rq = _rotated(q_base + dims[None, :], q_base + partner[None, :], cos[None, :], sin[None, :],
+                  sign[None, :], q_mask).to(dtype)
+    k_base = qkv_ptr + row * qkv_stride + (heads + head) * HEAD_DIM
+    rk = _rotated(k_base + dims, k_base + partner, cos, sin, sign, dims < HEAD_DIM).to(dtype)
+    v = tl.load(qkv_ptr + row * qkv_stride + (heads + KV_HEADS + head) * HEAD_DIM + dims)
+    column = tl.load(column_ptr)
+    cache = row * stride_row + head * stride_head
+    mine = (dims < HEAD_DIM) & first
+    tl.store(k_ptr + cache + column * stride_column + dims, rk, mask=mine)
+    tl.store(v_ptr + cache + column * stride_column + dims, v, mask=mine)
+
+    # exp2 instead of exp: fold log2(e) into the scale once. The first share starts from
+    # the new column (always valid); the others from nothing.
+    scale = scaling * 1.4426950408889634
+    own = tl.sum(rq.to(tl.float32) * rk.to(tl.float32)[None, :], axis=1) * scale
+    best = tl.where(first, own, EMPTY)
+    total = tl.where(first, 1.0, 0.0) + tl.zeros((BLOCK_GROUP,), tl.float32)
+    acc = tl.broadcast_to(v.to(tl.float32)[None, :], (BLOCK_GROUP, HEAD_DIM)) * tl.where(first, 1.0, 0.0)
+    start = share * per_share
+    stop = tl.minimum(start + per_share, window)
+    for block in tl.range(start, stop, BLOCK_COLUMNS):
+        columns = block + tl.arange(0, BLOCK_COLUMNS)
+        valid = tl.load(valid_ptr + row * valid_stride + columns, mask=columns < stop, other=0) != 0
+        valid = valid & (columns != column)
+        offsets = cache + columns[:, None] * stride_column + dims[None, :]
+        kc = tl.load(k_ptr + offsets, mask=valid[:, None], other=0.0)
+        vc = tl.load(v_ptr + offsets, mask=valid[:, None], other=0.0)
+        scores = _dot(rq, tl.trans(kc), EXACT) * scale
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        new_best = tl.maximum(best, tl.max(scores, axis=1))
+        weights = tl.exp2(scores - new_best[:, None])
+        correction = tl.exp2(best - new_best)
+        total = total * correction + tl.sum(weights, axis=1)
+        acc = acc * correction[:, None] + _dot(weights.to(dtype), vc, EXACT)
+        best = new_best
+    if SHARES == 1:
+        out = out_ptr + ((program * GROUP + queries) * HEAD_DIM)[:, None] + dims[None, :]
+        tl.store(out, (acc / total[:, None]).to(dtype), mask=q_mask)
+    else:
+        part = (program * SHARES + share) * BLOCK_GROUP + queries
+        tl.store(best_ptr + part, best)
+        tl.store(total_ptr + part, total)
+        tl.store(acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=q_mask)
+
+
+@triton.jit
+def merge_kernel(best_ptr, total_ptr, acc_ptr, out_ptr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK_GROUP: tl.constexpr, SHARES: tl.constexpr):
+    # The shares' softmax sums rescaled to their common maximum, then added.
+    program = tl.program_id(0)
+    queries = tl.arange(0, BLOCK_GROUP)
+    q_mask = queries[:, None] < GROUP
+    dims = tl.arange(0, HEAD_DIM)
+    best = tl.full((BLOCK_GROUP,), EMPTY, tl.float32)
+    for share in tl.static_range(SHARES):
+        best = tl.maximum(best, tl.load(best_ptr + (program * SHARES + share) * BLOCK_GROUP + queries))
+    total = tl.zeros((BLOCK_GROUP,), tl.float32)
+    acc = tl.zeros((BLOCK_GROUP, HEAD_DIM), tl.float32)
+    for share in tl.static_range(SHARES):
+        part = (program * SHARES + share) * BLOCK_GROUP + queries
+        weight = tl.exp2(tl.load(best_ptr + part) - best)
+        total += weight * tl.load(total_ptr + part)
+        acc += weight[:, None] * tl.load(acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=q_mask,
+                                         other=0.0)
+    out = out_ptr + ((program * GROUP + queries) * HEAD_DIM)[:, None] + dims[None, :]
+    tl.store(out, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
