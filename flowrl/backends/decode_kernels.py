@@ -42,9 +42,8 @@ def attention_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, column_ptr, valid_
     head = program % KV_HEADS
     dtype = out_ptr.dtype.element_ty
     dims = tl.arange(0, HEAD_DIM)
-    half: tl.constexpr = HEAD_DIM // 2
-    partner = (dims + half) % HEAD_DIM
-    sign = tl.where(dims < half, -1.0, 1.0)
+    partner = (dims + HEAD_DIM // 2) % HEAD_DIM
+    sign = tl.where(dims < HEAD_DIM // 2, -1.0, 1.0)
     queries = tl.arange(0, BLOCK_GROUP)
     q_mask = queries[:, None] < GROUP
     heads = KV_HEADS * GROUP
