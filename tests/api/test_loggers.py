@@ -97,8 +97,9 @@ def test_every_logger_and_prometheus_get_the_runs_metrics(tmp_path: Path, monkey
     port = _free_port()
     scraper = Scraper(port)
     output = tmp_path / "out"
+    # the reference on a worker of its own: both workers' devices are reported
     graph = load_pipeline(PIPELINE, ["trainer.steps=3", "trainer.loggers=[jsonl,tensorboard,wandb,mlflow]",
-                                     f"runtime.prometheus_port={port}"])
+                                     f"runtime.prometheus_port={port}", "devices.ref_group.exclusive=true"])
     run(graph, output_dir=output, observer=scraper)
     lines = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
     rewards = {line["step"]: line[REWARD] for line in lines}
