@@ -49,9 +49,9 @@ def test_grpo_on_local_cluster_learns_and_writes_outputs(tmp_path: Path, make_pi
     built = pipeline.build().spec
     assert saved.spec.model_copy(update={"trainer": built.trainer}) == built
 
-    # the plan puts every node on one worker: the reference next to the actor (rollout -> ref
-    # -> train is a chain, so a second worker would only add transfers), and the score and the
-    # advantage too (running them beside the reference saves less than the two hops cost)
+    # the plan puts the reference next to the actor (rollout -> ref -> train is a chain, so a
+    # second worker would only add transfers); where the score and the advantage go depends on
+    # the CPU rates measured at start (on 2 cores: next to them too)
     plan = json.loads((output / "plan-0.json").read_text())
     assert plan["iteration_s"] > 0 and plan["critical_path"][0] == "rollout"
     # predicted and measured side by side: per node the median of its steps' compute seconds
@@ -63,10 +63,10 @@ def test_grpo_on_local_cluster_learns_and_writes_outputs(tmp_path: Path, make_pi
                    and 1 <= call["step"] <= 40]
         assert entry["measured_s"] == pytest.approx(statistics.median(seconds)), entry["node"]
         assert entry["predicted_s"] == pytest.approx(entry["end_s"] - entry["start_s"])
-    assert set(plan["measured"]["devices"]) == {"cpu-0"}
     slots = plan["runtime"]["node_slots"]
+    assert set(slots.values()) <= set(plan["measured"]["devices"]) <= {"cpu-0", "cpu-1"}
     assert plan["shared"] == {"ref_group": "actor_group"}
-    assert set(slots.values()) == {"cpu-0"}
+    assert slots["rollout"] == slots["ref"] == slots["train"]
     # calibrated: per-node factors learned on steps 2-20 (step 1 pays for lazy start-up), the
     # placement simulated again with them, beside the medians of steps 21-40
     calibrated = plan["calibrated"]
