@@ -22,11 +22,11 @@ arithmetic runs as plain torch operations.
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
-
 import importlib.util
 from typing import Any
+
+import torch
+import torch.nn.functional as F
 
 BLOCK_COLUMNS = 64
 """Cached columns one loop iteration of the kernel reads."""
@@ -46,13 +46,14 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 def triton_usable(qkv: torch.Tensor, head_dim: int) -> bool:
     """True when the Triton kernel can run: a CUDA tensor and a head size that is a power of
-    two of at least 32 (each half of a head is a block of at least 16 for ``tl.dot``)."""
+    two (a head is one ``tl.arange`` block) of at least 32, the smallest the kernel is tested at
+    (``tl.dot`` itself needs 16)."""
     return qkv.is_cuda and head_dim >= 32 and head_dim & (head_dim - 1) == 0 and _has_triton()
 
 
 def _has_triton() -> bool:
-    # Triton ships with CUDA builds of torch; CPU builds may lack it. It is imported only when
-    # a kernel first runs: a CPU worker never pays for it.
+    # Triton ships with CUDA builds of torch; CPU builds may lack it. The kernels' module
+    # imports it when a kernel first runs.
     return importlib.util.find_spec("triton") is not None
 
 

@@ -47,7 +47,7 @@ class NodeCall:
     """Relative rows per part (empty: equal): split inference, split generation and the
     ranks of a data-parallel update all use them."""
     threads: int = 0
-    """Torch threads for this call (``runtime.threads``); 0: the worker's own setting."""
+    """Torch threads for this call (``flowrl.runtime.threads``); 0: the worker's own setting."""
 
     @property
     def part_shares(self) -> tuple[float, ...]:

@@ -373,11 +373,6 @@ def _quiet_worker_config() -> None:
     # the time (measured: an update step of builtin:tiny-llama 41 ms -> 72-76 ms).
     environ = dict(dask.config.get("distributed.nanny.pre-spawn-environ"))
     environ.pop("MALLOC_TRIM_THRESHOLD_", None)
-    # OpenMP's threads keep their default wait (spinning a while before they sleep): node
-    # calls never put more torch threads on a machine's cores than it has (``runtime.threads``),
-    # and a thread that sleeps at once costs each parallel region a wake-up (the default
-    # pipeline's update: 47-50 ms against 34-39 ms spinning). The variable is left unset.
-    environ.pop("GOMP_SPINCOUNT", None)
     #
     # A local cluster closes the nanny of a worker that has not registered again within
     # ``distributed.deploy.lost-worker-timeout`` (15 s) of its loss. Several replacements

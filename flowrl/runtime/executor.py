@@ -40,7 +40,7 @@ class StepExecutor:
         self._order = pipeline.topological_order()
         self._group_size = {node: _group_size(pipeline, node) for node in self._order}
         self.threads = threads or {}
-        """(node, slot) -> torch threads of that call (``runtime.threads``); absent: the
+        """(node, slot) -> torch threads of that call (``flowrl.runtime.threads``); absent: the
         worker's own setting."""
 
     def run_step(

@@ -178,7 +178,7 @@ class Session:
 
     def _call_threads(self, plan: Plan) -> dict[tuple[str, str], int]:
         """(node, slot) -> torch threads of that call on an unpinned CPU worker
-        (``runtime.threads``): none when the file sets ``runtime.torch_threads``."""
+        (``flowrl.runtime.threads``): none when the file sets ``runtime.torch_threads``."""
         if self.pipeline.spec.runtime.torch_threads:
             return {}
         shared: dict[str, set[str]] = {}
