@@ -79,9 +79,9 @@ class _Recorder:
 
 def run_flowrl(job: dict[str, Any]) -> dict[str, Any]:
     from flowrl.api.run import run
-    from flowrl.backends.builtin import builtin_model_dir
 
-    builtin_model_dir(job["model"])  # build the cached weights before the clock starts
+    # The builtin weights are already in the cache: ``vs_trl.py`` builds them in a process of
+    # its own before any timed run, so this driver imports what `flowrl run` imports.
     output_dir = tempfile.mkdtemp(prefix="flowrl-vs-trl-")
     recorder = _Recorder()
     try:

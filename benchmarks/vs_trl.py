@@ -96,6 +96,14 @@ def run_child(framework: str, job: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def build_weights(models: list[str]) -> None:
+    """Write the builtin models' cached weights before any timed run, in a process of its
+    own: neither runner then builds them, and neither this process nor flowrl's driver
+    imports transformers for it."""
+    code = "import sys\nfrom flowrl.backends.builtin import builtin_model_dir\nfor name in sys.argv[1:]: builtin_model_dir(name)"
+    subprocess.run([sys.executable, "-c", code, *models], cwd=REPO, check=True)
+
+
 def machine() -> dict[str, Any]:
     import psutil
 
@@ -183,6 +191,7 @@ def main(argv: list[str] | None = None) -> None:
         "configs": {},
         "notes": [],
     }
+    build_weights(sorted({CONFIGS[config]["model"] for config in args.configs}))
     total = len(args.configs) * args.repeats * 2
     done = 0
     for config in args.configs:

@@ -81,3 +81,36 @@ def test_a_pending_cluster_is_taken_when_it_has_the_run_s_settings_and_closed_ot
     finally:
         cluster.close()
     pending.discard()  # taken: the run that took it closes it, not discard
+
+
+_FORKED_CLUSTER = """
+import os, sys
+from flowrl.runtime.cluster import Cluster
+if __name__ == "__main__":
+    cluster = Cluster.start_local(1)
+    views = cluster.client.run(lambda: {"ppid": os.getppid(), "warm": "flowrl.runtime.warm" in sys.modules})
+    os.environ["FLOWRL_TEST_VARIABLE"] = "set after the server started"
+    cluster.close()
+    again = Cluster.start_local(1)
+    seen = again.client.run(lambda: os.environ.get("FLOWRL_TEST_VARIABLE"))
+    again.close()
+    (view,) = views.values()
+    (value,) = seen.values()
+    print(os.getpid(), view["ppid"], view["warm"], value)
+"""
+
+
+@pytest.mark.integration
+def test_cpu_workers_are_forked_from_one_warm_server_that_ends_with_the_process() -> None:
+    import psutil
+
+    done = subprocess.run([sys.executable, "-c", _FORKED_CLUSTER], capture_output=True, text=True, cwd=ROOT, timeout=180)
+    assert done.returncode == 0, done.stderr
+    driver, server, warm, value = done.stdout.split(maxsplit=3)
+    # the worker's parent is the fork server (not the driver), which had imported the role
+    # hosts for it
+    assert server != driver and warm == "True"
+    # a variable set in the driver after the server started still reaches a new worker
+    assert value.strip() == "set after the server started"
+    # the server was stopped (and reaped) when the process exited, not left to wind down
+    assert not psutil.pid_exists(int(server))
