@@ -34,7 +34,7 @@ from flowrl.errors import CheckpointError, FlowrlError, NodeTimeout, PlacementEr
 from flowrl.graph import PipelineGraph
 from flowrl.records import RunEvent, StepRecord
 from flowrl.runtime.cluster import Cluster
-from flowrl.runtime.session import Session
+from flowrl.runtime.session import PendingSnapshot, Session
 from flowrl.runtime.waiting import lost_slots
 
 LOSS_NOTICE_S = 15.0
@@ -98,7 +98,11 @@ class Driver:
         self.addresses: dict[str, str] = {}
         """Slot -> worker address the current session was built on."""
         self.snapshot: dict[str, Any] | None = None
+        """The newest snapshot that arrived whole (a recovery restores it), of step ``snapshot_step``."""
         self.snapshot_kl: dict[str, Any] = {}
+        self.snapshot_step = 0
+        self.pending_snapshot: tuple[PendingSnapshot, dict[str, Any], int] | None = None
+        """A snapshot on its way to the driver, with the KL state and step it belongs to."""
         self.nonfinite = NonFiniteGuard(graph.spec.trainer.max_nonfinite_updates)
         self.rewards = RewardFailureGuard(graph)
         self.recovery: Recovery | None = None
@@ -177,6 +181,7 @@ class Driver:
     def _build(self) -> lc.Event:
         started = time.perf_counter()
         if self.session is not None:
+            self._settle_snapshot(lenient=True)  # before the old session's hosts forget it
             old, self.session = self.session, None
             old.release(set(lost_slots(old.hosts, old.addresses, self.cluster.addresses())))
         plan = self.replanner.plan
@@ -209,11 +214,13 @@ class Driver:
         session = self._session()
         started = time.perf_counter()
         back_to, what = 0, "the initial models"
+        if source == "snapshot":
+            self._settle_snapshot(lenient=True)
         if source == "snapshot" and self.snapshot is not None:
             session.restore(self.snapshot)
             self.kl.load_state_dict(self.snapshot_kl)
-            back_to, what = self.machine.snapshot_step or 0, f"the in-memory snapshot of step {self.machine.snapshot_step}"
-        elif source == "checkpoint" and (found := newest_checkpoint(self.folder.checkpoints)) is not None:
+            back_to, what = self.snapshot_step, f"the in-memory snapshot of step {self.snapshot_step}"
+        elif source in ("snapshot", "checkpoint") and (found := newest_checkpoint(self.folder.checkpoints)) is not None:
             session.load_checkpoint(found.path)
             self.kl.load_state_dict(found.trainer_state.get("kl", {}))
             if self.recovery is None:  # a resumed run: what the scheduler had learned (a live one still knows)
@@ -242,9 +249,28 @@ class Driver:
         return lc.Evaluated(0)
 
     def _snapshot(self, step: int) -> lc.Event:
-        self.snapshot = self._session().snapshot()
-        self.snapshot_kl = self.kl.state_dict()
+        """Copy the state aside on the workers and let it travel to the driver during the next
+        step; the previous snapshot, which had a whole step to arrive, becomes the one a
+        recovery restores."""
+        self._settle_snapshot()
+        self.pending_snapshot = (self._session().stage_snapshot(), self.kl.state_dict(), step)
         return lc.SnapshotTaken(step)
+
+    def _settle_snapshot(self, lenient: bool = False) -> None:
+        """Wait for the snapshot in flight, if any, and keep it. ``lenient``: after a fault, a
+        snapshot whose worker was lost before it arrived is dropped (the one before serves);
+        otherwise that loss raises, as any call's would."""
+        if self.pending_snapshot is None:
+            return
+        pending, kl, step = self.pending_snapshot
+        self.pending_snapshot = None
+        try:
+            taken = pending.result()
+        except Exception:  # noqa: BLE001 - see lenient
+            if lenient:
+                return
+            raise
+        self.snapshot, self.snapshot_kl, self.snapshot_step = taken, kl, step
 
     def _run_step(self, step: int) -> lc.Event:
         """Every remote call of the step first; the record is written only when all of them

@@ -80,7 +80,7 @@ class Cluster:
         """
         gpus = [device.index for device in detect_local(num_cpu_slots=0).devices if device.kind == "gpu"]
         _spawn_ignoring_interrupt()
-        if not gpus:
+        if not gpus and not os.environ.get('PROBE_SPAWN'):
             _fork_from_warm_server()  # first: its imports run while this process imports torch
         from flowrl.runtime.serialization import TorchSerializerPlugin, register
 

@@ -34,6 +34,7 @@ from flowrl.roles.data_parallel import DataParallel, weighted_rows
 from flowrl.roles.shards import shard_of
 from flowrl.runtime.collective import DeviceGroup, free_port, weights_group
 from flowrl.runtime.calls import EvalCall, NodeCall, NodeReport, key_step, store_key
+from flowrl.runtime.packing import Packed, pack
 from flowrl.runtime.serialization import register
 
 if TYPE_CHECKING:
@@ -71,6 +72,8 @@ class RoleHost:
         self.base_dir = Path(base_dir) if base_dir else None
         self.models: dict[str, ModelState] = {}
         self.store: dict[str, Any] = {}
+        self._staged: dict[str, Packed] = {}
+        """Model -> state copied aside by ``stage_state``, until ``take_staged`` hands it over."""
         self._ready: dict[str, asyncio.Event] = {}
         self._rewards = RewardCache(self.base_dir)
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flowrl-compute")
@@ -174,6 +177,20 @@ class RoleHost:
             exported["generator"] = state.generator.get_state()
         return exported
 
+    async def stage_state(self, model: str, parts: tuple[str, ...]) -> None:
+        """Copy ``export_state``'s parts aside, packed (``runtime.packing``: one buffer per
+        dtype, so the optimizer's tensors, which the next update changes in place, are copied
+        too), for ``take_staged`` to hand over while later calls run: a snapshot holds the
+        next step up for the copy only, not for the transfer."""
+        self._staged[model] = await self._computed(self._packed_state, model, parts)
+
+    def _packed_state(self, model: str, parts: tuple[str, ...]) -> Packed:
+        return pack(self._export_state(model, parts))
+
+    async def take_staged(self, model: str) -> Packed:
+        """The state ``stage_state`` copied aside (once)."""
+        return self._staged.pop(model)
+
     async def adopt_model(
         self, name: str, spec: Any, seed: int, sources: tuple[tuple[Any, tuple[str, ...]], ...], reseed: bool = False
     ) -> dict[str, float]:
@@ -201,6 +218,7 @@ class RoleHost:
         its peers may be gone, so nothing is gathered)."""
         self.models.clear()
         self.store.clear()
+        self._staged.clear()
         for group in set(self._groups.values()):
             group.close()
         self._groups.clear()

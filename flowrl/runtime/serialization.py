@@ -11,11 +11,14 @@ here, ``TorchSerializerPlugin`` does it on workers (including ones that join lat
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import torch
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol import dask_deserialize, dask_serialize
+
+from flowrl.runtime.packing import Packed
 
 _registered = False
 
@@ -53,6 +56,24 @@ def _deserialize_parameter(header: dict[str, Any], frames: list[Any]) -> torch.n
     return torch.nn.Parameter(tensor, requires_grad=requires_grad)
 
 
+def _serialize_packed(packed: Packed) -> tuple[dict[str, Any], list[Any]]:
+    # The skeleton (dicts of slots and plain values) is pickled into the first frame; each
+    # buffer goes as one raw frame, as any tensor does.
+    headers: list[dict[str, Any]] = []
+    frames: list[Any] = [pickle.dumps(packed.skeleton, protocol=pickle.HIGHEST_PROTOCOL)]
+    for tensor in packed.buffers.values():
+        header, tensor_frames = _serialize_tensor(tensor)
+        headers.append(header)
+        frames.extend(tensor_frames)
+    return {"dtypes": list(packed.buffers), "tensors": headers}, frames
+
+
+def _deserialize_packed(header: dict[str, Any], frames: list[Any]) -> Packed:
+    buffers = {dtype: _deserialize_tensor(tensor_header, [frame])
+               for dtype, tensor_header, frame in zip(header["dtypes"], header["tensors"], frames[1:])}
+    return Packed(pickle.loads(frames[0]), buffers)
+
+
 def register() -> None:
     """Install flowrl's tensor serializer in this process (idempotent)."""
     global _registered
@@ -66,6 +87,8 @@ def register() -> None:
     dask_deserialize.register(torch.Tensor)(_deserialize_tensor)
     dask_serialize.register(torch.nn.Parameter)(_serialize_parameter)
     dask_deserialize.register(torch.nn.Parameter)(_deserialize_parameter)
+    dask_serialize.register(Packed)(_serialize_packed)
+    dask_deserialize.register(Packed)(_deserialize_packed)
     _registered = True
 
 

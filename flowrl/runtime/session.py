@@ -25,6 +25,7 @@ from flowrl.runtime.executor import StepExecutor
 from flowrl.runtime.threads import call_threads
 from flowrl.runtime.host import RoleHost
 from flowrl.runtime.migration import Transfer, plan_transfers, stream_offset
+from flowrl.runtime.packing import unpack
 from flowrl.runtime.waiting import gather
 from flowrl.spec.schema import GenerateNode, UpdateNode
 
@@ -349,15 +350,17 @@ class Session:
         """The trained models' state, pulled to the driver: model -> slot -> parts. The
         training copy gives weights, optimizer and sampling RNG; every other copy of the
         model its own sampling RNG."""
-        calls = []
+        return self.stage_snapshot().result()
+
+    def stage_snapshot(self) -> "PendingSnapshot":
+        """Have every host copy its part of a :meth:`snapshot` aside, wait for that, and start
+        pulling the copies to the driver: the steps after go on while they travel."""
+        staged = []
         for model, slot, training in self._copies():
             parts = ("weights", "optimizer", "generator") if training else self._copy_parts(model, slot)
-            calls.append((model, slot, self.hosts[slot].export_state(model, parts)))
-        results = self.gather([(slot, call) for _, slot, call in calls], self._long_s, "taking a snapshot")
-        taken: dict[str, dict[str, dict[str, Any]]] = {}
-        for (model, slot, _), result in zip(calls, results):
-            taken.setdefault(model, {})[slot] = result
-        return taken
+            staged.append((model, slot, self.hosts[slot].stage_state(model, parts)))
+        self.gather([(slot, call) for _, slot, call in staged], self._long_s, "taking a snapshot")
+        return PendingSnapshot(self, [(model, slot, self.hosts[slot].take_staged(model)) for model, slot, _ in staged])
 
     def restore(self, snapshot: dict[str, dict[str, dict[str, Any]]]) -> None:
         """Put a :meth:`snapshot` back on the hosts of this session's plan (whose training
@@ -415,6 +418,24 @@ class Session:
         self.close()
         _settle([(host, "drop_all", ()) for slot, host in self.hosts.items() if slot not in lost])
         self.hosts.clear()
+
+
+class PendingSnapshot:
+    """A snapshot whose copies are on their way to the driver (``Session.stage_snapshot``)."""
+
+    def __init__(self, session: Session, fetches: list[tuple[str, str, Any]]) -> None:
+        self._session = session
+        self._fetches = fetches
+
+    def result(self) -> dict[str, dict[str, dict[str, Any]]]:
+        """model -> slot -> parts, once every copy arrived; raises like ``Session.gather``
+        when a worker holding one was lost first."""
+        results = self._session.gather([(slot, call) for _, slot, call in self._fetches],
+                                       self._session._long_s, "taking a snapshot")
+        taken: dict[str, dict[str, dict[str, Any]]] = {}
+        for (model, slot, _), result in zip(self._fetches, results):
+            taken.setdefault(model, {})[slot] = unpack(result)
+        return taken
 
 
 def _even_parts(count: int, num_parts: int) -> list[slice]:

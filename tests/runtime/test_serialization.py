@@ -37,6 +37,35 @@ def test_parameter_keeps_requires_grad() -> None:
     assert isinstance(back, torch.nn.Parameter) and back.requires_grad
 
 
+def test_packed_state_travels_as_one_buffer_per_dtype_and_comes_back_whole() -> None:
+    from distributed.protocol import dumps, loads, to_serialize
+
+    from flowrl.runtime.packing import pack, unpack
+
+    register()
+    weight = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    state = {
+        "weights": {"w": weight, "b": torch.tensor([7.0, 8.0])},
+        "optimizer": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.full((2, 3), 0.5)}},
+                      "param_groups": [{"lr": 1e-3, "params": [0]}]},
+        "num_updates": 3,
+        "generator": torch.tensor([1, 2, 250], dtype=torch.uint8),
+    }
+    packed = pack(state)
+    # float32: 6 + 2 + 1 + 6 values, in the order met; uint8: the generator's 3 bytes
+    assert {name: buffer.numel() for name, buffer in packed.buffers.items()} == {"float32": 15, "uint8": 3}
+    assert packed.buffers["float32"][8].item() == 3.0  # the step, after w and b
+    weight.add_(100)  # the packed copy shares no memory with the state it came from
+    frames = dumps({"x": to_serialize(packed)})
+    back = unpack(loads(frames)["x"])
+    assert torch.equal(back["weights"]["w"], torch.arange(6, dtype=torch.float32).reshape(2, 3))
+    assert back["weights"]["b"].tolist() == [7.0, 8.0]
+    assert back["optimizer"]["state"][0]["step"].shape == () and back["optimizer"]["state"][0]["step"].item() == 3.0
+    assert back["optimizer"]["state"][0]["exp_avg"].shape == (2, 3)
+    assert back["optimizer"]["param_groups"] == [{"lr": 1e-3, "params": [0]}]
+    assert back["num_updates"] == 3 and back["generator"].tolist() == [1, 2, 250]
+
+
 class _Holder:
     def __init__(self) -> None:
         from flowrl.runtime.serialization import register as install
