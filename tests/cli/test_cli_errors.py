@@ -126,3 +126,10 @@ def test_ctrl_c_to_the_whole_process_group_stops_cleanly(tmp_path: Path) -> None
     assert process.returncode == 130, output
     assert "interrupted" in output
     assert "Traceback" not in output, output
+
+
+def test_the_command_line_exits_with_its_output_written() -> None:
+    # main() leaves without tearing the interpreter down: what was printed still arrives
+    result = _flowrl("validate", "pipelines/grpo_tiny.yaml", "trainer.steps=7")
+    assert result.returncode == 0, result.stderr
+    assert "valid pipeline 'grpo-tiny'" in result.stdout
