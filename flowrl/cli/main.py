@@ -116,6 +116,8 @@ def run(
     force: bool = typer.Option(False, "--force", help="With --resume: go on although the pipeline changed."),
 ) -> None:
     """Train a pipeline (with any KEY=VALUE overrides): start (or join) Dask, place the roles, run the steps."""
+    if scheduler is None:
+        _start_warm_server()
     from flowrl.spec.loader import load_pipeline
 
     graph = load_pipeline(pipeline_file, overrides or [])
@@ -131,6 +133,7 @@ def resume(
     force: bool = typer.Option(False, "--force", help="Go on although the saved pipeline was edited."),
 ) -> None:
     """Continue a run from its output folder (its config.yaml and newest checkpoint)."""
+    _start_warm_server()
     import json
 
     from flowrl.spec.loader import load_pipeline
@@ -144,6 +147,15 @@ def resume(
     except (OSError, ValueError, AttributeError):
         base_dir = output_dir.resolve()
     _train(graph, base_dir, plain, True, force, output_dir=str(output_dir.resolve()))
+
+
+def _start_warm_server() -> None:
+    """Start the server local workers fork from before anything else: it imports torch and
+    transformers (seconds) while this process reads the pipeline and imports its own part.
+    A run that joins a scheduler named in the file leaves it unused; it ends with the process."""
+    from flowrl.runtime.warm_server import start_warm_server
+
+    start_warm_server()
 
 
 def _train(graph: Any, base_dir: Path, plain: bool, resume: bool, force: bool, **overrides: Any) -> None:

@@ -9,13 +9,8 @@ nanny would otherwise kill a worker that merely holds a model.
 
 from __future__ import annotations
 
-import atexit
-import hashlib
 import logging
-import multiprocessing.spawn
 import os
-import shlex
-import tempfile
 import threading
 import warnings
 from dataclasses import dataclass, replace
@@ -34,6 +29,7 @@ from flowrl.devices.inventory import (
     visible_items,
 )
 from flowrl.errors import ClusterError
+from flowrl.runtime.warm_server import WARM_PRELOAD, set_warm_preload, start_warm_server
 
 # torch (the serializers, the process groups) is imported where a cluster starts or joins,
 # not here: a command starts the local cluster first (``PendingCluster``), so that the
@@ -74,14 +70,17 @@ class Cluster:
         Every worker is a ``Nanny`` (it restarts a killed worker process under the same name)
         and preloads ``flowrl.runtime.warm``, so it registers with torch and transformers
         imported. Without GPUs the worker processes are forked from a server that imported
-        them once (see :func:`_fork_from_warm_server`). A GPU worker sees its one card only: ``CUDA_VISIBLE_DEVICES`` is set in the
+        them once (see ``flowrl.runtime.warm_server``). A GPU worker sees its one card only: ``CUDA_VISIBLE_DEVICES`` is set in the
         nanny's environment before the worker process starts, so CUDA there knows that card
         alone, as ``cuda:0``.
         """
         gpus = [device.index for device in detect_local(num_cpu_slots=0).devices if device.kind == "gpu"]
-        _spawn_ignoring_interrupt()
-        if not gpus and not os.environ.get('PROBE_SPAWN'):
-            _fork_from_warm_server()  # first: its imports run while this process imports torch
+        if start_warm_server(has_gpus=bool(gpus)):  # first: its imports run while this process imports torch
+            from distributed.utils import get_mp_context
+
+            dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
+            get_mp_context()  # Dask's one-time choice of what a fork server imports...
+            set_warm_preload()  # ...replaced by ours, for a server started again
         from flowrl.runtime.serialization import TorchSerializerPlugin, register
 
         register()
@@ -295,80 +294,6 @@ class Cluster:
             self._local.close()
 
 
-def _spawn_ignoring_interrupt() -> None:
-    """Start local worker processes with Ctrl-C ignored from their first instruction.
-
-    A terminal sends Ctrl-C to every process of its foreground group, and the driver stops
-    the workers in order itself. A worker process that is still starting (a spare, a
-    replacement after a fault) would die of it with a traceback on the terminal. Python keeps
-    a signal that is ignored when it starts ignored, so worker processes are spawned through
-    a two-line shell script that ignores SIGINT and then runs this Python. Workers joined
-    with --scheduler are the user's and keep their own signal handling.
-    """
-    spawn_python = os.fsdecode(multiprocessing.spawn.get_executable())
-    if os.path.basename(spawn_python).startswith("flowrl-python-") or not os.path.exists("/bin/sh"):
-        return
-    digest = hashlib.sha256(spawn_python.encode()).hexdigest()[:12]
-    wrapper = os.path.join(tempfile.gettempdir(), f"flowrl-python-{os.getuid()}-{digest}")
-    if not os.path.exists(wrapper):
-        staging = f"{wrapper}.{os.getpid()}"
-        with open(staging, "w") as handle:
-            handle.write(f"#!/bin/sh\ntrap '' INT\nexec {shlex.quote(spawn_python)} \"$@\"\n")
-        os.chmod(staging, 0o755)
-        os.replace(staging, wrapper)
-    multiprocessing.spawn.set_executable(wrapper)
-
-
-def _fork_from_warm_server() -> None:
-    """Start local worker processes by forking a server process that imported torch,
-    transformers and the role hosts once (multiprocessing's ``forkserver``), instead of
-    spawning fresh interpreters that each import them.
-
-    On 2 cores, two spawned workers importing torch and transformers side by side with the
-    driver took about 3.5 s before they registered, and each kept its own copy of the
-    imported modules' memory (about 290 MiB per worker). Forked workers share those pages
-    with the server and start in a fraction of a second (a worker the nanny restarts after a
-    fault too).
-
-    Only for clusters without GPU workers: CUDA cannot be used in a process forked from one
-    that initialised it, and what an import initialises is the imported library's business.
-    """
-    import multiprocessing
-    import multiprocessing.forkserver
-
-    from distributed.utils import get_mp_context
-
-    dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
-    get_mp_context()  # Dask's one-time choice of forkserver preloads, replaced just below
-    multiprocessing.get_context("forkserver").set_forkserver_preload(["distributed", WARM_PRELOAD])
-    if not _SERVER_STOPPED_AT_EXIT:
-        _SERVER_STOPPED_AT_EXIT.append(True)
-        atexit.register(_stop_warm_server)
-    multiprocessing.forkserver.ensure_running()
-
-
-_SERVER_STOPPED_AT_EXIT: list[bool] = []
-"""Not empty once :func:`_stop_warm_server` is registered to run at exit."""
-
-
-def _stop_warm_server() -> None:
-    """End the fork server when this process exits. Left alone it would notice the exit and
-    then spend a second or more finalising torch and transformers, holding the terminal's
-    output open after the command returned. Its workers are gone by then: a cluster closes
-    before the process exits. Reaping it counts its CPU time (and its workers') as ours."""
-    import multiprocessing.forkserver
-    import signal
-
-    pid = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
-    if pid is None:
-        return
-    try:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-    except (ProcessLookupError, ChildProcessError):
-        pass
-
-
 def split_cores(cores: list[int], num_slots: int) -> list[tuple[int, ...]]:
     """Consecutive, equal shares of ``cores`` for ``num_slots`` slots (the first ones get
     one more when they do not divide); every slot gets at least one core."""
@@ -387,7 +312,6 @@ def split_cores(cores: list[int], num_slots: int) -> list[tuple[int, ...]]:
 
 
 SPARE_PREFIX = "spare-"
-WARM_PRELOAD = "flowrl.runtime.warm"
 
 
 def _worker_spec(name: str, visible_devices: str) -> dict[str, Any]:
