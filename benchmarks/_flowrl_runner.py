@@ -121,6 +121,11 @@ def run_flowrl(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> None:
+    # What `flowrl run` does first: the server local workers fork from starts importing
+    # torch and transformers while this process imports flowrl.
+    from flowrl.runtime.warm_server import start_warm_server
+
+    start_warm_server()
     job = json.loads(sys.argv[1])
     result = run_flowrl(job)
     Path(sys.argv[2]).write_text(json.dumps(result))

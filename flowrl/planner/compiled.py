@@ -19,7 +19,7 @@ from flowrl.devices.matching import Match, match_groups
 from flowrl.graph import PipelineGraph
 from flowrl.planner.cost import CpuRates
 from flowrl.planner.costs import CostSource, EstimatedCosts
-from flowrl.planner.search import Evaluation, SearchOptions, SearchResult, evaluate, search
+from flowrl.planner.search import FEWER_CPU_SLOTS_WITHIN, Evaluation, SearchOptions, SearchResult, evaluate, search
 
 
 @dataclass(frozen=True)
@@ -222,7 +222,9 @@ def _reason(
             candidate = (float("inf"), f"{text} does not fit in memory")
         else:
             delta_ms = (trial.schedule.iteration_s - best.schedule.iteration_s) * 1e3
-            candidate = (trial.schedule.iteration_s, f"{text} +{delta_ms:.2f} ms")
+            # a faster option lost only to one on fewer CPU slots (search.FEWER_CPU_SLOTS_WITHIN)
+            note = f"{delta_ms:.2f} ms, within {FEWER_CPU_SLOTS_WITHIN:.0%} on fewer CPU slots" if delta_ms < 0 else f"+{delta_ms:.2f} ms"
+            candidate = (trial.schedule.iteration_s, f"{text} {note}")
         if runner_up is None or candidate[0] < runner_up[0]:
             runner_up = candidate
     assert runner_up is not None

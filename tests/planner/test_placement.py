@@ -54,13 +54,16 @@ def test_exclusive_groups_get_a_slot_each_and_modelless_nodes_run_next_to_their_
 def test_the_reference_shares_the_actor_s_slot_when_that_saves_the_transfers() -> None:
     # rollout -> ref -> train is a chain: a second slot lets no two of them run together, so
     # the planner puts the reference next to the actor (no copies of the rollout and the
-    # log-probs between workers) and the reward and advantage on the free slot
+    # log-probs between workers). The reward and advantage would overlap the reference on the
+    # free slot, but that saves less than FEWER_CPU_SLOTS_WITHIN of the step: they stay too.
     pipeline = pipeline_from_dict(_data())
     compiled = compile_plan(pipeline, inventory(cpu(0), cpu(1)))
     assert compiled.shared == {"ref_group": "actor_group"}
     plan = plan_from_compiled(pipeline, compiled, ["cpu-0", "cpu-1"])
-    assert plan.node_slots == {"rollout": "cpu-0", "reward": "cpu-1", "ref": "cpu-0", "adv": "cpu-1", "train": "cpu-0"}
+    assert plan.node_slots == {"rollout": "cpu-0", "reward": "cpu-0", "ref": "cpu-0", "adv": "cpu-0", "train": "cpu-0"}
     assert "ref_group on actor_group's devices" in next(n.reason for n in compiled.nodes if n.node == "ref")
+    reward = next(n.reason for n in compiled.nodes if n.node == "reward")
+    assert "next: cpu-1 (cpu slot) -" in reward and "on fewer CPU slots" in reward
 
 
 def test_more_groups_than_slots_share_a_slot() -> None:
