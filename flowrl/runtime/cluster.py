@@ -203,7 +203,7 @@ class Cluster:
     def addresses(self) -> dict[str, str]:
         """Slot -> the address of its worker registered right now (absent: none is). A worker
         that was replaced has a new address under the same name."""
-        by_name = {str(info["name"]): address for address, info in self.client.scheduler_info(n_workers=-1)["workers"].items()}
+        by_name = {str(info["name"]): address for address, info in registered_workers(self.client).items()}
         return {slot.name: by_name[str(slot.worker)] for slot in self.slots if str(slot.worker) in by_name}
 
     def alive(self) -> set[str]:
@@ -246,7 +246,7 @@ class Cluster:
         if self._local is None:
             return {}
         serving = {str(slot.worker) for slot in self.slots}
-        names = {str(info["name"]) for info in self.client.scheduler_info(n_workers=-1)["workers"].values()}
+        names = {str(info["name"]) for info in registered_workers(self.client).values()}
         return {name: _worker_kind(name) for name in sorted(names - serving)}
 
     def take_over(self, names: set[str], hung: set[str]) -> list[str]:
@@ -271,7 +271,7 @@ class Cluster:
         return taken
 
     def _address_of(self, worker: str) -> str | None:
-        for address, info in self.client.scheduler_info(n_workers=-1)["workers"].items():
+        for address, info in registered_workers(self.client).items():
             if str(info["name"]) == worker:
                 return str(address)
         return None
@@ -424,8 +424,17 @@ def _gpu_slots(slots: list[WorkerSlot], reports: dict[str, Inventory],
     return out
 
 
+def registered_workers(client: Client) -> dict[str, Any]:
+    """The scheduler's workers right now: address -> info. Asked of the scheduler directly:
+    ``Client.scheduler_info`` returns a cached copy that the client's periodic refresh
+    replaces with one without workers, and a call can read that copy just after its own
+    refresh (seen as every worker gone at once, in the middle of a step)."""
+    identity = client.sync(client.scheduler.identity, n_workers=-1)
+    return dict(identity.get("workers", {}))
+
+
 def _slots(client: Client, prefix: str | None) -> list[WorkerSlot]:
-    workers = client.scheduler_info(n_workers=-1)["workers"]
+    workers = registered_workers(client)
     slots = []
     for address, info in workers.items():
         name = info["name"]

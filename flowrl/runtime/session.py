@@ -19,7 +19,7 @@ from flowrl.graph import PipelineGraph
 from flowrl.planner.placement import Plan
 from flowrl.records import DeviceSample
 from flowrl.runtime.calls import EvalCall, NodeReport
-from flowrl.runtime.cluster import Cluster, WorkerSlot
+from flowrl.runtime.cluster import Cluster, WorkerSlot, registered_workers
 from flowrl.runtime.collective import weights_group
 from flowrl.runtime.executor import StepExecutor
 from flowrl.runtime.threads import call_threads
@@ -240,7 +240,7 @@ class Session:
         then hosts that lost a model drop it. Batches of finished steps are not needed
         again, so nothing else moves."""
         started = time.perf_counter()
-        alive = {str(info["name"]) for info in self.cluster.client.scheduler_info(n_workers=-1)["workers"].values()}
+        alive = {str(info["name"]) for info in registered_workers(self.cluster.client).values()}
         alive = {slot.name for slot in self.cluster.slots if str(slot.worker) in alive}
         transfers = plan_transfers(self.pipeline, self.plan, plan, alive)
         # first: a sharded model whose group changes gathers its whole state on its ranks,

@@ -114,3 +114,24 @@ def test_cpu_workers_are_forked_from_one_warm_server_that_ends_with_the_process(
     assert value.strip() == "set after the server started"
     # the server was stopped (and reaped) when the process exited, not left to wind down
     assert not psutil.pid_exists(int(server))
+
+
+@pytest.mark.integration
+def test_the_workers_registered_come_from_the_scheduler_not_the_client_s_cached_copy() -> None:
+    from distributed.client import SchedulerInfo
+
+    from flowrl.runtime.cluster import Cluster
+
+    cluster = Cluster.start_local(2)
+
+    async def refreshed_by_the_periodic_callback(**kwargs: Any) -> None:
+        # the client's periodic refresh (no workers, totals only) landing right after a
+        # caller's own refresh, before the caller reads the cache
+        cluster.client._scheduler_identity = SchedulerInfo({"workers": {}})
+
+    try:
+        cluster.client._update_scheduler_info = refreshed_by_the_periodic_callback  # type: ignore[method-assign]
+        assert sorted(cluster.addresses()) == ["cpu-0", "cpu-1"]
+        assert cluster.alive() == {"cpu-0", "cpu-1"}
+    finally:
+        cluster.close()
