@@ -8,6 +8,8 @@ costs more than the bytes do: a snapshot of ``builtin:tiny-llama`` (85 tensors, 
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,40 +40,35 @@ def pack(tree: Any) -> Packed:
     parts: dict[str, list[torch.Tensor]] = {}
     sizes: dict[str, int] = {}
 
-    def walk(node: Any) -> Any:
-        if isinstance(node, torch.Tensor):
-            dtype = str(node.dtype).removeprefix("torch.")
-            offset = sizes.get(dtype, 0)
-            parts.setdefault(dtype, []).append(node.detach().reshape(-1))
-            sizes[dtype] = offset + node.numel()
-            return _Slot(dtype, offset, tuple(node.shape))
-        if isinstance(node, dict):
-            return {key: walk(value) for key, value in node.items()}
-        if isinstance(node, list):
-            return [walk(value) for value in node]
-        if isinstance(node, tuple):
-            return tuple(walk(value) for value in node)
-        return node
+    def slot(tensor: torch.Tensor) -> _Slot:
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        offset = sizes.get(dtype, 0)
+        parts.setdefault(dtype, []).append(tensor.detach().reshape(-1))
+        sizes[dtype] = offset + tensor.numel()
+        return _Slot(dtype, offset, tuple(tensor.shape))
 
-    skeleton = walk(tree)
+    skeleton = _map_leaves(tree, torch.Tensor, slot)
     return Packed(skeleton, {dtype: torch.cat(tensors) for dtype, tensors in parts.items()})
 
 
 def unpack(packed: Packed) -> Any:
     """The structure back, its tensors views into the packed buffers (no copy)."""
 
-    def walk(node: Any) -> Any:
-        if isinstance(node, _Slot):
-            size = 1
-            for dim in node.shape:
-                size *= dim
-            return packed.buffers[node.dtype][node.offset:node.offset + size].view(node.shape)
-        if isinstance(node, dict):
-            return {key: walk(value) for key, value in node.items()}
-        if isinstance(node, list):
-            return [walk(value) for value in node]
-        if isinstance(node, tuple):
-            return tuple(walk(value) for value in node)
-        return node
+    def view(slot: _Slot) -> torch.Tensor:
+        return packed.buffers[slot.dtype][slot.offset:slot.offset + math.prod(slot.shape)].view(slot.shape)
 
-    return walk(packed.skeleton)
+    return _map_leaves(packed.skeleton, _Slot, view)
+
+
+def _map_leaves(node: Any, kind: type, change: Callable[[Any], Any]) -> Any:
+    """``node`` with every leaf of type ``kind`` replaced by ``change(leaf)``, through dicts,
+    lists and tuples; anything else is kept as it is."""
+    if isinstance(node, kind):
+        return change(node)
+    if isinstance(node, dict):
+        return {key: _map_leaves(value, kind, change) for key, value in node.items()}
+    if isinstance(node, list):
+        return [_map_leaves(value, kind, change) for value in node]
+    if isinstance(node, tuple):
+        return tuple(_map_leaves(value, kind, change) for value in node)
+    return node
