@@ -287,8 +287,9 @@ def search(
         results.append(result)
         if result.best.feasible and result.best.key < best.best.key:
             best = result
-    _, best = fewest_cpu_slots([(result.best, result) for result in results], best.best, inventory,
-                               lambda item: (item[0].key, results.index(item[1])))
+    # ties after the CPU slots: the key, then the plain match before the sharings, in order
+    _, (_, best) = fewest_cpu_slots([(result.best, (index, result)) for index, result in enumerate(results)],
+                                    best.best, inventory, lambda item: (item[0].key, item[1][0]))
     if not best.best.feasible:
         raise PlacementError(_memory_message(best.best, inventory, options.memory_reserve, pipeline))
     return replace(best, num_evaluated=evaluated)
