@@ -257,6 +257,10 @@ class Lifecycle:
             return Restore(self._restore_source())
         if isinstance(event, Restored):
             self.step = event.step + 1
+            if self.snapshot_step is not None and self.snapshot_step > event.step:
+                # the newest snapshot was lost on its way and an older state came back: the
+                # next one is due counting from there
+                self.snapshot_step = event.step
             self.pending, self.hung = (), ()
             if self.evaluate_first:
                 self.phase = "evaluating"
@@ -299,8 +303,10 @@ class Lifecycle:
         return self._snapshot_or_next(step)
 
     def _snapshot_or_next(self, step: int) -> Instruction:
-        every = self.snapshot_every
-        if every and step % every == 0 and self.snapshot_step != step:
+        every, last = self.snapshot_every, self.snapshot_step
+        # Counted from the newest snapshot, so a cadence the driver changes mid-run (or a
+        # restore from a checkpoint) neither skips nor doubles one.
+        if every and (last is None or step - last >= every):
             self.phase = "snapshotting"
             return Snapshot(step)
         return self._next()

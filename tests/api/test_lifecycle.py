@@ -314,3 +314,36 @@ def test_events_before_start_or_after_the_end_are_bugs() -> None:
     assert machine.phase == "finished"
     with pytest.raises(lc.LifecycleError):
         machine.handle(lc.Failed(LOST))
+
+
+def test_snapshots_are_counted_from_the_newest_one_when_the_cadence_changes() -> None:
+    # The driver lengthens the cadence once it knows the step time (``snapshot_every: null``).
+    machine = lc.Lifecycle(num_steps=9, snapshot_every=1)
+
+    def react(instruction: lc.Instruction) -> lc.Event | None:
+        if isinstance(instruction, lc.RunStep) and instruction.step == 1:
+            machine.snapshot_every = 3
+        return None
+
+    seen = [name for name in names(drive(machine, react)) if name.startswith("Snapshot")]
+    assert seen == ["Snapshot 0", "Snapshot 3", "Snapshot 6", "Snapshot 9"]
+
+
+def test_a_recovery_to_an_older_state_counts_the_next_snapshot_from_that_state() -> None:
+    # The snapshot of step 4 never arrived: the driver restored step 2's, and says so.
+    machine = lc.Lifecycle(num_steps=8, snapshot_every=2)
+    seen: list[lc.Instruction] = [machine.start()]
+    fault_done = False
+    while not isinstance(seen[-1], (lc.Stop, lc.Finish)):
+        instruction = seen[-1]
+        if isinstance(instruction, lc.RunStep) and instruction.step == 5 and not fault_done:
+            fault_done = True
+            event: lc.Event = lc.Failed(LOST)
+        elif isinstance(instruction, lc.Restore) and fault_done:
+            event = lc.Restored(2)
+        else:
+            event = ok(instruction)
+        seen.append(machine.handle(event))
+    after = names(seen)[names(seen).index("RunStep 5") + 1:]
+    assert after[after.index("Replan 3"):after.index("Replan 3") + 6] == [
+        "Replan 3", "RunStep 3", "Replan 4", "RunStep 4", "Snapshot 4", "Replan 5"]

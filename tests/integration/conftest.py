@@ -30,8 +30,9 @@ def tiny_grpo(output_dir: Path, steps: int, kl_coef: float = 0.02, checkpoint_ev
     p.trainer(steps=steps, output_dir=str(output_dir), seed=0, checkpoint_every=checkpoint_every, keep_checkpoints=2,
               **trainer)
     # No warm spare unless a test asks: most runs here last seconds, and a spare importing
-    # torch beside them only slows the suite on 2 cores.
-    p.runtime(**{"standby_workers": 0, **(runtime or {})})
+    # torch beside them only slows the suite on 2 cores. A snapshot every step, so a fault
+    # test knows which step its run goes back to (the run's own cadence depends on its speed).
+    p.runtime(**{"standby_workers": 0, "snapshot_every": 1, **(runtime or {})})
     return p
 
 

@@ -60,12 +60,14 @@ def _events(output: Path) -> list[dict]:
     return [json.loads(line) for line in (output / "events.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize(("snapshot_every", "restored_from"), [
-    (None, "the in-memory snapshot of step 2"),  # tiny models: a snapshot every step
-    (0, "checkpoint step-2"),                    # no snapshots: back to the newest checkpoint
+@pytest.mark.parametrize(("snapshot_every", "restored_from", "again_from"), [
+    (1, "the in-memory snapshot of step 2", 3),  # a snapshot every step
+    (0, "checkpoint step-2", 3),                 # no snapshots: back to the newest checkpoint
+    # left to the run: one at the start, the next after about 10 s of steps
+    (None, "the in-memory snapshot of step 0", 1),
 ])
 def test_a_worker_killed_mid_step_is_replaced_and_the_run_completes(
-    tmp_path: Path, snapshot_every: int | None, restored_from: str
+    tmp_path: Path, snapshot_every: int | None, restored_from: str, again_from: int
 ) -> None:
     (tmp_path / "killer.py").write_text(KILLER)
     output = tmp_path / "out"
@@ -81,7 +83,7 @@ def test_a_worker_killed_mid_step_is_replaced_and_the_run_completes(
     fault = next(e for e in _events(output) if e["kind"] == "fault")
     recovered = next(e for e in _events(output) if e["kind"] == "recovered")
     assert fault["step"] == 3 and "lost" in fault["message"]
-    assert restored_from in recovered["message"] and "running again from step 3" in recovered["message"]
+    assert restored_from in recovered["message"] and f"running again from step {again_from}" in recovered["message"]
     assert " s lost" in recovered["message"]
 
 
@@ -91,7 +93,7 @@ def test_a_rank_of_a_sharded_update_killed_mid_step_is_replaced_and_the_run_comp
     # one, and the sharded model is restored from the snapshot of step 2.
     (tmp_path / "killer.py").write_text(KILLER)
     output = tmp_path / "out"
-    spec = tiny_grpo(output, steps=5, reward="killer:score").to_dict()
+    spec = tiny_grpo(output, steps=5, reward="killer:score", runtime={"snapshot_every": 1}).to_dict()
     spec["models"]["actor"]["sharded"] = True
     spec["devices"]["actor_group"]["count"] = 2
     from flowrl.spec.loader import pipeline_from_dict
