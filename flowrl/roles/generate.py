@@ -109,8 +109,7 @@ def _columns(rows: Sequence[Any]) -> dict[str, list[Any]]:
 def _engine(state: ModelState, node: Any) -> Callable[..., GenerationOutput]:
     """The decode function the node asked for (``engine``); see GenerateNode.engine."""
     engine = getattr(node, "engine", "auto")
-    on_gpu = state.device.type == "cuda"
-    if engine == "static" or (engine == "auto" and on_gpu):
+    if engine in ("static", "auto"):
         decoder = decoder_for(state.module)
         if decoder is not None:
             return decoder.generate

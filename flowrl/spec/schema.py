@@ -227,9 +227,10 @@ class GenerateNode(_NodeBase):
     top_k: int = Field(default=0, ge=0)
     """Sample among the k likeliest tokens; 0 turns it off. Default 0."""
     engine: Literal["auto", "static", "loop"] = "auto"
-    """Decode engine. ``static``: a static KV cache whose per-token step replays one CUDA graph on
-    a GPU (Llama and Qwen2 models). ``loop``: one transformers forward per token (any causal
-    LM). ``auto``: static on a GPU when the model supports it, else loop. Default auto."""
+    """Decode engine. ``static``: flowrl's decoder over a KV cache allocated once, whose
+    per-token step replays one CUDA graph on a GPU and runs eagerly on a CPU (Llama and Qwen2
+    models). ``loop``: one transformers forward per token (any causal LM). ``auto``: static
+    when the model supports it, else loop. Default auto."""
 
     @property
     def work(self) -> Work:

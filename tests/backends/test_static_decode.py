@@ -161,10 +161,11 @@ def test_greedy_matches_generate_on_gpu(kind: str, compile_layers: bool) -> None
 
 
 def test_batches_of_other_prompt_widths_reuse_the_cache() -> None:
-    """Prompt widths are rounded up (and never shrink the cache), so batches whose longest
-    prompt differs reuse one set of buffers (and, on a GPU, the captured graphs)."""
+    """With fixed shapes (captured graphs: on a GPU), prompt widths are rounded up (and never
+    shrink the cache), so batches whose longest prompt differs reuse one set of buffers and
+    the captured graphs."""
     model = build("llama")
-    decoder = StaticDecoder(model)
+    decoder = StaticDecoder(model, fixed_shapes=True)
     shapes, buffers = [], []
     for lengths, seed in (([5, 2, 7], 1), ([3, 3, 1], 2), ([9, 4, 6], 3)):
         ids, mask = left_padded(lengths, seed=seed)
@@ -174,3 +175,27 @@ def test_batches_of_other_prompt_widths_reuse_the_cache() -> None:
         buffers.append(decoder._buffers)
     assert shapes == [(3, 42, 10)] * 3  # 32 prompt columns (widths 7, 3, 9 rounded up) + 10 new
     assert buffers[0] is buffers[1] is buffers[2]
+
+
+def test_without_graphs_prompts_keep_their_width_and_steps_attend_over_the_columns_written() -> None:
+    model = build("llama")
+    decoder = StaticDecoder(model)  # on CPU: no graphs, so no fixed shapes
+    assert not decoder.fixed_shapes
+    windows: list[int] = []
+    step = decoder._decode_step
+
+    def recorded(batch: int, window: int, *args: object) -> None:
+        windows.append(window)
+        step(batch, window, *args)  # type: ignore[arg-type]
+
+    decoder._decode_step = recorded  # type: ignore[method-assign]
+    for lengths, seed in (([5, 2, 7], 1), ([3, 3, 1], 2)):
+        ids, mask = left_padded(lengths, seed=seed)
+        out = decoder.generate(ids, mask, 10, eos_token_id=VOCAB_SIZE + 5, pad_token_id=PAD_ID, greedy=True)
+        assert torch.equal(out.completion_ids, hf_greedy(model, ids, mask, 10, eos=VOCAB_SIZE + 5))
+        width = max(lengths)
+        assert decoder._shape == (3, width + 10, 10)  # the prompts' own width, nothing rounded up
+        # the prefill wrote columns 0..width-1 and sampled the first token; decode step t
+        # (t = 1..9) writes column width + t - 1 and attends over columns 0..width + t - 1
+        assert windows == [width + t for t in range(1, 10)]
+        windows.clear()

@@ -53,3 +53,24 @@ def test_completion_texts_equal_batch_decode_with_padding_special_tokens_and_cle
     # the tokenizer's clean-up of spaces before punctuation is kept
     tokenizer.clean_up_tokenization_spaces = True
     assert _decode(tokenizer, ids, mask)[0] == tokenizer.batch_decode(rows, skip_special_tokens=True)[0] == "ab,c"
+
+
+def test_auto_engine_decodes_llama_models_with_the_static_decoder_on_cpu_too() -> None:
+    import torch
+
+    from flowrl.roles.generate import _engine
+
+    state = model_state("actor", tiny_policy(0))
+    auto = _engine(state, GenerateNode(model="actor", inputs=["prompts"], n=2, max_new_tokens=4))
+    loop = _engine(state, GenerateNode(model="actor", inputs=["prompts"], n=2, max_new_tokens=4, engine="loop"))
+    assert getattr(auto, "__self__", None).__class__.__name__ == "StaticDecoder"
+    assert getattr(loop, "__self__", None) is None  # transformers' forward, one per token
+    # the same tokens and log-probabilities from the same noise
+    ids = torch.tensor([[5, 6, 7], [0, 8, 9]])
+    mask = torch.tensor([[1, 1, 1], [0, 1, 1]])
+    settings = dict(max_new_tokens=6, eos_token_id=state.tokenizer.eos_token_id,
+                    pad_token_id=state.tokenizer.pad_token_id)
+    a = auto(ids, mask, generator=torch.Generator().manual_seed(3), **settings)
+    b = loop(ids, mask, generator=torch.Generator().manual_seed(3), **settings)
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    torch.testing.assert_close(a.sampled_logprobs, b.sampled_logprobs, atol=1e-5, rtol=0)
