@@ -361,8 +361,19 @@ def _quiet_worker_config() -> None:
     # ``distributed.deploy.lost-worker-timeout`` (15 s) of its loss. Several replacements
     # importing torch at once on a busy machine take longer than that, and a closed nanny
     # never brings its worker back: the run's own deadline (runtime.recovery_timeout_s) decides.
+    #
+    # Every process of the cluster wakes on timers that serve Dask's dashboard and its own
+    # health checks: the event-loop tick every 20 ms, psutil's process and disk counters every
+    # 500 ms, the memory monitor every 100 ms. On 2 cores each wake-up takes a core from a
+    # node's torch threads, whose parallel regions then wait for it; slower timers halved the
+    # CPU time the cluster spent besides the node calls (measured per thread over 8 s of
+    # builtin:small-llama steps: 0.84-0.89 s before, 0.44-0.59 s after).
     dask.config.set({"distributed.worker.profile.enabled": False, "distributed.nanny.pre-spawn-environ": environ,
-                     "distributed.deploy.lost-worker-timeout": "24h"})
+                     "distributed.deploy.lost-worker-timeout": "24h",
+                     "distributed.admin.tick.interval": "500ms",
+                     "distributed.admin.system-monitor.interval": "2s",
+                     "distributed.admin.system-monitor.disk": False,
+                     "distributed.worker.memory.monitor-interval": "1s"})
 
 
 def _report_devices(dask_worker: Any) -> dict[str, Any]:

@@ -89,6 +89,8 @@ from flowrl.runtime.cluster import Cluster
 if __name__ == "__main__":
     cluster = Cluster.start_local(1)
     views = cluster.client.run(lambda: {"ppid": os.getppid(), "warm": "flowrl.runtime.warm" in sys.modules})
+    timers = cluster.client.run(lambda dask_worker: {name: dask_worker.periodic_callbacks[name].callback_time
+                                                     for name in ("tick", "monitor")})
     os.environ["FLOWRL_TEST_VARIABLE"] = "set after the server started"
     cluster.close()
     again = Cluster.start_local(1)
@@ -96,7 +98,8 @@ if __name__ == "__main__":
     again.close()
     (view,) = views.values()
     (value,) = seen.values()
-    print(os.getpid(), view["ppid"], view["warm"], value)
+    (timer,) = timers.values()
+    print(os.getpid(), view["ppid"], view["warm"], timer["tick"], timer["monitor"], value)
 """
 
 
@@ -106,12 +109,14 @@ def test_cpu_workers_are_forked_from_one_warm_server_that_ends_with_the_process(
 
     done = subprocess.run([sys.executable, "-c", _FORKED_CLUSTER], capture_output=True, text=True, cwd=ROOT, timeout=180)
     assert done.returncode == 0, done.stderr
-    driver, server, warm, value = done.stdout.split(maxsplit=3)
+    driver, server, warm, tick_ms, monitor_ms, value = done.stdout.split(maxsplit=5)
     # the worker's parent is the fork server (not the driver), which had imported the role
     # hosts for it
     assert server != driver and warm == "True"
     # a variable set in the driver after the server started still reaches a new worker
     assert value.strip() == "set after the server started"
+    # the worker's event-loop tick and system monitor wake it seldom (Dask: 20 ms and 500 ms)
+    assert (float(tick_ms), float(monitor_ms)) == (500.0, 2000.0)
     # the server was stopped (and reaped) when the process exited, not left to wind down
     assert not psutil.pid_exists(int(server))
 
