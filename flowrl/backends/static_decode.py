@@ -134,6 +134,14 @@ def _sample_tail(
     return sample_with_noise(logits, temperature, top_p, top_k, noise)
 
 
+def _repeats_of_previous_row(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B] bool: row ``i`` holds the same prompt (tokens and mask) as row ``i - 1``."""
+    repeat = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    if input_ids.shape[0] > 1:
+        repeat[1:] = ((input_ids[1:] == input_ids[:-1]) & (attention_mask[1:] == attention_mask[:-1])).all(dim=1)
+    return repeat
+
+
 def _rms_norm_weights(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
     x32 = x.to(torch.float32)
@@ -312,7 +320,24 @@ class StaticDecoder:
         return F.linear(F.silu(gate) * up, layer.down.weight, layer.down.bias)
 
     def _prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Run the prompts, fill cache columns 0..P-1; return the last column's hidden states."""
+        """Run the prompts, fill cache columns 0..P-1; return the last column's hidden states.
+
+        A prompt repeated in consecutive rows (a GRPO group's samples) runs once; its cache
+        rows and hidden state are copied to the repeats."""
+        repeat = _repeats_of_previous_row(input_ids, attention_mask)
+        if not bool(repeat.any()):
+            return self._prefill_rows(input_ids, attention_mask)
+        first = (~repeat).nonzero().squeeze(1)
+        owner = (~repeat).long().cumsum(0) - 1  # row -> index of its prompt's first row in ``first``
+        hidden = self._prefill_rows(input_ids[first], attention_mask[first])
+        b = self._buffers
+        assert b is not None
+        length, rows = input_ids.shape[1], owner.shape[0]
+        for cache in (b.keys, b.values):
+            cache[:, :rows, :, :length] = cache[:, owner, :, :length]
+        return hidden.index_select(0, owner)
+
+    def _prefill_rows(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         batch, length = input_ids.shape
         valid = attention_mask.bool()
         positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)

@@ -199,3 +199,31 @@ def test_without_graphs_prompts_keep_their_width_and_steps_attend_over_the_colum
         # (t = 1..9) writes column width + t - 1 and attends over columns 0..width + t - 1
         assert windows == [width + t for t in range(1, 10)]
         windows.clear()
+
+
+def test_a_prompt_repeated_in_consecutive_rows_is_prefilled_once() -> None:
+    model = build("qwen2")
+    decoder = StaticDecoder(model)
+    prefilled: list[int] = []
+    rows_of = decoder._prefill_rows
+
+    def recorded(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        prefilled.append(ids.shape[0])
+        return rows_of(ids, mask)
+
+    decoder._prefill_rows = recorded  # type: ignore[method-assign]
+    ids, mask = left_padded([4, 6, 3], seed=7)
+    grouped_ids, grouped_mask = ids.repeat_interleave(3, dim=0), mask.repeat_interleave(3, dim=0)
+    out = decoder.generate(grouped_ids, grouped_mask, 8, eos_token_id=VOCAB_SIZE + 5, pad_token_id=PAD_ID, greedy=True)
+    assert prefilled == [3]  # 9 rows, 3 prompts
+    assert torch.equal(out.completion_ids, hf_greedy(model, grouped_ids, grouped_mask, 8, eos=VOCAB_SIZE + 5))
+    # sampled: every row its own draw, the same as the plain loop's from the same noise
+    settings = dict(eos_token_id=VOCAB_SIZE + 5, pad_token_id=PAD_ID)
+    sampled = decoder.generate(grouped_ids, grouped_mask, 8, generator=torch.Generator().manual_seed(2), **settings)
+    plain = generate_tokens(model, grouped_ids, grouped_mask, 8, generator=torch.Generator().manual_seed(2), **settings)
+    assert torch.equal(sampled.completion_ids, plain.completion_ids)
+    torch.testing.assert_close(sampled.sampled_logprobs, plain.sampled_logprobs, atol=1e-5, rtol=0)
+    # distinct prompts run as they are
+    prefilled.clear()
+    decoder.generate(ids, mask, 4, greedy=True, **settings)
+    assert prefilled == [3]
