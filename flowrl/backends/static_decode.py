@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from flowrl.backends.decode_attention import decode_attention, rotate
 from flowrl.backends.generation import GenerationOutput, check_arguments, decode_threads, sample_with_noise
+from flowrl.backends.shared_prompt import repeats_of_previous_row
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 FINISHED_CHECK_EVERY = 16
@@ -132,14 +133,6 @@ def _sample_tail(
     """Final norm, output head and sampling of one token per row (compiled: a few kernels)."""
     logits = F.linear(_rms_norm_weights(hidden, norm, norm_eps), head, head_bias).float()
     return sample_with_noise(logits, temperature, top_p, top_k, noise)
-
-
-def _repeats_of_previous_row(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """[B] bool: row ``i`` holds the same prompt (tokens and mask) as row ``i - 1``."""
-    repeat = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-    if input_ids.shape[0] > 1:
-        repeat[1:] = ((input_ids[1:] == input_ids[:-1]) & (attention_mask[1:] == attention_mask[:-1])).all(dim=1)
-    return repeat
 
 
 def _rms_norm_weights(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -324,7 +317,7 @@ class StaticDecoder:
 
         A prompt repeated in consecutive rows (a GRPO group's samples) runs once; its cache
         rows and hidden state are copied to the repeats."""
-        repeat = _repeats_of_previous_row(input_ids, attention_mask)
+        repeat = repeats_of_previous_row(input_ids, attention_mask)
         if not bool(repeat.any()):
             return self._prefill_rows(input_ids, attention_mask)
         first = (~repeat).nonzero().squeeze(1)

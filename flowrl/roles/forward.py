@@ -16,6 +16,7 @@ from flowrl.algorithms.logprobs import (
 )
 from flowrl.backends.compiled_layers import run_compiled
 from flowrl.backends.packed_attention import can_pack, packed
+from flowrl.backends.shared_prompt import shared_prompt_layout, shared_prompts
 from flowrl.roles.sharded import is_sharded
 from flowrl.roles.batch import Rollout
 
@@ -171,6 +172,12 @@ def _logprobs(module: torch.nn.Module, rollout: Rollout, device: torch.device,
     return window.pad(flat.view(labels.shape)), entropy
 
 
+SHARE_PROMPTS_ABOVE = 0.1
+"""A pass on a CPU computes each prompt shared by consecutive rows once (a GRPO group's
+samples: ``flowrl.backends.shared_prompt``) when that leaves out at least this share of its
+real tokens. On 2 cores, 4 prompts of 10 tokens x 8 samples of 32 tokens on
+builtin:small-llama: the reference pass 81 -> 71 ms, the update's forward and backward
+248 -> 206 ms."""
 PACK_BELOW = 0.8
 """A pass is packed when its real tokens are fewer than this share of its padded tokens.
 Below it, the tokens saved pay for what a packed pass costs on top: a compiled layer sees a
@@ -181,7 +188,8 @@ states are scattered back to the padded layout."""
 def _hidden_states(module: torch.nn.Module, backbone: torch.nn.Module, window: CompletionWindow) -> torch.Tensor:
     """The backbone's last hidden states over ``window`` [N, L, H] (zeros at padding).
 
-    Rows whose lengths differ much are packed (one row of every real token, each row
+    A prompt repeated in consecutive rows is computed once (``SHARE_PROMPTS_ABOVE``). Else
+    rows whose lengths differ much are packed (one row of every real token, each row
     attending to itself, positions restarting per row), so no layer computes padding. On a
     GPU the decoder layers run compiled (``flowrl.backends.compiled_layers``).
     """
@@ -194,6 +202,18 @@ def _hidden_states(module: torch.nn.Module, backbone: torch.nn.Module, window: C
         # The same recomputation rules out compiled layers: the backward would recompute
         # them eagerly, and the tensors saved would not match.
         return pass_() if recomputed else run_compiled(module, pass_)
+
+    # On CPUs only so far: on a GPU the padded and packed passes run flash-attention kernels,
+    # against which the masked attention here has not been timed.
+    if window.input_ids.device.type == "cpu" and not recomputed and can_pack(module):
+        found = shared_prompt_layout(window.input_ids, window.attention_mask, window.position_ids, window.prompt_length)
+        if found is not None and found[1] >= SHARE_PROMPTS_ABOVE * float(lengths.sum()):
+            layout = found[0]
+            with shared_prompts(module, layout):
+                shared_hidden = run(lambda: backbone(
+                    input_ids=layout.input_ids[None], position_ids=layout.position_ids[None], use_cache=False,
+                ).last_hidden_state[0])
+            return layout.unpack(shared_hidden)
 
     if recomputed or not (can_pack(module) and float(lengths.sum()) < PACK_BELOW * real.numel()):
         return run(lambda: backbone(
