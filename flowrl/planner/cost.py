@@ -183,6 +183,18 @@ def forward_flops(shape: ModelShape, kind: str, num_sequences: float, seq_len: i
     return float(dense + attention)
 
 
+def shared_prompt_flops(shape: ModelShape, kind: str, num_sequences: float, group_size: int,
+                        prompt: int, response: int) -> float:
+    """:func:`forward_flops` of a pass that computes each prompt once per group of
+    ``group_size`` rows (``flowrl.backends.shared_prompt``): the completions' tokens attend
+    over prompt and completion, the prompts' only over the prompt."""
+    prompts = num_sequences / group_size
+    dense = 2 * shape.matmul_parameters(kind) * (num_sequences * response + prompts * prompt)
+    per_context = 4 * shape.num_layers * shape.hidden_size
+    attention = per_context * ((prompt + response) * num_sequences * response + prompt * prompts * prompt)
+    return float(dense + attention)
+
+
 def kv_cache_bytes(shape: ModelShape, dtype: str, num_sequences: float, seq_len: int) -> float:
     """Keys and values of every layer for ``num_sequences`` sequences of ``seq_len``."""
     per_token = 2 * shape.num_layers * shape.kv_width * DTYPE_BYTES[dtype]

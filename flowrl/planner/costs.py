@@ -25,6 +25,7 @@ from flowrl.planner.cost import (
     inference_bytes,
     kv_cache_bytes,
     logits_bytes,
+    shared_prompt_flops,
     sharded_training_bytes,
     training_state_bytes,
     weight_bytes,
@@ -196,7 +197,8 @@ class EstimatedCosts:
         weights = weight_bytes(shape, kind, dtype)
         layers = shape.num_layers
         if work.work == "decode":
-            prefill = forward_flops(shape, kind, share, prompt) / flops_per_s + layers * layer_s
+            # a prompt repeated for its group's samples is prefilled once
+            prefill = forward_flops(shape, kind, share / work.group_size, prompt) / flops_per_s + layers * layer_s
             context = prompt + (response + 1) / 2  # mean context over the decode steps
             step_bytes = weights + kv_cache_bytes(shape, dtype, share, 1) * context
             step_flops = forward_flops(shape, kind, share, 1) + (
@@ -205,14 +207,18 @@ class EstimatedCosts:
             step = max(step_bytes / bytes_per_s, step_flops / flops_per_s) + layers * layer_s
             return prefill + response * step
         seq_len = prompt + response
+        if work.shares_prompts(device.kind == "cpu"):
+            pass_flops = shared_prompt_flops(shape, kind, share, work.group_size, prompt, response)
+        else:
+            pass_flops = forward_flops(shape, kind, share, seq_len)
         if work.work == "train":
             passes = 4 if work.checkpointing else 3  # forward + backward (+ recompute)
-            compute = passes * forward_flops(shape, kind, share, seq_len) / flops_per_s
+            compute = passes * pass_flops / flops_per_s
             optimizer = 7 * weights / bytes_per_s  # read p, g, m, v; write p, m, v
             launches = passes * layers * layer_s
             return work.ppo_epochs * (compute + work.num_mini_batches * (optimizer + launches))
         # score with a reward model, reference_logprob, value: one no-grad forward
-        forward = forward_flops(shape, kind, share, seq_len) / flops_per_s
+        forward = pass_flops / flops_per_s
         return forward + weights / bytes_per_s + layers * layer_s
 
     def _rates(self, device: Device, dtype: str) -> tuple[float, float, float]:

@@ -56,6 +56,17 @@ class NodeWork:
     """Sequences per optimizer step (update nodes)."""
     micro_batch_tokens: int | None = None
     """Most padded tokens in one pass (update, reference_logprob, value); None: no limit."""
+    group_size: int = 1
+    """Samples per prompt of the rollout (its ``n``): generation prefills each prompt once,
+    and a pass on a CPU that holds whole groups computes each prompt once."""
+
+    def shares_prompts(self, on_cpu: bool) -> bool:
+        """Whether this node's passes compute each prompt once per group: a policy's
+        log-prob passes (reference, update) on a CPU, in one pass over the rows in rollout
+        order (no token budget splitting them, no shuffled mini-batches)."""
+        in_order = self.micro_batch_tokens is None and (self.work != "train" or self.num_mini_batches == 1)
+        log_probs = self.kind == "policy" and self.work in ("forward", "train")
+        return on_cpu and log_probs and self.group_size > 1 and in_order
 
     def pass_sequences(self, sequences: float) -> float:
         """Sequences of ``sequences`` that one pass holds at once (``micro_batch_tokens``
@@ -104,6 +115,7 @@ def node_work(
         num_mini_batches=mini_batches,
         mini_batch_sequences=mini_sequences,
         micro_batch_tokens=getattr(node_spec, "micro_batch_tokens", None),
+        group_size=rollout_spec.n,
     )
 
 

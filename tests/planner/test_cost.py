@@ -19,6 +19,7 @@ from flowrl.planner.cost import (
     logits_bytes,
     measure_cpu_rates,
     resolve_shape,
+    shared_prompt_flops,
     sharded_training_bytes,
     training_state_bytes,
     weight_bytes,
@@ -45,6 +46,11 @@ def test_flops_and_memory_of_the_toy_shape() -> None:
     # 3 sequences of 5 tokens: T = 15
     # dense 2*M*T = 2*1392*15 = 41760; attention 4*L*h*s*T = 4*2*8*5*15 = 4800
     assert forward_flops(TOY, "policy", 3, 5) == 41760 + 4800
+    # 4 rows in groups of 2 sharing prompts of 2 tokens, completions of 3: 2 prompts of 2
+    # tokens and 4 completions of 3 go through the layers, 16 tokens instead of 20:
+    # dense 2*1392*16 = 44544; attention 4*L*h = 64 per token and context: completions
+    # 64*5*12 = 3840, prompts 64*2*4 = 512
+    assert shared_prompt_flops(TOY, "policy", 4, 2, 2, 3) == 44544 + 3840 + 512
     # weights fp32: 1480*4 = 5920 bytes; bf16 1480*2 = 2960
     assert weight_bytes(TOY, "policy", "fp32") == 5920
     assert weight_bytes(TOY, "policy", "bf16") == 2960
@@ -197,3 +203,42 @@ def test_a_data_parallel_update_pays_a_ring_all_reduce_over_its_slowest_link() -
     expected = steps * ((1e-3 + grads / 12.5e9) - (5e-4 + grads / 25e9))
     difference = costs.compute_s("train", two_hosts, False) - costs.compute_s("train", same_host, False)
     assert difference == pytest.approx(expected)
+
+
+def test_log_prob_passes_on_a_cpu_compute_each_group_s_prompt_once() -> None:
+    from flowrl.planner.costs import EstimatedCosts
+    from flowrl.spec.loader import pipeline_from_dict
+    from tests.planner.conftest import cpu, gpu, grpo
+
+    tiny = "builtin:tiny-llama"
+    spec = grpo({"path": tiny, "device_group": "actor_group"}, {"path": tiny, "device_group": "ref_group"},
+                {"actor_group": {"type": "cpu"}, "ref_group": {"type": "cpu"}}, batch_size=4, n=4)
+    costs = EstimatedCosts(pipeline_from_dict(spec))
+    ref, train, rollout = costs.work("ref"), costs.work("train"), costs.work("rollout")
+    assert ref.group_size == train.group_size == rollout.group_size == 4
+    assert ref.shares_prompts(on_cpu=True) and train.shares_prompts(on_cpu=True)
+    assert not ref.shares_prompts(on_cpu=False)  # on a GPU the passes stay padded or packed
+    assert not rollout.shares_prompts(on_cpu=True)  # generation prefills once on any device
+    assert ref.shape is not None
+    prompt, response = ref.prompt_tokens, ref.response_tokens
+    # the reference's time on a CPU slot drops by exactly the FLOPs left out, at the slot's rate
+    from dataclasses import replace
+
+    saved = (forward_flops(ref.shape, "policy", 16, prompt + response)
+             - shared_prompt_flops(ref.shape, "policy", 16, 4, prompt, response))
+    ungrouped = replace(ref, group_size=1)
+    assert saved > 0
+    assert costs._on_device(ungrouped, cpu(0), 1) - costs._on_device(ref, cpu(0), 1) == pytest.approx(
+        saved / costs.cpu_rates.flops_per_s)
+    a100 = gpu(0, "A100", 40.0, 312.0, 1555.0)
+    assert costs._on_device(ungrouped, a100, 1) == costs._on_device(ref, a100, 1)
+    # generation prefills the 4 prompts, not the 16 rows
+    prefill_saved = forward_flops(ref.shape, "policy", 16, prompt) - forward_flops(ref.shape, "policy", 4, prompt)
+    assert costs._on_device(replace(rollout, group_size=1), cpu(0), 1) - costs._on_device(rollout, cpu(0), 1) == (
+        pytest.approx(prefill_saved / costs.cpu_rates.flops_per_s))
+    # shuffled mini-batches break the groups: the update is costed padded again
+    shuffled = EstimatedCosts(pipeline_from_dict(grpo(
+        {"path": tiny, "device_group": "actor_group"}, {"path": tiny, "device_group": "ref_group"},
+        {"actor_group": {"type": "cpu"}, "ref_group": {"type": "cpu"}}, batch_size=4, n=4, mini_batch_size=8)))
+    assert not shuffled.work("train").shares_prompts(on_cpu=True)
+    assert shuffled.compute_s("train", [cpu(0)], False) > costs.compute_s("train", [cpu(0)], False)
