@@ -319,9 +319,12 @@ class Lifecycle:
         return Replan(self.step)
 
     def _restore_source(self) -> Literal["initial", "snapshot", "checkpoint"]:
-        if self.snapshot_step is not None:
+        """The newer of the snapshot and the checkpoint (the snapshot when they are of one
+        step: it is in memory)."""
+        snapshot, checkpoint = self.snapshot_step, self.checkpoint_step
+        if snapshot is not None and (checkpoint is None or snapshot >= checkpoint):
             return "snapshot"
-        if self.checkpoint_step is not None:
+        if checkpoint is not None:
             return "checkpoint"
         return "initial"
 

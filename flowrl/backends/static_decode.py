@@ -73,6 +73,13 @@ def unsupported_reason(model: Any) -> str | None:
         return "the model does not have the model.layers / lm_head layout"
     if getattr(config, "mlp_bias", False) or getattr(config, "o_proj_bias", False):
         return "biases on the MLP or the attention output are not supported"
+    # Llama's attention_bias puts a bias on o_proj as well as on q/k/v: read the modules,
+    # whatever the config calls it.
+    for layer in inner.layers:
+        attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        linears = [getattr(attention, "o_proj", None)] + [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+        if any(getattr(linear, "bias", None) is not None for linear in linears):
+            return "biases on the MLP or the attention output are not supported"
     return None
 
 
@@ -327,7 +334,8 @@ class StaticDecoder:
         assert b is not None
         length, rows = input_ids.shape[1], owner.shape[0]
         for cache in (b.keys, b.values):
-            cache[:, :rows, :, :length] = cache[:, owner, :, :length]
+            for layer in range(cache.shape[0]):  # layer by layer: the gathered copy is one layer's
+                cache[layer, :rows, :, :length] = cache[layer, owner, :, :length]
         return hidden.index_select(0, owner)
 
     def _prefill_rows(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

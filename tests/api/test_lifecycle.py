@@ -347,3 +347,13 @@ def test_a_recovery_to_an_older_state_counts_the_next_snapshot_from_that_state()
     after = names(seen)[names(seen).index("RunStep 5") + 1:]
     assert after[after.index("Replan 3"):after.index("Replan 3") + 6] == [
         "Replan 3", "RunStep 3", "Replan 4", "RunStep 4", "Snapshot 4", "Replan 5"]
+
+
+def test_a_recovery_restores_a_checkpoint_newer_than_the_snapshot() -> None:
+    # snapshots every 14 steps (a fast run's cadence), checkpoints every 5: a fault in step 12
+    # goes back to checkpoint 10, not to the snapshot of step 0
+    machine = lc.Lifecycle(num_steps=20, checkpoint_every=5, snapshot_every=14)
+    seen = drive(machine, once(lc.RunStep, 12, lc.Failed(LOST)))
+    at = names(seen).index("RunStep 12")
+    assert lc.Restore("checkpoint") in seen[at:at + 4]
+    assert names(seen)[at + 4:at + 6] == ["Replan 11", "RunStep 11"]

@@ -132,6 +132,12 @@ def test_unsupported_models_are_named() -> None:
     assert "gelu" in (unsupported_reason(model) or "")
     assert decoder_for(model) is None
     assert unsupported_reason(torch.nn.Linear(2, 2)) is not None
+    # Llama's attention_bias also puts a bias on o_proj, which the decode step has no term for
+    biased = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=32, num_hidden_layers=1,
+                                          num_attention_heads=2, intermediate_size=64, attention_bias=True))
+    assert biased.model.layers[0].self_attn.o_proj.bias is not None
+    assert "biases" in (unsupported_reason(biased) or "")
+    assert decoder_for(biased) is None  # engine: auto decodes it with the plain loop
 
 
 @pytest.mark.gpu

@@ -63,8 +63,9 @@ def _events(output: Path) -> list[dict]:
 @pytest.mark.parametrize(("snapshot_every", "restored_from", "again_from"), [
     (1, "the in-memory snapshot of step 2", 3),  # a snapshot every step
     (0, "checkpoint step-2", 3),                 # no snapshots: back to the newest checkpoint
-    # left to the run: one at the start, the next after about 10 s of steps
-    (None, "the in-memory snapshot of step 0", 1),
+    # left to the run: one at the start, the next after about 10 s of steps; checkpoint 2 is
+    # newer than that snapshot of step 0, so the run goes back to it
+    (None, "checkpoint step-2", 3),
 ])
 def test_a_worker_killed_mid_step_is_replaced_and_the_run_completes(
     tmp_path: Path, snapshot_every: int | None, restored_from: str, again_from: int
