@@ -7,8 +7,8 @@ leave it waiting. Errors become ``Failed`` events; only the machine's ``Stop`` e
 
 A lost worker's slot goes to a warm spare worker when the local cluster has one (imports
 done, no models; ``runtime.standby_workers``), else to its replacement, else the plan is
-placed again onto the survivors. The trained models come back from the driver's in-memory
-snapshot (``runtime.snapshot_every``), else the newest checkpoint.
+placed again onto the survivors. The trained models come back from the newer of the
+driver's in-memory snapshot (``runtime.snapshot_every``) and the newest checkpoint.
 """
 
 from __future__ import annotations

@@ -677,8 +677,9 @@ class RuntimeSpec(_Strict):
     restarted and the step run again. Default 600."""
     snapshot_every: Annotated[int, Field(ge=0)] | None = None
     """Steps between in-memory snapshots of the trained models (weights, optimizer, sampling
-    RNG), kept by the driver. After a lost worker the run goes back to the newest snapshot and
-    runs the steps after it again; 0: back to the newest checkpoint instead. None: when the
+    RNG), kept by the driver. After a lost worker the run goes back to the newer of the newest
+    snapshot and the newest checkpoint and runs the steps after it again; 0: back to the newest
+    checkpoint always. None: when the
     trained models have at most 50 M parameters in all, one at the start and then about every
     10 s of steps (longer for models above 8 M parameters, so that snapshots move at most
     10 MB per second of training), following the measured step time; else 0. Default None."""
