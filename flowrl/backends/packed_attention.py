@@ -132,23 +132,27 @@ def _packed_attention(
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:
-    """Packed rows need no mask: the attention takes the row bounds instead."""
+    """No mask is built: the attention function takes what it needs from its own state."""
     return None
 
 
-_registered = False
-
-
-def _register() -> None:
-    global _registered
-    if _registered:
-        return
+@contextlib.contextmanager
+def attending_with(module: torch.nn.Module, name: str, attention: Callable[..., Any]) -> Iterator[None]:
+    """Inside this block, ``module``'s attention layers call ``attention`` (registered with
+    transformers as ``name``, with the signature of its attention functions) and build no
+    mask; outside it the model is untouched."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(NAME, _packed_attention)
-    AttentionMaskInterface.register(NAME, _no_mask)
-    _registered = True
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, _no_mask)
+    config = getattr(module, "config")
+    previous = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
 
 
 def can_pack(module: torch.nn.Module) -> bool:
@@ -172,18 +176,14 @@ def packed(module: torch.nn.Module, lengths: list[int]) -> Iterator[None]:
     The caller passes ``input_ids`` [1, sum(lengths)] and ``position_ids`` restarting at 0
     for each row, and no attention mask.
     """
-    _register()
-    config = getattr(module, "config")
-    previous = config._attn_implementation
     bounds = [0]
     for length in lengths:
         bounds.append(bounds[-1] + length)
     _state.bounds = bounds
     _state.cumulative = {}
-    config._attn_implementation = NAME
     try:
-        yield
+        with attending_with(module, NAME, _packed_attention):
+            yield
     finally:
-        config._attn_implementation = previous
         _state.bounds = None
         _state.cumulative = {}

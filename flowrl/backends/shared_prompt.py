@@ -25,6 +25,8 @@ from typing import Any, Iterator
 import torch
 import torch.nn.functional as F
 
+from flowrl.backends.packed_attention import attending_with
+
 NAME = "flowrl_shared_prompt"
 """The attention implementation's registered name."""
 
@@ -170,37 +172,13 @@ def _shared_prompt_attention(
     return outputs.index_select(0, layout.order)[None], None
 
 
-def _no_mask(*args: Any, **kwargs: Any) -> None:
-    """The attention takes the layout instead of a mask."""
-    return None
-
-
-_registered = False
-
-
-def _register() -> None:
-    global _registered
-    if _registered:
-        return
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register(NAME, _shared_prompt_attention)
-    AttentionMaskInterface.register(NAME, _no_mask)
-    _registered = True
-
-
 @contextlib.contextmanager
 def shared_prompts(module: torch.nn.Module, layout: SharedPromptLayout) -> Iterator[None]:
     """Run ``module`` on ``layout``'s packed sequence inside this block: the caller passes
     ``input_ids`` [1, T] and ``position_ids`` [1, T] from the layout, and no attention mask."""
-    _register()
-    config = getattr(module, "config")
-    previous = config._attn_implementation
     _state.layout = layout
-    config._attn_implementation = NAME
     try:
-        yield
+        with attending_with(module, NAME, _shared_prompt_attention):
+            yield
     finally:
-        config._attn_implementation = previous
         _state.layout = None

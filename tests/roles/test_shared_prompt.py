@@ -70,7 +70,6 @@ def test_shared_prompts_give_the_padded_forwards_log_probs_and_gradients(
         return attention(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(shared_prompt, "_shared_prompt_attention", counted)
-    monkeypatch.setattr(shared_prompt, "_registered", False)  # register the counting one
     results = []
     for share_above in (1.01, 0.0):  # never shared, always
         monkeypatch.setattr(forward, "SHARE_PROMPTS_ABOVE", share_above)
