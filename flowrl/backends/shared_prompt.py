@@ -54,6 +54,13 @@ class SharedPromptLayout:
     """[N, Cm] bool."""
     row_group: torch.Tensor
     """[N]: the group of each row."""
+    prompt_mask: torch.Tensor
+    """[G, 1, Pm, Pm] bool: what each prompt token attends to (the same in every layer)."""
+    completion_mask: torch.Tensor
+    """[N, 1, Cm, Pm + Cm] bool: what each completion token attends to, its group's prompt
+    keys first."""
+    saved_tokens: int
+    """Prompt tokens the layout leaves out (the repeats)."""
     order: torch.Tensor
     """[T]: the packed index of each output of ``cat(prompt outputs, completion outputs)``
     inverted: ``outputs[order]`` is in packed order."""
@@ -72,11 +79,18 @@ def repeats_of_previous_row(input_ids: torch.Tensor, attention_mask: torch.Tenso
     return repeat
 
 
+def prompt_groups(repeat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the first row of each group [G], the group of each row [N]) of rows that
+    ``repeat`` (:func:`repeats_of_previous_row`) splits into runs."""
+    starts = ~repeat
+    return starts.nonzero().squeeze(1), starts.long().cumsum(0) - 1
+
+
 def shared_prompt_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                         prompt_length: int) -> tuple[SharedPromptLayout, int] | None:
+                         prompt_length: int) -> SharedPromptLayout | None:
     """The packed layout of a window whose first ``prompt_length`` columns are left-padded
-    prompts and the rest right-padded completions, and the prompt tokens it saves; None when
-    no prompt repeats or a row has no prompt token."""
+    prompts and the rest right-padded completions; None when no prompt repeats or a row has
+    no prompt token."""
     real = attention_mask.bool()
     prompt_real, completion_real = real[:, :prompt_length], real[:, prompt_length:]
     if prompt_length == 0 or not bool(prompt_real.any(dim=1).all()):
@@ -91,8 +105,7 @@ def shared_prompt_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     flat_kept = kept.reshape(-1)
     total = int(flat_kept.sum())
     packed_at = (flat_kept.long().cumsum(0) - 1).view_as(kept)
-    row_group = (~repeat).long().cumsum(0) - 1
-    first_row = (~repeat).nonzero().squeeze(1)
+    first_row, row_group = prompt_groups(repeat)
     source = torch.where(kept, packed_at, torch.full_like(packed_at, total))
     # a repeated prompt reads its group's first row's tokens
     shared = packed_at[first_row[row_group], :prompt_length]
@@ -103,7 +116,11 @@ def shared_prompt_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     prompt_index, prompt_valid = _left_aligned(packed_at[first_row, :prompt_length], prompt_real[first_row], prompt_lengths)
     completion_index, completion_valid = _left_aligned(packed_at[:, prompt_length:], completion_real, completion_lengths)
     outputs_at = torch.cat([prompt_index[prompt_valid], completion_index[completion_valid]])
-    layout = SharedPromptLayout(
+    width, c_width = prompt_index.shape[1], completion_index.shape[1]
+    causal = torch.ones(width, width, dtype=torch.bool, device=input_ids.device).tril()
+    own = torch.ones(c_width, c_width, dtype=torch.bool, device=input_ids.device).tril()[None] & completion_valid[:, None, :]
+    sees_prompt = prompt_valid.index_select(0, row_group)[:, None, :].expand(-1, c_width, -1)
+    return SharedPromptLayout(
         input_ids=input_ids.reshape(-1)[flat_kept],
         position_ids=position_ids.reshape(-1)[flat_kept],
         source=source,
@@ -112,9 +129,12 @@ def shared_prompt_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, 
         completion_index=completion_index,
         completion_valid=completion_valid,
         row_group=row_group,
+        # A padding query of a prompt sees key 0 (every prompt has one): finite, never read.
+        prompt_mask=(causal[None] & prompt_valid[:, None, :])[:, None],
+        completion_mask=torch.cat([sees_prompt, own], dim=2)[:, None],
+        saved_tokens=int(prompt_real[repeat].sum()),
         order=torch.argsort(outputs_at),
     )
-    return layout, int(prompt_real[repeat].sum())
 
 
 def _left_aligned(index: torch.Tensor, valid: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,21 +172,15 @@ def _shared_prompt_attention(
     p_index, p_valid = layout.prompt_index, layout.prompt_valid
     c_index, c_valid = layout.completion_index, layout.completion_valid
     prompt_keys, prompt_values = _gather(key, p_index), _gather(value, p_index)
-    width = p_index.shape[1]
-    causal = torch.ones(width, width, dtype=torch.bool, device=query.device).tril()
-    # A padding query sees key 0 (every prompt has one): finite, and never read.
     prompt_out = F.scaled_dot_product_attention(
         _gather(query, p_index), prompt_keys, prompt_values,
-        attn_mask=(causal[None] & p_valid[:, None, :])[:, None], scale=scaling, enable_gqa=gqa)
+        attn_mask=layout.prompt_mask, scale=scaling, enable_gqa=gqa)
     group = layout.row_group
     keys = torch.cat([prompt_keys.index_select(0, group), _gather(key, c_index)], dim=2)
     values = torch.cat([prompt_values.index_select(0, group), _gather(value, c_index)], dim=2)
-    c_width = c_index.shape[1]
-    own = torch.ones(c_width, c_width, dtype=torch.bool, device=query.device).tril()[None] & c_valid[:, None, :]
-    sees_prompt = p_valid.index_select(0, group)[:, None, :].expand(-1, c_width, -1)
     completion_out = F.scaled_dot_product_attention(
         _gather(query, c_index), keys, values,
-        attn_mask=torch.cat([sees_prompt, own], dim=2)[:, None], scale=scaling, enable_gqa=gqa)
+        attn_mask=layout.completion_mask, scale=scaling, enable_gqa=gqa)
     # [R, heads, W, D] -> the valid rows' [tokens, heads, D], then packed order
     outputs = torch.cat([prompt_out.transpose(1, 2)[p_valid], completion_out.transpose(1, 2)[c_valid]])
     return outputs.index_select(0, layout.order)[None], None

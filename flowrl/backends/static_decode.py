@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from flowrl.backends.decode_attention import decode_attention, rotate
 from flowrl.backends.generation import GenerationOutput, check_arguments, decode_threads, sample_with_noise
-from flowrl.backends.shared_prompt import repeats_of_previous_row
+from flowrl.backends.shared_prompt import prompt_groups, repeats_of_previous_row
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 FINISHED_CHECK_EVERY = 16
@@ -327,8 +327,7 @@ class StaticDecoder:
         repeat = repeats_of_previous_row(input_ids, attention_mask)
         if not bool(repeat.any()):
             return self._prefill_rows(input_ids, attention_mask)
-        first = (~repeat).nonzero().squeeze(1)
-        owner = (~repeat).long().cumsum(0) - 1  # row -> index of its prompt's first row in ``first``
+        first, owner = prompt_groups(repeat)  # owner: row -> its prompt's index in ``first``
         hidden = self._prefill_rows(input_ids[first], attention_mask[first])
         b = self._buffers
         assert b is not None

@@ -206,9 +206,8 @@ def _hidden_states(module: torch.nn.Module, backbone: torch.nn.Module, window: C
     # On CPUs only so far: on a GPU the padded and packed passes run flash-attention kernels,
     # against which the masked attention here has not been timed.
     if window.input_ids.device.type == "cpu" and not recomputed and can_pack(module):
-        found = shared_prompt_layout(window.input_ids, window.attention_mask, window.position_ids, window.prompt_length)
-        if found is not None and found[1] >= SHARE_PROMPTS_ABOVE * float(lengths.sum()):
-            layout = found[0]
+        layout = shared_prompt_layout(window.input_ids, window.attention_mask, window.position_ids, window.prompt_length)
+        if layout is not None and layout.saved_tokens >= SHARE_PROMPTS_ABOVE * float(lengths.sum()):
             with shared_prompts(module, layout):
                 shared_hidden = run(lambda: backbone(
                     input_ids=layout.input_ids[None], position_ids=layout.position_ids[None], use_cache=False,

@@ -19,10 +19,9 @@ def test_the_packed_layout_holds_each_prompt_once_then_its_rows_completions() ->
     ids = torch.tensor([[7, 8, 11, 12, 0], [7, 8, 13, 0, 0], [0, 9, 14, 15, 16]])
     mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0], [0, 1, 1, 1, 1]])
     positions = (mask.cumsum(1) - 1).clamp(min=0)
-    found = shared_prompt_layout(ids, mask, positions, prompt_length=2)
-    assert found is not None
-    layout, saved = found
-    assert saved == 2  # row 1's two prompt tokens
+    layout = shared_prompt_layout(ids, mask, positions, prompt_length=2)
+    assert layout is not None
+    assert layout.saved_tokens == 2  # row 1's two prompt tokens
     assert layout.input_ids.tolist() == [7, 8, 11, 12, 13, 9, 14, 15, 16]
     assert layout.position_ids.tolist() == [0, 1, 2, 3, 2, 0, 1, 2, 3]
     # each padded token's packed index (9 = padding: the zero row); row 1's prompt is row 0's
