@@ -71,10 +71,8 @@ def unsupported_reason(model: Any) -> str | None:
     inner = getattr(model, "model", None)
     if inner is None or not hasattr(inner, "layers") or not hasattr(model, "lm_head"):
         return "the model does not have the model.layers / lm_head layout"
-    if getattr(config, "mlp_bias", False) or getattr(config, "o_proj_bias", False):
-        return "biases on the MLP or the attention output are not supported"
-    # Llama's attention_bias puts a bias on o_proj as well as on q/k/v: read the modules,
-    # whatever the config calls it.
+    # Read from the modules, whatever the config calls it (mlp_bias, o_proj_bias, or Llama's
+    # attention_bias, which puts a bias on o_proj as well as on q/k/v).
     for layer in inner.layers:
         attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         linears = [getattr(attention, "o_proj", None)] + [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
@@ -259,6 +257,7 @@ class StaticDecoder:
         2 CPU cores the plain widths made builtin:small-llama's 32 x 32 tokens 16 % faster."""
         self._check_every = FINISHED_CHECK_EVERY if self.use_graphs else 1
         """Without graphs, asking whether every row finished costs no device sync."""
+        self._window_step = ATTENTION_WINDOW if self.fixed_shapes else 1
         self._compiled = self.use_graphs and compile_layers
         self._set_kernels(self._compiled)
         self._buffers: _Buffers | None = None
@@ -559,7 +558,7 @@ class StaticDecoder:
                 if keep * 2 <= live:
                     live, rows = self._compact(result, live, rows, keep)
             # Columns written so far: the prompt and the tokens fed back (this step writes one).
-            step = ATTENTION_WINDOW if self.fixed_shapes else 1
+            step = self._window_step
             window = min(-(-(prompt_length + produced) // step) * step, columns)
             if self.use_graphs:
                 self._graph_for(live, window, sampling, generator).replay()

@@ -679,10 +679,10 @@ class RuntimeSpec(_Strict):
     """Steps between in-memory snapshots of the trained models (weights, optimizer, sampling
     RNG), kept by the driver. After a lost worker the run goes back to the newer of the newest
     snapshot and the newest checkpoint and runs the steps after it again; 0: back to the newest
-    checkpoint always. None: when the
-    trained models have at most 50 M parameters in all, one at the start and then about every
-    10 s of steps (longer for models above 8 M parameters, so that snapshots move at most
-    10 MB per second of training), following the measured step time; else 0. Default None."""
+    checkpoint always. None: when the trained models have at most 50 M parameters in all, one
+    at the start and then about every 10 s of steps (longer for models above 8 M parameters,
+    so that snapshots move at most 10 MB per second of training), following the measured step
+    time; else 0. Default None."""
     max_recoveries: int = Field(default=3, ge=0)
     """Faults (lost or hung workers) a run survives within ``recovery_window_steps`` steps;
     one more stops it with a message naming its newest checkpoint (exit code 1). Default 3."""
