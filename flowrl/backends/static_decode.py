@@ -113,29 +113,45 @@ def _rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
     return _rms_norm_weights(x, _tensor(norm.weight), _number(norm.variance_epsilon))
 
 
-def _decode_qkv(x: torch.Tensor, attn_norm: torch.Tensor, attn_eps: float,
-                qkv_weight: torch.Tensor, qkv_bias: torch.Tensor | None) -> torch.Tensor:
-    """A layer's first half for one new token per row: the norm and the q/k/v projections
-    (``qkv_weight`` stacks the three: one matrix product); [B, hidden] -> [B, q + k + v]."""
-    return F.linear(_rms_norm_weights(x, attn_norm, attn_eps), qkv_weight, qkv_bias)
+def _decode_qkv(x: torch.Tensor, pending: torch.Tensor, attn_norm: torch.Tensor, attn_eps: float,
+                qkv_weight: torch.Tensor, qkv_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's first half for one new token per row: the previous layer's MLP output
+    ``pending`` added to the residual stream ``x``, then the norm and the q/k/v projections
+    (``qkv_weight`` stacks the three: one matrix product). Returns the residual stream and
+    [B, q + k + v]."""
+    x = _residual(x, pending)
+    return x, F.linear(_rms_norm_weights(x, attn_norm, attn_eps), qkv_weight, qkv_bias)
 
 
 def _decode_attention_out(
     x: torch.Tensor, attended: torch.Tensor, o_weight: torch.Tensor,
     mlp_norm: torch.Tensor, mlp_eps: float, gate_up_weight: torch.Tensor, down_weight: torch.Tensor,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's second half: output projection and residual, then the MLP (``gate_up_weight``
-    stacks the gate and up projections) and its residual; ``x`` [B, hidden] -> [B, hidden]."""
-    x = x + F.linear(attended.reshape(x.shape[0], -1), o_weight)
+    stacks the gate and up projections). Returns the residual stream and the MLP's output,
+    which the next layer's first half (or the tail) adds: the addition then fuses into the
+    norm that reads it instead of being a kernel of its own."""
+    x = _residual(x, F.linear(attended.reshape(x.shape[0], -1), o_weight))
     gate, up = F.linear(_rms_norm_weights(x, mlp_norm, mlp_eps), gate_up_weight).chunk(2, dim=-1)
-    return x + F.linear(F.silu(gate) * up, down_weight)
+    return x, F.linear(F.silu(gate) * up, down_weight)
+
+
+def _residual(x: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+    """``x + update``, rounded once to ``x``'s dtype as a plain addition is. Written with the
+    float32 casts so that inductor does not fold the addition into the matrix product that
+    made ``update`` (``addmm``): that form first copies ``x`` into the product's output, one
+    more kernel per product, where the addition alone fuses into the norm that follows."""
+    return (x.float() + update.float()).to(x.dtype)
 
 
 def _sample_tail(
-    hidden: torch.Tensor, norm: torch.Tensor, norm_eps: float, head: torch.Tensor, head_bias: torch.Tensor | None,
-    temperature: torch.Tensor, noise: torch.Tensor | None, top_k: int, top_p: float,
+    hidden: torch.Tensor, pending: torch.Tensor | None, norm: torch.Tensor, norm_eps: float, head: torch.Tensor,
+    head_bias: torch.Tensor | None, temperature: torch.Tensor, noise: torch.Tensor | None, top_k: int, top_p: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Final norm, output head and sampling of one token per row (compiled: a few kernels)."""
+    """The last layer's MLP output ``pending`` added (None: ``hidden`` is whole), final norm,
+    output head and sampling of one token per row (compiled: a few kernels)."""
+    if pending is not None:
+        hidden = _residual(hidden, pending)
     logits = F.linear(_rms_norm_weights(hidden, norm, norm_eps), head, head_bias).float()
     return sample_with_noise(logits, temperature, top_p, top_k, noise)
 
@@ -179,7 +195,8 @@ class _Buffers:
     """Every tensor a decode step reads or writes, allocated once for the largest batch."""
 
     def __init__(self, batch: int, columns: int, new_tokens: int, layers: int, kv_heads: int,
-                 head_dim: int, vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
+                 head_dim: int, hidden_size: int, vocab_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
         def full(shape: tuple[int, ...], value: Any, kind: torch.dtype) -> torch.Tensor:
             return torch.full(shape, value, dtype=kind, device=device)
 
@@ -197,6 +214,8 @@ class _Buffers:
         self.completion_mask = full((batch, new_tokens), 0, torch.long)
         self.logprobs = full((batch, new_tokens), 0.0, torch.float32)
         self.temperature = full((1,), 1.0, torch.float32)
+        self.zeros = full((batch, hidden_size), 0, dtype)
+        """What the first layer's half adds to the embeddings."""
         self.noise = full((batch, vocab_size), 1.0, torch.float32)
         """Exp(1) draws for sampling, refilled every step from the generator."""
 
@@ -268,6 +287,8 @@ class StaticDecoder:
         self._graph_key: tuple[Any, ...] | None = None
         self._graph_generator: torch.Generator | None = None
         self._pool: Any = None
+        self._stream: Any = None
+        """The side stream every warm-up and capture runs on (made at the first capture)."""
         self._cos = self._sin = torch.empty(0)
 
     def _set_kernels(self, compiled: bool) -> None:
@@ -363,27 +384,30 @@ class StaticDecoder:
         cos = self._cos.index_select(0, positions)
         sin = self._sin.index_select(0, positions)
         x = self.embed.weight.index_select(0, b.tokens[:batch])
+        pending = b.zeros[:batch]  # the MLP output the next half adds to x: none before the first layer
         for index, (layer, stacked) in enumerate(zip(self.layers, self._stacked)):
             keys, values = b.keys[index, :batch], b.values[index, :batch]
-            qkv = self._attention_in(
-                x, layer.attn_norm.weight, _number(layer.attn_norm.variance_epsilon),
+            x, qkv = self._attention_in(
+                x, pending, layer.attn_norm.weight, _number(layer.attn_norm.variance_epsilon),
                 stacked.qkv_weight, stacked.qkv_bias,
             )
             attended = decode_attention(qkv, cos, sin, keys[:, :, :window], values[:, :, :window], b.column,
                                         key_valid, self.scaling)
-            x = self._attention_out(
+            x, pending = self._attention_out(
                 x, attended, layer.o.weight, layer.mlp_norm.weight, _number(layer.mlp_norm.variance_epsilon),
                 stacked.gate_up_weight, layer.down.weight,
             )
-        self._sample_into(x, batch, sampling, generator)
+        self._sample_into(x, batch, sampling, generator, pending=pending)
         b.positions[:batch] += 1
         b.column += 1
 
     def _sample_into(self, hidden: torch.Tensor, batch: int, sampling: _Sampling,
-                     generator: torch.Generator | None, compiled: bool = True) -> None:
-        """Sample from the last hidden states and write token, mask and log-prob at the output
-        column; ``compiled``: through the compiled tail (inside a captured step, where a
-        compiler failure falls back to plain code) or the plain one."""
+                     generator: torch.Generator | None, compiled: bool = True,
+                     pending: torch.Tensor | None = None) -> None:
+        """Sample from the last hidden states (plus the last layer's MLP output ``pending``)
+        and write token, mask and log-prob at the output column; ``compiled``: through the
+        compiled tail (inside a captured step, where a compiler failure falls back to plain
+        code) or the plain one."""
         b = self._buffers
         assert b is not None
         noise = None
@@ -391,7 +415,7 @@ class StaticDecoder:
             noise = b.noise[:batch].exponential_(generator=generator)
         tail = self._tail if compiled else _sample_tail
         tokens, logprobs = tail(
-            hidden, self.final_norm.weight, _number(self.final_norm.variance_epsilon),
+            hidden, pending, self.final_norm.weight, _number(self.final_norm.variance_epsilon),
             self.lm_head.weight, getattr(self.lm_head, "bias", None), b.temperature, noise,
             sampling.top_k, sampling.top_p,
         )
@@ -433,7 +457,8 @@ class StaticDecoder:
         shape = (max(batch, have_batch) if columns == have_columns and new_tokens == have_new else batch,
                  columns, new_tokens)
         self._buffers = _Buffers(shape[0], columns, new_tokens, len(self.layers), self.num_kv_heads,
-                                 self.head_dim, int(self.lm_head.weight.shape[0]), self.dtype, self.device)
+                                 self.head_dim, int(self.embed.weight.shape[1]), int(self.lm_head.weight.shape[0]),
+                                 self.dtype, self.device)
         self._rope_tables(columns)
         self._shape = shape
 
@@ -470,7 +495,12 @@ class StaticDecoder:
             graph.register_generator_state(generator)
         # Warm-up on a side stream (cuBLAS and allocator set-up must not be captured); the
         # steps it runs write into column slots that the real steps overwrite afterwards.
-        stream = torch.cuda.Stream()
+        # One stream for every warm-up and capture: cuBLAS keeps a workspace per stream that
+        # runs a matrix product (32 MiB each on a Hopper card), so a new stream per capture
+        # would hold one more workspace per captured window.
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        stream = self._stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             try:
@@ -490,7 +520,7 @@ class StaticDecoder:
             self._pool = torch.cuda.graph_pool_handle()
         # One memory pool for every graph: they replay one at a time, so their scratch
         # tensors can share addresses instead of each graph keeping its own.
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._pool, stream=stream):
             self._decode_step(batch, window, sampling, generator)
         # Capturing does not run the step: the buffers still hold the values from before it.
         return graph
