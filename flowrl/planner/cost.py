@@ -282,6 +282,22 @@ def decoder_cache_bytes(shape: ModelShape, kind: str, dtype: str, num_sequences:
     return kv_cache_bytes(shape, dtype, num_sequences, seq_len) + noise + stacked * DTYPE_BYTES[dtype]
 
 
+MIB = 1 << 20
+CUBLAS_WORKSPACE_BYTES = {"hopper": 32 * MIB, "blackwell": 32 * MIB}
+"""The workspace cuBLAS keeps for each (thread, stream) that runs a matrix product, in the
+allocator's memory: 32 MiB on Hopper (measured on an H100 with torch 2.11: each new thread or
+stream that ran a bf16 product added 32 MiB to ``memory_allocated``) and Blackwell."""
+CUBLAS_WORKSPACE_OTHER_BYTES = 8 * MIB + 128 * 1024
+"""torch's default cuBLAS workspace on other GPUs (two 4 MiB and eight 16 KiB chunks)."""
+CUBLASLT_WORKSPACE_BYTES = 1 * MIB
+"""cuBLASLt's own workspace beside it (the products with a bias epilogue): 1 MiB, measured."""
+
+
+def matmul_workspace_bytes(arch: str) -> float:
+    """What one thread's matrix products on one stream keep on a GPU of ``arch``."""
+    return float(CUBLAS_WORKSPACE_BYTES.get(arch, CUBLAS_WORKSPACE_OTHER_BYTES) + CUBLASLT_WORKSPACE_BYTES)
+
+
 # ---- CPU rates ---------------------------------------------------------------------------
 
 

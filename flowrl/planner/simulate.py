@@ -23,12 +23,13 @@ from dataclasses import dataclass
 
 from flowrl.devices.inventory import Device, Inventory
 from flowrl.graph import PipelineGraph
-from flowrl.planner.cost import weight_bytes
-from flowrl.planner.costs import CostSource, transfer_s
-from flowrl.spec.schema import SOURCE_NODE, GenerateNode, UpdateNode
+from flowrl.planner.cost import matmul_workspace_bytes, weight_bytes
+from flowrl.planner.costs import GB, CostSource, transfer_s
+from flowrl.spec.schema import SOURCE_NODE, GenerateNode, NodeBase, UpdateNode
 
 GPU_CONTEXT_GB = 0.5
-"""Memory a CUDA context and the allocator's slack take on each GPU a worker uses."""
+"""Memory a CUDA context and the allocator's slack take on each GPU a worker uses (outside
+the allocator's count: ``torch.cuda.max_memory_allocated`` does not see it)."""
 
 
 @dataclass(frozen=True)
@@ -172,6 +173,7 @@ def device_memory_gb(
     """
     resident: dict[str, dict[str, float]] = {}
     transient: dict[str, float] = {}
+    streams: dict[str, set[str]] = {}
     kinds = {device.id: device.kind for device in inventory.devices}
     for node in pipeline.topological_order():
         chosen = placement[node]
@@ -180,6 +182,8 @@ def device_memory_gb(
         model = costs.work(node).model
         for device_id in chosen.devices:
             held = resident.setdefault(device_id, {})
+            if model is not None:
+                streams.setdefault(device_id, set()).update(_matmul_streams(pipeline.spec.nodes[node]))
             passing = memory.transient_gb
             if model is not None:
                 if chosen.offloaded and kinds[device_id] == "gpu":
@@ -191,9 +195,24 @@ def device_memory_gb(
                 if memory.cache_gb:
                     held[f"{node}:cache"] = memory.cache_gb
             transient[device_id] = max(transient.get(device_id, 0.0), passing)
+    arch = {device.id: device.arch for device in inventory.devices}
     return {
         device_id: sum(held.values())
         + transient[device_id]
-        + (GPU_CONTEXT_GB if kinds[device_id] == "gpu" else 0.0)
+        + (GPU_CONTEXT_GB + len(streams.get(device_id, ())) * matmul_workspace_bytes(arch[device_id]) / GB
+           if kinds[device_id] == "gpu" else 0.0)
         for device_id, held in resident.items()
     }
+
+
+def _matmul_streams(node: NodeBase) -> set[str]:
+    """The (thread, stream) pairs whose matrix products a model node runs on its device, each
+    keeping a cuBLAS workspace there: the worker's compute thread on its default stream;
+    autograd's own thread for an update's backward; the side stream on which generation
+    captures its decode graphs."""
+    streams = {"compute"}
+    if node.trains:
+        streams.add("backward")
+    if isinstance(node, GenerateNode):
+        streams.add("decode graphs")
+    return streams

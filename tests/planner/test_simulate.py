@@ -72,3 +72,44 @@ def test_measured_costs_replace_estimates_with_a_moving_average() -> None:
     measured.observe("ref", slot, 2.0)
     # 1.0 + 0.3 * (2.0 - 1.0) = 1.3
     assert measured.compute_s("ref", slot, False) == pytest.approx(1.3)
+
+
+class FixedMemory(FixedCosts):
+    """1 GB of weights per model node (the actor's 3 GB of training state on train), no
+    activations; reward and advantage hold no model."""
+
+    MODELS = {"rollout": "actor", "ref": "reference", "train": "actor"}
+
+    def memory(self, node: str, width: int, gpu: bool = False) -> NodeMemory:
+        if node not in self.MODELS:
+            return NodeMemory(0.0, 0.0, 0.0)
+        return NodeMemory(1.0, 3.0 if node == "train" else 0.0, 0.0)
+
+    def work(self, node: str) -> NodeWork:
+        return NodeWork("forward", "per_token", self.MODELS.get(node), "policy", "bf16", None, 16, 9, 16)
+
+
+def test_a_gpu_adds_its_context_and_a_cublas_workspace_per_thread_and_stream() -> None:
+    from flowrl.planner.simulate import device_memory_gb
+
+    pipeline = pipeline_from_dict(grpo({"path": "builtin:tiny-llama"}, {"path": "builtin:tiny-llama"}, {}))
+    place = {node: Placement(("gpu-0",)) for node in SECONDS}
+    hopper = Device("gpu-0", "node-0", 0, "gpu", "H100-80GB", "hopper", 80.0)
+    ampere = Device("gpu-0", "node-0", 0, "gpu", "A100-40GB", "ampere", 40.0)
+    mib = 2**20 / 1e9
+    # weights: actor 1 + reference 1, the actor's state 3 = 5 GB; CUDA context 0.5 GB;
+    # workspaces (cuBLAS + 1 MiB cuBLASLt) for the compute thread, the update's backward
+    # thread and generation's capture stream: Hopper 3 * 33 MiB, Ampere 3 * (8.125 + 1) MiB
+    assert device_memory_gb(pipeline, place, inventory(hopper), FixedMemory())["gpu-0"] == \
+        pytest.approx(5.5 + 3 * 33 * mib)
+    assert device_memory_gb(pipeline, place, inventory(ampere), FixedMemory())["gpu-0"] == \
+        pytest.approx(5.5 + 3 * 9.125 * mib)
+    # the reference alone on a second GPU: one thread, one stream
+    place["ref"] = Placement(("gpu-1",))
+    two = inventory(hopper, Device("gpu-1", "node-0", 1, "gpu", "H100-80GB", "hopper", 80.0))
+    memory = device_memory_gb(pipeline, place, two, FixedMemory())
+    assert memory["gpu-1"] == pytest.approx(1.0 + 0.5 + 33 * mib)
+    assert memory["gpu-0"] == pytest.approx(4.0 + 0.5 + 3 * 33 * mib)
+    # CPU slots: no context, no workspaces
+    place = {node: Placement(("cpu-0",)) for node in SECONDS}
+    assert device_memory_gb(pipeline, place, inventory(cpu(0)), FixedMemory())["cpu-0"] == pytest.approx(5.0)
