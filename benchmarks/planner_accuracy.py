@@ -12,7 +12,7 @@ calibrated prediction (``calibrated``: per-node factors learned on the first hal
 after the first, the plan simulated again with them, set beside the second half's medians).
 Memory: the plan's predicted peak per device (without the CUDA context the planner adds, since
 ``torch.cuda.max_memory_allocated`` does not see it) against the largest measured peak of the
-node calls on it.
+node calls on it, over the whole run and over the steps after the first (which compiles).
 
 Candidates (``--candidates``): every way of putting the pipeline's device groups on the CPU
 slots (``devices.G.device_ids``, the first group on slot 0) is run for real, ``--repeats``
@@ -56,14 +56,17 @@ def run_once(pipeline: Path, steps: int, output: Path, overrides: list[str]) -> 
     plan = json.loads((output / "plan-0.json").read_text())
     measured = plan.get("measured", {})
     node_peak = {node: item["peak_memory_gb"] for node, item in measured.get("nodes", {}).items()}
+    later_peak = peaks_after_first_step(output / "profile.jsonl")
     context = GPU_CONTEXT_GB  # max_memory_allocated does not count the CUDA context
     devices = {}
     for device in plan["devices"]:
         here = [node_peak.get(node, 0.0) for node in device["nodes"]]
+        later = [later_peak.get(node, 0.0) for node in device["nodes"]]
         gpu = device["kind"] == "gpu"
         devices[device["device"]] = {
             "predicted_peak_gb": device["peak_gb"] - (context if gpu else 0.0),
             "measured_peak_gb": max(here, default=0.0) if gpu else None,
+            "measured_peak_after_first_step_gb": max(later, default=0.0) if gpu else None,
             "nodes": device["nodes"],
             "models": device["models"],
         }
@@ -85,6 +88,23 @@ def run_once(pipeline: Path, steps: int, output: Path, overrides: list[str]) -> 
         "calibrated_step_error": (calibrated["iteration_s"] / calibrated["measured_step_s_median"] - 1)
         if calibrated.get("measured_step_s_median") else None,
     }
+
+
+def peaks_after_first_step(profile: Path) -> dict[str, float]:
+    """Each node's largest measured peak over the steps after the run's first: the first step
+    compiles (torch.compile's tuning allocates scratch memory of its own), the later ones show
+    what the run holds while it trains."""
+    calls = []
+    for text in profile.read_text().splitlines() if profile.is_file() else []:
+        line = json.loads(text)
+        if line.get("type") == "node" and line.get("peak_memory_gb"):
+            calls.append(line)
+    first = min((line["step"] for line in calls), default=0)
+    peaks: dict[str, float] = {}
+    for line in calls:
+        if line["step"] > first:
+            peaks[line["node"]] = max(peaks.get(line["node"], 0.0), line["peak_memory_gb"])
+    return peaks
 
 
 def group_layouts(pipeline: Path, slots: int) -> list[dict[str, int]]:

@@ -188,3 +188,15 @@ def test_data_parallel_width_of_an_inference_node() -> None:
     # a large reference pass: splitting it over both of its GPUs halves its time
     assert len(plan.node_devices["ref"]) == 2
     assert "width 2 of 2" in next(p.reason for p in plan.nodes if p.node == "ref")
+
+
+@pytest.mark.parametrize("inventory_file", ["h100-1x", "a100-4x40gb"])
+def test_the_04b_gpu_job_fits_one_80_or_40_gb_card(inventory_file: str) -> None:
+    # measured on one GPU at about 22.6 GB (benchmarks/results/planner_accuracy_h100.json);
+    # the plan must accept it on one H100-80GB, and on one A100-40GB of the four
+    pipeline = load_pipeline(ROOT / "pipelines" / "grpo_0.4b_gpu.yaml")
+    plan = compile_plan(pipeline, load_inventory(ROOT / "devices" / f"{inventory_file}.yaml"))
+    _fits(plan)
+    (card,) = {device for devices in plan.node_devices.values() for device in devices}
+    peak = next(device.peak_gb for device in plan.devices if device.device == card)
+    assert 20.0 < peak < 30.0

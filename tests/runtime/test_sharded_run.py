@@ -69,7 +69,11 @@ def test_two_sharded_workers_train_the_policy_to_the_weights_of_one(tmp_path: Pa
         cluster.close()
     _close(expected, curve, 1)
     for name, tensor in expected_weights.items():
-        torch.testing.assert_close(weights[name], tensor, rtol=1e-4, atol=5e-5)
+        # An element whose gradient is near zero moves by Adam's normalised step, up to lr
+        # (5e-4) each, whose size follows the gradient's rounding: the shards' summation
+        # order moved one element by 5.1e-5. A quarter of one step still fails a shard whose
+        # gradient is lost: its rows fall behind by about lr per optimizer step.
+        torch.testing.assert_close(weights[name], tensor, rtol=1e-4, atol=1.25e-4)
     # each rank trains its part of every parameter (rows, dim 0: 42 + 41 of the embedding's
     # 83) and keeps a whole copy beside it
     (first, whole), (second, whole_too) = shapes
