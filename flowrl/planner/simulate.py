@@ -169,10 +169,28 @@ def device_memory_gb(
     Models live on every device one of their nodes runs on (time-shared when several do);
     their weights and, where they train, gradients and optimizer state stay resident.
     Offloaded weights and each node's activations are there only while it runs, so the
-    peak adds the largest of those to the resident memory.
+    peak adds the largest of those to the resident memory. A GPU adds its CUDA context.
     """
+    kinds = {device.id: device.kind for device in inventory.devices}
+    peaks: dict[str, float] = {}
+    for (_, device_id), gb in node_call_memory_gb(pipeline, placement, inventory, costs).items():
+        peaks[device_id] = max(peaks.get(device_id, 0.0), gb)
+    return {device_id: gb + (GPU_CONTEXT_GB if kinds[device_id] == "gpu" else 0.0)
+            for device_id, gb in peaks.items()}
+
+
+def node_call_memory_gb(
+    pipeline: PipelineGraph,
+    placement: Mapping[str, Placement],
+    inventory: Inventory,
+    costs: CostSource,
+) -> dict[tuple[str, str], float]:
+    """Predicted memory the allocator holds during each node call, per (node, device) in GB:
+    what stays on the device (every model's weights and state, generation caches, on a GPU
+    the cuBLAS workspaces) plus what the call itself needs. This is what the profiler
+    measures per call on a GPU (``torch.cuda.max_memory_allocated``, no CUDA context)."""
     resident: dict[str, dict[str, float]] = {}
-    transient: dict[str, float] = {}
+    passing: dict[tuple[str, str], float] = {}
     streams: dict[str, set[str]] = {}
     kinds = {device.id: device.kind for device in inventory.devices}
     for node in pipeline.topological_order():
@@ -182,27 +200,26 @@ def device_memory_gb(
         model = costs.work(node).model
         for device_id in chosen.devices:
             held = resident.setdefault(device_id, {})
+            call = memory.transient_gb
             if model is not None:
                 streams.setdefault(device_id, set()).update(_matmul_streams(pipeline.spec.nodes[node]))
-            passing = memory.transient_gb
-            if model is not None:
                 if chosen.offloaded and kinds[device_id] == "gpu":
-                    passing += memory.weights_gb
+                    call += memory.weights_gb
                 else:
                     held[f"{model}:weights"] = memory.weights_gb
                 if memory.state_gb:
                     held[f"{model}:state"] = memory.state_gb
                 if memory.cache_gb:
                     held[f"{node}:cache"] = memory.cache_gb
-            transient[device_id] = max(transient.get(device_id, 0.0), passing)
+            passing[node, device_id] = call
     arch = {device.id: device.arch for device in inventory.devices}
-    return {
+    stays = {
         device_id: sum(held.values())
-        + transient[device_id]
-        + (GPU_CONTEXT_GB + len(streams.get(device_id, ())) * matmul_workspace_bytes(arch[device_id]) / GB
+        + (len(streams.get(device_id, ())) * matmul_workspace_bytes(arch[device_id]) / GB
            if kinds[device_id] == "gpu" else 0.0)
         for device_id, held in resident.items()
     }
+    return {(node, device_id): stays[device_id] + call for (node, device_id), call in passing.items()}
 
 
 def _matmul_streams(node: NodeBase) -> set[str]:

@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from flowrl.devices.inventory import Device, Inventory
 from flowrl.graph import PipelineGraph
@@ -63,12 +63,15 @@ class DeviceCalibration:
     """Device id -> measured / predicted time (1.0 until measured)."""
     node_factors: dict[str, float] = field(default_factory=dict)
     """Node -> measured / predicted time at the start (1.0 when not calibrated)."""
+    memory_excess_gb: dict[str, float] = field(default_factory=dict)
+    """Node -> GB its GPU calls held beyond the prediction, the largest seen (``observe_memory``)."""
     _steps_seen: int = 0
     _samples: dict[str, list[float]] = field(default_factory=dict)
 
     def state_dict(self) -> dict[str, object]:
         """What was learned, as JSON-ready data (a checkpoint's ``trainer_state.json``)."""
         return {"ratios": dict(self.ratios), "node_factors": dict(self.node_factors),
+                "memory_excess_gb": dict(self.memory_excess_gb),
                 "steps_seen": self._steps_seen, "samples": {k: list(v) for k, v in self._samples.items()}}
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
@@ -78,6 +81,9 @@ class DeviceCalibration:
             self.ratios = {str(k): float(v) for k, v in ratios.items()}
         if isinstance(factors, dict):
             self.node_factors = {str(k): float(v) for k, v in factors.items()}
+        excess = state.get("memory_excess_gb", {})
+        if isinstance(excess, dict):
+            self.memory_excess_gb = {str(k): float(v) for k, v in excess.items()}
         if isinstance(samples, dict):
             self._samples = {str(k): [float(x) for x in v] for k, v in samples.items()}
         if isinstance(steps_seen, int):
@@ -148,6 +154,21 @@ class DeviceCalibration:
     def factor(self, node: str) -> float:
         return self.node_factors.get(node, 1.0)
 
+    def observe_memory(self, timings: Sequence[NodeTiming], predicted_gb: Mapping[tuple[str, str], float]) -> None:
+        """Fold in what the node calls held on their GPUs against the plan's prediction of the
+        same calls (``simulate.node_call_memory_gb``, per (node, device)). A call that held
+        more than predicted raises that node's memory by the difference from then on, the
+        largest seen (the first call of a node compiles, and a move compiles again); a call
+        that held less changes nothing, since the gap may be another model's and would not
+        move with this node."""
+        for timing in timings:
+            expected = predicted_gb.get((timing.node, timing.device))
+            if expected is None or timing.peak_memory_gb <= 0:
+                continue  # off a GPU nothing is measured
+            excess = timing.peak_memory_gb - expected
+            if excess > self.memory_excess_gb.get(timing.node, 0.0):
+                self.memory_excess_gb[timing.node] = excess
+
     # ---- CostSource ------------------------------------------------------------------
 
     def compute_s(self, node: str, devices: Sequence[Device], offloaded: bool) -> float:
@@ -155,7 +176,9 @@ class DeviceCalibration:
         return self.base.compute_s(node, devices, offloaded) * self.factor(node) * slowest
 
     def memory(self, node: str, width: int, gpu: bool = False) -> NodeMemory:
-        return self.base.memory(node, width, gpu)
+        memory = self.base.memory(node, width, gpu)
+        excess = self.memory_excess_gb.get(node, 0.0) if gpu else 0.0
+        return replace(memory, transient_gb=memory.transient_gb + excess) if excess else memory
 
     def output_bytes(self, node: str) -> float:
         return self.base.output_bytes(node)

@@ -41,6 +41,7 @@ from flowrl.graph import PipelineGraph
 from flowrl.planner.compiled import CompiledPlan, compile_plan
 from flowrl.planner.costs import CostSource, EstimatedCosts
 from flowrl.planner.search import evaluate
+from flowrl.planner.simulate import node_call_memory_gb
 from flowrl.records import DeviceSample, NodeTiming
 from flowrl.scheduler.calibration import DeviceCalibration
 from flowrl.scheduler.candidates import neighbour_matches, repair_matches
@@ -217,6 +218,10 @@ class DynamicPolicy:
         }
         offloaded = {item.node: item.offloaded for item in self._plan.nodes}
         self.calibration.observe_step(timings, node_devices, offloaded)
+        if any(timing.peak_memory_gb > 0 for timing in timings):
+            predicted = node_call_memory_gb(self.pipeline, placement_of(self._plan), self.inventory,
+                                            self.calibration.base)
+            self.calibration.observe_memory(timings, predicted)
         flags, settings = self._flags, self.settings
         recovered = 1 + (settings.slow_ratio - 1) / 2
         for device_id, ratio in sorted(self.calibration.ratios.items()):
