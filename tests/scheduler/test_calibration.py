@@ -147,6 +147,12 @@ def test_gpu_calls_that_held_more_than_predicted_raise_that_node_memory() -> Non
     # a re-plan's memory prediction (the policy searches with the calibration) now holds the
     # measured 2.0 GB on gpu-0, plus the 0.5 GB CUDA context the allocator never sees
     assert device_memory_gb(PIPELINE, place, devices, calibration)["gpu-0"] == pytest.approx(2.5)
+    # and it is kept with the rest of what was learned (a checkpoint's trainer_state.json)
+    import json
+
+    restored = DeviceCalibration(TableCosts())
+    restored.load_state_dict(json.loads(json.dumps(calibration.state_dict())))
+    assert restored.memory_excess_gb == pytest.approx(calibration.memory_excess_gb)
 
 
 def test_the_policy_learns_gpu_memory_from_the_calls_it_observes() -> None:
