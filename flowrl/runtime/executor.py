@@ -19,7 +19,7 @@ from flowrl.graph import PipelineGraph
 from flowrl.planner.placement import Plan
 from flowrl.runtime.calls import InputRef, NodeCall, NodeReport, store_key
 from flowrl.spec.schema import SOURCE_NODE, GenerateNode
-from flowrl.runtime.waiting import gather
+from flowrl.runtime.waiting import gather, peer_failed
 
 Gather = Callable[[list[tuple[str, Any]], float, str], list[Any]]
 """(slot, future) calls, a deadline, what they are -> their results (``waiting.gather``)."""
@@ -82,6 +82,17 @@ class StepExecutor:
             return list(self.gather(list(zip(slots, futures)), self.node_timeout_s, f"node '{node}'"))
         except NodeTimeout:
             raise self._timeout(node) from None
+        except Exception as error:
+            # A rank whose peer died or stopped answering fails in its collective (the group's
+            # timeout), possibly before this node's deadline: the node's workers then count as
+            # hung, as they would at the deadline, instead of the run failing on that error.
+            if len(slots) > 1 and peer_failed(error):
+                raise NodeTimeout(
+                    f"node '{node}' on {', '.join(slots)}: a collective of its group failed "
+                    f"({type(error).__name__}: {str(error)[:200]}): a rank died or stopped answering",
+                    tuple(slots),
+                ) from error
+            raise
 
     def _timeout(self, node: str) -> NodeTimeout:
         slots = tuple(self.plan.slots_of(node))

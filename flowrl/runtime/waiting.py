@@ -66,3 +66,27 @@ def raise_if_lost(slots: Sequence[str], addresses: Mapping[str, str], now: Mappi
     lost = lost_slots(slots, addresses, now)
     if lost:
         raise WorkerLost(f"{what}: the worker of {', '.join(lost)} left the cluster", tuple(lost))
+
+
+PEER_FAILURE_MARKERS = (
+    "pair closure", "Timed out waiting", "Connection closed by peer", "Connection reset by peer",
+    "collective operation timeout", "communicator was aborted", "Socket Timeout",
+)
+"""Words of the errors a collective raises on a rank whose peer died or stopped answering:
+gloo's timeouts and closed pairs, NCCL's watchdog and aborted communicators, the store's
+socket timeout."""
+DIST_ERRORS = ("DistError", "DistBackendError", "DistNetworkError", "DistStoreError")
+"""torch.distributed's own error classes, by name (the driver does not import torch)."""
+
+
+def peer_failed(error: BaseException) -> bool:
+    """Whether ``error``, raised by one rank of a group, is a collective that failed because
+    another rank died or hung (not a fault of this rank's own work)."""
+    chain: BaseException | None = error
+    while chain is not None:
+        if any(kind.__name__ in DIST_ERRORS for kind in type(chain).__mro__):
+            return True
+        if isinstance(chain, RuntimeError) and any(marker in str(chain) for marker in PEER_FAILURE_MARKERS):
+            return True
+        chain = chain.__cause__ or chain.__context__
+    return False
