@@ -61,12 +61,12 @@ def run_once(pipeline: Path, steps: int, output: Path, overrides: list[str]) -> 
     devices = {}
     for device in plan["devices"]:
         here = [node_peak.get(node, 0.0) for node in device["nodes"]]
-        later = [later_peak.get(node, 0.0) for node in device["nodes"]]
+        later = [later_peak[node] for node in device["nodes"] if node in later_peak]
         gpu = device["kind"] == "gpu"
         devices[device["device"]] = {
             "predicted_peak_gb": device["peak_gb"] - (context if gpu else 0.0),
             "measured_peak_gb": max(here, default=0.0) if gpu else None,
-            "measured_peak_after_first_step_gb": max(later, default=0.0) if gpu else None,
+            "measured_peak_after_first_step_gb": max(later) if gpu and later else None,
             "nodes": device["nodes"],
             "models": device["models"],
         }

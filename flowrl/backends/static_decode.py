@@ -140,7 +140,10 @@ def _residual(x: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
     """``x + update``, rounded once to ``x``'s dtype as a plain addition is. Written with the
     float32 casts so that inductor does not fold the addition into the matrix product that
     made ``update`` (``addmm``): that form first copies ``x`` into the product's output, one
-    more kernel per product, where the addition alone fuses into the norm that follows."""
+    more kernel per product, where the addition alone fuses into the norm that follows.
+    Compiled, that norm reads the float32 sum (inductor keeps a kernel's intermediates in
+    float32; only what it stores is rounded), so the last bits of a compiled step may differ
+    from the eager one's, as the compiled norms' did before."""
     return (x.float() + update.float()).to(x.dtype)
 
 

@@ -231,5 +231,5 @@ def _matmul_streams(node: NodeBase) -> set[str]:
     if node.trains:
         streams.add("backward")
     if isinstance(node, GenerateNode):
-        streams.add("decode graphs")
+        streams.add(f"decode graphs of {node.model}")  # each model's decoder has its own
     return streams

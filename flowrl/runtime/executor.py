@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Callable, Sequence
 
-from flowrl.errors import NodeTimeout
+from flowrl.errors import FlowrlError, NodeTimeout
 from flowrl.graph import PipelineGraph
 from flowrl.planner.placement import Plan
 from flowrl.runtime.calls import InputRef, NodeCall, NodeReport, store_key
@@ -82,17 +82,28 @@ class StepExecutor:
             return list(self.gather(list(zip(slots, futures)), self.node_timeout_s, f"node '{node}'"))
         except NodeTimeout:
             raise self._timeout(node) from None
+        except FlowrlError:
+            raise  # a lost worker or another fault the driver already classifies
         except Exception as error:
             # A rank whose peer died or stopped answering fails in its collective (the group's
-            # timeout), possibly before this node's deadline: the node's workers then count as
-            # hung, as they would at the deadline, instead of the run failing on that error.
-            if len(slots) > 1 and peer_failed(error):
+            # timeout), possibly before this node's deadline: the workers of the group (the
+            # node's, and those its update broadcasts new weights to) then count as hung, as
+            # they would at the deadline, instead of the run failing on that error.
+            group = [*slots, *self._weight_peers(node)]
+            if len(group) > 1 and peer_failed(error):
                 raise NodeTimeout(
-                    f"node '{node}' on {', '.join(slots)}: a collective of its group failed "
+                    f"node '{node}' on {', '.join(group)}: a collective of its group failed "
                     f"({type(error).__name__}: {str(error)[:200]}): a rank died or stopped answering",
-                    tuple(slots),
+                    tuple(group),
                 ) from error
             raise
+
+    def _weight_peers(self, node: str) -> list[str]:
+        """The slots an update broadcasts its model's new weights to, inside its call."""
+        spec = self.pipeline.spec.nodes[node]
+        if not (spec.trains and spec.model is not None):
+            return []
+        return self.plan.weight_peers(node, spec.model)
 
     def _timeout(self, node: str) -> NodeTimeout:
         slots = tuple(self.plan.slots_of(node))

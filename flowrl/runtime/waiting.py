@@ -68,25 +68,33 @@ def raise_if_lost(slots: Sequence[str], addresses: Mapping[str, str], now: Mappi
         raise WorkerLost(f"{what}: the worker of {', '.join(lost)} left the cluster", tuple(lost))
 
 
-PEER_FAILURE_MARKERS = (
-    "pair closure", "Timed out waiting", "Connection closed by peer", "Connection reset by peer",
-    "collective operation timeout", "communicator was aborted", "Socket Timeout",
-)
-"""Words of the errors a collective raises on a rank whose peer died or stopped answering:
-gloo's timeouts and closed pairs, NCCL's watchdog and aborted communicators, the store's
-socket timeout."""
-DIST_ERRORS = ("DistError", "DistBackendError", "DistNetworkError", "DistStoreError")
-"""torch.distributed's own error classes, by name (the driver does not import torch)."""
+COLLECTIVE_SOURCES = ("gloo", "NCCL", "c10d", "ProcessGroup")
+"""Words that say an error came from a collective library (gloo's messages carry their
+source path, NCCL's and c10d's their names)."""
+PEER_FAILURE_WORDS = ("Timed out", "timeout", "closed by peer", "reset by peer", "aborted")
+"""What such an error says when a peer died or stopped answering: gloo's recv timeout and
+closed connections, NCCL's watchdog timeout and aborted communicator."""
+DIST_NETWORK_ERRORS = ("DistNetworkError", "DistStoreError")
+"""torch.distributed's error classes for a lost connection or store, by name (the driver
+does not import torch)."""
 
 
 def peer_failed(error: BaseException) -> bool:
     """Whether ``error``, raised by one rank of a group, is a collective that failed because
-    another rank died or hung (not a fault of this rank's own work)."""
+    another rank died or hung (not a fault of this rank's own work). An input's failure
+    forwarded by a node (``UpstreamFailed``) is that input's own error, never a peer's."""
     chain: BaseException | None = error
     while chain is not None:
-        if any(kind.__name__ in DIST_ERRORS for kind in type(chain).__mro__):
+        kinds = {kind.__name__ for kind in type(chain).__mro__}
+        if "UpstreamFailed" in kinds:
+            return False
+        if kinds & set(DIST_NETWORK_ERRORS):
             return True
-        if isinstance(chain, RuntimeError) and any(marker in str(chain) for marker in PEER_FAILURE_MARKERS):
+        text = str(chain)
+        if isinstance(chain, RuntimeError) and (
+            "pair closure" in text  # gloo: a pair closed on its timeout
+            or (any(source in text for source in COLLECTIVE_SOURCES) and any(word in text for word in PEER_FAILURE_WORDS))
+        ):
             return True
         chain = chain.__cause__ or chain.__context__
     return False

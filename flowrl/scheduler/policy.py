@@ -218,7 +218,8 @@ class DynamicPolicy:
         }
         offloaded = {item.node: item.offloaded for item in self._plan.nodes}
         self.calibration.observe_step(timings, node_devices, offloaded)
-        if any(timing.peak_memory_gb > 0 for timing in timings):
+        planned = {d for item in self._plan.nodes for d in item.devices}
+        if any(timing.peak_memory_gb > 0 for timing in timings) and planned <= set(by_id):
             predicted = node_call_memory_gb(self.pipeline, placement_of(self._plan), self.inventory,
                                             self.calibration.base)
             self.calibration.observe_memory(timings, predicted)

@@ -50,9 +50,15 @@ def test_a_collective_whose_peer_never_comes_raises_what_peer_failed_recognises(
     # the text gloo gave in a run whose peer was stopped mid-update, and torch's own classes
     assert peer_failed(RuntimeError("Application timeout caused pair closure"))
     assert peer_failed(dist.DistBackendError("NCCL communicator was aborted on rank 1"))
-    # the rank's own errors are not the peer's
+    # the rank's own errors are not the peer's: its arithmetic, NCCL's report of this rank's
+    # own CUDA error, a reward's lost HTTP connection, or a shard's error forwarded as an input's
     assert not peer_failed(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     assert not peer_failed(ValueError("Timed out waiting"))
+    assert not peer_failed(dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp, unhandled cuda error"))
+    assert not peer_failed(ConnectionResetError(104, "Connection reset by peer"))
+    from flowrl.runtime.host import UpstreamFailed
+
+    assert not peer_failed(UpstreamFailed("input 'reward' failed: gloo Timed out waiting (from an HTTP judge)"))
 
 
 class _Host:
@@ -85,3 +91,28 @@ def test_a_split_node_whose_rank_fails_in_its_collective_counts_as_hung(tmp_path
     single = StepExecutor(graph, plan_for(graph, ALL_ON_0), hosts, 8.0, gather=own_error)
     with pytest.raises(RuntimeError):
         single._collect("train", ["a"])
+
+
+def test_an_update_whose_weight_broadcast_fails_counts_its_peers_hung_too(tmp_path: Path) -> None:
+    graph = pipeline_from_dict(tiny_grpo(tmp_path / "out", steps=2).to_dict())
+    # the actor generates on cpu-1 and trains on cpu-0: the update broadcasts to cpu-1
+    plan = plan_for(graph, {**ALL_ON_0, "rollout": "cpu-1"})
+    hosts = {"cpu-0": _Host(), "cpu-1": _Host()}
+
+    def gather(calls: list[tuple[str, Any]], timeout_s: float, what: str) -> list[Any]:
+        raise RuntimeError("[third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+
+    with pytest.raises(NodeTimeout) as hung:
+        StepExecutor(graph, plan, hosts, 8.0, gather=gather)._collect("train", ["a"])
+    assert hung.value.slots == ("cpu-0", "cpu-1")
+    # a worker found gone stays lost, whatever its error's context says
+    from flowrl.errors import WorkerLost
+
+    def lost(calls: list[tuple[str, Any]], timeout_s: float, what: str) -> list[Any]:
+        try:
+            raise RuntimeError("Application timeout caused pair closure")
+        except RuntimeError:
+            raise WorkerLost("node 'train': the worker of cpu-1 left the cluster", ("cpu-1",))
+
+    with pytest.raises(WorkerLost):
+        StepExecutor(graph, plan, hosts, 8.0, gather=lost)._collect("train", ["a"])
