@@ -27,7 +27,10 @@ Reported per variant: seconds per step (median of each run's steps after ``--war
 the median over runs), seconds per node (flowrl: its own per-node timings; TRL: generate(),
 the reference forward, and the rest of the step = update and bookkeeping), peak GPU memory,
 and per TRL variant the ratio TRL / flowrl of each round's medians. The commit measured and
-any uncommitted files of ``flowrl/`` and ``benchmarks/`` are recorded. Writes JSON; never asserts.
+any uncommitted files of ``flowrl/`` and ``benchmarks/`` are recorded. The file and its summary
+are written after every run, so a command stopped from outside keeps what finished;
+``--max-minutes`` starts no run that would end past it (estimated from its variant's longest
+run so far) and lists the runs left out. Writes JSON; never asserts.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -151,6 +155,9 @@ def main() -> None:
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--micro-batch", type=int, default=64, help="sequences per forward/backward pass (default 64)")
+    parser.add_argument("--max-minutes", type=float, default=0.0,
+                        help="start no run that would end past this many minutes (its variant's longest run so "
+                             "far sets the estimate); 0: no limit")
     parser.add_argument("--output", type=Path, default=HERE / "results" / "gpu_grpo.json")
     args = parser.parse_args()
     variants = [name.strip() for name in args.variants.split(",") if name.strip()]
@@ -178,12 +185,28 @@ def main() -> None:
         report["machine"]["gpu"] = None
 
     def write() -> None:
+        report["summary"] = summarize(report, variants)
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(report, indent=2, default=str) + "\n")
 
+    # A run that would not end inside --max-minutes is not started: the file then holds every
+    # finished run and its summary, and says what was left out.
+    started = time.monotonic()
+    longest: dict[str, float] = {}
     for round_index in range(args.repeats):
         for name in variants:
+            elapsed = time.monotonic() - started
+            if args.max_minutes and elapsed + longest.get(name, 0.0) > args.max_minutes * 60:
+                report.setdefault("left_out", []).append(
+                    {"round": round_index, "variant": name,
+                     "why": f"its last run took {longest[name]:.0f} s and {elapsed:.0f} s of --max-minutes "
+                            f"{args.max_minutes:g} had passed"})
+                print(f"round {round_index} {name}: left out (--max-minutes)", flush=True)
+                write()
+                continue
+            run_started = time.monotonic()
             raw = run_child(VARIANTS[name]["framework"], report["jobs"][name])
+            longest[name] = max(longest.get(name, 0.0), time.monotonic() - run_started)
             result = summary(raw, args.warmup)
             result["round"] = round_index
             if "error" in raw:
@@ -194,37 +217,43 @@ def main() -> None:
             print(f"round {round_index} {name}: {json.dumps(short, default=str)}", flush=True)
             write()
 
-    report["summary"] = {}
+    write()
+    print(json.dumps(report["summary"], indent=1, default=str), flush=True)
+    print(f"written: {args.output}")
+
+
+def summarize(report: dict[str, Any], variants: list[str]) -> dict[str, Any]:
+    """Per variant: medians over its finished runs; per TRL variant, TRL / flowrl per round
+    where both ran."""
+    out: dict[str, Any] = {}
     for name in variants:
         good = [run for run in report["runs"][name] if "error" not in run]
         if not good:
-            report["summary"][name] = {"error": report["runs"][name][0].get("error") if report["runs"][name] else None}
+            out[name] = {"error": report["runs"][name][0].get("error") if report["runs"][name] else "no run"}
             continue
         nodes = sorted({key for run in good for key in run["node_s_median"]})
-        report["summary"][name] = {
+        out[name] = {
+            "runs": len(good),
             "step_s_median": statistics.median(run["step_s_median"] for run in good),
             "step_s_per_round": [run["step_s_median"] for run in good],
             "node_s_median": {key: statistics.median(run["node_s_median"][key] for run in good if key in run["node_s_median"])
                               for key in nodes},
             "peak_gpu_memory_gb": max((run["peak_gpu_memory_gb"] or 0.0) for run in good),
         }
-        engines = [run["generate_engine_s_median"] for run in good if "generate_engine_s_median" in run]
+        engines = [run["generate_engine_s_median"] for run in good if run.get("generate_engine_s_median") is not None]
         if engines:
-            report["summary"][name]["generate_engine_s_median"] = statistics.median(engines)
+            out[name]["generate_engine_s_median"] = statistics.median(engines)
     if "flowrl" in variants:
+        flowrl_by_round = {run["round"]: run for run in report["runs"]["flowrl"] if "error" not in run}
         for name in variants:
             if name == "flowrl":
                 continue
-            pairs = [(t["step_s_median"], f["step_s_median"])
-                     for t, f in zip(report["runs"][name], report["runs"]["flowrl"])
-                     if "error" not in t and "error" not in f]
-            if pairs:
-                ratios = [t / f for t, f in pairs]
-                report["summary"][f"{name}_over_flowrl"] = {
+            ratios = [run["step_s_median"] / flowrl_by_round[run["round"]]["step_s_median"]
+                      for run in report["runs"][name] if "error" not in run and run["round"] in flowrl_by_round]
+            if ratios:
+                out[f"{name}_over_flowrl"] = {
                     "median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "per_round": ratios}
-    print(json.dumps(report["summary"], indent=1, default=str), flush=True)
-    write()
-    print(f"written: {args.output}")
+    return out
 
 
 if __name__ == "__main__":
