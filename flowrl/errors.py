@@ -7,6 +7,7 @@ Anything else that escapes is a bug in flowrl.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 
@@ -105,3 +106,11 @@ class RewardError(FlowrlError):
 
 class CheckpointError(FlowrlError):
     """A checkpoint that cannot be written or read."""
+
+
+def error_chain(error: BaseException) -> Iterator[BaseException]:
+    """``error``, then the errors it was raised from or while handling, newest first."""
+    link: BaseException | None = error
+    while link is not None:
+        yield link
+        link = link.__cause__ or link.__context__

@@ -31,7 +31,7 @@ from flowrl.api.recovery import FoundCheckpoint, newest_checkpoint
 from flowrl.api.replanning import Replanner
 from flowrl.api.reward_guard import RewardFailureGuard
 from flowrl.data import PromptSource
-from flowrl.errors import CheckpointError, FlowrlError, NodeTimeout, PlacementError, RunStopped, WorkerLost
+from flowrl.errors import CheckpointError, FlowrlError, NodeTimeout, PlacementError, RunStopped, WorkerLost, error_chain
 from flowrl.graph import PipelineGraph
 from flowrl.records import RunEvent, StepRecord
 from flowrl.runtime.cluster import Cluster
@@ -520,12 +520,10 @@ class Driver:
 
 def _looks_lost(error: BaseException) -> bool:
     """A call that failed the way calls to a dead worker fail (connection, lost actor)."""
-    chain: BaseException | None = error
-    while chain is not None:
-        text = f"{type(chain).__name__}: {chain}"
-        if isinstance(chain, OSError) or "lost" in text or "CommClosed" in text or "contact" in text:
+    for link in error_chain(error):
+        text = f"{type(link).__name__}: {link}"
+        if isinstance(link, OSError) or "lost" in text or "CommClosed" in text or "contact" in text:
             return True
-        chain = chain.__cause__ or chain.__context__
     return False
 
 

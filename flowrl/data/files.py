@@ -20,7 +20,7 @@ from typing import Any
 
 from flowrl.backends.hub import HUB_NAME_PATTERN, HUB_PROBE_TIMEOUT_S, hub_offline, hub_reachable
 from flowrl.data.jsonl import check_json_lines
-from flowrl.errors import DataError
+from flowrl.errors import DataError, error_chain
 
 FILE_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv"}
 """Data file suffix -> the ``datasets`` builder that reads it."""
@@ -176,10 +176,10 @@ def _load_hub(name: str, split: str, subset: str | None) -> Any:
 def _reason(error: BaseException) -> str:
     """The most telling message of an exception chain (datasets wraps the reader's error)."""
     messages: list[str] = []
-    current: BaseException | None = error
-    while current is not None and len(messages) < 4:
-        text = str(current).strip()
+    for link in error_chain(error):
+        if len(messages) == 4:
+            break
+        text = str(link).strip()
         if text:
-            messages.append(f"{type(current).__name__}: {text.splitlines()[0]}")
-        current = current.__cause__ or current.__context__
+            messages.append(f"{type(link).__name__}: {text.splitlines()[0]}")
     return messages[-1] if messages else type(error).__name__

@@ -125,9 +125,7 @@ class StepExecutor:
             role = self.pipeline.spec.nodes[producer].role
             inputs.append(InputRef(name=producer, role=role, key=store_key(step, producer), host=host,
                                    rollout=producer == self.pipeline.rollout_of(node)))
-        peers: tuple[Any, ...] = ()
-        if spec.trains and spec.model is not None:
-            peers = tuple(self.hosts[s] for s in self.plan.weight_peers(node, spec.model))
+        peers = tuple(self.hosts[s] for s in self._weight_peers(node))
         return NodeCall(
             step=step,
             node=node,

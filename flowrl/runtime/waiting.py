@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from flowrl.errors import NodeTimeout, WorkerLost
+from flowrl.errors import NodeTimeout, WorkerLost, error_chain
 
 POLL_S = 0.05
 """How long the driver waits on one call before looking at the others."""
@@ -83,18 +83,16 @@ def peer_failed(error: BaseException) -> bool:
     """Whether ``error``, raised by one rank of a group, is a collective that failed because
     another rank died or hung (not a fault of this rank's own work). An input's failure
     forwarded by a node (``UpstreamFailed``) is that input's own error, never a peer's."""
-    chain: BaseException | None = error
-    while chain is not None:
-        kinds = {kind.__name__ for kind in type(chain).__mro__}
+    for link in error_chain(error):
+        kinds = {kind.__name__ for kind in type(link).__mro__}
         if "UpstreamFailed" in kinds:
             return False
         if kinds & set(DIST_NETWORK_ERRORS):
             return True
-        text = str(chain)
-        if isinstance(chain, RuntimeError) and (
+        text = str(link)
+        if isinstance(link, RuntimeError) and (
             "pair closure" in text  # gloo: a pair closed on its timeout
             or (any(source in text for source in COLLECTIVE_SOURCES) and any(word in text for word in PEER_FAILURE_WORDS))
         ):
             return True
-        chain = chain.__cause__ or chain.__context__
     return False
