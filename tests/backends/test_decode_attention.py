@@ -166,5 +166,5 @@ def test_window_shares_cover_the_window_in_whole_blocks() -> None:
         assert per_share % attention.BLOCK_COLUMNS == 0
         assert shares <= attention.MAX_SPLITS
         assert (shares - 1) * per_share < window <= shares * per_share
-    assert attention.window_shares(320) == (5, 64)
+    assert attention.window_shares(320) == (3, 128)
     assert attention.window_shares(5000) == (16, 320)
