@@ -77,6 +77,7 @@ def _gpu(entry: GpuEntry, host_name: str, index: int, number: int) -> Device:
         memory_gb=memory_gb,
         tflops_bf16=tflops,
         bandwidth_gbs=bandwidth,
+        l2_cache_mib=_from_row(row, "l2_cache_mib"),
     )
 
 

@@ -2,7 +2,8 @@
 
 Numbers are the vendor's data-sheet figures for the usual (SXM where one exists) board:
 memory as sold (the number in the product name, which is what users write in
-``min_memory_gb``), dense bf16 tensor TFLOP/s (no sparsity), and memory bandwidth in GB/s.
+``min_memory_gb``), dense bf16 tensor TFLOP/s (no sparsity), memory bandwidth in GB/s and the
+L2 cache in MiB.
 Volta and Turing have no bf16 tensor cores; their ``tflops_bf16`` is the fp16 tensor
 rate, which is what a bf16 pipeline gets there after flowrl falls back to fp16.
 
@@ -40,6 +41,10 @@ class GpuType:
     """Memory bandwidth in GB/s."""
     compute_capability: tuple[int, int]
     """CUDA compute capability (major, minor)."""
+    l2_cache_mib: float
+    """L2 cache in MiB. torch's compiler allocates a buffer of this size whenever it times
+    kernel variants (to flush the cache between timings), so it is memory a compiled node
+    needs on its first step (``flowrl.planner.cost.compile_benchmark_bytes``)."""
     variant: str | None = None
     """A word the NVML name must contain to pick this row over its family's default
     (``PCIE`` for the PCIe H100). None for the default board."""
@@ -55,30 +60,31 @@ def _row(
     tflops_bf16: float,
     bandwidth_gbs: float,
     capability: tuple[int, int],
+    l2_cache_mib: float,
     variant: str | None = None,
 ) -> GpuType:
-    return GpuType(name, family, arch, memory_gb, tflops_bf16, bandwidth_gbs, capability, variant)
+    return GpuType(name, family, arch, memory_gb, tflops_bf16, bandwidth_gbs, capability, l2_cache_mib, variant)
 
 
 GPU_TYPES: dict[str, GpuType] = {
     row.name: row
     for row in (
-        _row("V100-16GB", "v100", "volta", 16, 125, 900, (7, 0)),
-        _row("V100-32GB", "v100", "volta", 32, 125, 900, (7, 0)),
-        _row("T4", "t4", "turing", 16, 65, 320, (7, 5)),
-        _row("A10", "a10", "ampere", 24, 125, 600, (8, 6)),
-        _row("A10G", "a10g", "ampere", 24, 70, 600, (8, 6)),
-        _row("RTX-3090", "rtx-3090", "ampere", 24, 71, 936, (8, 6)),
-        _row("A100-40GB", "a100", "ampere", 40, 312, 1555, (8, 0)),
-        _row("A100-80GB", "a100", "ampere", 80, 312, 2039, (8, 0)),
-        _row("L4", "l4", "ada", 24, 121, 300, (8, 9)),
-        _row("L40S", "l40s", "ada", 48, 362, 864, (8, 9)),
-        _row("RTX-4090", "rtx-4090", "ada", 24, 165, 1008, (8, 9)),
-        _row("H100-80GB", "h100", "hopper", 80, 989, 3350, (9, 0)),
-        _row("H100-80GB-PCIe", "h100", "hopper", 80, 756, 2000, (9, 0), variant="PCIE"),
-        _row("H100-94GB-NVL", "h100", "hopper", 94, 835, 3900, (9, 0), variant="NVL"),
-        _row("H200-141GB", "h200", "hopper", 141, 989, 4800, (9, 0)),
-        _row("B200", "b200", "blackwell", 180, 2250, 8000, (10, 0)),
+        _row("V100-16GB", "v100", "volta", 16, 125, 900, (7, 0), 6),
+        _row("V100-32GB", "v100", "volta", 32, 125, 900, (7, 0), 6),
+        _row("T4", "t4", "turing", 16, 65, 320, (7, 5), 4),
+        _row("A10", "a10", "ampere", 24, 125, 600, (8, 6), 6),
+        _row("A10G", "a10g", "ampere", 24, 70, 600, (8, 6), 6),
+        _row("RTX-3090", "rtx-3090", "ampere", 24, 71, 936, (8, 6), 6),
+        _row("A100-40GB", "a100", "ampere", 40, 312, 1555, (8, 0), 40),
+        _row("A100-80GB", "a100", "ampere", 80, 312, 2039, (8, 0), 40),
+        _row("L4", "l4", "ada", 24, 121, 300, (8, 9), 48),
+        _row("L40S", "l40s", "ada", 48, 362, 864, (8, 9), 96),
+        _row("RTX-4090", "rtx-4090", "ada", 24, 165, 1008, (8, 9), 72),
+        _row("H100-80GB", "h100", "hopper", 80, 989, 3350, (9, 0), 50),
+        _row("H100-80GB-PCIe", "h100", "hopper", 80, 756, 2000, (9, 0), 50, variant="PCIE"),
+        _row("H100-94GB-NVL", "h100", "hopper", 94, 835, 3900, (9, 0), 50, variant="NVL"),
+        _row("H200-141GB", "h200", "hopper", 141, 989, 4800, (9, 0), 50),
+        _row("B200", "b200", "blackwell", 180, 2250, 8000, (10, 0), 126),
     )
 }
 """Every known GPU type by table key."""
@@ -96,6 +102,19 @@ _ARCH_FALLBACK: dict[str, tuple[float, float]] = {
     "ada": (121, 300),
     "hopper": (756, 2000),
     "blackwell": (2250, 8000),
+}
+
+
+# For the same unlisted cards, the largest L2 of the generation: the planner adds it to a
+# compiled node's memory, so erring large keeps its memory prediction on the safe side.
+_ARCH_L2_MIB: dict[str, float] = {
+    "pascal": 4,
+    "volta": 6,
+    "turing": 6,
+    "ampere": 40,
+    "ada": 96,
+    "hopper": 50,
+    "blackwell": 126,
 }
 
 
@@ -179,6 +198,7 @@ def estimate_gpu(
         tflops_bf16=tflops,
         bandwidth_gbs=bandwidth,
         compute_capability=(major, minor),
+        l2_cache_mib=_ARCH_L2_MIB[arch],
         known=False,
     )
 

@@ -58,6 +58,9 @@ class Device:
     """Dense bf16 throughput in TFLOP/s, from the GPU type table; None for CPU slots."""
     bandwidth_gbs: float | None = None
     """Memory bandwidth in GB/s, from the GPU type table; None for CPU slots."""
+    l2_cache_mib: float | None = None
+    """L2 cache in MiB, from the GPU type table; None for CPU slots and unlisted cards
+    described in a file."""
     worker: str | None = None
     """Address of the Dask worker that serves this device, once one does."""
 
@@ -253,4 +256,5 @@ def _gpu_device(reading: GpuReading, host_name: str) -> Device:
         pcie_width=reading.pcie_width,
         tflops_bf16=gpu_type.tflops_bf16,
         bandwidth_gbs=gpu_type.bandwidth_gbs,
+        l2_cache_mib=gpu_type.l2_cache_mib,
     )

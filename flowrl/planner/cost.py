@@ -298,6 +298,19 @@ def matmul_workspace_bytes(arch: str) -> float:
     return float(CUBLAS_WORKSPACE_BYTES.get(arch, CUBLAS_WORKSPACE_OTHER_BYTES) + CUBLASLT_WORKSPACE_BYTES)
 
 
+UNKNOWN_L2_BYTES = 128 * MIB
+"""A GPU whose L2 size is not known: at least that of the largest listed card."""
+
+
+def compile_benchmark_bytes(l2_cache_mib: float | None) -> float:
+    """What a node's compiled code may allocate beyond its tensors on a GPU: when torch's
+    compiler times a kernel's variants (a compiled pass's first call, or a new shape), it
+    allocates a buffer the size of the L2 cache to flush it between timings. On an H100 the
+    tiny GPU pipeline's first reference and update calls peaked 50 MiB above their tensors
+    that way (the card's L2), which for a small model is most of the call's memory."""
+    return float(l2_cache_mib * MIB) if l2_cache_mib is not None else float(UNKNOWN_L2_BYTES)
+
+
 # ---- CPU rates ---------------------------------------------------------------------------
 
 

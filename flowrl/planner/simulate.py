@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from flowrl.devices.inventory import Device, Inventory
 from flowrl.graph import PipelineGraph
-from flowrl.planner.cost import matmul_workspace_bytes, weight_bytes
+from flowrl.planner.cost import compile_benchmark_bytes, matmul_workspace_bytes, weight_bytes
 from flowrl.planner.costs import GB, CostSource, transfer_s
 from flowrl.spec.schema import SOURCE_NODE, GenerateNode, NodeBase, UpdateNode
 
@@ -187,12 +187,14 @@ def node_call_memory_gb(
 ) -> dict[tuple[str, str], float]:
     """Predicted memory the allocator holds during each node call, per (node, device) in GB:
     what stays on the device (every model's weights and state, generation caches, on a GPU
-    the cuBLAS workspaces) plus what the call itself needs. This is what the profiler
+    the cuBLAS workspaces) plus what the call itself needs (on a GPU, a model's calls run
+    compiled code and so may add the compiler's timing buffer). This is what the profiler
     measures per call on a GPU (``torch.cuda.max_memory_allocated``, no CUDA context)."""
     resident: dict[str, dict[str, float]] = {}
     passing: dict[tuple[str, str], float] = {}
     streams: dict[str, set[str]] = {}
     kinds = {device.id: device.kind for device in inventory.devices}
+    l2 = {device.id: device.l2_cache_mib for device in inventory.devices}
     for node in pipeline.topological_order():
         chosen = placement[node]
         gpu = any(kinds[device_id] == "gpu" for device_id in chosen.devices)
@@ -203,6 +205,8 @@ def node_call_memory_gb(
             call = memory.transient_gb
             if model is not None:
                 streams.setdefault(device_id, set()).update(_matmul_streams(pipeline.spec.nodes[node]))
+                if kinds[device_id] == "gpu":
+                    call += compile_benchmark_bytes(l2[device_id]) / GB
                 if chosen.offloaded and kinds[device_id] == "gpu":
                     call += memory.weights_gb
                 else:

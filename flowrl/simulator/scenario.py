@@ -122,6 +122,7 @@ def resolve_scenario(document: ScenarioDocument, inventory: Inventory) -> Scenar
                 index=sum(1 for d in present.values() if d.kind == "gpu" and d.host == host),
                 kind="gpu", name=row.name, arch=row.arch, memory_gb=row.memory_gb,
                 family=row.family, tflops_bf16=row.tflops_bf16, bandwidth_gbs=row.bandwidth_gbs,
+                l2_cache_mib=row.l2_cache_mib,
             )
             num_gpus += 1
             present[device.id] = device

@@ -53,6 +53,8 @@ def test_unlisted_card_is_estimated_from_its_compute_capability() -> None:
     assert estimate.arch == "ada"
     assert estimate.memory_gb == 47.5
     assert estimate.tflops_bf16 > 0 and estimate.bandwidth_gbs > 0
+    # its L2 the generation's largest listed (the L40S's 96 MiB), so memory errs large
+    assert estimate.l2_cache_mib == 96
 
 
 @pytest.mark.parametrize(
@@ -71,3 +73,5 @@ def test_every_row_is_consistent() -> None:
         assert row.arch in ARCHITECTURES
         assert arch_from_capability(*row.compute_capability) == row.arch
         assert row.memory_gb > 0 and row.tflops_bf16 > 0 and row.bandwidth_gbs > 0
+        # an unlisted card of the same generation is given at least this row's L2
+        assert 0 < row.l2_cache_mib <= estimate_gpu("?", 1.0, row.compute_capability).l2_cache_mib

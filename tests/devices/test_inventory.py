@@ -89,7 +89,7 @@ def test_nvml_reading_fills_devices_from_the_table(monkeypatch: pytest.MonkeyPat
     assert (gpu.pcie_gen, gpu.pcie_width) == (5, 16)
     assert gpu.nvlink_peers == ("gpu-1",)
     assert gpu.uuid == "GPU-00000000-aaaa"
-    assert gpu.tflops_bf16 == 989
+    assert (gpu.tflops_bf16, gpu.l2_cache_mib) == (989, 50)
     assert [device.id for device in inventory.cpus()] == ["cpu-0"]
 
 

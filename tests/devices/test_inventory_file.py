@@ -28,9 +28,9 @@ def test_every_shipped_inventory_loads(path: Path) -> None:
 
 def test_mixed_node_is_numbered_in_file_order() -> None:
     inventory = load_inventory(SHIPPED[0].parent / "mixed-4gpu.yaml")
-    assert [(d.id, d.name, d.memory_gb) for d in inventory.gpus()] == [
-        ("gpu-0", "A100-40GB", 40), ("gpu-1", "A100-40GB", 40),
-        ("gpu-2", "V100-32GB", 32), ("gpu-3", "H100-80GB", 80),
+    assert [(d.id, d.name, d.memory_gb, d.l2_cache_mib) for d in inventory.gpus()] == [
+        ("gpu-0", "A100-40GB", 40, 40), ("gpu-1", "A100-40GB", 40, 40),
+        ("gpu-2", "V100-32GB", 32, 6), ("gpu-3", "H100-80GB", 80, 50),
     ]
 
 
@@ -63,8 +63,8 @@ def test_a_card_not_in_the_table_is_described_by_its_memory(tmp_path: Path) -> N
         "      - {type: RTX-6000-Ada, memory_gb: 48, arch: ada}\n"
     )
     gpu = load_inventory(path).gpus()[0]
-    expected = ("RTX-6000-Ada", 48, "ada", "rtx-6000-ada")
-    assert (gpu.name, gpu.memory_gb, gpu.arch, gpu.family) == expected
+    expected = ("RTX-6000-Ada", 48, "ada", "rtx-6000-ada", None)  # L2 unknown: the planner counts 128 MiB
+    assert (gpu.name, gpu.memory_gb, gpu.arch, gpu.family, gpu.l2_cache_mib) == expected
 
 
 BROKEN = """\

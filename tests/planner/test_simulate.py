@@ -89,27 +89,32 @@ class FixedMemory(FixedCosts):
         return NodeWork("forward", "per_token", self.MODELS.get(node), "policy", "bf16", None, 16, 9, 16)
 
 
-def test_a_gpu_adds_its_context_and_a_cublas_workspace_per_thread_and_stream() -> None:
+def test_a_gpu_adds_its_context_a_cublas_workspace_per_thread_and_stream_and_the_compilers_buffer() -> None:
     from flowrl.planner.simulate import device_memory_gb
 
     pipeline = pipeline_from_dict(grpo({"path": "builtin:tiny-llama"}, {"path": "builtin:tiny-llama"}, {}))
     place = {node: Placement(("gpu-0",)) for node in SECONDS}
-    hopper = Device("gpu-0", "node-0", 0, "gpu", "H100-80GB", "hopper", 80.0)
-    ampere = Device("gpu-0", "node-0", 0, "gpu", "A100-40GB", "ampere", 40.0)
+    hopper = Device("gpu-0", "node-0", 0, "gpu", "H100-80GB", "hopper", 80.0, l2_cache_mib=50)
+    ampere = Device("gpu-0", "node-0", 0, "gpu", "A100-40GB", "ampere", 40.0, l2_cache_mib=40)
     mib = 2**20 / 1e9
     # weights: actor 1 + reference 1, the actor's state 3 = 5 GB; CUDA context 0.5 GB;
     # workspaces (cuBLAS + 1 MiB cuBLASLt) for the compute thread, the update's backward
-    # thread and generation's capture stream: Hopper 3 * 33 MiB, Ampere 3 * (8.125 + 1) MiB
+    # thread and generation's capture stream: Hopper 3 * 33 MiB, Ampere 3 * (8.125 + 1) MiB;
+    # while a model's node runs, the compiler's timing buffer, the size of the L2 cache
     assert device_memory_gb(pipeline, place, inventory(hopper), FixedMemory())["gpu-0"] == \
-        pytest.approx(5.5 + 3 * 33 * mib)
+        pytest.approx(5.5 + 3 * 33 * mib + 50 * mib)
     assert device_memory_gb(pipeline, place, inventory(ampere), FixedMemory())["gpu-0"] == \
-        pytest.approx(5.5 + 3 * 9.125 * mib)
+        pytest.approx(5.5 + 3 * 9.125 * mib + 40 * mib)
+    # a card of unknown L2 counts 128 MiB for it
+    unknown = Device("gpu-0", "node-0", 0, "gpu", "X-1", "hopper", 80.0)
+    assert device_memory_gb(pipeline, place, inventory(unknown), FixedMemory())["gpu-0"] == \
+        pytest.approx(5.5 + 3 * 33 * mib + 128 * mib)
     # the reference alone on a second GPU: one thread, one stream
     place["ref"] = Placement(("gpu-1",))
-    two = inventory(hopper, Device("gpu-1", "node-0", 1, "gpu", "H100-80GB", "hopper", 80.0))
+    two = inventory(hopper, Device("gpu-1", "node-0", 1, "gpu", "H100-80GB", "hopper", 80.0, l2_cache_mib=50))
     memory = device_memory_gb(pipeline, place, two, FixedMemory())
-    assert memory["gpu-1"] == pytest.approx(1.0 + 0.5 + 33 * mib)
-    assert memory["gpu-0"] == pytest.approx(4.0 + 0.5 + 3 * 33 * mib)
+    assert memory["gpu-1"] == pytest.approx(1.0 + 0.5 + 33 * mib + 50 * mib)
+    assert memory["gpu-0"] == pytest.approx(4.0 + 0.5 + 3 * 33 * mib + 50 * mib)
     # CPU slots: no context, no workspaces
     place = {node: Placement(("cpu-0",)) for node in SECONDS}
     assert device_memory_gb(pipeline, place, inventory(cpu(0)), FixedMemory())["cpu-0"] == pytest.approx(5.0)

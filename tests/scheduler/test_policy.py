@@ -36,7 +36,7 @@ TIMES_S = {"rollout": 1.0, "reward": 0.0, "adv": 0.0, "train": 1.0}
 
 def gpu(number: int) -> Device:
     return Device(f"gpu-{number}", "node-0", number, "gpu", "A100-40GB", "ampere", 40.0,
-                  family="a100", tflops_bf16=312.0, bandwidth_gbs=1555.0)
+                  family="a100", tflops_bf16=312.0, bandwidth_gbs=1555.0, l2_cache_mib=40.0)
 
 
 CPU = Device("cpu-0", "node-0", 0, "cpu", "cpu", "cpu", 64.0, family="cpu")
