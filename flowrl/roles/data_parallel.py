@@ -11,8 +11,11 @@ The gradient sum overlaps the last pass's backward: the parameters are cut into 
 about ``bucket_bytes`` (in reverse order, the order their gradients become final), and a
 bucket's all-reduce starts as soon as each of its gradients is final and every bucket before
 it has started. Every rank starts the buckets in the same order (the collectives must match),
-a rank with no rows among them; what a rank never computed goes as zeros at the end, with a
-flag per parameter so that a parameter no rank used keeps no gradient, as on one device.
+a rank with no rows among them. Each parameter's gradient is a view into its bucket's one flat
+tensor (:meth:`DataParallel.attach`, before the step's first backward): autograd adds into
+the buckets and the all-reduce sums them in place, so the gradients are neither copied into
+the buckets nor back, nor held twice. A flag per parameter (set when autograd adds to it)
+travels too, so that a parameter no rank used keeps no gradient, as on one device.
 """
 
 from __future__ import annotations
@@ -56,19 +59,46 @@ class _Buckets:
         size = bucket_bytes + 1
         for index in reversed(range(len(params))):
             nbytes = params[index].numel() * params[index].element_size()
-            if size + nbytes > bucket_bytes and (not self.buckets or self.buckets[-1]):
+            # one flat tensor per bucket: a parameter of another dtype or device starts a new one
+            kind = (params[index].dtype, params[index].device)
+            differs = bool(self.buckets) and bool(self.buckets[-1]) and kind != (
+                params[self.buckets[-1][0]].dtype, params[self.buckets[-1][0]].device)
+            if (size + nbytes > bucket_bytes or differs) and (not self.buckets or self.buckets[-1]):
                 self.buckets.append([])
                 size = 0
             self.buckets[-1].append(index)
             size += nbytes
         self.bucket_of = {index: number for number, bucket in enumerate(self.buckets) for index in bucket}
+        self.flats: list[torch.Tensor] = []
+        self.hooks: list[Any] = []
         self.reset()
 
     def reset(self) -> None:
+        self.used = [False] * len(self.params)
         self.final = [False] * len(self.params)
         self.remaining = [len(bucket) for bucket in self.buckets]
-        self.started: list[tuple[torch.Tensor, Pending]] = []
+        self.started: list[Pending] = []
         self.started_in_backward = 0
+        self.last_pass = False
+
+    def attach(self) -> None:
+        """Zeroed flat tensors, one per bucket, and every parameter's gradient a view into
+        its bucket's (replacing any gradient it had)."""
+        self.flats = []
+        for bucket in self.buckets:
+            first = self.params[bucket[0]]
+            flat = torch.zeros(sum(self.params[i].numel() for i in bucket), dtype=first.dtype, device=first.device)
+            offset = 0
+            for index in bucket:
+                param = self.params[index]
+                param.grad = flat[offset : offset + param.numel()].view_as(param)
+                offset += param.numel()
+            self.flats.append(flat)
+
+    def detach_hooks(self) -> None:
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks = []
 
 
 def weighted_rows(num_rows: int, index: int, shares: tuple[float, ...]) -> slice:
@@ -124,16 +154,41 @@ class DataParallel:
             self._buckets[id(module)] = _Buckets(params, self.bucket_bytes)
         return self._buckets[id(module)]
 
+    def attach(self, module: torch.nn.Module) -> None:
+        """Before a step's first backward (after the optimizer's ``zero_grad``; see
+        :meth:`attached`): every
+        gradient of ``module`` a zeroed view into its bucket, and a hook on each parameter
+        that notes that autograd added to it and, in the last pass (:meth:`overlapping`),
+        starts the buckets whose gradients are then final."""
+        buckets = self._buckets_of(module)
+        buckets.detach_hooks()
+        buckets.reset()
+        buckets.attach()
+
+        def added(index: int) -> Any:
+            def hook(param: torch.Tensor) -> None:
+                buckets.used[index] = True
+                if buckets.last_pass and not buckets.final[index]:
+                    buckets.final[index] = True
+                    buckets.remaining[buckets.bucket_of[index]] -= 1
+                    self._start_ready(buckets, in_backward=True)
+            return hook
+
+        buckets.hooks = [param.register_post_accumulate_grad_hook(added(index))
+                         for index, param in enumerate(buckets.params)]
+
+    @contextlib.contextmanager
+    def attached(self, module: torch.nn.Module) -> Iterator[None]:
+        """:meth:`attach` for the block; its hooks come off at the end, an error included."""
+        self.attach(module)
+        try:
+            yield
+        finally:
+            self._buckets_of(module).detach_hooks()
+
     def _start(self, buckets: _Buckets, number: int, in_backward: bool) -> None:
-        """Start bucket ``number``'s all-reduce (gradients not computed here go as zeros)."""
-        grads = []
-        for index in buckets.buckets[number]:
-            grad = buckets.params[index].grad
-            grads.append(grad.reshape(-1) if grad is not None else torch.zeros(
-                buckets.params[index].numel(), dtype=buckets.params[index].dtype,
-                device=buckets.params[index].device))
-        flat = torch.cat(grads)
-        buckets.started.append((flat, self.collective.all_reduce_start(flat)))
+        """Start bucket ``number``'s all-reduce, in place on its flat tensor."""
+        buckets.started.append(self.collective.all_reduce_start(buckets.flats[number]))
         if in_backward:
             buckets.started_in_backward += 1
             self.buckets_started_in_backward += 1
@@ -149,53 +204,35 @@ class DataParallel:
         """Around the last pass's backward: each gradient is final when autograd has added
         this pass into it, and full buckets start their all-reduce at once."""
         buckets = self._buckets_of(module)
-        buckets.reset()
-
-        def final(index: int) -> Any:
-            def hook(param: torch.Tensor) -> None:
-                if not buckets.final[index]:
-                    buckets.final[index] = True
-                    buckets.remaining[buckets.bucket_of[index]] -= 1
-                    self._start_ready(buckets, in_backward=True)
-            return hook
-
-        handles = [param.register_post_accumulate_grad_hook(final(index))
-                   for index, param in enumerate(buckets.params)]
+        buckets.last_pass = True
         try:
             yield
         finally:
-            for handle in handles:
-                handle.remove()
+            buckets.last_pass = False
 
     def sum_gradients(self, module: torch.nn.Module) -> None:
         """Finish summing every gradient over the ranks: start the buckets not started yet
-        (all of them without :meth:`overlapping`), wait for all, write the sums back.
+        (all of them without :meth:`overlapping`) and wait for all; the sums are then in
+        the gradients themselves (views into the buckets, :meth:`attach`).
 
-        One flag per parameter travels too: a parameter no rank computed a gradient for
-        keeps ``grad = None``, as on one device, so the optimizer leaves it alone."""
+        The flags of the parameters autograd added to travel too: a parameter no rank
+        computed a gradient for keeps ``grad = None``, as on one device."""
         buckets = self._buckets_of(module)
-        if not any(buckets.final):
-            buckets.reset()  # no overlapped backward on this rank for this step
-        used = [p.grad is not None for p in buckets.params]
+        if not buckets.flats:
+            raise RuntimeError("DataParallel.attach(module) must run before the step's first backward")
+        buckets.detach_hooks()
         started = time.perf_counter()
         while len(buckets.started) < len(buckets.buckets):
             self._start(buckets, len(buckets.started), in_backward=False)
-        flags = torch.tensor(used, dtype=torch.float32)
+        flags = torch.tensor(buckets.used, dtype=torch.float32)
         self.collective.all_reduce(flags)
-        for number, (flat, pending) in enumerate(buckets.started):
+        for pending in buckets.started:
             pending.wait()
-            offset = 0
-            for index in buckets.buckets[number]:
-                param = buckets.params[index]
-                count = param.numel()
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
-                param.grad.copy_(flat[offset : offset + count].view_as(param.grad))
-                offset += count
         self.blocked_s += time.perf_counter() - started
         for param, anywhere in zip(buckets.params, flags.tolist()):
             if anywhere == 0:
                 param.grad = None
+        buckets.flats = []  # the gradients keep them alive until the next zero_grad
         buckets.reset()
 
     def sum_numbers(self, values: list[float]) -> list[float]:

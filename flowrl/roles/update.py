@@ -252,31 +252,38 @@ def _step(
     # collectives (the gather of each layer, the last backward's reduce-scatter) meet their
     # peers. A pass past this rank's own runs one row of the mini-batch with a zero loss.
     passes = _most_passes(part, node, dp) if sharded and dp is not None else len(groups)
-    for number in range(passes):
-        last = number == passes - 1
-        if sharded:
-            set_gradient_sync(state.training_module, last)
-        if number >= len(groups):
-            loss, _ = objective.loss(state, part.select(torch.tensor([0])), rows[:1])
-            (loss * 0.0).backward()
-            continue
-        group = groups[number]
-        # Each pass's loss, weighted by its share of the mini-batch's normaliser: the
-        # gradients of the passes add up to the gradient of the whole mini-batch's loss.
-        whole = len(groups) == 1
-        share = 1.0 if whole else _share(sub.completion_mask, group, node.loss_agg)
-        tokens_share = 1.0 if whole else _share(sub.completion_mask, group, "token_mean")
-        piece = sub if whole else sub.select(group)
-        loss, numbers = objective.loss(state, piece, sub_rows if whole else sub_rows[group])
-        scale = share * weight
-        # Replicated, the last pass's backward makes the gradients final: their sum over the
-        # ranks starts bucket by bucket while it runs.
-        overlap = dp is not None and last and not sharded
-        with dp.overlapping(state.module) if overlap and dp is not None else contextlib.nullcontext():
-            (loss * scale if scale != 1.0 else loss).backward()
-        for index, key in enumerate(keys):
-            factor = tokens_share * token_weight if key in objective.token_means else share * weight
-            values[index] += numbers[key] * factor
+    # Replicated, the gradients are views into the all-reduce buckets while the passes run
+    # (the hooks that start the buckets come off at the end, an error included).
+    replicated = dp is not None and not sharded
+    with dp.attached(state.module) if replicated and dp is not None else contextlib.nullcontext():
+        for number in range(passes):
+            last = number == passes - 1
+            if sharded:
+                set_gradient_sync(state.training_module, last)
+            if number >= len(groups):
+                loss, _ = objective.loss(state, part.select(torch.tensor([0])), rows[:1])
+                (loss * 0.0).backward()
+                continue
+            group = groups[number]
+            # Each pass's loss, weighted by its share of the mini-batch's normaliser: the
+            # gradients of the passes add up to the gradient of the whole mini-batch's loss.
+            whole = len(groups) == 1
+            share = 1.0 if whole else _share(sub.completion_mask, group, node.loss_agg)
+            tokens_share = 1.0 if whole else _share(sub.completion_mask, group, "token_mean")
+            piece = sub if whole else sub.select(group)
+            loss, numbers = objective.loss(state, piece, sub_rows if whole else sub_rows[group])
+            scale = share * weight
+            # Replicated, the last pass's backward makes the gradients final: their sum over the
+            # ranks starts bucket by bucket while it runs.
+            overlap = dp is not None and last and not sharded
+            with dp.overlapping(state.module) if overlap and dp is not None else contextlib.nullcontext():
+                (loss * scale if scale != 1.0 else loss).backward()
+            for index, key in enumerate(keys):
+                factor = tokens_share * token_weight if key in objective.token_means else share * weight
+                values[index] += numbers[key] * factor
+        if replicated and dp is not None:
+            # the whole mini-batch's gradient: each rank's part, weighted, summed
+            dp.sum_gradients(state.module)
     if dp is not None and dp.sharded:
         # the reduce-scatters summed the gradients; the numbers are summed here
         values = dp.sum_numbers(values)
@@ -284,9 +291,7 @@ def _step(
                                            dp.sum_numbers)
     else:
         if dp is not None:
-            # the whole mini-batch's gradient and numbers: each rank's part, weighted, summed
-            dp.sum_gradients(state.module)
-            values = dp.sum_numbers(values)
+            values = dp.sum_numbers(values)  # the whole mini-batch's numbers, like its gradient
         if node.max_grad_norm > 0:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(state.module.parameters(), node.max_grad_norm))
         else:

@@ -173,3 +173,49 @@ def test_buckets_cover_every_parameter_once_in_reverse_order() -> None:
     params = [torch.nn.Parameter(torch.zeros(n)) for n in (10, 300, 20, 20, 5)]
     buckets = _Buckets(params, bucket_bytes=100 * 4).buckets  # 100 floats per bucket
     assert buckets == [[4, 3, 2], [1], [0]]  # 45 floats; 300 alone (over the size); then 10
+    # one flat tensor per bucket, so a parameter of another dtype starts a bucket of its own
+    params[3] = torch.nn.Parameter(torch.zeros(20, dtype=torch.float64))
+    assert _Buckets(params, bucket_bytes=100 * 4).buckets == [[4], [3], [2], [1], [0]]
+
+
+def test_gradients_are_views_into_one_flat_tensor_per_bucket() -> None:
+    # after a data-parallel step each parameter's gradient lies in its bucket's flat tensor:
+    # autograd added into it and the all-reduce summed it in place, with no copy either way
+    node = UpdateNode(model="actor", inputs=["rollout", "adv", "ref"], lr=1e-2, kl_coef=0.05)
+    ranks = _train_data_parallel(node, updates=1, shares=(1.0, 1.0), bucket_bytes=4096)
+    for state, _, dp in ranks:
+        buckets = dp._buckets_of(state.module)
+        storages = []
+        for bucket in buckets.buckets:
+            grads = [buckets.params[index].grad for index in bucket]
+            assert all(grad is not None for grad in grads)
+            pointers = {grad.untyped_storage().data_ptr() for grad in grads if grad is not None}
+            assert len(pointers) == 1  # one flat tensor holds the whole bucket
+            storages.append(pointers.pop())
+        assert len(set(storages)) == len(buckets.buckets) > 3
+        assert buckets.hooks == []  # the step's hooks are off the parameters again
+
+
+def test_a_parameter_no_rank_used_keeps_no_gradient_and_weight_decay_leaves_it_alone() -> None:
+    # AdamW skips a parameter whose gradient is None; a zero gradient would still decay it
+    node = UpdateNode(model="actor", inputs=["rollout", "adv", "ref"], lr=1e-2, kl_coef=0.05, max_grad_norm=0.5,
+                      weight_decay=0.1)
+
+    def with_unused() -> ModelState:
+        state = model_state("actor", tiny_policy(0), 0)
+        state.module.register_parameter("unused", torch.nn.Parameter(torch.ones(3)))
+        return state
+
+    def train(state: ModelState, dp: DataParallel | None) -> list[dict[str, float]]:
+        rollout = _rollout(state)
+        reference = torch.randn(6, rollout.completion_ids.shape[1], generator=torch.Generator().manual_seed(1)) * 0.1 - 2.0
+        return [update_policy(state, rollout, ADVANTAGES, reference, node, seed=0, dp=dp).metrics for _ in range(2)]
+
+    alone = with_unused()
+    train(alone, None)
+    expected = alone.module.state_dict()
+    assert torch.equal(expected["unused"], torch.ones(3)) and alone.module.get_parameter("unused").grad is None
+    for state, _, _ in _ranks(with_unused, train, (0.7, 0.3)):
+        assert state.module.get_parameter("unused").grad is None
+        for name, tensor in state.module.state_dict().items():
+            torch.testing.assert_close(tensor, expected[name], rtol=1e-4, atol=2e-5, msg=name)
