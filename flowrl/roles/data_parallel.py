@@ -210,13 +210,13 @@ class DataParallel:
         finally:
             buckets.last_pass = False
 
-    def sum_gradients(self, module: torch.nn.Module) -> None:
+    def sum_gradients(self, module: torch.nn.Module, numbers: list[float]) -> list[float]:
         """Finish summing every gradient over the ranks: start the buckets not started yet
         (all of them without :meth:`overlapping`) and wait for all; the sums are then in
-        the gradients themselves (views into the buckets, :meth:`attach`).
-
-        The flags of the parameters autograd added to travel too: a parameter no rank
-        computed a gradient for keeps ``grad = None``, as on one device."""
+        the gradients themselves (views into the buckets, :meth:`attach`). Returns the sums
+        of ``numbers`` (the step's loss terms), which travel in the same collective as the
+        flags of the parameters autograd added to: a parameter no rank computed a gradient
+        for keeps ``grad = None``, as on one device."""
         buckets = self._buckets_of(module)
         if not buckets.flats:
             raise RuntimeError("DataParallel.attach(module) must run before the step's first backward")
@@ -224,16 +224,19 @@ class DataParallel:
         started = time.perf_counter()
         while len(buckets.started) < len(buckets.buckets):
             self._start(buckets, len(buckets.started), in_backward=False)
-        flags = torch.tensor(buckets.used, dtype=torch.float32)
-        self.collective.all_reduce(flags)
+        # float64 holds the 0/1 flags and the sums exactly enough for both
+        summed = torch.tensor([*numbers, *(float(used) for used in buckets.used)], dtype=torch.float64)
+        self.collective.all_reduce(summed)
         for pending in buckets.started:
             pending.wait()
         self.blocked_s += time.perf_counter() - started
-        for param, anywhere in zip(buckets.params, flags.tolist()):
+        values = summed.tolist()
+        for param, anywhere in zip(buckets.params, values[len(numbers):]):
             if anywhere == 0:
                 param.grad = None
         buckets.flats = []  # the gradients keep them alive until the next zero_grad
         buckets.reset()
+        return values[: len(numbers)]
 
     def sum_numbers(self, values: list[float]) -> list[float]:
         tensor = torch.tensor(values, dtype=torch.float64)

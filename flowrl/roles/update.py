@@ -282,20 +282,17 @@ def _step(
                 factor = tokens_share * token_weight if key in objective.token_means else share * weight
                 values[index] += numbers[key] * factor
         if replicated and dp is not None:
-            # the whole mini-batch's gradient: each rank's part, weighted, summed
-            dp.sum_gradients(state.module)
+            # the whole mini-batch's gradient and numbers: each rank's part, weighted, summed
+            values = dp.sum_gradients(state.module, values)
     if dp is not None and dp.sharded:
         # the reduce-scatters summed the gradients; the numbers are summed here
         values = dp.sum_numbers(values)
         grad_norm = clip_sharded_gradients(list(state.training_module.parameters()), node.max_grad_norm,
                                            dp.sum_numbers)
+    elif node.max_grad_norm > 0:
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(state.module.parameters(), node.max_grad_norm))
     else:
-        if dp is not None:
-            values = dp.sum_numbers(values)  # the whole mini-batch's numbers, like its gradient
-        if node.max_grad_norm > 0:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(state.module.parameters(), node.max_grad_norm))
-        else:
-            grad_norm = float(_grad_norm(state.module))
+        grad_norm = float(_grad_norm(state.module))
     result = dict(zip(keys, values))
     result["grad_norm"] = grad_norm
     # A NaN or infinite loss or gradient would poison the weights and the optimizer's moments
