@@ -106,3 +106,30 @@ def train_critic(node: Any, updates: int, state: ModelState, dp: DataParallel | 
     rollout = rollout_of(state)
     returns = rollout.completion_mask.float() * torch.linspace(-1.0, 1.0, rollout.completion_mask.shape[1])
     return [update_critic(state, rollout, returns, None, node, seed=0, dp=dp).metrics for _ in range(updates)]
+
+
+def logprobs_sharded_and_whole(state: ModelState, dp: DataParallel | None) -> list[dict[str, float]]:
+    """Shards the model, then compares its log-probs and entropies (the fused head standing in
+    for the sharded model's output head) with those of the whole copy beside it; counts the
+    calls of the sharded model's own output head."""
+    from flowrl.roles.forward import completion_logprobs, completion_logprobs_and_entropy
+
+    assert dp is not None and dp.mesh is not None
+    state.shard_training(dp.mesh)
+    sharded = state.training_module
+    head = sharded.get_output_embeddings()
+    calls: list[int] = []
+    head.register_forward_hook(lambda *_: calls.append(1))
+    rollout = rollout_of(state)
+    logprobs, entropy = completion_logprobs_and_entropy(sharded, rollout, state.device)
+    logprobs.sum().backward()  # the head's gradient goes through the sharded model's backward
+    whole, whole_entropy = completion_logprobs_and_entropy(state.module, rollout, state.device)
+    mask = rollout.completion_mask.bool()
+    return [{
+        "logprob_diff": float((logprobs.detach() - whole).abs().max()),
+        "entropy_diff": float((entropy - whole_entropy).abs().max()),
+        "masked_zero": float(logprobs[~mask].abs().max()) if bool((~mask).any()) else 0.0,
+        "head_calls": float(len(calls)),
+        "head_grad_norm": float(head.weight.grad.full_tensor().norm()),
+        "no_grad_diff": float((completion_logprobs(sharded, rollout, state.device) - whole).abs().max()),
+    }]

@@ -228,13 +228,13 @@ FUSED_CHUNK_ELEMENTS = 1 << 25
 
 
 def logits_bytes(shape: ModelShape, kind: str, tokens: float, dtype: str = "fp32",
-                 training: bool = False, fused: bool = True) -> float:
-    """The output head's transient memory over ``tokens`` tokens (see the module docstring);
-    ``fused=False``: every token's logits at once (a sharded model's forward makes them)."""
+                 training: bool = False) -> float:
+    """The output head's transient memory over ``tokens`` tokens (see the module docstring),
+    a sharded model's included (its pass stands in a fused head for its own)."""
     vocab = shape.output_size(kind)
     if vocab == 1:
         return float(tokens * 4)
-    rows = min(tokens, max(64, FUSED_CHUNK_ELEMENTS // vocab)) if fused else tokens
+    rows = min(tokens, max(64, FUSED_CHUNK_ELEMENTS // vocab))
     per_logit = DTYPE_BYTES[dtype] + 4 + (4 if training else 0)
     return float(rows * vocab * per_logit)
 

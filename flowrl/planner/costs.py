@@ -249,8 +249,7 @@ class EstimatedCosts:
             micro = work.pass_sequences(min(share, work.mini_batch_sequences / max(1, width)))
             sharded = work.sharded and width > 1
             transient = activation_bytes(shape, dtype, micro, seq_len, work.checkpointing, compiled=gpu)
-            # a sharded model's head runs inside its own forward, on full logits
-            transient += logits_bytes(shape, kind, micro * seq_len, dtype, training=True, fused=not sharded)
+            transient += logits_bytes(shape, kind, micro * seq_len, dtype, training=True)
             if sharded:
                 resident, gathered = sharded_training_bytes(shape, kind, dtype, width)
                 return NodeMemory(weights / GB, resident / GB, (transient + gathered) / GB)

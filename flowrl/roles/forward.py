@@ -138,7 +138,17 @@ def _logprobs(module: torch.nn.Module, rollout: Rollout, device: torch.device,
               with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     window = completion_window(rollout, device)
     labels = rollout.completion_ids[:, : window.width].to(device)
+    # The output head runs on the completion tokens only (not the prompt's positions, not the
+    # padding after a row's end): the largest matrix product of the pass, and its logits are
+    # never all in memory at once.
+    real = rollout.completion_mask[:, : window.width].to(device).reshape(-1).nonzero().squeeze(-1)
+    real_labels = labels.reshape(-1).index_select(0, real)
     head = output_head(module)
+    replaced = sharded_output_head(module) if head is None else None
+    if replaced is not None:
+        values, row_entropy = _sharded_fused_logprobs(module, window, real, real_labels, rollout.temperature,
+                                                      with_entropy, *replaced)
+        return _unflatten(values, row_entropy, real, labels.shape, window, device)
     if head is None:
         logits = module(
             input_ids=window.input_ids,
@@ -154,22 +164,80 @@ def _logprobs(module: torch.nn.Module, rollout: Rollout, device: torch.device,
                 entropy = window.pad(token_entropy(completion.detach(), temperature=rollout.temperature))
         return window.pad(logprobs), entropy
     backbone, linear = head
-    hidden = window.completion_positions(_hidden_states(module, backbone, window))
-    # The output head runs on the completion tokens only (not the prompt's positions, not the
-    # padding after a row's end): the largest matrix product of the pass, and its logits are
-    # never all in memory at once.
-    real = rollout.completion_mask[:, : window.width].to(device).reshape(-1).nonzero().squeeze(-1)
-    arguments = (hidden.reshape(-1, hidden.shape[-1]).index_select(0, real), linear.weight,
-                 labels.reshape(-1).index_select(0, real), linear.bias, rollout.temperature)
-    entropy = None
+    hidden = _completion_rows(_hidden_states(module, backbone, window), window, real)
+    values, row_entropy = _fused_head(hidden, linear, real_labels, rollout.temperature, with_entropy)
+    return _unflatten(values, row_entropy, real, labels.shape, window, device)
+
+
+def _completion_rows(hidden: torch.Tensor, window: CompletionWindow, real: torch.Tensor) -> torch.Tensor:
+    """[R, H]: the hidden states that predict the real completion tokens, from [N, L, H]."""
+    picked = window.completion_positions(hidden)
+    return picked.reshape(-1, picked.shape[-1]).index_select(0, real)
+
+
+def _fused_head(hidden: torch.Tensor, linear: torch.nn.Linear, labels: torch.Tensor, temperature: float,
+                with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The fused output head on rows ``hidden`` [R, H]: log-probs [R] and, asked for, entropies."""
+    arguments = (hidden, linear.weight, labels, linear.bias, temperature)
     if with_entropy:
-        values, row_entropy = linear_token_logprobs_and_entropy(*arguments)
-        flat_entropy = torch.zeros(labels.numel(), dtype=torch.float32, device=device).index_copy(0, real, row_entropy)
-        entropy = window.pad(flat_entropy.view(labels.shape))
-    else:
-        values = linear_token_logprobs(*arguments)
-    flat = torch.zeros(labels.numel(), dtype=torch.float32, device=device).index_copy(0, real, values)
-    return window.pad(flat.view(labels.shape)), entropy
+        return linear_token_logprobs_and_entropy(*arguments)
+    return linear_token_logprobs(*arguments), None
+
+
+def _unflatten(values: torch.Tensor, row_entropy: torch.Tensor | None, real: torch.Tensor, shape: torch.Size,
+               window: CompletionWindow, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs (and entropies) of the real completion tokens back to [N, T],
+    zeros elsewhere."""
+    flat = torch.zeros(shape.numel(), dtype=torch.float32, device=device).index_copy(0, real, values)
+    entropy = None
+    if row_entropy is not None:
+        flat_entropy = torch.zeros(shape.numel(), dtype=torch.float32, device=device).index_copy(0, real, row_entropy)
+        entropy = window.pad(flat_entropy.view(shape))
+    return window.pad(flat.view(shape)), entropy
+
+
+class _HeadStandIn(torch.nn.Module):
+    """Takes a sharded model's output head's place for one pass: called with the last hidden
+    states [N, L, H] (inside the model's forward, so its parameters are gathered), it returns
+    the fused head's log-probs of the real completion tokens instead of every position's
+    logits. The head stays out of this module's children: its parameters keep their place."""
+
+    def __init__(self, compute: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.compute = compute
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.compute(hidden)
+
+
+def _sharded_fused_logprobs(
+    module: torch.nn.Module, window: CompletionWindow, real: torch.Tensor, labels: torch.Tensor,
+    temperature: float, with_entropy: bool, name: str, linear: torch.nn.Linear,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A sharded (FSDP2) model's log-probs through the fused head. Its parameters are whole
+    only inside its own forward (which gathers them, and whose backward gathers them again
+    and reduce-scatters their gradients), so the forward runs as it is, with the output head
+    ``module.<name>`` replaced for the pass by :class:`_HeadStandIn`: no logits of the whole
+    vocabulary for every position, and the same arithmetic as a whole model's pass."""
+    entropies: list[torch.Tensor | None] = []
+
+    def compute(hidden: torch.Tensor) -> torch.Tensor:
+        values, row_entropy = _fused_head(_completion_rows(hidden, window, real), linear, labels, temperature,
+                                          with_entropy)
+        entropies.append(row_entropy)
+        return values
+
+    setattr(module, name, _HeadStandIn(compute))
+    try:
+        values = module(
+            input_ids=window.input_ids,
+            attention_mask=window.attention_mask,
+            position_ids=window.position_ids,
+            use_cache=False,
+        ).logits
+    finally:
+        setattr(module, name, linear)
+    return values, entropies[0] if entropies else None
 
 
 SHARE_PROMPTS_ABOVE = 0.1
@@ -245,19 +313,39 @@ soft-capping, Cohere's and Granite's scales): their log-probs go through the mod
 forward instead of the fused head."""
 
 
+def sharded_output_head(module: torch.nn.Module) -> tuple[str, torch.nn.Linear] | None:
+    """(attribute name, head) of a sharded causal LM whose logits are its head's plain
+    product and whose head is one of its own attributes (``lm_head``), so that a pass can
+    stand in for it (:func:`_sharded_fused_logprobs`); None for any other model."""
+    if not is_sharded(module):
+        return None
+    get_head = getattr(module, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if not isinstance(head, torch.nn.Linear) or _transforms_logits(module):
+        return None
+    for name, child in module.named_children():
+        if child is head:
+            return name, head
+    return None
+
+
+def _transforms_logits(module: torch.nn.Module) -> bool:
+    config = getattr(module, "config", None)
+    return any(getattr(config, name, None) not in (None, 1, 1.0) for name in LOGIT_TRANSFORMS)
+
+
 def output_head(module: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
     """(backbone, output head) of a causal LM whose logits are ``head(backbone(...))``, so the
     log-probs can skip the full logits; None for any other model."""
     if is_sharded(module):
         # A sharded model's parameters are gathered by its own forward only (the fused head
-        # would read the head's weight outside it, as a shard).
+        # would read the head's weight outside it, as a shard): see sharded_output_head.
         return None
     backbone = getattr(module, "base_model", None)
     get_head = getattr(module, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
     if backbone is None or backbone is module or not isinstance(head, torch.nn.Linear):
         return None
-    config = getattr(module, "config", None)
-    if any(getattr(config, name, None) not in (None, 1, 1.0) for name in LOGIT_TRANSFORMS):
+    if _transforms_logits(module):
         return None
     return backbone, head

@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from flowrl.spec.schema import UpdateNode
-from tests.sharded_ranks import critic_state, policy_state, run_sharded, train_critic, train_policy
+from tests.sharded_ranks import (
+    critic_state,
+    logprobs_sharded_and_whole,
+    policy_state,
+    run_sharded,
+    train_critic,
+    train_policy,
+)
 
 
 def _close_to_one_device(ranks: list, alone: torch.nn.Module, alone_metrics: list, keys: tuple[str, ...]) -> None:
@@ -55,3 +62,15 @@ def test_a_sharded_critic_update_gives_the_one_device_steps() -> None:
     ranks = run_sharded(critic_state, functools.partial(train_critic, node, 2), (0.7, 0.3))
     _close_to_one_device(ranks, alone.module, alone_metrics,
                          ("critic/vf_loss", "critic/grad_norm", "critic/vf_clipfrac", "critic/vpred_mean"))
+
+
+def test_a_sharded_models_log_probs_come_from_the_fused_head_in_its_own_forward() -> None:
+    # the sharded forward gathers the parameters; the fused head stands in for the model's
+    # output head (never called) and does the whole copy's arithmetic: the same numbers to
+    # the last bit, so a policy equal to its reference has a KL gradient of exactly 0
+    ranks = run_sharded(policy_state, logprobs_sharded_and_whole, (1.0, 1.0))
+    for _, [numbers] in ranks:
+        assert numbers["head_calls"] == 0.0
+        assert numbers["logprob_diff"] == numbers["no_grad_diff"] == numbers["entropy_diff"] == 0.0
+        assert numbers["masked_zero"] == 0.0
+        assert numbers["head_grad_norm"] > 0.0  # its gradient came back through the sharded backward
