@@ -112,6 +112,8 @@ def logprobs_sharded_and_whole(state: ModelState, dp: DataParallel | None) -> li
     """Shards the model, then compares its log-probs and entropies (the fused head standing in
     for the sharded model's output head) with those of the whole copy beside it; counts the
     calls of the sharded model's own output head."""
+    from flowrl.backends.compiled_layers import decoder_layers
+    from flowrl.backends.shared_prompt import NAME as SHARED
     from flowrl.roles.forward import completion_logprobs, completion_logprobs_and_entropy
 
     assert dp is not None and dp.mesh is not None
@@ -120,12 +122,20 @@ def logprobs_sharded_and_whole(state: ModelState, dp: DataParallel | None) -> li
     head = sharded.get_output_embeddings()
     calls: list[int] = []
     head.register_forward_hook(lambda *_: calls.append(1))
+    # the attention each pass's first layer runs: the pass's layout (shared prompts, packed, padded)
+    attention: dict[str, list[str]] = {"sharded": [], "whole": []}
+    for key, model in (("sharded", sharded), ("whole", state.module)):
+        layer = (decoder_layers(model) or [])[0]
+        layer.register_forward_pre_hook(
+            lambda *_, key=key, model=model: attention[key].append(model.config._attn_implementation))
     rollout = rollout_of(state)
     logprobs, entropy = completion_logprobs_and_entropy(sharded, rollout, state.device)
     logprobs.sum().backward()  # the head's gradient goes through the sharded model's backward
     whole, whole_entropy = completion_logprobs_and_entropy(state.module, rollout, state.device)
     mask = rollout.completion_mask.bool()
     return [{
+        "same_layout": float(attention["sharded"] == attention["whole"]),
+        "shared_prompts": float(attention["sharded"][:1] == [SHARED]),
         "logprob_diff": float((logprobs.detach() - whole).abs().max()),
         "entropy_diff": float((entropy - whole_entropy).abs().max()),
         "masked_zero": float(logprobs[~mask].abs().max()) if bool((~mask).any()) else 0.0,

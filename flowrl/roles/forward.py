@@ -3,6 +3,7 @@ micro-batching that value heads share."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -218,23 +219,22 @@ def _sharded_fused_logprobs(
     only inside its own forward (which gathers them, and whose backward gathers them again
     and reduce-scatters their gradients), so the forward runs as it is, with the output head
     ``module.<name>`` replaced for the pass by :class:`_HeadStandIn`: no logits of the whole
-    vocabulary for every position, and the same arithmetic as a whole model's pass."""
+    vocabulary for every position, and the same arithmetic as a whole model's pass (laid out
+    as a whole model's, :func:`_pass_layout`)."""
+    backbone = getattr(module, "base_model", module)
+    layout = _pass_layout(module, window, torch.is_grad_enabled() and _checkpointed(backbone))
     entropies: list[torch.Tensor | None] = []
 
     def compute(hidden: torch.Tensor) -> torch.Tensor:
-        values, row_entropy = _fused_head(_completion_rows(hidden, window, real), linear, labels, temperature,
-                                          with_entropy)
+        rows = _completion_rows(layout.unpack(hidden), window, real)
+        values, row_entropy = _fused_head(rows, linear, labels, temperature, with_entropy)
         entropies.append(row_entropy)
         return values
 
     setattr(module, name, _HeadStandIn(compute))
     try:
-        values = module(
-            input_ids=window.input_ids,
-            attention_mask=window.attention_mask,
-            position_ids=window.position_ids,
-            use_cache=False,
-        ).logits
+        with layout.context:
+            values = module(**layout.inputs, use_cache=False).logits
     finally:
         setattr(module, name, linear)
     return values, entropies[0] if entropies else None
@@ -254,49 +254,60 @@ states are scattered back to the padded layout."""
 
 
 def _hidden_states(module: torch.nn.Module, backbone: torch.nn.Module, window: CompletionWindow) -> torch.Tensor:
-    """The backbone's last hidden states over ``window`` [N, L, H] (zeros at padding).
-
-    A prompt repeated in consecutive rows is computed once (``SHARE_PROMPTS_ABOVE``). Else
-    rows whose lengths differ much are packed (one row of every real token, each row
-    attending to itself, positions restarting per row), so no layer computes padding. On a
-    GPU the decoder layers run compiled (``flowrl.backends.compiled_layers``).
-    """
-    real = window.attention_mask.bool()
-    lengths = real.sum(dim=1)
+    """The backbone's last hidden states over ``window`` [N, L, H] (zeros at padding), laid
+    out by :func:`_pass_layout`. On a GPU the decoder layers run compiled
+    (``flowrl.backends.compiled_layers``)."""
     # With activation checkpointing the layers run again inside the backward, after the
     # packed attention is switched off: a pass that will be differentiated is not packed then.
     recomputed = torch.is_grad_enabled() and _checkpointed(backbone)
-    def run(pass_: Callable[[], torch.Tensor]) -> torch.Tensor:
+    layout = _pass_layout(module, window, recomputed)
+
+    def pass_() -> torch.Tensor:
+        hidden: torch.Tensor = backbone(**layout.inputs, use_cache=False).last_hidden_state
+        return hidden
+
+    with layout.context:
         # The same recomputation rules out compiled layers: the backward would recompute
         # them eagerly, and the tensors saved would not match.
-        return pass_() if recomputed else run_compiled(module, pass_)
+        hidden = pass_() if recomputed else run_compiled(module, pass_)
+    return layout.unpack(hidden)
 
+
+@dataclass
+class _PassLayout:
+    """How one pass lays out a window's rows: the model's inputs, the block to run it in (the
+    attention it needs) and how its outputs [B, T, ...] go back to the window's [N, L, ...]."""
+
+    inputs: dict[str, torch.Tensor]
+    context: contextlib.AbstractContextManager[None]
+    unpack: Callable[[torch.Tensor], torch.Tensor]
+
+
+def _pass_layout(module: torch.nn.Module, window: CompletionWindow, recomputed: bool) -> _PassLayout:
+    """A prompt repeated in consecutive rows is computed once (``SHARE_PROMPTS_ABOVE``). Else
+    rows whose lengths differ much are packed (one row of every real token, each row
+    attending to itself, positions restarting per row), so no layer computes padding. Else
+    the rows as they are, padded."""
+    real = window.attention_mask.bool()
+    lengths = real.sum(dim=1)
     # On CPUs only so far: on a GPU the padded and packed passes run flash-attention kernels,
     # against which the masked attention here has not been timed.
     if window.input_ids.device.type == "cpu" and not recomputed and can_pack(module):
-        layout = shared_prompt_layout(window.input_ids, window.attention_mask, window.position_ids, window.prompt_length)
-        if layout is not None and layout.saved_tokens >= SHARE_PROMPTS_ABOVE * float(lengths.sum()):
-            with shared_prompts(module, layout):
-                shared_hidden = run(lambda: backbone(
-                    input_ids=layout.input_ids[None], position_ids=layout.position_ids[None], use_cache=False,
-                ).last_hidden_state[0])
-            return layout.unpack(shared_hidden)
-
+        shared = shared_prompt_layout(window.input_ids, window.attention_mask, window.position_ids, window.prompt_length)
+        if shared is not None and shared.saved_tokens >= SHARE_PROMPTS_ABOVE * float(lengths.sum()):
+            return _PassLayout({"input_ids": shared.input_ids[None], "position_ids": shared.position_ids[None]},
+                               shared_prompts(module, shared), lambda out: shared.unpack(out[0]))
     if recomputed or not (can_pack(module) and float(lengths.sum()) < PACK_BELOW * real.numel()):
-        return run(lambda: backbone(
-            input_ids=window.input_ids,
-            attention_mask=window.attention_mask,
-            position_ids=window.position_ids,
-            use_cache=False,
-        ).last_hidden_state)
-    with packed(module, [int(length) for length in lengths.tolist()]):
-        packed_hidden = run(lambda: backbone(
-            input_ids=window.input_ids[real][None],
-            position_ids=window.position_ids[real][None],
-            use_cache=False,
-        ).last_hidden_state[0])
-    hidden = packed_hidden.new_zeros((*window.input_ids.shape, packed_hidden.shape[-1]))
-    return hidden.index_put((real,), packed_hidden)
+        inputs = {"input_ids": window.input_ids, "attention_mask": window.attention_mask,
+                  "position_ids": window.position_ids}
+        return _PassLayout(inputs, contextlib.nullcontext(), lambda out: out)
+
+    def scatter(out: torch.Tensor) -> torch.Tensor:
+        whole = out.new_zeros((*window.input_ids.shape, *out.shape[2:]))
+        return whole.index_put((real,), out[0])
+
+    return _PassLayout({"input_ids": window.input_ids[real][None], "position_ids": window.position_ids[real][None]},
+                       packed(module, [int(length) for length in lengths.tolist()]), scatter)
 
 
 def _checkpointed(backbone: torch.nn.Module) -> bool:
