@@ -187,8 +187,9 @@ def node_call_memory_gb(
 ) -> dict[tuple[str, str], float]:
     """Predicted memory the allocator holds during each node call, per (node, device) in GB:
     what stays on the device (every model's weights and state, generation caches, on a GPU
-    the cuBLAS workspaces) plus what the call itself needs (on a GPU, a model's calls run
-    compiled code and so may add the compiler's timing buffer). This is what the profiler
+    the cuBLAS workspaces) plus what the call itself needs (on a GPU a model's calls may run
+    compiled code, the log-prob passes and generation do, and so may add the compiler's
+    timing buffer: counted for every model node there). This is what the profiler
     measures per call on a GPU (``torch.cuda.max_memory_allocated``, no CUDA context)."""
     resident: dict[str, dict[str, float]] = {}
     passing: dict[tuple[str, str], float] = {}

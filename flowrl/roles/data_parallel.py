@@ -56,20 +56,24 @@ class _Buckets:
     def __init__(self, params: list[torch.nn.Parameter], bucket_bytes: int) -> None:
         self.params = params
         self.buckets: list[list[int]] = []
-        size = bucket_bytes + 1
+        # One flat tensor per bucket, so one dtype and device per bucket: each kind of
+        # parameter fills a bucket of its own kind (numbered as opened), and a model that
+        # alternates kinds (fp32 norms between bf16 matrices) still gets full buckets.
+        filling: dict[tuple[torch.dtype, torch.device], int] = {}
+        sizes: list[int] = []
         for index in reversed(range(len(params))):
             nbytes = params[index].numel() * params[index].element_size()
-            # one flat tensor per bucket: a parameter of another dtype or device starts a new one
             kind = (params[index].dtype, params[index].device)
-            differs = bool(self.buckets) and bool(self.buckets[-1]) and kind != (
-                params[self.buckets[-1][0]].dtype, params[self.buckets[-1][0]].device)
-            if (size + nbytes > bucket_bytes or differs) and (not self.buckets or self.buckets[-1]):
+            number = filling.get(kind)
+            if number is None or sizes[number] + nbytes > bucket_bytes:
+                number = filling[kind] = len(self.buckets)
                 self.buckets.append([])
-                size = 0
-            self.buckets[-1].append(index)
-            size += nbytes
+                sizes.append(0)
+            self.buckets[number].append(index)
+            sizes[number] += nbytes
         self.bucket_of = {index: number for number, bucket in enumerate(self.buckets) for index in bucket}
         self.flats: list[torch.Tensor] = []
+        self.attached = False
         self.hooks: list[Any] = []
         self.reset()
 
@@ -94,6 +98,7 @@ class _Buckets:
                 param.grad = flat[offset : offset + param.numel()].view_as(param)
                 offset += param.numel()
             self.flats.append(flat)
+        self.attached = True
 
     def detach_hooks(self) -> None:
         for handle in self.hooks:
@@ -156,10 +161,15 @@ class DataParallel:
 
     def attach(self, module: torch.nn.Module) -> None:
         """Before a step's first backward (after the optimizer's ``zero_grad``; see
-        :meth:`attached`): every
-        gradient of ``module`` a zeroed view into its bucket, and a hook on each parameter
-        that notes that autograd added to it and, in the last pass (:meth:`overlapping`),
-        starts the buckets whose gradients are then final."""
+        :meth:`attached`): every gradient of ``module`` a zeroed view into its bucket, and a
+        hook on each parameter that notes that autograd added to it and, in the last pass
+        (:meth:`overlapping`), starts the buckets whose gradients are then final.
+
+        A parameter's gradient is final after autograd's first addition to it in the last
+        pass's backward: autograd sums every use of a parameter in one graph (tied weights
+        included) before adding it once. A parameter used by two regions that a backward
+        recomputes separately (reentrant activation checkpointing of shared weights) would
+        get a second addition after its bucket started: no model flowrl loads does that."""
         buckets = self._buckets_of(module)
         buckets.detach_hooks()
         buckets.reset()
@@ -218,7 +228,7 @@ class DataParallel:
         flags of the parameters autograd added to: a parameter no rank computed a gradient
         for keeps ``grad = None``, as on one device."""
         buckets = self._buckets_of(module)
-        if not buckets.flats:
+        if not buckets.attached:
             raise RuntimeError("DataParallel.attach(module) must run before the step's first backward")
         buckets.detach_hooks()
         started = time.perf_counter()
@@ -235,6 +245,7 @@ class DataParallel:
             if anywhere == 0:
                 param.grad = None
         buckets.flats = []  # the gradients keep them alive until the next zero_grad
+        buckets.attached = False
         buckets.reset()
         return values[: len(numbers)]
 

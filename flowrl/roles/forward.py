@@ -139,18 +139,9 @@ def _logprobs(module: torch.nn.Module, rollout: Rollout, device: torch.device,
               with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     window = completion_window(rollout, device)
     labels = rollout.completion_ids[:, : window.width].to(device)
-    # The output head runs on the completion tokens only (not the prompt's positions, not the
-    # padding after a row's end): the largest matrix product of the pass, and its logits are
-    # never all in memory at once.
-    real = rollout.completion_mask[:, : window.width].to(device).reshape(-1).nonzero().squeeze(-1)
-    real_labels = labels.reshape(-1).index_select(0, real)
     head = output_head(module)
     replaced = sharded_output_head(module) if head is None else None
-    if replaced is not None:
-        values, row_entropy = _sharded_fused_logprobs(module, window, real, real_labels, rollout.temperature,
-                                                      with_entropy, *replaced)
-        return _unflatten(values, row_entropy, real, labels.shape, window, device)
-    if head is None:
+    if head is None and replaced is None:
         logits = module(
             input_ids=window.input_ids,
             attention_mask=window.attention_mask,
@@ -164,6 +155,16 @@ def _logprobs(module: torch.nn.Module, rollout: Rollout, device: torch.device,
             with torch.no_grad():
                 entropy = window.pad(token_entropy(completion.detach(), temperature=rollout.temperature))
         return window.pad(logprobs), entropy
+    # The output head runs on the completion tokens only (not the prompt's positions, not the
+    # padding after a row's end): the largest matrix product of the pass, and its logits are
+    # never all in memory at once.
+    real = rollout.completion_mask[:, : window.width].to(device).reshape(-1).nonzero().squeeze(-1)
+    real_labels = labels.reshape(-1).index_select(0, real)
+    if replaced is not None:
+        values, row_entropy = _sharded_fused_logprobs(module, window, real, real_labels, rollout.temperature,
+                                                      with_entropy, *replaced)
+        return _unflatten(values, row_entropy, real, labels.shape, window, device)
+    assert head is not None
     backbone, linear = head
     hidden = _completion_rows(_hidden_states(module, backbone, window), window, real)
     values, row_entropy = _fused_head(hidden, linear, real_labels, rollout.temperature, with_entropy)
@@ -219,8 +220,10 @@ def _sharded_fused_logprobs(
     only inside its own forward (which gathers them, and whose backward gathers them again
     and reduce-scatters their gradients), so the forward runs as it is, with the output head
     ``module.<name>`` replaced for the pass by :class:`_HeadStandIn`: no logits of the whole
-    vocabulary for every position, and the same arithmetic as a whole model's pass (laid out
-    as a whole model's, :func:`_pass_layout`)."""
+    vocabulary for every position, and the rows laid out as a whole model's pass lays them
+    out (:func:`_pass_layout`). On a CPU that is a whole model's arithmetic to the last bit;
+    on a GPU a whole model's decoder layers run compiled and a sharded model's eagerly, so
+    their last bits may differ."""
     backbone = getattr(module, "base_model", module)
     layout = _pass_layout(module, window, torch.is_grad_enabled() and _checkpointed(backbone))
     entropies: list[torch.Tensor | None] = []

@@ -173,9 +173,12 @@ def test_buckets_cover_every_parameter_once_in_reverse_order() -> None:
     params = [torch.nn.Parameter(torch.zeros(n)) for n in (10, 300, 20, 20, 5)]
     buckets = _Buckets(params, bucket_bytes=100 * 4).buckets  # 100 floats per bucket
     assert buckets == [[4, 3, 2], [1], [0]]  # 45 floats; 300 alone (over the size); then 10
-    # one flat tensor per bucket, so a parameter of another dtype starts a bucket of its own
+    # one flat tensor per bucket, so one dtype per bucket: each dtype fills buckets of its own
     params[3] = torch.nn.Parameter(torch.zeros(20, dtype=torch.float64))
-    assert _Buckets(params, bucket_bytes=100 * 4).buckets == [[4], [3], [2], [1], [0]]
+    assert _Buckets(params, bucket_bytes=100 * 4).buckets == [[4, 2], [3], [1], [0]]
+    alternating = [torch.nn.Parameter(torch.zeros(5, dtype=torch.float64 if n % 2 else torch.float32))
+                   for n in range(6)]
+    assert _Buckets(alternating, bucket_bytes=100 * 4).buckets == [[5, 3, 1], [4, 2, 0]]
 
 
 def test_gradients_are_views_into_one_flat_tensor_per_bucket() -> None:

@@ -67,8 +67,9 @@ def test_a_sharded_critic_update_gives_the_one_device_steps() -> None:
 def test_a_sharded_models_log_probs_come_from_the_fused_head_in_its_own_forward() -> None:
     # the sharded forward gathers the parameters; the pass lays out its rows as a whole
     # copy's (here each shared prompt computed once) and the fused head stands in for the
-    # model's output head (never called): the whole copy's arithmetic, the same numbers to the
-    # last bit, so a sharded policy equal to its reference has a KL gradient of exactly 0
+    # model's output head (never called): on a CPU the whole copy's arithmetic, the same
+    # numbers to the last bit, so a sharded policy equal to its reference has a KL gradient
+    # of exactly 0
     ranks = run_sharded(policy_state, logprobs_sharded_and_whole, (1.0, 1.0))
     for _, [numbers] in ranks:
         assert numbers["same_layout"] == numbers["shared_prompts"] == 1.0
