@@ -30,7 +30,8 @@ Memory (bytes):
               partitioner, within 0.5 %). With checkpointing: L*T*h*b plus one layer's
     output head  a causal LM's log-probs run through the fused head, which holds one
               chunk of FUSED_CHUNK_ELEMENTS logits at a time (16-bit logits, fp32 scaled
-              copy and, training, their fp32 gradient); a scalar head holds T*4
+              copy and, training, their fp32 gradient); a model that transforms its logits
+              (``ModelShape.plain_logits`` False) holds every token's; a scalar head holds T*4
     sharded training over N devices (FSDP2) keeps the whole weights plus 4*P*b/N, and
               gathers one layer and the outer unit at a time (``sharded_training_bytes``)
 """
@@ -43,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flowrl.backends.catalog import BUILTIN_MODELS
+from flowrl.backends.logits import transforms_logits
 from flowrl.errors import PlacementError
 
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -66,6 +68,9 @@ class ModelShape:
     """Tokenizer vocabulary (rows of the input embedding)."""
     tie_embeddings: bool = False
     """The output head reuses the input embedding (no separate parameters)."""
+    plain_logits: bool = True
+    """The logits are the output head's plain product, so log-probs go through the fused head
+    (``flowrl.backends.logits``); else the model's forward makes every token's logits."""
 
     @property
     def kv_width(self) -> int:
@@ -169,6 +174,7 @@ def shape_from_config(config: dict[str, object], source: str = "config.json") ->
         intermediate_size=get("intermediate_size", "n_inner", default=4 * hidden),
         vocab_size=get("vocab_size"),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        plain_logits=not transforms_logits(config),
     )
 
 
@@ -230,11 +236,12 @@ FUSED_CHUNK_ELEMENTS = 1 << 25
 def logits_bytes(shape: ModelShape, kind: str, tokens: float, dtype: str = "fp32",
                  training: bool = False) -> float:
     """The output head's transient memory over ``tokens`` tokens (see the module docstring),
-    a sharded model's included (its pass stands in a fused head for its own)."""
+    a sharded model's included (its pass stands in a fused head for its own); every token's
+    logits at once for a model whose logits are not the head's plain product."""
     vocab = shape.output_size(kind)
     if vocab == 1:
         return float(tokens * 4)
-    rows = min(tokens, max(64, FUSED_CHUNK_ELEMENTS // vocab))
+    rows = min(tokens, max(64, FUSED_CHUNK_ELEMENTS // vocab)) if shape.plain_logits else tokens
     per_logit = DTYPE_BYTES[dtype] + 4 + (4 if training else 0)
     return float(rows * vocab * per_logit)
 

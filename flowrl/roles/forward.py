@@ -16,6 +16,7 @@ from flowrl.algorithms.logprobs import (
     token_logprobs,
 )
 from flowrl.backends.compiled_layers import run_compiled
+from flowrl.backends.logits import transforms_logits
 from flowrl.backends.packed_attention import can_pack, packed
 from flowrl.backends.shared_prompt import shared_prompt_layout, shared_prompts
 from flowrl.roles.sharded import is_sharded
@@ -321,12 +322,6 @@ def _checkpointed(backbone: torch.nn.Module) -> bool:
     return False
 
 
-LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
-"""Config fields of models whose logits are not the output head's plain product (Gemma 2's
-soft-capping, Cohere's and Granite's scales): their log-probs go through the model's own
-forward instead of the fused head."""
-
-
 def sharded_output_head(module: torch.nn.Module) -> tuple[str, torch.nn.Linear] | None:
     """(attribute name, head) of a sharded causal LM whose logits are its head's plain
     product and whose head is one of its own attributes (``lm_head``), so that a pass can
@@ -344,8 +339,7 @@ def sharded_output_head(module: torch.nn.Module) -> tuple[str, torch.nn.Linear] 
 
 
 def _transforms_logits(module: torch.nn.Module) -> bool:
-    config = getattr(module, "config", None)
-    return any(getattr(config, name, None) not in (None, 1, 1.0) for name in LOGIT_TRANSFORMS)
+    return transforms_logits(getattr(module, "config", None))
 
 
 def output_head(module: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear] | None:

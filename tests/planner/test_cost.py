@@ -19,6 +19,7 @@ from flowrl.planner.cost import (
     logits_bytes,
     measure_cpu_rates,
     resolve_shape,
+    shape_from_config,
     shared_prompt_flops,
     sharded_training_bytes,
     training_state_bytes,
@@ -162,6 +163,18 @@ def test_builtin_shapes_are_the_catalog_s_and_the_catalog_builds_what_it_says() 
                 shape.intermediate_size, shape.vocab_size, shape.tie_embeddings) == (
             config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
             config.intermediate_size, config.vocab_size, config.tie_word_embeddings), name
+
+
+def test_a_model_that_transforms_its_logits_holds_every_tokens_logits() -> None:
+    config = {"hidden_size": 8, "num_attention_heads": 2, "num_hidden_layers": 2, "intermediate_size": 16,
+              "vocab_size": 2**20}
+    plain = shape_from_config(config)
+    capped = shape_from_config({**config, "final_logit_softcapping": 30.0})  # Gemma 2
+    assert plain.plain_logits and not capped.plain_logits
+    assert shape_from_config({**config, "logit_scale": 1.0}).plain_logits  # a scale of 1 changes nothing
+    # the fused head's chunk: max(64, 2**25 // 2**20) = 64 of the 1000 tokens; bf16 2 + fp32 4
+    assert logits_bytes(plain, "policy", 1000, "bf16") == 64 * 2**20 * 6
+    assert logits_bytes(capped, "policy", 1000, "bf16") == 1000 * 2**20 * 6
 
 
 def test_shape_from_a_local_config_and_instruct_names(tmp_path: Path) -> None:
