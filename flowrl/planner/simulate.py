@@ -194,21 +194,21 @@ def node_call_memory_gb(
     resident: dict[str, dict[str, float]] = {}
     passing: dict[tuple[str, str], float] = {}
     streams: dict[str, set[str]] = {}
-    kinds = {device.id: device.kind for device in inventory.devices}
-    l2 = {device.id: device.l2_cache_mib for device in inventory.devices}
+    devices = {device.id: device for device in inventory.devices}
     for node in pipeline.topological_order():
         chosen = placement[node]
-        gpu = any(kinds[device_id] == "gpu" for device_id in chosen.devices)
+        gpu = any(devices[device_id].kind == "gpu" for device_id in chosen.devices)
         memory = costs.memory(node, len(chosen.devices), gpu)
         model = costs.work(node).model
         for device_id in chosen.devices:
             held = resident.setdefault(device_id, {})
             call = memory.transient_gb
+            on_gpu = devices[device_id].kind == "gpu"
             if model is not None:
                 streams.setdefault(device_id, set()).update(_matmul_streams(pipeline.spec.nodes[node]))
-                if kinds[device_id] == "gpu":
-                    call += compile_benchmark_bytes(l2[device_id]) / GB
-                if chosen.offloaded and kinds[device_id] == "gpu":
+                if on_gpu:
+                    call += compile_benchmark_bytes(devices[device_id].l2_cache_mib) / GB
+                if chosen.offloaded and on_gpu:
                     call += memory.weights_gb
                 else:
                     held[f"{model}:weights"] = memory.weights_gb
@@ -217,11 +217,10 @@ def node_call_memory_gb(
                 if memory.cache_gb:
                     held[f"{node}:cache"] = memory.cache_gb
             passing[node, device_id] = call
-    arch = {device.id: device.arch for device in inventory.devices}
     stays = {
         device_id: sum(held.values())
-        + (len(streams.get(device_id, ())) * matmul_workspace_bytes(arch[device_id]) / GB
-           if kinds[device_id] == "gpu" else 0.0)
+        + (len(streams.get(device_id, ())) * matmul_workspace_bytes(devices[device_id].arch) / GB
+           if devices[device_id].kind == "gpu" else 0.0)
         for device_id, held in resident.items()
     }
     return {(node, device_id): stays[device_id] + call for (node, device_id), call in passing.items()}

@@ -72,8 +72,8 @@ class _Buckets:
             self.buckets[number].append(index)
             sizes[number] += nbytes
         self.bucket_of = {index: number for number, bucket in enumerate(self.buckets) for index in bucket}
-        self.flats: list[torch.Tensor] = []
-        self.attached = False
+        # one flat tensor per bucket while the gradients are views into them (attach); None otherwise
+        self.flats: list[torch.Tensor] | None = None
         self.hooks: list[Any] = []
         self.reset()
 
@@ -88,7 +88,7 @@ class _Buckets:
     def attach(self) -> None:
         """Zeroed flat tensors, one per bucket, and every parameter's gradient a view into
         its bucket's (replacing any gradient it had)."""
-        self.flats = []
+        flats = []
         for bucket in self.buckets:
             first = self.params[bucket[0]]
             flat = torch.zeros(sum(self.params[i].numel() for i in bucket), dtype=first.dtype, device=first.device)
@@ -97,8 +97,8 @@ class _Buckets:
                 param = self.params[index]
                 param.grad = flat[offset : offset + param.numel()].view_as(param)
                 offset += param.numel()
-            self.flats.append(flat)
-        self.attached = True
+            flats.append(flat)
+        self.flats = flats
 
     def detach_hooks(self) -> None:
         for handle in self.hooks:
@@ -198,6 +198,7 @@ class DataParallel:
 
     def _start(self, buckets: _Buckets, number: int, in_backward: bool) -> None:
         """Start bucket ``number``'s all-reduce, in place on its flat tensor."""
+        assert buckets.flats is not None
         buckets.started.append(self.collective.all_reduce_start(buckets.flats[number]))
         if in_backward:
             buckets.started_in_backward += 1
@@ -228,7 +229,7 @@ class DataParallel:
         flags of the parameters autograd added to: a parameter no rank computed a gradient
         for keeps ``grad = None``, as on one device."""
         buckets = self._buckets_of(module)
-        if not buckets.attached:
+        if buckets.flats is None:
             raise RuntimeError("DataParallel.attach(module) must run before the step's first backward")
         buckets.detach_hooks()
         started = time.perf_counter()
@@ -244,8 +245,7 @@ class DataParallel:
         for param, anywhere in zip(buckets.params, values[len(numbers):]):
             if anywhere == 0:
                 param.grad = None
-        buckets.flats = []  # the gradients keep them alive until the next zero_grad
-        buckets.attached = False
+        buckets.flats = None  # the gradients keep them alive until the next zero_grad
         buckets.reset()
         return values[: len(numbers)]
 

@@ -225,8 +225,7 @@ def _sharded_fused_logprobs(
     out (:func:`_pass_layout`). On a CPU that is a whole model's arithmetic to the last bit;
     on a GPU a whole model's decoder layers run compiled and a sharded model's eagerly, so
     their last bits may differ."""
-    backbone = getattr(module, "base_model", module)
-    layout = _pass_layout(module, window, torch.is_grad_enabled() and _checkpointed(backbone))
+    layout = _pass_layout(module, window, _recomputed(getattr(module, "base_model", module)))
     entropies: list[torch.Tensor | None] = []
 
     def compute(hidden: torch.Tensor) -> torch.Tensor:
@@ -261,9 +260,7 @@ def _hidden_states(module: torch.nn.Module, backbone: torch.nn.Module, window: C
     """The backbone's last hidden states over ``window`` [N, L, H] (zeros at padding), laid
     out by :func:`_pass_layout`. On a GPU the decoder layers run compiled
     (``flowrl.backends.compiled_layers``)."""
-    # With activation checkpointing the layers run again inside the backward, after the
-    # packed attention is switched off: a pass that will be differentiated is not packed then.
-    recomputed = torch.is_grad_enabled() and _checkpointed(backbone)
+    recomputed = _recomputed(backbone)
     layout = _pass_layout(module, window, recomputed)
 
     def pass_() -> torch.Tensor:
@@ -314,6 +311,13 @@ def _pass_layout(module: torch.nn.Module, window: CompletionWindow, recomputed: 
                        packed(module, [int(length) for length in lengths.tolist()]), scatter)
 
 
+def _recomputed(backbone: torch.nn.Module) -> bool:
+    """Whether this pass's layers run again in its backward: with activation checkpointing,
+    after the packed attention is switched off, so a pass that will be differentiated is not
+    packed then."""
+    return torch.is_grad_enabled() and _checkpointed(backbone)
+
+
 def _checkpointed(backbone: torch.nn.Module) -> bool:
     # transformers 5 renamed the flag (the old name warns); either may be what the model has
     for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
@@ -328,18 +332,19 @@ def sharded_output_head(module: torch.nn.Module) -> tuple[str, torch.nn.Linear] 
     stand in for it (:func:`_sharded_fused_logprobs`); None for any other model."""
     if not is_sharded(module):
         return None
+    head = _plain_head(module)
+    if head is None:
+        return None
+    return next(((name, head) for name, child in module.named_children() if child is head), None)
+
+
+def _plain_head(module: torch.nn.Module) -> torch.nn.Linear | None:
+    """The model's output head when it is a Linear whose product is the logits; else None."""
     get_head = getattr(module, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
-    if not isinstance(head, torch.nn.Linear) or _transforms_logits(module):
+    if not isinstance(head, torch.nn.Linear) or transforms_logits(getattr(module, "config", None)):
         return None
-    for name, child in module.named_children():
-        if child is head:
-            return name, head
-    return None
-
-
-def _transforms_logits(module: torch.nn.Module) -> bool:
-    return transforms_logits(getattr(module, "config", None))
+    return head
 
 
 def output_head(module: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
@@ -350,10 +355,7 @@ def output_head(module: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Line
         # would read the head's weight outside it, as a shard): see sharded_output_head.
         return None
     backbone = getattr(module, "base_model", None)
-    get_head = getattr(module, "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
-    if backbone is None or backbone is module or not isinstance(head, torch.nn.Linear):
-        return None
-    if _transforms_logits(module):
+    head = _plain_head(module)
+    if backbone is None or backbone is module or head is None:
         return None
     return backbone, head

@@ -275,8 +275,7 @@ def _step(
             scale = share * weight
             # Replicated, the last pass's backward makes the gradients final: their sum over the
             # ranks starts bucket by bucket while it runs.
-            overlap = dp is not None and last and not sharded
-            with dp.overlapping(state.module) if overlap and dp is not None else contextlib.nullcontext():
+            with dp.overlapping(state.module) if replicated and last and dp is not None else contextlib.nullcontext():
                 (loss * scale if scale != 1.0 else loss).backward()
             for index, key in enumerate(keys):
                 factor = tokens_share * token_weight if key in objective.token_means else share * weight
