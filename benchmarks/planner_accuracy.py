@@ -12,7 +12,8 @@ calibrated prediction (``calibrated``: per-node factors learned on the first hal
 after the first, the plan simulated again with them, set beside the second half's medians).
 Memory: the plan's predicted peak per device (without the CUDA context the planner adds, since
 ``torch.cuda.max_memory_allocated`` does not see it) against the largest measured peak of the
-node calls on it, over the whole run and over the steps after the first (which compiles).
+node calls on it, over the whole run and over the steps after the first (which compiles). Each
+run starts with empty compile caches, as a first run on a machine does.
 
 Candidates (``--candidates``): every way of putting the pipeline's device groups on the CPU
 slots (``devices.G.device_ids``, the first group on slot 0) is run for real, ``--repeats``
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -44,8 +46,13 @@ from flowrl.planner.simulate import GPU_CONTEXT_GB  # noqa: E402
 
 
 def flowrl(*arguments: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "flowrl.cli.main", *arguments], capture_output=True,
-                          text=True, cwd=ROOT)
+    # Every run compiles from nothing (fresh inductor and Triton caches), as a first run on a
+    # machine does: compiling allocates what a cached run skips (inductor's timing buffer),
+    # and the planner's prediction must cover that first run.
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": f"{cache}/inductor", "TRITON_CACHE_DIR": f"{cache}/triton"}
+        return subprocess.run([sys.executable, "-m", "flowrl.cli.main", *arguments], capture_output=True,
+                              text=True, cwd=ROOT, env=env)
 
 
 def run_once(pipeline: Path, steps: int, output: Path, overrides: list[str]) -> dict[str, Any]:
