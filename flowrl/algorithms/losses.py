@@ -59,7 +59,7 @@ def policy_loss(
     mask: Tensor,
     clip_eps: float,
     loss_agg: LossAggregation = "token_mean",
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate loss (Schulman et al. 2017), as GRPO uses it.
 
     Per token: ``-min(ratio * A, clip(ratio, 1 - clip_eps, 1 + clip_eps) * A)`` with
@@ -78,7 +78,8 @@ def policy_loss(
         loss_agg: ``"token_mean"`` or ``"seq_mean"``, see :func:`aggregate`.
 
     Returns:
-        ``(loss, stats)``: the scalar loss to minimise, and floats ``pg_clipfrac`` (share of
+        ``(loss, stats)``: the scalar loss to minimise, and 0-dim tensors (detached, on the
+        loss's device: reading them as numbers waits for the device) ``pg_clipfrac`` (share of
         unmasked tokens where the clipped term is the smaller one, so the token gives no
         gradient), ``ratio_mean`` (token mean of the ratio), ``ppo_kl`` (token mean of
         ``old_logprobs - logprobs``: how far the policy moved since the rollout) and
@@ -109,10 +110,10 @@ def policy_loss(
     loss = aggregate(per_token, selected, loss_agg)
     with torch.no_grad():
         stats = {
-            "pg_clipfrac": float(masked_mean((clipped < unclipped).to(logprobs.dtype), selected)),
-            "ratio_mean": float(masked_mean(ratio, selected)),
-            "ppo_kl": float(masked_mean(-log_ratio, selected)),
-            "pg_loss": float(loss),
+            "pg_clipfrac": masked_mean((clipped < unclipped).to(logprobs.dtype), selected),
+            "ratio_mean": masked_mean(ratio, selected),
+            "ppo_kl": masked_mean(-log_ratio, selected),
+            "pg_loss": loss.detach(),
         }
     return loss, stats
 
@@ -124,7 +125,7 @@ def value_loss(
     mask: Tensor,
     clip_range_value: float | None,
     loss_agg: LossAggregation = "token_mean",
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped value (critic) loss, as in PPO2's baselines, TRL's PPO and OpenRLHF.
 
     Per token: ``0.5 * max((v - R)^2, (clip(v, v_old - c, v_old + c) - R)^2)`` with
@@ -142,7 +143,8 @@ def value_loss(
         loss_agg: ``"token_mean"`` or ``"seq_mean"``, see :func:`aggregate`.
 
     Returns:
-        ``(loss, stats)``: the scalar loss and floats ``vf_loss`` (the loss value),
+        ``(loss, stats)``: the scalar loss and 0-dim tensors (as :func:`policy_loss`'s)
+        ``vf_loss`` (the loss value),
         ``vf_clipfrac`` (share of unmasked tokens where the clipped error is the larger one,
         so the token gives no gradient) and ``vpred_mean`` (token mean of ``values``).
     """
@@ -174,8 +176,8 @@ def value_loss(
     loss = aggregate(per_token, selected, loss_agg)
     with torch.no_grad():
         stats = {
-            "vf_loss": float(loss),
-            "vf_clipfrac": float(masked_mean(clipped_is_larger.to(values.dtype), selected)),
-            "vpred_mean": float(masked_mean(values, selected)),
+            "vf_loss": loss.detach(),
+            "vf_clipfrac": masked_mean(clipped_is_larger.to(values.dtype), selected),
+            "vpred_mean": masked_mean(values, selected),
         }
     return loss, stats

@@ -19,6 +19,7 @@ from flowrl.backends.compiled_layers import run_compiled
 from flowrl.backends.logits import transforms_logits
 from flowrl.backends.packed_attention import can_pack, packed
 from flowrl.backends.shared_prompt import shared_prompt_layout, shared_prompts
+from flowrl.backends.transfer import to_device
 from flowrl.roles.sharded import is_sharded
 from flowrl.roles.batch import Rollout
 
@@ -39,6 +40,9 @@ class CompletionWindow:
     """Completion columns computed."""
     num_columns: int
     """Completion columns of the rollout."""
+    host_mask: torch.Tensor
+    """``attention_mask`` on the host: what a pass decides from it (packing, whether any
+    padding needs a mask) and the indices it makes from it cost no wait for the device."""
 
     def completion_positions(self, per_position: torch.Tensor) -> torch.Tensor:
         """The outputs at the positions that predict each completion token (P-1 .. P+width-2)."""
@@ -60,13 +64,15 @@ def completion_window(rollout: Rollout, device: torch.device) -> CompletionWindo
     prompt_length = rollout.prompt_ids.shape[1] - start
     width = max(int(rollout.completion_mask.sum(dim=1).max()), 1)
     end = start + prompt_length + width
+    host_mask = attention_mask[:, start:end]
     return CompletionWindow(
-        input_ids=input_ids[:, start:end].to(device),
-        attention_mask=attention_mask[:, start:end].to(device),
-        position_ids=position_ids[:, start:end].to(device),
+        input_ids=to_device(input_ids[:, start:end], device),
+        attention_mask=to_device(host_mask, device),
+        position_ids=to_device(position_ids[:, start:end], device),
         prompt_length=prompt_length,
         width=width,
         num_columns=rollout.completion_ids.shape[1],
+        host_mask=host_mask,
     )
 
 
@@ -106,7 +112,7 @@ def in_micro_batches(
     if len(groups) == 1:
         return compute(rollout)
     parts = [compute(rollout.select(rows)) for rows in groups]
-    order = torch.cat(groups).to(parts[0].device)
+    order = to_device(torch.cat(groups), parts[0].device)
     joined = torch.cat(parts, dim=0)
     return torch.empty_like(joined).index_copy_(0, order, joined)
 
@@ -139,7 +145,7 @@ def completion_logprobs_and_entropy(
 def _logprobs(module: torch.nn.Module, rollout: Rollout, device: torch.device,
               with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     window = completion_window(rollout, device)
-    labels = rollout.completion_ids[:, : window.width].to(device)
+    labels = to_device(rollout.completion_ids[:, : window.width], device)
     head = output_head(module)
     replaced = sharded_output_head(module) if head is None else None
     if head is None and replaced is None:
@@ -159,7 +165,8 @@ def _logprobs(module: torch.nn.Module, rollout: Rollout, device: torch.device,
     # The output head runs on the completion tokens only (not the prompt's positions, not the
     # padding after a row's end): the largest matrix product of the pass, and its logits are
     # never all in memory at once.
-    real = rollout.completion_mask[:, : window.width].to(device).reshape(-1).nonzero().squeeze(-1)
+    # the indices are made on the host: on a GPU, nonzero() would wait for the device
+    real = to_device(rollout.completion_mask[:, : window.width].reshape(-1).nonzero().squeeze(-1), device)
     real_labels = labels.reshape(-1).index_select(0, real)
     if replaced is not None:
         values, row_entropy = _sharded_fused_logprobs(module, window, real, real_labels, rollout.temperature,
@@ -279,7 +286,7 @@ class _PassLayout:
     """How one pass lays out a window's rows: the model's inputs, the block to run it in (the
     attention it needs) and how its outputs [B, T, ...] go back to the window's [N, L, ...]."""
 
-    inputs: dict[str, torch.Tensor]
+    inputs: dict[str, torch.Tensor | None]
     context: contextlib.AbstractContextManager[None]
     unpack: Callable[[torch.Tensor], torch.Tensor]
 
@@ -289,7 +296,7 @@ def _pass_layout(module: torch.nn.Module, window: CompletionWindow, recomputed: 
     rows whose lengths differ much are packed (one row of every real token, each row
     attending to itself, positions restarting per row), so no layer computes padding. Else
     the rows as they are, padded."""
-    real = window.attention_mask.bool()
+    real = window.host_mask.bool()
     lengths = real.sum(dim=1)
     # On CPUs only so far: on a GPU the padded and packed passes run flash-attention kernels,
     # against which the masked attention here has not been timed.
@@ -299,15 +306,21 @@ def _pass_layout(module: torch.nn.Module, window: CompletionWindow, recomputed: 
             return _PassLayout({"input_ids": shared.input_ids[None], "position_ids": shared.position_ids[None]},
                                shared_prompts(module, shared), lambda out: shared.unpack(out[0]))
     if recomputed or not (can_pack(module) and float(lengths.sum()) < PACK_BELOW * real.numel()):
-        inputs = {"input_ids": window.input_ids, "attention_mask": window.attention_mask,
-                  "position_ids": window.position_ids}
+        # Without any padding the model gets no mask: its attention is then causal only, and
+        # it does not check the mask (on a GPU, a wait for the device) to find that out.
+        mask = None if bool(real.all()) else window.attention_mask
+        inputs = {"input_ids": window.input_ids, "attention_mask": mask, "position_ids": window.position_ids}
         return _PassLayout(inputs, contextlib.nullcontext(), lambda out: out)
 
-    def scatter(out: torch.Tensor) -> torch.Tensor:
-        whole = out.new_zeros((*window.input_ids.shape, *out.shape[2:]))
-        return whole.index_put((real,), out[0])
+    rows, columns = real.shape
+    index = to_device(real.reshape(-1).nonzero().squeeze(-1), window.input_ids.device)
 
-    return _PassLayout({"input_ids": window.input_ids[real][None], "position_ids": window.position_ids[real][None]},
+    def scatter(out: torch.Tensor) -> torch.Tensor:
+        whole = out.new_zeros((rows * columns, *out.shape[2:]))
+        return whole.index_copy(0, index, out[0]).view(rows, columns, *out.shape[2:])
+
+    return _PassLayout({"input_ids": window.input_ids.reshape(-1).index_select(0, index)[None],
+                        "position_ids": window.position_ids.reshape(-1).index_select(0, index)[None]},
                        packed(module, [int(length) for length in lengths.tolist()]), scatter)
 
 

@@ -23,6 +23,7 @@ import torch
 
 from flowrl.algorithms.kl import kl_penalty
 from flowrl.algorithms.losses import aggregate, masked_mean, policy_loss, value_loss
+from flowrl.backends.transfer import to_device
 from flowrl.roles.batch import NodeOutput, Rollout
 from flowrl.roles.data_parallel import DataParallel, weighted_rows
 from flowrl.roles.forward import completion_logprobs, completion_logprobs_and_entropy, micro_batches
@@ -43,8 +44,9 @@ class Objective(Protocol):
     def prepare(self, state: ModelState, rollout: Rollout, dp: DataParallel | None, single_step: bool) -> None:
         """Compute what every step reads from the model before any step changes it."""
 
-    def loss(self, state: ModelState, piece: Rollout, rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        """The loss of ``piece`` (rows ``rows`` of the rollout) and its numbers by key."""
+    def loss(self, state: ModelState, piece: Rollout, rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss of ``piece`` (rows ``rows`` of the rollout) and its numbers by key (0-dim
+        tensors on the device: read once per step, so the passes never wait for the device)."""
         ...
 
     def finish(self, metrics: dict[str, float]) -> None:
@@ -72,23 +74,24 @@ class PolicyObjective:
             with torch.no_grad():
                 self.old_logprobs = _old_logprobs(state, rollout, dp)
 
-    def loss(self, state: ModelState, piece: Rollout, rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, state: ModelState, piece: Rollout, rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         device, node = state.device, self.node
-        mask = piece.completion_mask.to(device).float()
+        mask = to_device(piece.completion_mask, device).float()
         logprobs, entropy = completion_logprobs_and_entropy(state.training_module, piece, device)
-        old = logprobs.detach() if self.old_logprobs is None else self.old_logprobs[rows].to(device)
+        old = logprobs.detach() if self.old_logprobs is None else to_device(self.old_logprobs[rows], device)
         loss, stats = policy_loss(
-            logprobs, old, self.advantages[rows].to(device), mask, clip_eps=node.clip_eps, loss_agg=node.loss_agg
+            logprobs, old, to_device(self.advantages[rows], device), mask, clip_eps=node.clip_eps,
+            loss_agg=node.loss_agg,
         )
         numbers = dict(stats)
-        numbers["entropy"] = float(masked_mean(entropy, mask.bool()))
+        numbers["entropy"] = masked_mean(entropy, mask.bool())
         if self.use_kl:
             assert self.ref_logprobs is not None
-            kl = kl_penalty(logprobs, self.ref_logprobs[rows].to(device), estimator=node.kl_estimator)
+            kl = kl_penalty(logprobs, to_device(self.ref_logprobs[rows], device), estimator=node.kl_estimator)
             kl_term = aggregate(kl, mask, node.loss_agg)
             loss = loss + node.kl_coef * kl_term
-            numbers["kl_loss"] = float(kl_term.detach())
-        numbers["loss"] = float(loss.detach())
+            numbers["kl_loss"] = kl_term.detach()
+        numbers["loss"] = loss.detach()
         return loss, numbers
 
     def finish(self, metrics: dict[str, float]) -> None:
@@ -117,15 +120,15 @@ class ValueObjective:
                 self.old_values = completion_values(state.module, rollout, state.device).cpu()
             state.module.train(was_training)
 
-    def loss(self, state: ModelState, piece: Rollout, rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, state: ModelState, piece: Rollout, rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         assert self.old_values is not None
         device = state.device
         values = completion_values(state.training_module, piece, device)
         return value_loss(
             values,
-            self.old_values[rows].to(device),
-            self.returns[rows].to(device),
-            piece.completion_mask.to(device).bool(),
+            to_device(self.old_values[rows], device),
+            to_device(self.returns[rows], device),
+            to_device(piece.completion_mask, device).bool(),
             clip_range_value=self.node.clip_range_value,
             loss_agg=self.node.loss_agg,
         )
@@ -242,7 +245,11 @@ def _step(
     # token means (clip fractions, means of ratios and values) whatever the loss aggregation
     token_weight = _share(part.completion_mask, mine, "token_mean") if dp is not None else 1.0
     keys = objective.keys
-    values = [0.0] * len(keys)
+    # Each pass's numbers stay on the device with their factors beside them until the passes
+    # are done: reading them after each pass would make the host wait for the device there,
+    # and the device would then idle while the host prepares the next pass.
+    passes_numbers: list[torch.Tensor] = []
+    passes_factors: list[list[float]] = []
     optimizer.zero_grad(set_to_none=True)
     sharded = dp is not None and dp.sharded
     sub = part if dp is None else part.select(torch.arange(mine.start, mine.stop))
@@ -277,9 +284,10 @@ def _step(
             # ranks starts bucket by bucket while it runs.
             with dp.overlapping(state.module) if replicated and last and dp is not None else contextlib.nullcontext():
                 (loss * scale if scale != 1.0 else loss).backward()
-            for index, key in enumerate(keys):
-                factor = tokens_share * token_weight if key in objective.token_means else share * weight
-                values[index] += numbers[key] * factor
+            passes_numbers.append(torch.stack([numbers[key].float() for key in keys]))
+            passes_factors.append([tokens_share * token_weight if key in objective.token_means else share * weight
+                                   for key in keys])
+        values = _weighted_sums(passes_numbers, passes_factors, len(keys))
         if replicated and dp is not None:
             # the whole mini-batch's gradient and numbers: each rank's part, weighted, summed
             values = dp.sum_gradients(state.module, values)
@@ -303,6 +311,16 @@ def _step(
         optimizer.zero_grad(set_to_none=True)
     result["nonfinite_skipped"] = 0.0 if finite else 1.0
     return result
+
+
+def _weighted_sums(numbers: list[torch.Tensor], factors: list[list[float]], count: int) -> list[float]:
+    """Per key, the sum over the passes of number x factor, read from the device at once."""
+    values = [0.0] * count
+    rows = torch.stack(numbers).tolist() if numbers else []
+    for row, row_factors in zip(rows, factors):
+        for index, (number, factor) in enumerate(zip(row, row_factors)):
+            values[index] += number * factor
+    return values
 
 
 def _most_passes(part: Rollout, node: UpdateNode, dp: DataParallel) -> int:

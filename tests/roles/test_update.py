@@ -139,3 +139,47 @@ def test_micro_batches_give_the_whole_batch_gradient(loss_agg: str) -> None:
     torch.testing.assert_close(parts_grad, whole_grad, atol=1e-6, rtol=1e-4)
     for key in ("actor/loss", "actor/pg_loss", "actor/kl_loss", "actor/ratio_mean", "actor/grad_norm"):
         assert parts[key] == pytest.approx(whole[key], rel=1e-4, abs=1e-7), key
+
+
+class _ModelReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the host's reads of values computed from the model's parameters (``item()``,
+    ``nonzero()``, ``tolist()``...): on a GPU each one waits for the device."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.derived: set[int] = {id(p) for p in module.parameters()}
+        self.kept: list[torch.Tensor] = []  # keeps the ids above from being reused
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        inputs = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        from_model = any(id(t) in self.derived for t in inputs)
+        if from_model and func.overloadpacket in (torch.ops.aten._local_scalar_dense, torch.ops.aten.nonzero,
+                                                 torch.ops.aten.is_nonzero, torch.ops.aten.equal):
+            self.reads += 1
+        out = func(*args, **kwargs)
+        if from_model:
+            for tensor in torch.utils._pytree.tree_leaves(out):
+                if isinstance(tensor, torch.Tensor):
+                    self.derived.add(id(tensor))
+                    self.kept.append(tensor)
+        return out
+
+
+def test_an_update_reads_the_models_numbers_once_per_step_whatever_its_passes() -> None:
+    """The passes of an optimizer step never wait for the device: the loss terms are read once
+    after the last pass (with the gradient norm), not after each pass."""
+    advantages = torch.tensor([1.0, -0.5, 0.3, -1.0, 0.7, 0.2])
+    reads = {}
+    for budget in (None, 12):  # one pass; five passes (see the test above)
+        state = _state()
+        rollout = _uneven_rollout(state)
+        reference = completion_logprobs(state.module, rollout, state.device).detach() + 0.1
+        node = UpdateNode(model="actor", inputs=["rollout", "adv", "ref"], lr=1e-3, kl_coef=0.1,
+                          micro_batch_tokens=budget)
+        with _ModelReads(state.module) as counter:
+            update_policy(state, rollout, advantages, reference, node, seed=0)
+        reads[budget] = counter.reads
+    assert reads[12] == reads[None]
+    assert reads[None] <= 2  # the gradient norm; the numbers' single read, a tolist(), is no op
