@@ -41,8 +41,8 @@ class CompletionWindow:
     num_columns: int
     """Completion columns of the rollout."""
     host_mask: torch.Tensor
-    """``attention_mask`` on the host: what a pass decides from it (packing, whether any
-    padding needs a mask) and the indices it makes from it cost no wait for the device."""
+    """``attention_mask`` on the host: what a pass decides from it (packing) and the indices
+    it makes from it cost no wait for the device."""
 
     def completion_positions(self, per_position: torch.Tensor) -> torch.Tensor:
         """The outputs at the positions that predict each completion token (P-1 .. P+width-2)."""
@@ -286,7 +286,7 @@ class _PassLayout:
     """How one pass lays out a window's rows: the model's inputs, the block to run it in (the
     attention it needs) and how its outputs [B, T, ...] go back to the window's [N, L, ...]."""
 
-    inputs: dict[str, torch.Tensor | None]
+    inputs: dict[str, torch.Tensor]
     context: contextlib.AbstractContextManager[None]
     unpack: Callable[[torch.Tensor], torch.Tensor]
 
@@ -306,10 +306,8 @@ def _pass_layout(module: torch.nn.Module, window: CompletionWindow, recomputed: 
             return _PassLayout({"input_ids": shared.input_ids[None], "position_ids": shared.position_ids[None]},
                                shared_prompts(module, shared), lambda out: shared.unpack(out[0]))
     if recomputed or not (can_pack(module) and float(lengths.sum()) < PACK_BELOW * real.numel()):
-        # Without any padding the model gets no mask: its attention is then causal only, and
-        # it does not check the mask (on a GPU, a wait for the device) to find that out.
-        mask = None if bool(real.all()) else window.attention_mask
-        inputs = {"input_ids": window.input_ids, "attention_mask": mask, "position_ids": window.position_ids}
+        inputs = {"input_ids": window.input_ids, "attention_mask": window.attention_mask,
+                  "position_ids": window.position_ids}
         return _PassLayout(inputs, contextlib.nullcontext(), lambda out: out)
 
     rows, columns = real.shape

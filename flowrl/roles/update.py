@@ -44,9 +44,11 @@ class Objective(Protocol):
     def prepare(self, state: ModelState, rollout: Rollout, dp: DataParallel | None, single_step: bool) -> None:
         """Compute what every step reads from the model before any step changes it."""
 
-    def loss(self, state: ModelState, piece: Rollout, rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The loss of ``piece`` (rows ``rows`` of the rollout) and its numbers by key (0-dim
-        tensors on the device: read once per step, so the passes never wait for the device)."""
+    def loss(
+        self, state: ModelState, piece: Rollout, rows: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss of ``piece`` (rows ``rows`` of the rollout) and its numbers by key: 0-dim
+        detached tensors on the device, read once per optimizer step, not after each pass."""
         ...
 
     def finish(self, metrics: dict[str, float]) -> None:
@@ -74,7 +76,9 @@ class PolicyObjective:
             with torch.no_grad():
                 self.old_logprobs = _old_logprobs(state, rollout, dp)
 
-    def loss(self, state: ModelState, piece: Rollout, rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(
+        self, state: ModelState, piece: Rollout, rows: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         device, node = state.device, self.node
         mask = to_device(piece.completion_mask, device).float()
         logprobs, entropy = completion_logprobs_and_entropy(state.training_module, piece, device)
@@ -84,7 +88,7 @@ class PolicyObjective:
             loss_agg=node.loss_agg,
         )
         numbers = dict(stats)
-        numbers["entropy"] = masked_mean(entropy, mask.bool())
+        numbers["entropy"] = masked_mean(entropy.detach(), mask.bool())
         if self.use_kl:
             assert self.ref_logprobs is not None
             kl = kl_penalty(logprobs, to_device(self.ref_logprobs[rows], device), estimator=node.kl_estimator)
@@ -120,7 +124,9 @@ class ValueObjective:
                 self.old_values = completion_values(state.module, rollout, state.device).cpu()
             state.module.train(was_training)
 
-    def loss(self, state: ModelState, piece: Rollout, rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(
+        self, state: ModelState, piece: Rollout, rows: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         assert self.old_values is not None
         device = state.device
         values = completion_values(state.training_module, piece, device)
@@ -247,7 +253,8 @@ def _step(
     keys = objective.keys
     # Each pass's numbers stay on the device with their factors beside them until the passes
     # are done: reading them after each pass would make the host wait for the device there,
-    # and the device would then idle while the host prepares the next pass.
+    # and the device would then idle while the host prepares the next pass. (Replicated data
+    # parallel, the read comes after the last backward, before the last buckets start.)
     passes_numbers: list[torch.Tensor] = []
     passes_factors: list[list[float]] = []
     optimizer.zero_grad(set_to_none=True)
@@ -284,7 +291,8 @@ def _step(
             # ranks starts bucket by bucket while it runs.
             with dp.overlapping(state.module) if replicated and last and dp is not None else contextlib.nullcontext():
                 (loss * scale if scale != 1.0 else loss).backward()
-            passes_numbers.append(torch.stack([numbers[key].float() for key in keys]))
+            # float64 holds each number exactly, whatever its dtype, as float() did
+            passes_numbers.append(torch.stack([numbers[key].double() for key in keys]))
             passes_factors.append([tokens_share * token_weight if key in objective.token_means else share * weight
                                    for key in keys])
         values = _weighted_sums(passes_numbers, passes_factors, len(keys))
