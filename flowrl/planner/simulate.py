@@ -1,9 +1,7 @@
 """Predict one iteration by simulating its schedule: a timeline and its critical path.
 
 The runtime submits node calls in topological order and each device runs its calls one
-at a time, in the order they were submitted (one Dask actor per role and device). On a GPU,
-nodes without a model (a score by a reward function, an advantage) run on a lane of their
-own beside the device's calls (the worker's second thread), one at a time. So the
+at a time, in the order they were submitted (one Dask actor per role and device). So the
 simulation is a list schedule in that order::
 
     start(node) = max( max over inputs p of end(p) + transfer(p -> node),   # data ready
@@ -59,8 +57,6 @@ class Task:
     end_s: float
     after: str | None
     """The task whose end set this start (an input or the device's previous task)."""
-    beside: bool = False
-    """Run on a GPU worker's second thread beside the device's calls: no device time."""
 
 
 @dataclass(frozen=True)
@@ -94,24 +90,16 @@ def simulate(
             )
             if arrival > ready or after is None:
                 ready, after = arrival, producer
-        lanes = tuple(_lane(device, costs.work(node).model) for device in here)
-        start, after = _device_start(lanes, free_at, ready, after)
+        start, after = _device_start(chosen.devices, free_at, ready, after)
         end = start + costs.compute_s(node, here, chosen.offloaded)
-        beside = any(lane.endswith(":beside") for lane in lanes)
-        tasks[node] = Task(node, "node", chosen.devices, start, end, after, beside)
-        for lane in lanes:
-            free_at[lane] = (end, node)
+        tasks[node] = Task(node, "node", chosen.devices, start, end, after)
+        for device_id in chosen.devices:
+            free_at[device_id] = (end, node)
     for sync in _weight_syncs(pipeline, placement, devices, costs, tasks, free_at):
         tasks[sync.name] = sync
     ordered = tuple(tasks.values())
     last = max(ordered, key=lambda task: task.end_s)
     return Schedule(ordered, last.end_s, _critical_path(tasks, last))
-
-
-def _lane(device: Device, model: str | None) -> str:
-    """The queue a node waits in on ``device``: the device's own, or for a node without a
-    model on a GPU the worker's second thread beside it (``RoleHost._thread_of``)."""
-    return f"{device.id}:beside" if model is None and device.kind == "gpu" else device.id
 
 
 def _device_start(

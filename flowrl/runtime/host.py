@@ -4,8 +4,7 @@ One ``RoleHost`` lives on each worker for the whole run. The driver sends every 
 of a step at once; each call waits here, on the worker's event loop, until its inputs
 exist (in this host's store, or fetched from another host), then computes on the host's
 single compute thread, so node calls on one device never overlap and their order follows
-the data. On a GPU worker, calls that use no model (scores by reward functions, advantages)
-run on a second thread beside the compute thread: they do no device work. Waiting never holds the compute thread, so no arrival order can deadlock, and
+the data. Waiting never holds the compute thread, so no arrival order can deadlock, and
 another worker can fetch a finished batch while this host computes.
 
     driver --run_node(call) x all nodes--> host B
@@ -78,8 +77,6 @@ class RoleHost:
         self._ready: dict[str, asyncio.Event] = {}
         self._rewards = RewardCache(self.base_dir)
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flowrl-compute")
-        self._beside: ThreadPoolExecutor | None = None
-        """The thread that runs node calls beside the device's (:meth:`_thread_of`)."""
         self._groups: dict[str, DeviceGroup] = {}
         usable = len(cores) if cores else (os.cpu_count() or 1)
         self._sampler = DeviceSampler(device_name, min(max(1, torch_threads), usable), sample_interval_s, gpu_index)
@@ -261,9 +258,7 @@ class RoleHost:
                 # a share too small for a single row: nothing to compute, an empty part
                 output, compute_s, waited_s = NodeOutput(value=None), 0.0, time.perf_counter() - arrived
             else:
-                thread = self._thread_of(call)
-                output, compute_s, waited_s = await loop.run_in_executor(
-                    thread, self._timed, call, inputs, arrived, thread is not self._compute)
+                output, compute_s, waited_s = await loop.run_in_executor(self._compute, self._timed, call, inputs, arrived)
             if split and index == 0:
                 output = await self._join(call, output, whole[1] if whole is not None else None)
         except BaseException as error:
@@ -330,28 +325,13 @@ class RoleHost:
         return NodeOutput(value=value, metrics=metrics, tokens_in=own.tokens_in, tokens_out=own.tokens_out,
                           messages=(first_error,) if first_error else ())
 
-    def _thread_of(self, call: NodeCall) -> ThreadPoolExecutor:
-        """The compute thread; on a GPU worker, a call that uses no model (a score by a reward
-        function, an advantage) runs on a second thread beside it instead: it does no device
-        work, so it need not wait for the device's calls (a reference forward may run while
-        the rewards are computed), nor they for it. On a CPU slot it stays on the compute
-        thread: there both would share the slot's cores (see :meth:`_computed`)."""
-        if call.model is not None or not self.device.startswith("cuda"):
-            return self._compute
-        if self._beside is None:
-            self._beside = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flowrl-beside")
-        return self._beside
-
-    def _timed(self, call: NodeCall, inputs: dict[str, Any], arrived: float,
-               beside: bool = False) -> tuple[NodeOutput, float, float]:
-        # A call beside the device's leaves the device's counters and torch's thread count
-        # alone: the call on the compute thread owns them.
-        on_gpu = torch.cuda.is_available() and torch.cuda.is_initialized() and not beside
+    def _timed(self, call: NodeCall, inputs: dict[str, Any], arrived: float) -> tuple[NodeOutput, float, float]:
+        on_gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
         if on_gpu:
-            # Device calls run one after another on the compute thread: the peak between two
+            # Node calls run one after another on the compute thread: the peak between two
             # resets is this call's own.
             torch.cuda.reset_peak_memory_stats()
-        if call.threads and call.threads != torch.get_num_threads() and not beside:
+        if call.threads and call.threads != torch.get_num_threads():
             torch.set_num_threads(call.threads)
         started = time.perf_counter()
         state = self.models.get(call.model) if call.model is not None else None

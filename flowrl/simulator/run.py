@@ -210,7 +210,7 @@ def _run_step(
     step_s = schedule.iteration_s + move_s
     busy: dict[str, float] = {device_id: 0.0 for device_id in present}
     for task in schedule.tasks:
-        for device_id in task.devices if not task.beside else ():  # beside: no device time
+        for device_id in task.devices:
             busy[device_id] += task.end_s - task.start_s
     utilization = {d: busy[d] / step_s if step_s > 0 else 0.0 for d in present}
     timings = []

@@ -12,7 +12,7 @@ from flowrl.planner.simulate import Placement, simulate
 from flowrl.planner.work import NodeWork
 from flowrl.spec.loader import pipeline_from_dict
 
-from tests.planner.conftest import cpu, gpu, grpo, inventory
+from tests.planner.conftest import cpu, grpo, inventory
 
 SECONDS = {"rollout": 10.0, "reward": 1.0, "ref": 4.0, "adv": 2.0, "train": 5.0}
 
@@ -118,35 +118,3 @@ def test_a_gpu_adds_its_context_a_cublas_workspace_per_thread_and_stream_and_the
     # CPU slots: no context, no workspaces
     place = {node: Placement(("cpu-0",)) for node in SECONDS}
     assert device_memory_gb(pipeline, place, inventory(cpu(0)), FixedMemory())["cpu-0"] == pytest.approx(5.0)
-
-
-class ModelCosts(FixedCosts):
-    """FixedCosts where the model nodes name their model (reward and adv have none)."""
-
-    def work(self, node: str) -> NodeWork:
-        model = {"rollout": "actor", "ref": "reference", "train": "actor"}.get(node)
-        return NodeWork("forward", "per_token", model, "policy", "fp32", None, 16, 9, 16)
-
-
-def test_on_a_gpu_nodes_without_a_model_run_beside_the_devices_calls() -> None:
-    pipeline = pipeline_from_dict(grpo({"path": "builtin:tiny-llama"}, {"path": "builtin:tiny-llama"}, {}))
-    place = {node: Placement(("gpu-0",)) for node in SECONDS}
-    schedule = simulate(pipeline, place, inventory(gpu(0, "H100-80GB", 80.0, 989.0, 3350.0)), ModelCosts())
-    ends = {task.name: (task.start_s, task.end_s) for task in schedule.tasks}
-    assert ends["rollout"] == (0.0, 10.0)
-    # reward (1 s) and adv (2 s) on the worker's second thread, one after the other...
-    assert ends["reward"] == (10.0, 11.0) and ends["adv"] == (11.0, 13.0)
-    # ...while ref holds the device from the rollout's end
-    assert ends["ref"] == (10.0, 14.0)
-    # train waits for ref (14) and adv (13): 10 + 4 + 5 = 19, not 22 as on a CPU slot
-    assert ends["train"] == (14.0, 19.0)
-    assert schedule.iteration_s == 19.0
-    assert schedule.critical_path == ("rollout", "ref", "train")
-    assert [task.name for task in schedule.tasks if task.beside] == ["reward", "adv"]
-
-
-def test_on_a_cpu_slot_nodes_without_a_model_still_wait_for_the_device() -> None:
-    pipeline = pipeline_from_dict(grpo({"path": "builtin:tiny-llama"}, {"path": "builtin:tiny-llama"}, {}))
-    place = {node: Placement(("cpu-0",)) for node in SECONDS}
-    schedule = simulate(pipeline, place, inventory(cpu(0)), ModelCosts())
-    assert schedule.iteration_s == 22.0
