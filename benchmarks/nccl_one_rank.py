@@ -11,9 +11,11 @@ node's learning rate, micro-batches, KL term) runs on a rollout of the pipeline'
 random tokens, ``max_new_tokens`` completion tokens each, every token real), alternately
 without a group and as rank 0 of a one-rank NCCL group (``DeviceGroup``: the gradient
 buckets all-reduced over NCCL while the last backward runs, the numbers summed through it
-too). One warm-up update of each, then ``--repeats`` of each, interleaved. ``--device cpu`` runs
+too). One warm-up update of each, then ``--repeats`` rounds of one of each, the two taking
+turns at going first. ``--device cpu`` runs
 the same over gloo, to check the program on a machine without a GPU. Reported: seconds
-per update of each (median and all), their ratio, and the group's own time (blocked_s).
+per update of each (median and all), the ratio of the medians and each round's own ratio
+(with their median), and the group's own time (blocked_s).
 
 Writes JSON with the commit measured; never asserts.
 """
@@ -81,7 +83,9 @@ def measure(path: Path, repeats: int, prompt_tokens: int, device: str) -> dict[s
     times: dict[str, list[float]] = {"no_group": [], "one_rank_group": []}
     blocked: list[float] = []
     for round_ in range(repeats + 1):
-        for variant in times:
+        # the two variants take turns at going first, so that neither always follows the other
+        order = list(times) if round_ % 2 == 0 else list(reversed(times))
+        for variant in order:
             dp = DataParallel(group, (1.0,)) if variant == "one_rank_group" else None
             if cuda:
                 torch.cuda.synchronize()
@@ -94,6 +98,8 @@ def measure(path: Path, repeats: int, prompt_tokens: int, device: str) -> dict[s
                 if dp is not None:
                     blocked.append(dp.blocked_s)
     medians = {variant: statistics.median(values) for variant, values in times.items()}
+    # each round's own ratio: slow drifts of the machine cancel within a round
+    per_round = [grouped / plain for grouped, plain in zip(times["one_rank_group"], times["no_group"])]
     return {
         "pipeline": str(path.relative_to(HERE.parent)) if path.is_relative_to(HERE.parent) else str(path),
         "update_node": name,
@@ -105,6 +111,8 @@ def measure(path: Path, repeats: int, prompt_tokens: int, device: str) -> dict[s
         "seconds_per_update": times,
         "median_s": medians,
         "group_over_no_group": medians["one_rank_group"] / medians["no_group"],
+        "group_over_no_group_per_round": per_round,
+        "median_of_round_ratios": statistics.median(per_round),
         "group_blocked_s": blocked,
         "peak_gpu_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
     }
@@ -113,7 +121,7 @@ def measure(path: Path, repeats: int, prompt_tokens: int, device: str) -> dict[s
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pipelines", default="pipelines/grpo_tiny_gpu.yaml,pipelines/grpo_0.4b_gpu.yaml")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--prompt-tokens", type=int, default=9)
     parser.add_argument("--device", default="cuda", help="cuda (an NCCL group), or cpu (gloo: checks the program)")
     parser.add_argument("--output", type=Path, default=HERE / "results" / "nccl_one_rank.json")
@@ -123,7 +131,8 @@ def main() -> None:
         path = Path(item) if Path(item).is_absolute() else HERE.parent / item
         result = measure(path, args.repeats, args.prompt_tokens, args.device)
         results.append(result)
-        print(json.dumps({key: result[key] for key in ("pipeline", "backend", "median_s", "group_over_no_group")}), flush=True)
+        shown = ("pipeline", "backend", "median_s", "group_over_no_group", "median_of_round_ratios")
+        print(json.dumps({key: result[key] for key in shown}), flush=True)
     report = {"benchmark": "nccl_one_rank", "machine": machine(), "repeats": args.repeats, "results": results}
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=1) + "\n")
