@@ -73,11 +73,12 @@ def link_between(source: Device, target: Device) -> Link:
         return Link("network", 12.5, 1e-3)  # 100 Gb/s Ethernet/InfiniBand, one Dask hop
     if source.kind == "gpu" and target.id in source.nvlink_peers:
         return Link("nvlink", 300.0, 5e-4)
-    if source.kind == "cpu" and target.kind == "cpu":
-        # Between worker processes of one machine: the batch is pickled and sent by the
-        # producer's worker while its next node computes, on the same cores. Measured on
-        # 2 cores (grpo_tiny, score and advantage moved to a second worker): the reference
-        # forward beside those two hops took 15-18 ms instead of 10, the step 7 ms longer.
+    if source.kind == "cpu" or target.kind == "cpu":
+        # Between worker processes of one machine (a GPU worker's outputs are in its host
+        # memory too): the batch is pickled and sent by the producer's worker while its next
+        # node computes, on the same cores. Measured on 2 cores (grpo_tiny, score and
+        # advantage moved to a second worker): the reference forward beside those two hops
+        # took 15-18 ms instead of 10, the step 7 ms longer.
         return Link("host", 5.0, 3e-3)
     return Link("pcie", _pcie_gbs(source if source.kind == "gpu" else target), 5e-4)
 

@@ -200,11 +200,26 @@ def test_data_parallel_width_of_an_inference_node() -> None:
 
 @pytest.mark.parametrize("inventory_file", ["h100-1x", "a100-4x40gb"])
 def test_the_04b_gpu_job_fits_one_80_or_40_gb_card(inventory_file: str) -> None:
-    # measured on one GPU at about 22.6 GB (benchmarks/results/planner_accuracy_h100.json);
+    # measured on one GPU at about 22.4 GB (benchmarks/results/planner_accuracy_h100.json);
     # the plan must accept it on one H100-80GB, and on one A100-40GB of the four
     pipeline = load_pipeline(ROOT / "pipelines" / "grpo_0.4b_gpu.yaml")
     plan = compile_plan(pipeline, load_inventory(ROOT / "devices" / f"{inventory_file}.yaml"))
     _fits(plan)
-    (card,) = {device for devices in plan.node_devices.values() for device in devices}
+    (card,) = {device for devices in plan.node_devices.values() for device in devices if device.startswith("gpu")}
     peak = next(device.peak_gb for device in plan.devices if device.device == card)
     assert 20.0 < peak < 30.0
+
+
+def test_beside_one_gpu_the_first_cpu_slot_takes_work_the_prediction_says_overlaps() -> None:
+    # grpo_0.4b_gpu on one H100 and two CPU slots: the reward and the advantage on cpu-0 (a
+    # process of its own) run while the reference forward holds the GPU, off the critical
+    # path; the first CPU slot of the machine shares its cores with no other slot, so the
+    # tie-break towards fewer slots does not hold them back.
+    pipeline = load_pipeline(ROOT / "pipelines" / "grpo_0.4b_gpu.yaml")
+    plan = compile_plan(pipeline, load_inventory(ROOT / "devices" / "h100-1x.yaml"))
+    assert plan.node_devices["reward"] == ["cpu-0"] and plan.node_devices["adv"] == ["cpu-0"]
+    assert plan.critical_path == ["rollout", "ref", "train"]
+    # the tiny GPU job's reward is shorter than the two process hops: it stays on the GPU
+    tiny = compile_plan(load_pipeline(ROOT / "pipelines" / "grpo_tiny_gpu.yaml"),
+                        load_inventory(ROOT / "devices" / "h100-1x.yaml"))
+    assert {device for devices in tiny.node_devices.values() for device in devices} == {"gpu-0"}

@@ -6,10 +6,11 @@ table (rollout 1 s, train 1 s, reward and advantage 0 s) and models weigh nothin
 move costs exactly ``restart_s`` and every predicted time can be worked out by hand:
 
     step = rollout + transfer + reward + adv + transfer + train
-         = r * 1 s + 5e-4 + 0 + 0 + 5e-4 + r * 1 s      (r: the actor device's measured ratio)
+         = r * 1 s + 3e-3 + 0 + 0 + 3e-3 + r * 1 s      (r: the actor device's measured ratio;
+                                                    3e-3: a hop between worker processes)
 
-so with gpu-0 measured twice as slow (r = 2) the current plan predicts 4.001 s, the plan
-on the healthy gpu-1 2.001 s: a gain of exactly 2 s per step, 20 s over a 10-step interval.
+so with gpu-0 measured twice as slow (r = 2) the current plan predicts 4.006 s, the plan
+on the healthy gpu-1 2.006 s: a gain of exactly 2 s per step, 20 s over a 10-step interval.
 """
 
 from __future__ import annotations
@@ -103,8 +104,8 @@ def actor_devices(target: DynamicPolicy) -> list[str]:
 def test_first_plan_puts_the_actor_on_gpu_0() -> None:
     target = policy(1.0)
     assert actor_devices(target) == ["gpu-0"]
-    # 1 s + 5e-4 (gpu -> cpu) + 0 + 0 + 5e-4 (cpu -> gpu) + 1 s
-    assert target.plan.iteration_s == pytest.approx(2.001)
+    # 1 s + 3e-3 (gpu worker -> cpu slot, a process hop) + 0 + 0 + 3e-3 (back) + 1 s
+    assert target.plan.iteration_s == pytest.approx(2.006)
 
 
 def test_a_slow_device_moves_the_actor_when_the_gain_beats_cost_times_one_plus_min_gain() -> None:
@@ -113,8 +114,8 @@ def test_a_slow_device_moves_the_actor_when_the_gain_beats_cost_times_one_plus_m
     measure(target, {"gpu-0": 2.0})
     [decision] = target.decide(2, [])
     assert decision.accepted and not decision.forced
-    assert decision.predicted_before_s == pytest.approx(4.001)
-    assert decision.predicted_after_s == pytest.approx(2.001)
+    assert decision.predicted_before_s == pytest.approx(4.006)
+    assert decision.predicted_after_s == pytest.approx(2.006)
     assert decision.gain_s_per_step == pytest.approx(2.0)
     [move] = decision.moves
     assert (move.subject, move.from_devices, move.to_devices) == ("actor", ("gpu-0",), ("gpu-1",))
