@@ -223,7 +223,7 @@ def _reason(
         else:
             delta_ms = (trial.schedule.iteration_s - best.schedule.iteration_s) * 1e3
             # a faster option lost only to one on fewer CPU slots (search.FEWER_CPU_SLOTS_WITHIN)
-            note = f"{delta_ms:.2f} ms, within {FEWER_CPU_SLOTS_WITHIN:.0%} on fewer CPU slots per host" if delta_ms < 0 else f"+{delta_ms:.2f} ms"
+            note = f"{delta_ms:.2f} ms, within {FEWER_CPU_SLOTS_WITHIN:.0%} on fewer CPU slots" if delta_ms < 0 else f"+{delta_ms:.2f} ms"
             candidate = (trial.schedule.iteration_s, f"{text} {note}")
         if runner_up is None or candidate[0] < runner_up[0]:
             runner_up = candidate

@@ -56,8 +56,8 @@ class Link:
     """How two devices exchange data."""
 
     kind: str
-    """``same device``, ``nvlink``, ``pcie``, ``host`` (between CPU worker processes) or
-    ``network``."""
+    """``same device``, ``nvlink``, ``pcie``, ``host`` (between worker processes of one
+    machine, one of them a CPU slot) or ``network``."""
     bandwidth_gbs: float
     latency_s: float
 

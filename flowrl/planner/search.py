@@ -23,8 +23,8 @@ the memory check covers.
 Objective: the simulated iteration time; ties go to the larger memory headroom (the
 smallest share of a device left free), then to the earlier options. A choice is feasible
 when every device's predicted peak plus a 10 % reserve fits its memory. Among feasible
-choices within ``FEWER_CPU_SLOTS_WITHIN`` of the fastest, the one on the fewest CPU slots beside
-each host's first wins.
+choices within ``FEWER_CPU_SLOTS_WITHIN`` of the fastest, the one on the fewest CPU slots wins
+(one slot beside the GPUs of a host not counted).
 
 Search: with few combinations every one is tried (exact); otherwise a greedy pass in
 topological order followed by local search (change one node at a time, keep any
@@ -52,14 +52,15 @@ MEMORY_RESERVE = 0.10
 """Share of each device's memory the planner keeps free on top of the predicted peak."""
 
 FEWER_CPU_SLOTS_WITHIN = 0.10
-"""A placement on fewer CPU slots of a host beside its first wins over a faster one when its
-predicted step is at most this much longer. The model times each slot as a device of its own,
-but the CPU slots of one host share its cores: on 2 cores, grpo_tiny's score and advantage on
-a second slot (predicted 2.7 ms faster, 5-6 % of the step depending on the CPU rates measured
-at start) measured about 7 ms slower per step. The calibrated model's own error is of this
-size (-6 to -20 % per step on CPU). A host's first CPU slot shares its cores with no other
-slot (beside GPU workers, whose nodes keep a core busy at most): it is judged on its
-predicted time alone, its calls and copies priced as transfers."""
+"""A placement on fewer CPU slots wins over a faster one when its predicted step is at most
+this much longer. The model times each slot as a device of its own, but the CPU slots of one
+host share its cores: on 2 cores, grpo_tiny's score and advantage on a second slot (predicted
+2.7 ms faster, 5-6 % of the step depending on the CPU rates measured at start) measured about
+7 ms slower per step. The calibrated model's own error is of this size (-6 to -20 % per step
+on CPU). One CPU slot on a host where the placement uses a GPU is not counted: beside GPU
+workers (whose nodes keep a core busy at most) it shares its host's cores with no other
+slot, so it is judged on its predicted time alone, its calls and copies priced as
+transfers."""
 
 
 @dataclass(frozen=True)
@@ -386,14 +387,17 @@ T = TypeVar("T")
 def fewest_cpu_slots(items: Sequence[tuple[Evaluation, T]], best: Evaluation, inventory: Inventory,
                      order: Callable[[tuple[Evaluation, T]], Any]) -> tuple[Evaluation, T]:
     """Of the feasible ``items`` whose step is within ``FEWER_CPU_SLOTS_WITHIN`` of ``best``'s,
-    the one on the fewest CPU slots beside each host's first (then the first by ``order``)."""
-    host_of = {device.id: device.host for device in inventory.devices if device.kind == "cpu"}
+    the one on the fewest CPU slots, one slot on each host with a GPU in use not counted (then
+    the first by ``order``)."""
+    kind_of = {device.id: device.kind for device in inventory.devices}
+    host_of = {device.id: device.host for device in inventory.devices}
     limit = best.schedule.iteration_s * (1 + FEWER_CPU_SLOTS_WITHIN)
 
     def slots(evaluation: Evaluation) -> int:
-        used = {d for placed in evaluation.placement.values() for d in placed.devices if d in host_of}
-        hosts = {host_of[d] for d in used}
-        return len(used) - len(hosts)
+        used = {d for placed in evaluation.placement.values() for d in placed.devices}
+        cpus = {d for d in used if kind_of[d] == "cpu"}
+        gpu_hosts = {host_of[d] for d in used if kind_of[d] == "gpu"}
+        return len(cpus) - len({host_of[d] for d in cpus} & gpu_hosts)
 
     near = [item for item in items if item[0].feasible and item[0].schedule.iteration_s <= limit]
     if not best.feasible or not near:

@@ -223,3 +223,13 @@ def test_beside_one_gpu_the_first_cpu_slot_takes_work_the_prediction_says_overla
     tiny = compile_plan(load_pipeline(ROOT / "pipelines" / "grpo_tiny_gpu.yaml"),
                         load_inventory(ROOT / "devices" / "h100-1x.yaml"))
     assert {device for devices in tiny.node_devices.values() for device in devices} == {"gpu-0"}
+
+
+def test_on_a_cpu_only_cluster_every_slot_counts_towards_fewer_slots() -> None:
+    # two hosts of CPU slots and no GPU in use: a slot on the second host would be judged as
+    # free beside GPUs only; here every slot counts, and the data-parallel job keeps to the
+    # first host's two slots
+    pipeline = load_pipeline(ROOT / "pipelines" / "grpo_data_parallel.yaml")
+    plan = compile_plan(pipeline, load_inventory(ROOT / "devices" / "cluster-2node.yaml"))
+    used = {device for devices in plan.node_devices.values() for device in devices}
+    assert used == {"cpu-0", "cpu-1"}
