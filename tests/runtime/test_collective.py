@@ -56,11 +56,15 @@ def test_an_nccl_group_of_one_trains_like_no_group() -> None:
                       max_grad_norm=0.5)
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
     results = []
-    for dp in (None, DataParallel(group, (1.0,))):
+    # The first update of a process may take other kernels than later ones (on an H100 its
+    # weights differed from a second identical update's in the last bits, and Adam turns such
+    # bits of near-zero gradients into steps of the learning rate's size): the update that
+    # comes first is not compared.
+    for dp in (None, None, DataParallel(group, (1.0,))):
         state = _state("cuda")
         rollout = text_rollout(state.tokenizer, ["ab=", "ab=", "cd=", "cd=", "efg=", "efg="],
                                ["1", "xyz", "34", "z", "5678", "ab"], group_size=2, max_new_tokens=4)
         update_policy(state, rollout, advantages, None, node, seed=0, dp=dp)
         results.append(state.module.state_dict())
-    for name, tensor in results[1].items():
-        torch.testing.assert_close(tensor, results[0][name], rtol=1e-5, atol=1e-6, msg=name)
+    for name, tensor in results[2].items():
+        torch.testing.assert_close(tensor, results[1][name], rtol=1e-5, atol=1e-6, msg=name)
