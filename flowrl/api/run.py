@@ -32,6 +32,7 @@ from flowrl.errors import FlowrlError, SpecError, SpecIssue
 from flowrl.graph import PipelineGraph
 from flowrl.planner.cost import measure_cpu_rates
 from flowrl.planner.costs import EstimatedCosts
+from flowrl.planner.micro_batches import resolve_micro_batches, resolved_json
 from flowrl.planner.placement import node_group, plan_from_compiled, splittable
 from flowrl.records import RunEvent, StepRecord
 from flowrl.runtime.cluster import Cluster, PendingCluster
@@ -213,12 +214,18 @@ def _train(
     for line in [*inventory_lines(inventory), *match_lines(match, inventory, offload_notes(spec))]:
         watcher.event(RunEvent("devices", line, 0))
     match.raise_if_unsatisfied()
-    costs = EstimatedCosts(graph, cpu_rates=measure_cpu_rates(), base_dir=base_dir)
+    cpu_rates = measure_cpu_rates()
+    # `micro_batch_tokens: auto` becomes a number once, before the first plan: every later
+    # plan and every node call of the run uses it
+    graph, passes = resolve_micro_batches(graph, inventory, match, EstimatedCosts(graph, cpu_rates, base_dir))
+    for item in passes:
+        watcher.event(RunEvent("plan", item.line(), 0))
+    costs = EstimatedCosts(graph, cpu_rates=cpu_rates, base_dir=base_dir)
     settings = settings_from_spec(spec.scheduler, calibration_steps=CALIBRATION_STEPS)
     policy = make_policy(spec.scheduler.policy, graph, inventory, settings, costs, base_dir, spec.trainer.steps)
     compiled = policy.plan
     plan = plan_from_compiled(graph, compiled, slots)
-    folder.write_plan(0, {**compiled.to_dict(), "runtime": plan.to_dict()})
+    folder.write_plan(0, {**compiled.to_dict(), **resolved_json(passes), "runtime": plan.to_dict()})
     watcher.event(
         RunEvent("plan", f"predicted step {compiled.iteration_s * 1000:.0f} ms; critical path {' -> '.join(compiled.critical_path)}", 0)
     )

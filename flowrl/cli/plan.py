@@ -20,10 +20,14 @@ from rich.markup import escape
 from rich.table import Table
 
 from flowrl.devices.files import load_inventory
+from flowrl.devices.groups import pipeline_groups
 from flowrl.devices.inventory import detect_local
+from flowrl.devices.matching import match_groups
 from flowrl.errors import FlowrlError
 from flowrl.planner.compiled import CompiledPlan, compile_plan
 from flowrl.planner.cost import measure_cpu_rates
+from flowrl.planner.costs import EstimatedCosts
+from flowrl.planner.micro_batches import resolve_micro_batches, resolved_json
 from flowrl.spec.loader import load_pipeline
 
 GANTT_WIDTH = 60
@@ -46,12 +50,18 @@ def plan_command(
         inventory = detect_local(num_cpu_slots=graph.spec.runtime.cpu_slots)
         # this machine: its CPUs measured as `flowrl run` measures them, so both predict alike
         cpu_rates = measure_cpu_rates()
-    plan = compile_plan(graph, inventory, base_dir=pipeline.resolve().parent, cpu_rates=cpu_rates)
+    base_dir = pipeline.resolve().parent
+    match = match_groups(pipeline_groups(graph.spec), inventory)
+    match.raise_if_unsatisfied()
+    graph, passes = resolve_micro_batches(graph, inventory, match, EstimatedCosts(graph, cpu_rates, base_dir))
+    plan = compile_plan(graph, inventory, match=match, base_dir=base_dir, cpu_rates=cpu_rates)
     if as_json:
-        console.print(json.dumps(plan.to_dict(), indent=2), markup=False, highlight=False,
-                      soft_wrap=True)
+        console.print(json.dumps({**plan.to_dict(), **resolved_json(passes)}, indent=2), markup=False,
+                      highlight=False, soft_wrap=True)
     else:
         print_plan(plan, console)
+        for item in passes:
+            console.print(escape(item.line()), highlight=False)
     if output is not None:
         write_timeline(plan, output)
         if not as_json:

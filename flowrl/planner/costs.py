@@ -9,6 +9,7 @@ interface, so re-planning from measurements is the same code path as the first p
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -157,6 +158,12 @@ class EstimatedCosts:
 
     def work(self, node: str) -> NodeWork:
         return self._work[node]
+
+    def with_work(self, node: str, work: NodeWork) -> EstimatedCosts:
+        """A copy in which ``node`` does ``work`` (the same rates and estimates otherwise)."""
+        other = copy.copy(self)
+        other._work = {**self._work, node: work}
+        return other
 
     def compute_s(self, node: str, devices: Sequence[Device], offloaded: bool) -> float:
         work = self._work[node]

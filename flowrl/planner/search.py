@@ -253,11 +253,11 @@ def evaluate(
 ) -> Evaluation:
     schedule = simulate(pipeline, placement, inventory, costs)
     memory = device_memory_gb(pipeline, placement, inventory, costs)
-    feasible, headroom = _fits(memory, inventory, reserve)
+    feasible, headroom = fits(memory, inventory, reserve)
     return Evaluation(placement, schedule, memory, feasible, headroom)
 
 
-def _fits(memory: Mapping[str, float], inventory: Inventory, reserve: float) -> tuple[bool, float]:
+def fits(memory: Mapping[str, float], inventory: Inventory, reserve: float) -> tuple[bool, float]:
     """CPU slots of one host share its memory, so they are checked together."""
     used: dict[str, tuple[float, float]] = {}
     by_id = {device.id: device for device in inventory.devices}

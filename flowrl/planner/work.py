@@ -114,9 +114,15 @@ def node_work(
         ppo_epochs=epochs,
         num_mini_batches=mini_batches,
         mini_batch_sequences=mini_sequences,
-        micro_batch_tokens=getattr(node_spec, "micro_batch_tokens", None),
+        micro_batch_tokens=_pass_budget(getattr(node_spec, "micro_batch_tokens", None)),
         group_size=rollout_spec.n,
     )
+
+
+def _pass_budget(value: int | str | None) -> int | None:
+    """A node's token budget per pass as planned: ``auto`` not resolved yet
+    (``flowrl.planner.micro_batches``) counts as one row per pass, the least it can need."""
+    return 1 if value == "auto" else (value if isinstance(value, int) else None)
 
 
 def estimate_prompt_tokens(pipeline: PipelineGraph, base_dir: Path | None = None) -> int:

@@ -39,6 +39,7 @@ from flowrl.spec.schema import (
     ScoreNode,
     UpdateNode,
     ValueNode,
+    pass_tokens,
 )
 
 SpecT = TypeVar("SpecT", bound=NodeBase)
@@ -137,7 +138,7 @@ class ReferenceLogprob:
     name = ReferenceLogprobNode.role_name()
 
     def run(self, context: RoleContext, inputs: Inputs, call: RoleCall[ReferenceLogprobNode]) -> NodeOutput:
-        return run_reference_logprob(context.model(call), _rollout(inputs), call.spec.micro_batch_tokens)
+        return run_reference_logprob(context.model(call), _rollout(inputs), pass_tokens(call.spec.micro_batch_tokens))
 
     def join(self, parts: list[Any], rollout: Rollout | None, spec: Any) -> tuple[Any, dict[str, float]]:
         return torch.cat(parts), {}
@@ -147,7 +148,7 @@ class Value:
     name = ValueNode.role_name()
 
     def run(self, context: RoleContext, inputs: Inputs, call: RoleCall[ValueNode]) -> NodeOutput:
-        return run_value(context.model(call), _rollout(inputs), call.spec.micro_batch_tokens)
+        return run_value(context.model(call), _rollout(inputs), pass_tokens(call.spec.micro_batch_tokens))
 
     def join(self, parts: list[Any], rollout: Rollout | None, spec: Any) -> tuple[Any, dict[str, float]]:
         assert rollout is not None

@@ -30,7 +30,7 @@ from flowrl.roles.forward import completion_logprobs, completion_logprobs_and_en
 from flowrl.roles.sharded import clip_sharded_gradients, set_gradient_sync
 from flowrl.roles.state import ModelState
 from flowrl.roles.value import completion_values
-from flowrl.spec.schema import UpdateNode
+from flowrl.spec.schema import UpdateNode, pass_tokens
 
 
 class Objective(Protocol):
@@ -261,7 +261,7 @@ def _step(
     sharded = dp is not None and dp.sharded
     sub = part if dp is None else part.select(torch.arange(mine.start, mine.stop))
     sub_rows = rows[mine]
-    groups = micro_batches(sub, node.micro_batch_tokens) if mine.stop > mine.start else []
+    groups = micro_batches(sub, pass_tokens(node.micro_batch_tokens)) if mine.stop > mine.start else []
     # Sharded, every rank runs as many passes as the rank with the most: each pass's
     # collectives (the gather of each layer, the last backward's reduce-scatter) meet their
     # peers. A pass past this rank's own runs one row of the mini-batch with a zero loss.
@@ -339,7 +339,7 @@ def _most_passes(part: Rollout, node: UpdateNode, dp: DataParallel) -> int:
         rows = weighted_rows(part.num_sequences, rank, dp.shares)
         empty = rows.stop <= rows.start
         counts.append(0 if empty else len(micro_batches(part.select(torch.arange(rows.start, rows.stop)),
-                                                         node.micro_batch_tokens)))
+                                                         pass_tokens(node.micro_batch_tokens))))
     return max(counts)
 
 

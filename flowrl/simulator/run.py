@@ -27,10 +27,13 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from flowrl.devices.groups import pipeline_groups
 from flowrl.devices.inventory import Device, Inventory
+from flowrl.devices.matching import match_groups
 from flowrl.graph import PipelineGraph
 from flowrl.planner.compiled import CompiledPlan
 from flowrl.planner.costs import CostSource, EstimatedCosts, NodeMemory
+from flowrl.planner.micro_batches import resolve_micro_batches
 from flowrl.planner.simulate import Placement, simulate
 from flowrl.planner.work import NodeWork
 from flowrl.records import DeviceSample, NodeTiming
@@ -138,6 +141,9 @@ def simulate_policy(
 ) -> SimulationResult:
     """Run ``num_steps`` simulated steps of ``pipeline`` under one policy."""
     seed = scenario.seed if seed is None else seed
+    match = match_groups(pipeline_groups(pipeline.spec), inventory)
+    match.raise_if_unsatisfied()
+    pipeline, _ = resolve_micro_batches(pipeline, inventory, match, EstimatedCosts(pipeline, base_dir=base_dir))
     truth = EstimatedCosts(pipeline, base_dir=base_dir)
     policy = make_policy(policy_name, pipeline, inventory, settings, truth, base_dir, num_steps)
     first_plan = policy.plan

@@ -123,6 +123,21 @@ Output = Literal["rollout", "per_sequence", "per_token", "none"]
 """What a node's output holds per completion: the sequences themselves, one number, one number
 per completion token, or nothing (metrics only)."""
 
+PassTokens = Annotated[int, Field(ge=1)] | Literal["auto"] | None
+"""``micro_batch_tokens``: a number of padded tokens per pass, ``auto`` (the planner picks the
+largest pass that fits the node's devices, ``flowrl.planner.micro_batches``), or None (the
+whole batch in one pass)."""
+
+
+def pass_tokens(value: int | str | None) -> int | None:
+    """The token budget of a pass as a role runs it; ``auto`` must have been resolved by the
+    planner before the run (``flowrl.planner.micro_batches.resolve_micro_batches``)."""
+    if value == "auto":
+        raise ValueError("micro_batch_tokens: auto reached a node call unresolved; the planner resolves it "
+                         "before a run (flowrl.planner.micro_batches.resolve_micro_batches)")
+    assert value is None or isinstance(value, int)
+    return value
+
 
 class NodeView(Protocol):
     """What a node's own rules see of the pipeline around it (``flowrl.graph`` answers)."""
@@ -331,9 +346,11 @@ class ReferenceLogprobNode(_NodeBase):
     default_name: ClassVar[str] = "ref"
     model: str
     """Name of the reference model. Required."""
-    micro_batch_tokens: Annotated[int, Field(ge=1)] | None = None
+    micro_batch_tokens: PassTokens = None
     """Most padded tokens (rows x longest row) in one forward pass; rows are sorted by length,
-    so little padding is computed. None: the whole batch in one pass. Default None."""
+    so little padding is computed. ``auto``: the largest pass that the planner's memory model
+    fits on the node's devices beside everything else there (with the memory reserve). None:
+    the whole batch in one pass. Default None."""
 
     def check(self, view: NodeView) -> None:
         self._need(view, GenerateNode, "a rollout")
@@ -350,9 +367,11 @@ class ValueNode(_NodeBase):
     default_name: ClassVar[str] = "values"
     model: str
     """Name of the value model (kind value). Required."""
-    micro_batch_tokens: Annotated[int, Field(ge=1)] | None = None
+    micro_batch_tokens: PassTokens = None
     """Most padded tokens (rows x longest row) in one forward pass; rows are sorted by length,
-    so little padding is computed. None: the whole batch in one pass. Default None."""
+    so little padding is computed. ``auto``: the largest pass that the planner's memory model
+    fits on the node's devices beside everything else there (with the memory reserve). None:
+    the whole batch in one pass. Default None."""
 
     def check(self, view: NodeView) -> None:
         self._need(view, GenerateNode, "a rollout")
@@ -433,11 +452,12 @@ class UpdateNode(_NodeBase):
     """Passes over the rollout per step. Default 1."""
     mini_batch_size: Annotated[int, Field(ge=1)] | None = None
     """Sequences per optimizer step; None uses the whole rollout. Default None."""
-    micro_batch_tokens: Annotated[int, Field(ge=1)] | None = None
+    micro_batch_tokens: PassTokens = None
     """Most padded tokens (rows x longest row) in one forward and backward pass; the gradients
     of a mini-batch's passes add up to the whole mini-batch's (gradient accumulation), rows
-    sorted by length so little padding is computed. None: the whole mini-batch in one pass.
-    Default None."""
+    sorted by length so little padding is computed. ``auto``: the largest pass that the
+    planner's memory model fits on the node's devices beside everything else there (with the
+    memory reserve). None: the whole mini-batch in one pass. Default None."""
     max_grad_norm: float = Field(default=1.0, ge=0)
     """Clip the gradient's global norm to this; 0 turns clipping off. Default 1.0."""
     weight_decay: float = Field(default=0.0, ge=0)

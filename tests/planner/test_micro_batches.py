@@ -1,0 +1,106 @@
+"""``micro_batch_tokens: auto``: the most rows per pass that fit, resolved before the plan."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from flowrl.cli.plan import plan_command
+from flowrl.devices.groups import pipeline_groups
+from flowrl.devices.inventory import Inventory
+from flowrl.devices.matching import match_groups
+from flowrl.errors import PlacementError, SpecError
+from flowrl.graph import PipelineGraph
+from flowrl.planner.compiled import compile_plan
+from flowrl.planner.costs import EstimatedCosts
+from flowrl.planner.micro_batches import ResolvedPass, resolve_micro_batches
+from flowrl.spec.loader import load_pipeline, pipeline_from_dict
+from flowrl.spec.schema import pass_tokens
+
+from tests.planner.conftest import cpu, gpu, grpo, inventory
+
+ROOT = Path(__file__).resolve().parents[2]
+GPU_JOB = ROOT / "pipelines" / "grpo_0.4b_gpu.yaml"
+AUTO = ["nodes.ref.micro_batch_tokens=auto", "nodes.train.micro_batch_tokens=auto"]
+ROW_TOKENS = 9 + 256
+"""A planned row of the 0.4B job: a builtin:digits prompt (8 letters and '=', a token each)
+and max_new_tokens."""
+
+
+def _resolve(graph: PipelineGraph, devices: Inventory) -> tuple[PipelineGraph, dict[str, ResolvedPass]]:
+    match = match_groups(pipeline_groups(graph.spec), devices)
+    resolved, passes = resolve_micro_batches(graph, devices, match, EstimatedCosts(graph, base_dir=GPU_JOB.parent))
+    return resolved, {item.node: item for item in passes}
+
+
+def test_on_a_40_gb_card_the_update_takes_the_most_rows_that_fit_and_no_more() -> None:
+    devices = inventory(gpu(0, "A100-40GB", 40, 312, 1555), cpu(0))
+    resolved, passes = _resolve(load_pipeline(GPU_JOB, AUTO), devices)
+    train, ref = passes["train"], passes["ref"]
+    assert train.most_rows == 256 and 1 < train.rows < 256 and train.devices == ["gpu-0"]
+    assert train.tokens == train.rows * ROW_TOKENS
+    assert resolved.spec.nodes["train"].micro_batch_tokens == train.tokens
+    # the reference's no-grad pass keeps no activations: the whole batch fits in one pass
+    assert ref.tokens is None and ref.rows == 256 and resolved.spec.nodes["ref"].micro_batch_tokens is None
+    # the resolved job plans within the reserve; one row more per pass does not fit
+    plan = compile_plan(resolved, devices, base_dir=GPU_JOB.parent)
+    peak = {device.device: device.peak_gb for device in plan.devices}["gpu-0"]
+    assert peak * 1.10 <= 40
+    nodes = dict(resolved.spec.nodes)
+    nodes["train"] = nodes["train"].model_copy(update={"micro_batch_tokens": (train.rows + 1) * ROW_TOKENS})
+    bigger = PipelineGraph(resolved.spec.model_copy(update={"nodes": nodes}))
+    with pytest.raises(PlacementError, match="gpu-0"):
+        compile_plan(bigger, devices, base_dir=GPU_JOB.parent)
+
+
+def test_on_an_80_gb_card_both_passes_take_the_whole_batch() -> None:
+    devices = inventory(gpu(0, "H100-80GB", 80, 989, 3350), cpu(0))
+    resolved, passes = _resolve(load_pipeline(GPU_JOB, AUTO), devices)
+    assert {node: (item.rows, item.tokens) for node, item in passes.items()} == {"ref": (256, None),
+                                                                                  "train": (256, None)}
+    assert passes["train"].line() == ("train: micro_batch_tokens auto -> the whole batch in one pass "
+                                        "(256 of 256 rows per pass fit on gpu-0)")
+
+
+def test_an_update_with_mini_batches_counts_a_mini_batch_per_rank() -> None:
+    # 8 prompts x 4 samples, mini-batches of 8 sequences over 2 CPU slots: 4 rows per rank at once
+    data = grpo({"path": "builtin:tiny-llama", "device_group": "actor"}, {"path": "builtin:tiny-llama"},
+                {"actor": {"type": "cpu", "count": 2}}, batch_size=8, n=4, mini_batch_size=8,
+                micro_batch_tokens="auto")
+    resolved, passes = _resolve(pipeline_from_dict(data), inventory(cpu(0), cpu(1)))
+    assert (passes["train"].most_rows, passes["train"].tokens) == (4, None)
+    assert resolved.spec.nodes["train"].micro_batch_tokens is None
+
+
+def test_nothing_to_resolve_gives_the_pipeline_back() -> None:
+    graph = load_pipeline(GPU_JOB)
+    assert _resolve(graph, inventory(gpu(0, "A100-40GB", 40, 312, 1555), cpu(0))) == (graph, {})
+
+
+def test_auto_in_a_file_and_a_wrong_word() -> None:
+    assert load_pipeline(GPU_JOB, AUTO).spec.nodes["train"].micro_batch_tokens == "auto"
+    with pytest.raises(SpecError, match="micro_batch_tokens"):
+        load_pipeline(GPU_JOB, ["nodes.train.micro_batch_tokens=largest"])
+    # a node call never sees auto: the planner resolves it before the run
+    with pytest.raises(ValueError, match="resolves it before a run"):
+        pass_tokens("auto")
+    assert pass_tokens(4096) == 4096 and pass_tokens(None) is None
+
+
+def test_flowrl_plan_prints_and_writes_what_auto_became(tmp_path: Path) -> None:
+    devices = tmp_path / "a100.yaml"
+    devices.write_text((ROOT / "devices" / "a100-4x40gb.yaml").read_text())
+    console = Console(record=True, width=300, color_system=None)
+    plan_command(GPU_JOB, devices, as_json=False, output=None, console=console, overrides=AUTO)
+    text = console.export_text()
+    assert "ref: micro_batch_tokens auto -> the whole batch in one pass (256 of 256 rows" in text
+    assert "train: micro_batch_tokens auto -> " in text and " tokens (" in text
+    console = Console(record=True, width=300, color_system=None)
+    plan_command(GPU_JOB, devices, as_json=True, output=None, console=console, overrides=AUTO)
+    written = json.loads(console.export_text())
+    assert [item["node"] for item in written["micro_batch_tokens_auto"]] == ["ref", "train"]
+    train = written["micro_batch_tokens_auto"][1]
+    assert train["tokens"] == train["rows"] * ROW_TOKENS
