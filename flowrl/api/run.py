@@ -217,10 +217,12 @@ def _train(
     cpu_rates = measure_cpu_rates()
     # `micro_batch_tokens: auto` becomes a number once, before the first plan: every later
     # plan and every node call of the run uses it
-    graph, passes = resolve_micro_batches(graph, inventory, match, EstimatedCosts(graph, cpu_rates, base_dir))
+    costs = EstimatedCosts(graph, cpu_rates=cpu_rates, base_dir=base_dir)
+    graph, passes = resolve_micro_batches(graph, inventory, match, costs)
+    if passes:
+        costs = EstimatedCosts(graph, cpu_rates=cpu_rates, base_dir=base_dir)
     for item in passes:
         watcher.event(RunEvent("plan", item.line(), 0))
-    costs = EstimatedCosts(graph, cpu_rates=cpu_rates, base_dir=base_dir)
     settings = settings_from_spec(spec.scheduler, calibration_steps=CALIBRATION_STEPS)
     policy = make_policy(spec.scheduler.policy, graph, inventory, settings, costs, base_dir, spec.trainer.steps)
     compiled = policy.plan

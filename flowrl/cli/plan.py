@@ -53,8 +53,11 @@ def plan_command(
     base_dir = pipeline.resolve().parent
     match = match_groups(pipeline_groups(graph.spec), inventory)
     match.raise_if_unsatisfied()
-    graph, passes = resolve_micro_batches(graph, inventory, match, EstimatedCosts(graph, cpu_rates, base_dir))
-    plan = compile_plan(graph, inventory, match=match, base_dir=base_dir, cpu_rates=cpu_rates)
+    costs = EstimatedCosts(graph, cpu_rates, base_dir)
+    graph, passes = resolve_micro_batches(graph, inventory, match, costs)
+    if passes:
+        costs = EstimatedCosts(graph, cpu_rates, base_dir)
+    plan = compile_plan(graph, inventory, match=match, costs=costs)
     if as_json:
         console.print(json.dumps({**plan.to_dict(), **resolved_json(passes)}, indent=2), markup=False,
                       highlight=False, soft_wrap=True)

@@ -143,8 +143,10 @@ def simulate_policy(
     seed = scenario.seed if seed is None else seed
     match = match_groups(pipeline_groups(pipeline.spec), inventory)
     match.raise_if_unsatisfied()
-    pipeline, _ = resolve_micro_batches(pipeline, inventory, match, EstimatedCosts(pipeline, base_dir=base_dir))
     truth = EstimatedCosts(pipeline, base_dir=base_dir)
+    pipeline, passes = resolve_micro_batches(pipeline, inventory, match, truth)
+    if passes:
+        truth = EstimatedCosts(pipeline, base_dir=base_dir)
     policy = make_policy(policy_name, pipeline, inventory, settings, truth, base_dir, num_steps)
     first_plan = policy.plan
     cluster = inventory
