@@ -5,12 +5,15 @@ placement is searched with such nodes at one row per pass (the least memory they
 ``flowrl.planner.work`` reads ``auto`` so); on that placement, node by node in pipeline order,
 the most rows per pass for which every device still fits its predicted peak plus the memory
 reserve (a binary search: a pass's memory grows with its rows). The node's budget is those
-rows times the planned row length (the prompt estimate plus ``max_new_tokens``), or None when
-its whole batch (an update: its mini-batch, per rank) fits in one pass. A pass of real rows
-holds at most that many padded tokens, so its memory stays within the prediction when its
-rows are longer or shorter than planned. The run, its re-plans and ``flowrl plan`` use the
-numbers; the time model does not depend on them (it prices FLOPs and per-step overheads), so
-the placement searched afterwards is judged as before.
+rows times the planned row length (the prompt estimate plus ``max_new_tokens``); on CPU slots,
+None when its whole batch (an update: its mini-batch, per rank) fits in one pass. A pass of
+real rows holds at most that many padded tokens, so its memory stays within the prediction
+when its rows are longer or shorter than planned. The first plan is then searched again with
+the numbers (the time model prices a sharded update's gathers per pass and a CPU pass's
+shared prompts, so the placement may change; the one found here stays a candidate that fits).
+
+The numbers hold for the whole run: its re-plans, a re-plan after a lost device included,
+keep them (they were fitted to the first placement's devices).
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ class ResolvedPass:
     most_rows: int
     """Rows the node passes at once without a budget (its batch, or mini-batch, per rank)."""
     tokens: int | None
-    """The budget: ``rows`` x the planned row length; None when ``rows == most_rows``."""
+    """The budget: ``rows`` x the planned row length; None (no budget) when the whole batch
+    fits in one pass on CPU slots."""
     devices: list[str]
 
     def line(self) -> str:
@@ -65,6 +69,7 @@ def resolve_micro_batches(
         return pipeline, []
     options = options or SearchOptions()
     placement = search(pipeline, inventory, match, costs, options).best.placement
+    kinds = {device.id: device.kind for device in inventory.devices}
     resolved: list[ResolvedPass] = []
     current = costs
     for node in nodes:
@@ -88,7 +93,12 @@ def resolve_micro_batches(
                 low = middle
             else:
                 high = middle - 1
-        tokens = None if low >= most else low * row_tokens
+        # None (no budget) on CPU slots only, where a pass of the whole batch in rollout order
+        # computes each prompt once; elsewhere the budget stays a number, so that a pass never
+        # holds more than was fitted (longer rows than planned, a larger share of the rows
+        # after the ranks' shares follow their measured speeds)
+        on_cpu = all(kinds[device] == "cpu" for device in placement[node].devices)
+        tokens = None if low >= most and on_cpu else low * row_tokens
         current = current.with_work(node, replace(work, micro_batch_tokens=tokens))
         resolved.append(ResolvedPass(node, low, most, tokens, list(placement[node].devices)))
     budgets = {item.node: item.tokens for item in resolved}

@@ -74,7 +74,7 @@ class PolicyObjective:
         # they equal the current ones, which the loss's own forward pass gives (detached).
         if not single_step:
             with torch.no_grad():
-                self.old_logprobs = _old_logprobs(state, rollout, dp)
+                self.old_logprobs = _old_logprobs(state, rollout, dp, pass_tokens(self.node.micro_batch_tokens))
 
     def loss(
         self, state: ModelState, piece: Rollout, rows: torch.Tensor
@@ -121,7 +121,8 @@ class ValueObjective:
             was_training = state.module.training
             state.module.eval()
             with torch.no_grad():
-                self.old_values = completion_values(state.module, rollout, state.device).cpu()
+                self.old_values = completion_values(state.module, rollout, state.device,
+                                                    pass_tokens(self.node.micro_batch_tokens)).cpu()
             state.module.train(was_training)
 
     def loss(
@@ -210,17 +211,20 @@ def run_update(
     return NodeOutput(value=None, metrics=metrics, tokens_in=tokens, blocked_s=blocked)
 
 
-def _old_logprobs(state: ModelState, rollout: Rollout, dp: DataParallel | None) -> torch.Tensor:
-    """Log-probs of the rollout before any step; with ``dp`` each rank computes its rows."""
+def _old_logprobs(state: ModelState, rollout: Rollout, dp: DataParallel | None,
+                  micro_batch_tokens: int | None) -> torch.Tensor:
+    """Log-probs of the rollout before any step; with ``dp`` each rank computes its rows. The
+    passes keep to the update's own budget: no pass of the node holds more tokens than the
+    planner fitted."""
     if dp is None:
-        return completion_logprobs(state.module, rollout, state.device).detach().cpu()
+        return completion_logprobs(state.module, rollout, state.device, micro_batch_tokens).detach().cpu()
     mine = dp.rows(rollout.num_sequences)
     width = rollout.completion_ids.shape[1]
     local = torch.zeros((0, width))
     if mine.stop > mine.start:
         # the whole copy: a sharded model's one is current before the update
         part = rollout.select(torch.arange(mine.start, mine.stop))
-        local = completion_logprobs(state.module, part, state.device).detach().float().cpu()
+        local = completion_logprobs(state.module, part, state.device, micro_batch_tokens).detach().float().cpu()
     return dp.gather_rows(local, rollout.num_sequences)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, InstanceOf, field_serializer, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, InstanceOf, field_serializer, model_validator
 
 SOURCE_NODE = "prompts"
 """The name of the data source's output; node inputs use it to read prompts."""
@@ -123,7 +123,16 @@ Output = Literal["rollout", "per_sequence", "per_token", "none"]
 """What a node's output holds per completion: the sequences themselves, one number, one number
 per completion token, or nothing (metrics only)."""
 
-PassTokens = Annotated[int, Field(ge=1)] | Literal["auto"] | None
+def _check_pass_tokens(value: Any) -> Any:
+    """One message for the three kinds of value ``micro_batch_tokens`` takes."""
+    whole = isinstance(value, int) and not isinstance(value, bool)
+    if value is None or value == "auto" or (whole and value >= 1):
+        return value
+    shown = str(value).lower() if isinstance(value, bool) else repr(value)
+    raise ValueError(f"expected a positive whole number of tokens per pass, auto or null, found {shown}")
+
+
+PassTokens = Annotated[int | Literal["auto"] | None, BeforeValidator(_check_pass_tokens)]
 """``micro_batch_tokens``: a number of padded tokens per pass, ``auto`` (the planner picks the
 largest pass that fits the node's devices, ``flowrl.planner.micro_batches``), or None (the
 whole batch in one pass)."""

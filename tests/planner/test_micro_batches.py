@@ -43,8 +43,10 @@ def test_on_a_40_gb_card_the_update_takes_the_most_rows_that_fit_and_no_more() -
     assert train.most_rows == 256 and 1 < train.rows < 256 and train.devices == ["gpu-0"]
     assert train.tokens == train.rows * ROW_TOKENS
     assert resolved.spec.nodes["train"].micro_batch_tokens == train.tokens
-    # the reference's no-grad pass keeps no activations: the whole batch fits in one pass
-    assert ref.tokens is None and ref.rows == 256 and resolved.spec.nodes["ref"].micro_batch_tokens is None
+    # the reference's no-grad pass keeps no activations: the whole batch fits in one pass, its
+    # budget kept as a number on a GPU
+    assert ref.rows == 256 and ref.tokens == 256 * ROW_TOKENS
+    assert resolved.spec.nodes["ref"].micro_batch_tokens == ref.tokens
     # the resolved job plans within the reserve; one row more per pass does not fit
     plan = compile_plan(resolved, devices, base_dir=GPU_JOB.parent)
     peak = {device.device: device.peak_gb for device in plan.devices}["gpu-0"]
@@ -58,11 +60,10 @@ def test_on_a_40_gb_card_the_update_takes_the_most_rows_that_fit_and_no_more() -
 
 def test_on_an_80_gb_card_both_passes_take_the_whole_batch() -> None:
     devices = inventory(gpu(0, "H100-80GB", 80, 989, 3350), cpu(0))
-    resolved, passes = _resolve(load_pipeline(GPU_JOB, AUTO), devices)
-    assert {node: (item.rows, item.tokens) for node, item in passes.items()} == {"ref": (256, None),
-                                                                                  "train": (256, None)}
-    assert passes["train"].line() == ("train: micro_batch_tokens auto -> the whole batch in one pass "
-                                        "(256 of 256 rows per pass fit on gpu-0)")
+    _, passes = _resolve(load_pipeline(GPU_JOB, AUTO), devices)
+    whole = (256, 256 * ROW_TOKENS)
+    assert {node: (item.rows, item.tokens) for node, item in passes.items()} == {"ref": whole, "train": whole}
+    assert passes["train"].line() == "train: micro_batch_tokens auto -> 67840 tokens (256 of 256 rows per pass fit on gpu-0)"
 
 
 def test_an_update_with_mini_batches_counts_a_mini_batch_per_rank() -> None:
@@ -82,8 +83,13 @@ def test_nothing_to_resolve_gives_the_pipeline_back() -> None:
 
 def test_auto_in_a_file_and_a_wrong_word() -> None:
     assert load_pipeline(GPU_JOB, AUTO).spec.nodes["train"].micro_batch_tokens == "auto"
-    with pytest.raises(SpecError, match="micro_batch_tokens"):
-        load_pipeline(GPU_JOB, ["nodes.train.micro_batch_tokens=largest"])
+    for wrong, shown in (("largest", "'largest'"), ("0", "0"), ("true", "true")):
+        with pytest.raises(SpecError) as error:
+            load_pipeline(GPU_JOB, [f"nodes.train.micro_batch_tokens={wrong}"])
+        assert str(error.value) == (
+            "1 problem in the pipeline:\n  command line: "
+            f"nodes.train.micro_batch_tokens={wrong}: expected a positive whole number of tokens per pass, "
+            f"auto or null, found {shown}")
     # a node call never sees auto: the planner resolves it before the run
     with pytest.raises(ValueError, match="resolves it before a run"):
         pass_tokens("auto")
@@ -96,7 +102,7 @@ def test_flowrl_plan_prints_and_writes_what_auto_became(tmp_path: Path) -> None:
     console = Console(record=True, width=300, color_system=None)
     plan_command(GPU_JOB, devices, as_json=False, output=None, console=console, overrides=AUTO)
     text = console.export_text()
-    assert "ref: micro_batch_tokens auto -> the whole batch in one pass (256 of 256 rows" in text
+    assert "ref: micro_batch_tokens auto -> 67840 tokens (256 of 256 rows" in text
     assert "train: micro_batch_tokens auto -> " in text and " tokens (" in text
     console = Console(record=True, width=300, color_system=None)
     plan_command(GPU_JOB, devices, as_json=True, output=None, console=console, overrides=AUTO)
