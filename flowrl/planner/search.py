@@ -424,9 +424,13 @@ def _memory_message(best: Evaluation, inventory: Inventory, reserve: float, pipe
         if spec.trains and spec.model is not None and not pipeline.spec.models[spec.model].sharded
         and node in best.placement and len(best.placement[node].devices) > 1
         and overflowing & set(best.placement[node].devices)})
+    # micro_batch_tokens: auto is searched at one row per pass (flowrl.planner.micro_batches)
+    auto = [node for node, spec in pipeline.spec.nodes.items() if getattr(spec, "micro_batch_tokens", None) == "auto"]
+    tried = f" (micro_batch_tokens: auto was tried at one row per pass, its least, for {', '.join(auto)})" if auto else ""
     return (
         "no placement fits in memory; the closest one still overflows: "
         + "; ".join(over)
+        + tried
         + ". Use bf16, gradient_checkpointing, a smaller mini_batch_size or batch, "
         + "".join(f"{hint} (training state split over the update's devices), " for hint in shardable)
         + "offload_to_cpu for inference-only models, or larger devices"

@@ -76,6 +76,14 @@ def test_an_update_with_mini_batches_counts_a_mini_batch_per_rank() -> None:
     assert resolved.spec.nodes["train"].micro_batch_tokens is None
 
 
+def test_when_one_row_does_not_fit_the_error_says_auto_was_tried_at_one_row() -> None:
+    devices = inventory(gpu(0, "T4-16GB", 16, 65, 320), cpu(0))
+    graph = load_pipeline(GPU_JOB, AUTO + ["models.actor.path=builtin:qwen2-1.5b", "models.reference.path=builtin:qwen2-1.5b"])
+    with pytest.raises(PlacementError, match=r"micro_batch_tokens: auto was tried at one row per pass, its least, "
+                                             r"for ref, train\)"):
+        _resolve(graph, devices)
+
+
 def test_nothing_to_resolve_gives_the_pipeline_back() -> None:
     graph = load_pipeline(GPU_JOB)
     assert _resolve(graph, inventory(gpu(0, "A100-40GB", 40, 312, 1555), cpu(0))) == (graph, {})
