@@ -13,7 +13,8 @@ the numbers (the time model prices a sharded update's gathers per pass and a CPU
 shared prompts, so the placement may change; the one found here stays a candidate that fits).
 
 The numbers hold for the whole run: its re-plans, a re-plan after a lost device included,
-keep them (they were fitted to the first placement's devices).
+keep them (they were fitted to the first placement's devices); a resumed run reads ``auto``
+from its saved pipeline and fits them again on its own devices.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class ResolvedPass:
     devices: list[str]
 
     def line(self) -> str:
-        budget = "the whole batch in one pass" if self.tokens is None else f"{self.tokens} tokens"
+        budget = "no budget, all rows in one pass" if self.tokens is None else f"{self.tokens} tokens"
         return (f"{self.node}: micro_batch_tokens auto -> {budget} ({self.rows} of {self.most_rows} rows per pass "
                 f"fit on {', '.join(self.devices)})")
 

@@ -425,7 +425,9 @@ def _memory_message(best: Evaluation, inventory: Inventory, reserve: float, pipe
         and node in best.placement and len(best.placement[node].devices) > 1
         and overflowing & set(best.placement[node].devices)})
     # micro_batch_tokens: auto is searched at one row per pass (flowrl.planner.micro_batches)
-    auto = [node for node, spec in pipeline.spec.nodes.items() if getattr(spec, "micro_batch_tokens", None) == "auto"]
+    auto = [node for node, spec in pipeline.spec.nodes.items()
+            if getattr(spec, "micro_batch_tokens", None) == "auto" and node in best.placement
+            and overflowing & set(best.placement[node].devices)]
     tried = f" (micro_batch_tokens: auto was tried at one row per pass, its least, for {', '.join(auto)})" if auto else ""
     return (
         "no placement fits in memory; the closest one still overflows: "

@@ -10,7 +10,17 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal, Protocol
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, InstanceOf, field_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    InstanceOf,
+    TypeAdapter,
+    ValidationError,
+    field_serializer,
+    model_validator,
+)
 
 SOURCE_NODE = "prompts"
 """The name of the data source's output; node inputs use it to read prompts."""
@@ -123,16 +133,29 @@ Output = Literal["rollout", "per_sequence", "per_token", "none"]
 """What a node's output holds per completion: the sequences themselves, one number, one number
 per completion token, or nothing (metrics only)."""
 
+_WHOLE_NUMBER = TypeAdapter(int)
+"""pydantic's own reading of an integer field (4096, 4096.0, "4096"), as other fields get."""
+
+
 def _check_pass_tokens(value: Any) -> Any:
-    """One message for the three kinds of value ``micro_batch_tokens`` takes."""
-    whole = isinstance(value, int) and not isinstance(value, bool)
-    if value is None or value == "auto" or (whole and value >= 1):
+    """One message for the three kinds of value ``micro_batch_tokens`` takes (a union's
+    error would name each of its branches)."""
+    if value is None or value == "auto":
         return value
     shown = str(value).lower() if isinstance(value, bool) else repr(value)
-    raise ValueError(f"expected a positive whole number of tokens per pass, auto or null, found {shown}")
+    problem = f"expected a positive whole number of tokens per pass, auto or null, found {shown}"
+    if isinstance(value, bool):
+        raise ValueError(problem)
+    try:
+        number = _WHOLE_NUMBER.validate_python(value)
+    except ValidationError:
+        raise ValueError(problem) from None
+    if number < 1:
+        raise ValueError(problem)
+    return number
 
 
-PassTokens = Annotated[int | Literal["auto"] | None, BeforeValidator(_check_pass_tokens)]
+PassTokens = Annotated[Annotated[int, Field(ge=1)] | Literal["auto"] | None, BeforeValidator(_check_pass_tokens)]
 """``micro_batch_tokens``: a number of padded tokens per pass, ``auto`` (the planner picks the
 largest pass that fits the node's devices, ``flowrl.planner.micro_batches``), or None (the
 whole batch in one pass)."""

@@ -27,6 +27,6 @@ def test_a_run_resolves_auto_and_records_it(tmp_path: Path) -> None:
     rows = pipeline.spec.data.batch_size * pipeline.spec.nodes["rollout"].n
     assert resolved == {"ref": (rows, rows, None), "train": (rows, rows, None)}
     events = (output / "events.jsonl").read_text()
-    assert "train: micro_batch_tokens auto -> the whole batch in one pass" in events
+    assert f"train: micro_batch_tokens auto -> no budget, all rows in one pass ({rows} of {rows} rows" in events
     # the saved pipeline keeps `auto`: a resumed run resolves it again on its own machine
     assert load_pipeline(output / "config.yaml").spec.nodes["train"].micro_batch_tokens == "auto"

@@ -77,11 +77,16 @@ def test_an_update_with_mini_batches_counts_a_mini_batch_per_rank() -> None:
 
 
 def test_when_one_row_does_not_fit_the_error_says_auto_was_tried_at_one_row() -> None:
-    devices = inventory(gpu(0, "T4-16GB", 16, 65, 320), cpu(0))
-    graph = load_pipeline(GPU_JOB, AUTO + ["models.actor.path=builtin:qwen2-1.5b", "models.reference.path=builtin:qwen2-1.5b"])
+    # 1.5B weights, gradients and AdamW moments alone (about 22 GB in bf16) overflow a 4 GB card
+    devices = inventory(gpu(0, "small", 4, 65, 320), cpu(0))
+    bigger = ["models.actor.path=builtin:qwen2-1.5b", "models.reference.path=builtin:qwen2-1.5b"]
     with pytest.raises(PlacementError, match=r"micro_batch_tokens: auto was tried at one row per pass, its least, "
                                              r"for ref, train\)"):
-        _resolve(graph, devices)
+        _resolve(load_pipeline(GPU_JOB, AUTO + bigger), devices)
+    # without auto nodes the message does not mention it
+    with pytest.raises(PlacementError) as error:
+        compile_plan(load_pipeline(GPU_JOB, bigger), devices, base_dir=GPU_JOB.parent)
+    assert "auto" not in str(error.value)
 
 
 def test_nothing_to_resolve_gives_the_pipeline_back() -> None:
@@ -98,6 +103,9 @@ def test_auto_in_a_file_and_a_wrong_word() -> None:
             "1 problem in the pipeline:\n  command line: "
             f"nodes.train.micro_batch_tokens={wrong}: expected a positive whole number of tokens per pass, "
             f"auto or null, found {shown}")
+    # whole numbers read as other integer fields read them
+    for given in ("4096.0", "'4096'"):
+        assert load_pipeline(GPU_JOB, [f"nodes.train.micro_batch_tokens={given}"]).spec.nodes["train"].micro_batch_tokens == 4096
     # a node call never sees auto: the planner resolves it before the run
     with pytest.raises(ValueError, match="resolves it before a run"):
         pass_tokens("auto")
