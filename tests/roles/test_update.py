@@ -143,6 +143,25 @@ def test_micro_batches_give_the_whole_batch_gradient(loss_agg: str) -> None:
         assert parts[key] == pytest.approx(whole[key], rel=1e-4, abs=1e-7), key
 
 
+def test_every_pass_of_an_update_keeps_to_its_budget_the_old_log_probs_too() -> None:
+    """Two epochs: the log-probs before the first step come from a no-grad pass over the whole
+    rollout, which keeps to the node's token budget like the training passes."""
+    state = _state()
+    rollout = _uneven_rollout(state)
+    tokens: list[int] = []
+    handle = state.module.get_input_embeddings().register_forward_hook(
+        lambda module, inputs, output: tokens.append(inputs[0].numel()))
+    node = UpdateNode(model="actor", inputs=["rollout", "adv"], lr=1e-3, ppo_epochs=2, micro_batch_tokens=14)
+    try:
+        update_policy(state, rollout, torch.tensor([1.0, -0.5, 0.3, -1.0, 0.7, 0.2]), None, node, seed=0)
+    finally:
+        handle.remove()
+    # the old log-probs' passes, then each epoch's (the rows come shuffled, so an epoch's
+    # length-sorted groups may differ): 4-5 passes each, none over the budget (the 6 rows
+    # hold 34 real tokens: one pass of them all would not be)
+    assert len(tokens) >= 12 and max(tokens) <= 14, tokens
+
+
 class _ModelReads(TorchDispatchMode):
     """Counts the host's reads of values computed from the model's parameters (``item()``,
     ``nonzero()``, ``tolist()``...): on a GPU each one waits for the device."""
