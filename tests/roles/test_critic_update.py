@@ -109,3 +109,20 @@ def test_without_old_values_they_are_computed_and_clipping_can_be_off() -> None:
     assert abs(output.metrics["critic/vf_loss"] - 0.5) < 1e-6
     assert output.metrics["critic/vf_clipfrac"] == 0.0
     assert output.metrics["critic/grad_norm"] > 0.0
+
+
+def test_the_old_values_pass_keeps_to_the_update_budget() -> None:
+    state = _state()
+    rollout = _rollout(state.tokenizer)
+    tokens: list[int] = []
+    handle = state.module.backbone.get_input_embeddings().register_forward_hook(
+        lambda module, inputs, output: tokens.append(inputs[0].numel()))
+    # 4 rows of 3 + 3 tokens (prompt + completion columns): a budget of 12 holds 2 rows per pass
+    node = UpdateNode(model="critic", lr=1e-3, micro_batch_tokens=12)
+    try:
+        update_critic(state, rollout, rollout.completion_mask.float(), None, node, seed=0)
+    finally:
+        handle.remove()
+    # the old values' no-grad passes, then the update's: none holds more than 12 tokens (the
+    # whole rollout, 24, would not fit)
+    assert len(tokens) >= 4 and max(tokens) <= 12, tokens
