@@ -234,6 +234,7 @@ def plan(
 @_friendly
 def simulate(
     pipeline_file: Path = typer.Argument(..., help="Pipeline YAML file."),
+    overrides: Optional[list[str]] = _overrides_argument(),
     devices_file: Path = typer.Option(
         ..., "--devices", help="Inventory file (devices/*.yaml) of the cluster to simulate."
     ),
@@ -248,7 +249,7 @@ def simulate(
     """Run scheduler policies on a simulated cluster with noise and device events, and compare them."""
     from flowrl.cli.simulate import simulate_command
 
-    simulate_command(pipeline_file, devices_file, steps, scenario, policy, seed, as_json, Console())
+    simulate_command(pipeline_file, devices_file, steps, scenario, policy, seed, as_json, Console(), overrides or [])
 
 
 @app.command()

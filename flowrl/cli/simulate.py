@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +38,15 @@ def simulate_command(
     seed: int | None,
     as_json: bool,
     console: Console,
+    overrides: Sequence[str] = (),
 ) -> dict[str, SimulationResult]:
-    """Simulate ``steps`` steps under each policy and print the comparison."""
+    """Simulate ``steps`` steps of ``pipeline`` (with ``KEY=VALUE`` overrides) under each
+    policy and print the comparison."""
     if policy not in POLICIES:
         raise FlowrlError(f"--policy {policy}: expected one of {', '.join(POLICIES)}")
     if steps < 1:
         raise FlowrlError(f"--steps {steps}: simulate at least 1 step")
-    graph = load_pipeline(pipeline)
+    graph = load_pipeline(pipeline, overrides)
     inventory = load_inventory(devices_file)
     chosen = load_scenario(scenario or "steady", inventory)
     names = ["static", "dynamic"] if policy == "both" else [policy]

@@ -116,3 +116,14 @@ def test_unknown_scenario_is_a_user_error_naming_the_known_ones() -> None:
 def test_unknown_policy_is_a_user_error() -> None:
     with pytest.raises(FlowrlError, match="--policy"):
         simulate_command(PIPELINE, DEVICES, 10, None, "greedy", None, False, Console())
+
+
+def test_simulate_command_takes_overrides_as_plan_and_run_do() -> None:
+    console = Console(record=True, width=200)
+    plain = simulate_command(PIPELINE, DEVICES, 5, None, "static", 0, True, console)["static"]
+    console = Console(record=True, width=200)
+    bigger = simulate_command(PIPELINE, DEVICES, 5, None, "static", 0, True, console, ["data.batch_size=256"])["static"]
+    data = json.loads(console.export_text())
+    assert data["pipeline"] == "ppo-style"
+    # four times the prompts of the file (64): every step costs more
+    assert bigger.summary.mean_step_s > plain.summary.mean_step_s
