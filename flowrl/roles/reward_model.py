@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from flowrl.roles.batch import NodeOutput, Rollout, Scores
+from flowrl.roles.forward import in_micro_batches
 from flowrl.roles.score import score_metrics
 from flowrl.roles.state import ModelState
 
@@ -26,35 +27,37 @@ def sequence_scores(
     module: torch.nn.Module,
     rollout: Rollout,
     device: torch.device,
-    micro_batch_size: int | None = None,
+    micro_batch_tokens: int | None = None,
 ) -> torch.Tensor:
-    """``[N]`` float32 reward-model scores of a rollout, on the CPU."""
+    """``[N]`` float32 reward-model scores of a rollout, on the CPU; passes of at most
+    ``micro_batch_tokens`` padded tokens (length-sorted rows, ``flowrl.roles.forward.micro_batches``)."""
+    return in_micro_batches(rollout, micro_batch_tokens, lambda part: _scores(module, part, device)).cpu()
+
+
+def _scores(module: torch.nn.Module, rollout: Rollout, device: torch.device) -> torch.Tensor:
     input_ids, attention_mask, position_ids = rollout.joined()
-    num_rows = input_ids.shape[0]
-    step = micro_batch_size or num_rows
-    parts = []
-    for start in range(0, num_rows, step):
-        rows = slice(start, min(start + step, num_rows))
-        mask = attention_mask[rows]
-        # Columns after the longest row's last real token are padding everywhere.
-        end = int(last_token_index(mask).max()) + 1
-        scalars = module(
-            input_ids=input_ids[rows, :end].to(device),
-            attention_mask=mask[:, :end].to(device),
-            position_ids=position_ids[rows, :end].to(device),
-        ).float()
-        last = last_token_index(mask[:, :end]).to(scalars.device)
-        parts.append(scalars[torch.arange(scalars.shape[0], device=scalars.device), last].cpu())
-    return torch.cat(parts)
+    # Columns before the first and after the last real token of any row are padding
+    # everywhere (positions are explicit, so the rest compute the same values): a pass of
+    # length-sorted rows holds about the tokens its budget counted.
+    start = int(attention_mask.bool().any(dim=0).long().argmax())
+    end = int(last_token_index(attention_mask).max()) + 1
+    columns = slice(start, end)
+    scalars = module(
+        input_ids=input_ids[:, columns].to(device),
+        attention_mask=attention_mask[:, columns].to(device),
+        position_ids=position_ids[:, columns].to(device),
+    ).float()
+    last = last_token_index(attention_mask[:, columns]).to(scalars.device)
+    return scalars[torch.arange(scalars.shape[0], device=scalars.device), last]
 
 
 def run_reward_model(
-    state: ModelState, rollout: Rollout, weight: float, micro_batch_size: int | None = None
+    state: ModelState, rollout: Rollout, weight: float, micro_batch_tokens: int | None = None
 ) -> NodeOutput:
     """Scores times ``weight``, as :func:`flowrl.roles.score.run_score` returns them."""
     state.module.eval()
     with torch.inference_mode():
-        values = sequence_scores(state.module, rollout, state.device, micro_batch_size)
+        values = sequence_scores(state.module, rollout, state.device, micro_batch_tokens)
     scores = Scores(values=values.clone() * weight, num_failed=0)
     return NodeOutput(
         value=scores,

@@ -334,6 +334,10 @@ class ScoreNode(_NodeBase):
     params: dict[str, Any] = {}
     """Extra keyword arguments for the reward function (``pattern`` of ``regex_format``).
     Default {}."""
+    micro_batch_tokens: PassTokens = None
+    """With a reward model: most padded tokens (rows x longest row) in one forward pass, rows
+    sorted by length; ``auto``: the largest pass that the planner's memory model fits (as on
+    reference_logprob nodes). None: the whole batch in one pass. Default None."""
 
     @field_serializer("fn")
     def _fn_as_text(self, fn: str | PythonFunction | None) -> str | None:
@@ -365,6 +369,9 @@ class ScoreNode(_NodeBase):
             )
         if self.fn is not None and self.model is not None:
             raise ValueError("give either 'fn' or 'model', not both")
+        if self.model is None and self.micro_batch_tokens is not None:
+            raise ValueError("micro_batch_tokens bounds a reward model's forward passes; this score calls "
+                             "a function ('fn'): leave micro_batch_tokens out")
         return self
 
 

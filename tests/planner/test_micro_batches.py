@@ -9,6 +9,7 @@ import pytest
 from rich.console import Console
 
 from flowrl.cli.plan import plan_command
+from flowrl.devices.files import load_inventory
 from flowrl.devices.groups import pipeline_groups
 from flowrl.devices.inventory import Inventory
 from flowrl.devices.matching import match_groups
@@ -126,3 +127,15 @@ def test_flowrl_plan_prints_and_writes_what_auto_became(tmp_path: Path) -> None:
     assert [item["node"] for item in written["micro_batch_tokens_auto"]] == ["ref", "train"]
     train = written["micro_batch_tokens_auto"][1]
     assert train["tokens"] == train["rows"] * ROW_TOKENS
+
+
+def test_a_reward_models_score_node_takes_a_budget_and_a_functions_does_not() -> None:
+    ppo = load_pipeline(ROOT / "pipelines" / "ppo.yaml", ["nodes.reward.micro_batch_tokens=auto"])
+    devices = load_inventory(ROOT / "devices" / "mixed-4gpu.yaml")
+    resolved, passes = _resolve(ppo, devices)
+    reward = passes["reward"]
+    assert reward.rows == reward.most_rows and reward.tokens is not None  # a small reward model on a GPU
+    assert resolved.spec.nodes["reward"].micro_batch_tokens == reward.tokens
+    with pytest.raises(SpecError, match="micro_batch_tokens bounds a reward model's forward passes; this score calls "
+                                        "a function"):
+        load_pipeline(ROOT / "pipelines" / "grpo_tiny.yaml", ["nodes.reward.micro_batch_tokens=4096"])

@@ -95,3 +95,28 @@ def test_padding_does_not_change_a_real_models_score() -> None:
     )
     torch.testing.assert_close(batched, alone, atol=1e-5, rtol=1e-5)
     assert batched.dtype == torch.float32 and batched.shape == (3,)
+
+
+def test_a_token_budget_splits_the_forward_and_keeps_each_rows_score() -> None:
+    tokenizer = build_char_tokenizer()
+    ids = tokenizer.convert_tokens_to_ids
+    model = tiny_scalar_model()
+    torch.nn.init.normal_(model.head.weight, std=0.3)
+    prompts = ["abcdef=", "q=", "xyz=", "ab="]
+    completions = [[ids("5")], [ids("1"), ids("2"), ids("3"), tokenizer.eos_token_id], [ids("k"), ids("9")], []]
+    rollout = _rollout(prompts, completions)
+    tokens: list[int] = []
+    handle = model.backbone.get_input_embeddings().register_forward_hook(
+        lambda module, inputs, output: tokens.append(inputs[0].numel()))
+    whole = run_reward_model(model_state("reward", model), rollout, weight=1.0).value.values
+    # the whole batch: 4 rows x (7 prompt columns + 4 completion columns)
+    # real lengths 8, 6, 6, 3 (an empty completion counts 1): with a budget of 12 no two rows
+    # share a pass (2 x (3 + 4), 2 x (4 + 4), 2 x (7 + 2) are all above 12), each pass cut to
+    # its own columns: 3, 6, 6 and 8 tokens, shortest first
+    split = run_reward_model(model_state("reward", model), rollout, weight=1.0, micro_batch_tokens=12).value.values
+    handle.remove()
+    assert tokens == [44, 3, 6, 6, 8]
+    torch.testing.assert_close(split, whole, atol=1e-5, rtol=1e-5)  # the rows back in their order
+    # the probe model's scores are exact: the same ids as without a budget, row by row
+    probe = run_reward_model(model_state("reward", ProbeModel()), rollout, weight=1.0, micro_batch_tokens=12)
+    assert probe.value.values.tolist() == [float(ids("5")), float(tokenizer.eos_token_id), float(ids("9")), float(ids("="))]
