@@ -214,13 +214,10 @@ def _train(
     for line in [*inventory_lines(inventory), *match_lines(match, inventory, offload_notes(spec))]:
         watcher.event(RunEvent("devices", line, 0))
     match.raise_if_unsatisfied()
-    cpu_rates = measure_cpu_rates()
     # `micro_batch_tokens: auto` becomes a number once, before the first plan: every later
     # plan and every node call of the run uses it
-    costs = EstimatedCosts(graph, cpu_rates=cpu_rates, base_dir=base_dir)
-    graph, passes = resolve_micro_batches(graph, inventory, match, costs)
-    if passes:
-        costs = EstimatedCosts(graph, cpu_rates=cpu_rates, base_dir=base_dir)
+    costs = EstimatedCosts(graph, cpu_rates=measure_cpu_rates(), base_dir=base_dir)
+    graph, costs, passes = resolve_micro_batches(graph, inventory, match, costs)
     for item in passes:
         watcher.event(RunEvent("plan", item.line(), 0))
     settings = settings_from_spec(spec.scheduler, calibration_steps=CALIBRATION_STEPS)

@@ -50,13 +50,10 @@ def plan_command(
         inventory = detect_local(num_cpu_slots=graph.spec.runtime.cpu_slots)
         # this machine: its CPUs measured as `flowrl run` measures them, so both predict alike
         cpu_rates = measure_cpu_rates()
-    base_dir = pipeline.resolve().parent
     match = match_groups(pipeline_groups(graph.spec), inventory)
     match.raise_if_unsatisfied()
-    costs = EstimatedCosts(graph, cpu_rates, base_dir)
-    graph, passes = resolve_micro_batches(graph, inventory, match, costs)
-    if passes:
-        costs = EstimatedCosts(graph, cpu_rates, base_dir)
+    costs = EstimatedCosts(graph, cpu_rates, pipeline.resolve().parent)
+    graph, costs, passes = resolve_micro_batches(graph, inventory, match, costs)
     plan = compile_plan(graph, inventory, match=match, costs=costs)
     if as_json:
         console.print(json.dumps({**plan.to_dict(), **resolved_json(passes)}, indent=2), markup=False,

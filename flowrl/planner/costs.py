@@ -165,6 +165,13 @@ class EstimatedCosts:
         other._work = {**self._work, node: work}
         return other
 
+    def for_pipeline(self, pipeline: PipelineGraph) -> EstimatedCosts:
+        """A copy that belongs to ``pipeline``, whose nodes do this copy's work (no estimate
+        made again)."""
+        other = copy.copy(self)
+        other.pipeline = pipeline
+        return other
+
     def compute_s(self, node: str, devices: Sequence[Device], offloaded: bool) -> float:
         work = self._work[node]
         width = max(1, len(devices))

@@ -62,12 +62,13 @@ def resolve_micro_batches(
     match: Match,
     costs: EstimatedCosts,
     options: SearchOptions | None = None,
-) -> tuple[PipelineGraph, list[ResolvedPass]]:
-    """``pipeline`` with every ``auto`` budget replaced by its number, and what each became;
-    ``PlacementError`` when even one row per pass does not fit (as for any plan)."""
+) -> tuple[PipelineGraph, EstimatedCosts, list[ResolvedPass]]:
+    """``pipeline`` with every ``auto`` budget replaced by its number, ``costs`` for it, and
+    what each became; ``PlacementError`` when even one row per pass does not fit (as for any
+    plan)."""
     nodes = auto_nodes(pipeline)
     if not nodes:
-        return pipeline, []
+        return pipeline, costs, []
     options = options or SearchOptions()
     placement = search(pipeline, inventory, match, costs, options).best.placement
     kinds = {device.id: device.kind for device in inventory.devices}
@@ -80,12 +81,9 @@ def resolve_micro_batches(
         most = max(1, -(-batch // width))
         row_tokens = work.prompt_tokens + work.response_tokens
 
-        def with_rows(rows: int, work: NodeWork = work, node: str = node) -> EstimatedCosts:
-            return current.with_work(node, replace(work, micro_batch_tokens=rows * row_tokens))
-
-        def fit(rows: int) -> bool:
-            memory = device_memory_gb(pipeline, placement, inventory, with_rows(rows))
-            return fits(memory, inventory, options.memory_reserve)[0]
+        def fit(rows: int, work: NodeWork = work, node: str = node) -> bool:
+            trial = current.with_work(node, replace(work, micro_batch_tokens=rows * row_tokens))
+            return fits(device_memory_gb(pipeline, placement, inventory, trial), inventory, options.memory_reserve)[0]
 
         low, high = 1, most  # one row fits: the search found the placement with one row
         while low < high:
@@ -105,7 +103,9 @@ def resolve_micro_batches(
     budgets = {item.node: item.tokens for item in resolved}
     specs = {name: spec.model_copy(update={"micro_batch_tokens": budgets[name]}) if name in budgets else spec
              for name, spec in pipeline.spec.nodes.items()}
-    return PipelineGraph(pipeline.spec.model_copy(update={"nodes": specs})), resolved
+    resolved_pipeline = PipelineGraph(pipeline.spec.model_copy(update={"nodes": specs}))
+    # the estimates of the last trial are those of the resolved pipeline's specs
+    return resolved_pipeline, current.for_pipeline(resolved_pipeline), resolved
 
 
 def resolved_json(passes: list[ResolvedPass]) -> dict[str, Any]:

@@ -144,9 +144,7 @@ def simulate_policy(
     match = match_groups(pipeline_groups(pipeline.spec), inventory)
     match.raise_if_unsatisfied()
     truth = EstimatedCosts(pipeline, base_dir=base_dir)
-    pipeline, passes = resolve_micro_batches(pipeline, inventory, match, truth)
-    if passes:
-        truth = EstimatedCosts(pipeline, base_dir=base_dir)
+    pipeline, truth, _ = resolve_micro_batches(pipeline, inventory, match, truth)
     policy = make_policy(policy_name, pipeline, inventory, settings, truth, base_dir, num_steps)
     first_plan = policy.plan
     cluster = inventory

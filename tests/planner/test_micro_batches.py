@@ -33,7 +33,11 @@ and max_new_tokens."""
 
 def _resolve(graph: PipelineGraph, devices: Inventory) -> tuple[PipelineGraph, dict[str, ResolvedPass]]:
     match = match_groups(pipeline_groups(graph.spec), devices)
-    resolved, passes = resolve_micro_batches(graph, devices, match, EstimatedCosts(graph, base_dir=GPU_JOB.parent))
+    resolved, costs, passes = resolve_micro_batches(graph, devices, match, EstimatedCosts(graph, base_dir=GPU_JOB.parent))
+    # the estimates it hands back are those of the resolved pipeline, as if made afresh
+    fresh = EstimatedCosts(resolved, base_dir=GPU_JOB.parent)
+    assert costs.pipeline is resolved
+    assert all(costs.work(node) == fresh.work(node) for node in resolved.topological_order())
     return resolved, {item.node: item for item in passes}
 
 
