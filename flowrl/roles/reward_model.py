@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from flowrl.backends.transfer import to_device
 from flowrl.roles.batch import NodeOutput, Rollout, Scores
 from flowrl.roles.forward import in_micro_batches
 from flowrl.roles.score import score_metrics
@@ -43,11 +44,11 @@ def _scores(module: torch.nn.Module, rollout: Rollout, device: torch.device) -> 
     end = int(last_token_index(attention_mask).max()) + 1
     columns = slice(start, end)
     scalars = module(
-        input_ids=input_ids[:, columns].to(device),
-        attention_mask=attention_mask[:, columns].to(device),
-        position_ids=position_ids[:, columns].to(device),
+        input_ids=to_device(input_ids[:, columns], device),
+        attention_mask=to_device(attention_mask[:, columns], device),
+        position_ids=to_device(position_ids[:, columns], device),
     ).float()
-    last = last_token_index(attention_mask[:, columns]).to(scalars.device)
+    last = to_device(last_token_index(attention_mask[:, columns]), scalars.device)
     return scalars[torch.arange(scalars.shape[0], device=scalars.device), last]
 
 
