@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from flowrl.roles.texts import pending, pick
 
 
 @dataclass
@@ -28,7 +32,8 @@ class Rollout:
     """[N, T] 1 for generated tokens (end-of-sequence included), 0 for padding."""
     group_size: int
     prompts: list[str]
-    completions: list[str]
+    completions: Sequence[str]
+    """One text per row; on a GPU worker possibly still decoding (``roles.texts``)."""
     answers: list[str | None]
     max_new_tokens: int
     temperature: float
@@ -73,7 +78,7 @@ class Rollout:
             completion_mask=self.completion_mask[rows],
             group_size=self.group_size,
             prompts=[self.prompts[i] for i in index],
-            completions=[self.completions[i] for i in index],
+            completions=pick(self.completions, index),
             answers=[self.answers[i] for i in index],
             max_new_tokens=self.max_new_tokens,
             temperature=self.temperature,
@@ -84,6 +89,10 @@ class Rollout:
             columns={name: [values[i] for i in index] for name, values in self.columns.items()},
             chat=self.chat,
         )
+
+    def texts_pending(self) -> Future[list[str]] | None:
+        """The decode of the completion texts, while it still runs."""
+        return pending(self.completions)
 
     def completion_token_lists(self) -> list[list[int]]:
         """Each row's generated token ids, padding dropped."""

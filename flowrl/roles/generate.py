@@ -13,6 +13,7 @@ from flowrl.backends.static_decode import decoder_for, unsupported_reason
 from flowrl.errors import FlowrlError
 from flowrl.roles.batch import NodeOutput, Rollout
 from flowrl.roles.state import ModelState
+from flowrl.roles.texts import LaterTexts, decode_texts, token_rows
 
 
 def run_generate(
@@ -48,16 +49,19 @@ def run_generate(
     finally:
         state.module.train(was_training)
     # The engine returns once its outputs are computed (its last step reads the finished rows
-    # back): the rest of the node is the hand-off (copies, texts).
+    # back): the rest of the node is the hand-off (copies, and the texts off a GPU).
     engine_s = time.perf_counter() - engine_started
     # Generation runs under inference mode; clones outside it are ordinary tensors that a
     # training step on this same worker may use.
     completion_ids = output.completion_ids.cpu().clone()
     completion_mask = output.completion_mask.cpu().clone()
-    completions = _decode(tokenizer, completion_ids, completion_mask)
+    rows_of_tokens = token_rows(completion_ids, completion_mask)
+    # On a GPU worker the texts decode beside the next node (roles.texts)
+    completions: Sequence[str] = (LaterTexts.start(tokenizer, rows_of_tokens) if state.device.type == "cuda"
+                                  else decode_texts(tokenizer, rows_of_tokens))
     rollout = Rollout(
-        prompt_ids=input_ids.cpu().clone(),
-        prompt_mask=attention_mask.cpu().clone(),
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
         completion_ids=completion_ids,
         completion_mask=completion_mask,
         group_size=node.n,
@@ -131,32 +135,3 @@ def rollout_metrics(rollout: Rollout) -> dict[str, float]:
         "response_length/clip_ratio": float((lengths >= rollout.max_new_tokens).float().mean()),
         "prompt_length/mean": float(rollout.prompt_mask.sum(dim=1).float().mean()),
     }
-
-
-def _decode(tokenizer: Any, completion_ids: torch.Tensor, completion_mask: torch.Tensor) -> list[str]:
-    """Each completion's text (its kept tokens, special tokens skipped)."""
-    lengths = completion_mask.sum(dim=1)
-    width = completion_mask.shape[1]
-    if bool((completion_mask.bool() == (torch.arange(width) < lengths[:, None])).all()):
-        # right padding only (what generation gives): a row's tokens are its first `length`
-        rows = [ids[:length] for ids, length in zip(completion_ids.tolist(), lengths.tolist())]
-    else:
-        rows = [[token for token, keep in zip(ids, mask) if keep]
-                for ids, mask in zip(completion_ids.tolist(), completion_mask.tolist())]
-    return decode_texts(tokenizer, rows)
-
-
-def decode_texts(tokenizer: Any, rows: list[list[int]]) -> list[str]:
-    """``tokenizer.batch_decode(rows, skip_special_tokens=True)``; a fast tokenizer's batch goes
-    to its Rust backend in one call (``batch_decode`` converts and checks every id in Python
-    first: most of its time for 256 rows of 256 tokens). The first row decoded both ways must
-    agree, else the tokenizer decodes its own way and ``batch_decode`` is used."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or not rows:
-        return list(tokenizer.batch_decode(rows, skip_special_tokens=True))
-    texts = list(backend.decode_batch(rows, skip_special_tokens=True))
-    if getattr(tokenizer, "clean_up_tokenization_spaces", False):
-        texts = [tokenizer.clean_up_tokenization(text) for text in texts]
-    if texts[0] != tokenizer.decode(rows[0], skip_special_tokens=True):
-        return list(tokenizer.batch_decode(rows, skip_special_tokens=True))
-    return texts

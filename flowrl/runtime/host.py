@@ -29,7 +29,7 @@ import torch
 from flowrl.profiler import DeviceSampler
 from flowrl.records import DeviceSample
 from flowrl.rewards import RewardCache
-from flowrl.roles.batch import NodeOutput
+from flowrl.roles.batch import NodeOutput, Rollout
 from flowrl.roles.data_parallel import DataParallel, weighted_rows
 from flowrl.roles.shards import shard_of
 from flowrl.runtime.collective import DeviceGroup, free_port, weights_group
@@ -236,7 +236,7 @@ class RoleHost:
         try:
             inputs: dict[str, Any] = {}
             for ref in call.inputs:
-                inputs[ref.name] = await (self.fetch(ref.key) if ref.host is None else ref.host.fetch(ref.key))
+                inputs[ref.name] = await (self._stored(ref.key) if ref.host is None else ref.host.fetch(ref.key))
             for name, value in inputs.items():
                 if isinstance(value, _Failed):
                     raise UpstreamFailed(f"node '{call.node}' did not run: its input '{name}' failed ({value.message})")
@@ -392,9 +392,18 @@ class RoleHost:
             event = self._ready[key] = asyncio.Event()
         return event
 
-    async def fetch(self, key: str) -> Any:
+    async def _stored(self, key: str) -> Any:
         await self._event(key).wait()
         return self.store[key]
+
+    async def fetch(self, key: str) -> Any:
+        """A peer's request for an output: a rollout whose texts still decode leaves once
+        they are done (waited for here, so that pickling it never blocks this event loop)."""
+        value = await self._stored(key)
+        texts = value.texts_pending() if isinstance(value, Rollout) else None
+        if texts is not None:
+            await asyncio.wrap_future(texts)
+        return value
 
     def _forget_before(self, step: int) -> None:
         # The driver starts step s only after every node of step s-1 finished, so no

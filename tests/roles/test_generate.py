@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import pickle
+
+import pytest
+import torch
+
 from flowrl.data import PromptExample
 from flowrl.roles.generate import run_generate
+from flowrl.roles.state import ModelState
+from flowrl.roles.texts import LaterTexts, decode_rows
 from flowrl.spec.schema import GenerateNode
 from tests.tiny_models import model_state, tiny_policy
 
@@ -35,7 +42,7 @@ def test_completion_texts_equal_batch_decode_with_padding_special_tokens_and_cle
     import torch
 
     from flowrl.backends.tokenizer import build_char_tokenizer
-    from flowrl.roles.generate import _decode
+    from flowrl.roles.texts import decode_rows as _decode
 
     tokenizer = build_char_tokenizer()
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
@@ -74,3 +81,26 @@ def test_auto_engine_decodes_llama_models_with_the_static_decoder_on_cpu_too() -
     b = loop(ids, mask, generator=torch.Generator().manual_seed(3), **settings)
     assert torch.equal(a.completion_ids, b.completion_ids)
     torch.testing.assert_close(a.sampled_logprobs, b.sampled_logprobs, atol=1e-5, rtol=0)
+
+
+def test_on_a_cpu_slot_the_texts_are_decoded_within_the_node() -> None:
+    state = model_state("actor", tiny_policy(0))
+    node = GenerateNode(model="actor", inputs=["prompts"], n=2, max_new_tokens=4)
+    rollout = run_generate(state, [PromptExample("ab=", "a")], node).value
+    assert type(rollout.completions) is list
+    assert rollout.texts_pending() is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_the_texts_decode_beside_the_next_node_and_travel_as_a_list() -> None:
+    cpu = model_state("actor", tiny_policy(0))
+    state = ModelState("actor", cpu.module.cuda(), cpu.tokenizer, torch.device("cuda"),
+                       torch.Generator(device="cuda").manual_seed(0))
+    node = GenerateNode(model="actor", inputs=["prompts"], n=3, max_new_tokens=6)
+    rollout = run_generate(state, [PromptExample("ab=", "a"), PromptExample("xyz=", "x")], node).value
+    assert isinstance(rollout.completions, LaterTexts)
+    expected = decode_rows(state.tokenizer, rollout.completion_ids, rollout.completion_mask)
+    assert list(rollout.completions) == expected
+    travelled = pickle.loads(pickle.dumps(rollout))
+    assert type(travelled.completions) is list and travelled.completions == expected
