@@ -132,7 +132,7 @@ def load_causal_lm(
         )
     else:
         model, tokenizer = _load_hub_model(location, dtype, options)
-    _set_padding(tokenizer, model, path)
+    set_padding(tokenizer, model, path)
     # Module.to moves in place; called on the base class, whose signature mypy knows
     # (transformers wraps PreTrainedModel.to in a decorator that hides it).
     torch.nn.Module.to(model, torch.device(device))
@@ -200,15 +200,40 @@ def load_error(
     return ModelLoadError(f"cannot load {options.describe(name)} from {source}: {error}{hint}")
 
 
-def _set_padding(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel, path: str) -> None:
-    """Left padding, and eos as the pad token when the tokenizer has none."""
-    if tokenizer.pad_token is None:
+def set_padding(tokenizer: PreTrainedTokenizerBase, model: torch.nn.Module, path: str) -> None:
+    """Left padding, and eos as the pad token when the tokenizer has none or when its pad
+    token lies outside the model's embedding (a tokenizer class that adds a pad token the
+    model was never given rows for): padded positions are masked, but their ids are still
+    looked up in the embedding. An eos outside the embedding is a tokenizer of another model."""
+    rows = embedding_rows(model)
+    eos = tokenizer.eos_token_id
+    if rows is not None and eos is not None and eos >= rows:
+        raise ModelLoadError(
+            f"the tokenizer of model '{path}' does not match the model: its eos token {tokenizer.eos_token!r} "
+            f"is id {eos}, but the model's embedding has {rows} rows; give the model the tokenizer it was "
+            "trained with (the tokenizer files next to its config.json)"
+        )
+    pad = tokenizer.pad_token_id
+    if tokenizer.pad_token is None or (rows is not None and pad is not None and pad >= rows):
         if tokenizer.eos_token is None:
             raise ModelLoadError(
-                f"the tokenizer of model '{path}' has neither a pad nor an eos token; "
-                "generation needs at least an eos token"
+                f"the tokenizer of model '{path}' has neither a usable pad token nor an eos token; "
+                "batches need one of them to pad with"
             )
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
-    if model.generation_config is not None and model.generation_config.pad_token_id is None:
-        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    config = getattr(model, "generation_config", None)
+    if config is not None and config.pad_token_id is None:
+        config.pad_token_id = tokenizer.pad_token_id
+
+
+def embedding_rows(model: torch.nn.Module) -> int | None:
+    """Rows of the model's input embedding (its largest token id + 1), None when it has none
+    that says; a scalar-head model's are its backbone's."""
+    model = getattr(model, "backbone", model)
+    get = getattr(model, "get_input_embeddings", None)
+    try:
+        embedding = get() if callable(get) else None
+    except (AttributeError, NotImplementedError):
+        return None
+    return int(embedding.num_embeddings) if isinstance(embedding, torch.nn.Embedding) else None

@@ -40,7 +40,7 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 
 from flowrl.backends.builtin import quiet_progress_bars
-from flowrl.backends.hf import TORCH_DTYPES, DtypeName, HubOptions, load_error, resolve_model_path
+from flowrl.backends.hf import TORCH_DTYPES, DtypeName, HubOptions, load_error, resolve_model_path, set_padding
 from flowrl.backends.scalar_files import (
     MARKER_FILE,
     SCORE,
@@ -178,7 +178,7 @@ def load_scalar_model(
             else ""
         )
         raise load_error(path, source, options, error, hint) from error
-    _set_padding(tokenizer, path)
+    set_padding(tokenizer, model, path)
     return model.to(device), tokenizer
 
 
@@ -254,14 +254,3 @@ def _from_classifier(
     # Decoder sequence classifiers have no bias on their score layer; a critic gets one (0).
     head = copy_head(score.weight, score.bias, with_bias=kind == "value" or score.bias is not None)
     return ScalarHeadModel(classifier.base_model, head)
-
-
-def _set_padding(tokenizer: PreTrainedTokenizerBase, path: str) -> None:
-    if tokenizer.pad_token is None:
-        if tokenizer.eos_token is None:
-            raise ModelLoadError(
-                f"the tokenizer of model '{path}' has neither a pad nor an eos token; "
-                "batching needs a pad token"
-            )
-        tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = "left"

@@ -9,6 +9,7 @@ import torch
 from transformers import PreTrainedModel
 
 from flowrl.backends.generation import GenerationOutput, generate_tokens
+from flowrl.backends.hf import embedding_rows
 from flowrl.backends.static_decode import decoder_for, unsupported_reason
 from flowrl.errors import FlowrlError
 from flowrl.roles.batch import NodeOutput, Rollout
@@ -29,6 +30,7 @@ def run_generate(
     texts = [example.prompt for example in rows]
     answers = [example.answer for example in rows]
     prompt_ids, prompt_mask = encode_prompts(tokenizer, rows)
+    _check_token_range(state, prompt_ids, prompt_mask)
     input_ids = prompt_ids.to(state.device)
     attention_mask = prompt_mask.to(state.device)
     was_training = state.module.training
@@ -100,6 +102,21 @@ def encode_prompts(tokenizer: Any, examples: Sequence[Any]) -> tuple[torch.Tenso
     input_ids = torch.tensor([[pad] * (width - len(row)) + row for row in ids], dtype=torch.long)
     mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in ids], dtype=torch.long)
     return input_ids, mask
+
+
+def _check_token_range(state: ModelState, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> None:
+    """A prompt token the model's embedding has no row for (a tokenizer with tokens its model
+    lacks) is an error that names it, before the model fails on it."""
+    limit = embedding_rows(state.module)
+    real = prompt_ids[prompt_mask.bool()]
+    if limit is None or real.numel() == 0 or int(real.max()) < limit:
+        return
+    token = int(real.max())
+    raise FlowrlError(
+        f"a prompt holds token id {token} ({state.tokenizer.convert_ids_to_tokens(token)!r}), but the embedding of "
+        f"model '{state.name}' has {limit} rows: its tokenizer has tokens the model lacks; give the model the "
+        "tokenizer it was trained with, or take such tokens out of the prompts"
+    )
 
 
 def _columns(rows: Sequence[Any]) -> dict[str, list[Any]]:

@@ -16,7 +16,7 @@ from transformers import dynamic_module_utils
 from flowrl.backends import hf, hub, value_model
 from flowrl.backends.hf import HubOptions, load_causal_lm, resolve_model_path
 from flowrl.backends.models import resolve_model_path as resolve_any_model_path
-from flowrl.errors import ModelLoadError, RemoteCodeNotTrusted
+from flowrl.errors import FlowrlError, ModelLoadError, RemoteCodeNotTrusted
 from flowrl.roles.state import ModelState
 from flowrl.runtime.host import RoleHost
 from flowrl.spec.schema import ModelSpec
@@ -58,6 +58,48 @@ def test_missing_pad_token_falls_back_to_eos(tmp_path: Path, tiny_llama_dir: Pat
     tokenizer.save_pretrained(directory)
     _, loaded = load_causal_lm(str(directory), "fp32")
     assert loaded.pad_token == "<eos>" and loaded.pad_token_id == 2
+
+
+def test_a_pad_token_outside_the_embedding_gives_way_to_eos_and_generation_runs(
+        tmp_path: Path, tiny_llama_dir: Path) -> None:
+    """A tokenizer that adds a pad token its model has no row for (as transformers' Qwen2
+    tokenizer class does for a tokenizer saved without one): padded prompts and finished rows
+    would look the pad id up in the embedding."""
+    from transformers import AutoTokenizer
+
+    from flowrl.data import PromptExample
+    from flowrl.roles.generate import run_generate
+    from flowrl.spec.schema import GenerateNode
+
+    directory = tmp_path / "extra-pad"
+    shutil.copytree(tiny_llama_dir, directory)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    rows = int(json.loads((directory / "config.json").read_text())["vocab_size"])
+    tokenizer.add_special_tokens({"pad_token": "<extra-pad>"})
+    assert tokenizer.pad_token_id == rows  # one past the embedding's last row
+    tokenizer.save_pretrained(directory)
+    model, loaded = load_causal_lm(str(directory), "fp32")
+    assert loaded.pad_token == "<eos>" and loaded.pad_token_id == 2
+    state = ModelState("actor", model, loaded, torch.device("cpu"), torch.Generator().manual_seed(0))
+    node = GenerateNode(model="actor", inputs=["prompts"], n=2, max_new_tokens=6)
+    rollout = run_generate(state, [PromptExample("a=", "a"), PromptExample("bcdef=", "b")], node).value
+    assert rollout.prompt_ids[0, 0] == 2 and rollout.prompt_mask[0, 0] == 0  # padded with eos
+    # the added token itself, in a prompt, has no row in the embedding
+    with pytest.raises(FlowrlError, match=r"a prompt holds token id \d+ \('<extra-pad>'\), but the embedding of "
+                                          r"model 'actor' has \d+ rows"):
+        run_generate(state, [PromptExample("a<extra-pad>=", "a")], node)
+
+
+def test_an_eos_outside_the_embedding_is_another_model_s_tokenizer(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    directory = tmp_path / "foreign-eos"
+    shutil.copytree(tiny_llama_dir, directory)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    tokenizer.add_special_tokens({"eos_token": "<new-eos>"})
+    tokenizer.save_pretrained(directory)
+    with pytest.raises(ModelLoadError, match="does not match the model: its eos token '<new-eos>' is id"):
+        load_causal_lm(str(directory), "fp32")
 
 
 def test_missing_local_directory(tmp_path: Path) -> None:
