@@ -42,6 +42,24 @@ class RunFolder:
             raise FlowrlError(f"cannot create the output folder {path}: {error}") from error
         self.checkpoints = path / "checkpoints"
 
+    def earlier_checkpoints(self) -> list[str]:
+        """Names of the checkpoints a run left here (``step-N``, oldest first)."""
+        if not self.checkpoints.is_dir():
+            return []
+        steps = [path.name for path in self.checkpoints.glob("step-*")
+                 if path.is_dir() and path.name.removeprefix("step-").isdigit()]
+        return sorted(steps, key=lambda name: int(name.removeprefix("step-")))
+
+    def start_over(self) -> None:
+        """Delete an earlier run's checkpoints and final model: a fresh run must never resume
+        from, or leave beside its own, what another run wrote."""
+        for path in (self.checkpoints, self.path / "final"):
+            try:
+                if path.exists():
+                    shutil.rmtree(path)
+            except OSError as error:
+                raise FlowrlError(f"cannot delete {path} to start over: {error}") from error
+
     def write_config(self, text: str) -> None:
         (self.path / "config.yaml").write_text(text)
 

@@ -87,12 +87,17 @@ def run(
     resume: bool = False,
     force: bool = False,
     local_cluster: PendingCluster | None = None,
+    overwrite: bool = False,
 ) -> RunResult:
     """Train ``pipeline``; returns the per-step records. Arguments override the file's values.
 
     ``resume``: continue the run in the output folder from its newest intact checkpoint (a
     run that finished says so and trains nothing). A pipeline that differs from the one the
     run started with is refused, with the differences, unless ``force``.
+
+    A fresh run (no ``resume``) refuses an output folder that holds an earlier run's
+    checkpoints, which a later resume would take for its own; ``overwrite`` deletes them (and
+    the earlier final model) and starts over.
 
     ``local_cluster``: a local cluster already starting (``flowrl run`` starts it before it
     imports the rest of flowrl); taken when it has the run's slots, closed otherwise. Without
@@ -101,14 +106,15 @@ def run(
     try:
         return _run(pipeline, RunOptions(steps, str(output_dir) if output_dir is not None else None,
                                          scheduler_address, cpu_slots, seed),
-                    observer, base_dir, resume, force, local_cluster)
+                    observer, base_dir, resume, force, local_cluster, overwrite)
     finally:
         if local_cluster is not None:
             local_cluster.discard()  # a run that stopped before taking it
 
 
 def _run(pipeline: PipelineGraph | Pipeline, options: RunOptions, observer: Observer | None,
-         base_dir: Path | None, resume: bool, force: bool, local_cluster: PendingCluster | None) -> RunResult:
+         base_dir: Path | None, resume: bool, force: bool, local_cluster: PendingCluster | None,
+         overwrite: bool = False) -> RunResult:
     graph = pipeline.build() if isinstance(pipeline, Pipeline) else pipeline
     graph = apply_options(graph, options)
     # The folder is named absolutely in config.yaml, so `flowrl resume DIR` from anywhere
@@ -125,6 +131,8 @@ def _run(pipeline: PipelineGraph | Pipeline, options: RunOptions, observer: Obse
         if finished is not None and finished >= spec.trainer.steps:
             return RunResult(folder.path, already_finished=True)
         start = newest_checkpoint(folder.checkpoints)
+    else:
+        _fresh_start(folder, overwrite)
     folder.write_config(config_text)
     folder.write_run_info({"base_dir": str(base_dir or Path.cwd()), "finished_steps": None})
     if start is None:
@@ -244,6 +252,20 @@ def _train(
         if calibrated is not None:
             folder.add_to_plan(0, "calibrated", calibrated)
     return result
+
+
+def _fresh_start(folder: RunFolder, overwrite: bool) -> None:
+    earlier = folder.earlier_checkpoints()
+    if earlier and not overwrite:
+        shown = ", ".join(earlier[-3:]) + (f" and {len(earlier) - 3} older" if len(earlier) > 3 else "")
+        raise FlowrlError(
+            f"the output folder {folder.path} holds checkpoints of an earlier run ({shown}), which a later resume "
+            f"would take for this run's: continue that run (flowrl resume {folder.path}; run(..., resume=True)), "
+            "start over there (--overwrite; run(..., overwrite=True): deletes its checkpoints and final model), "
+            "or give this run another output folder (-o DIR; trainer.output_dir)"
+        )
+    if overwrite:
+        folder.start_over()
 
 
 def apply_options(graph: PipelineGraph, options: RunOptions) -> PipelineGraph:

@@ -114,6 +114,9 @@ def run(
     plain: bool = typer.Option(False, "--plain", help="One log line per step instead of the live view."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in the output folder from its newest checkpoint."),
     force: bool = typer.Option(False, "--force", help="With --resume: go on although the pipeline changed."),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Start over in an output folder that holds an earlier run's checkpoints (deletes them)."
+    ),
 ) -> None:
     """Train a pipeline (with any KEY=VALUE overrides): start (or join) Dask, place the roles, run the steps."""
     if scheduler is None:
@@ -121,7 +124,9 @@ def run(
     from flowrl.spec.loader import load_pipeline
 
     graph = load_pipeline(pipeline_file, overrides or [])
-    _train(graph, pipeline_file.resolve().parent, plain, resume, force,
+    if overwrite and resume:
+        raise FlowrlError("--overwrite starts over and --resume continues: give one of them")
+    _train(graph, pipeline_file.resolve().parent, plain, resume, force, overwrite=overwrite,
            steps=steps, output_dir=output_dir, scheduler_address=scheduler, cpu_slots=cpu_slots, seed=seed)
 
 
@@ -158,7 +163,8 @@ def _start_warm_server() -> None:
     start_warm_server()
 
 
-def _train(graph: Any, base_dir: Path, plain: bool, resume: bool, force: bool, **overrides: Any) -> None:
+def _train(graph: Any, base_dir: Path, plain: bool, resume: bool, force: bool, overwrite: bool = False,
+           **overrides: Any) -> None:
     from flowrl.api.checks import raise_early_issues
 
     runtime = graph.spec.runtime
@@ -178,7 +184,7 @@ def _train(graph: Any, base_dir: Path, plain: bool, resume: bool, force: bool, *
         num_steps = overrides.get("steps") or graph.spec.trainer.steps
         with make_reporter(console, plain, graph.name, num_steps) as reporter:
             result = run_pipeline(graph, observer=reporter, base_dir=base_dir, resume=resume, force=force,
-                                  local_cluster=pending, **overrides)
+                                  local_cluster=pending, overwrite=overwrite, **overrides)
     finally:
         if pending is not None:
             pending.discard()

@@ -204,6 +204,18 @@ def test_resume_after_kill_9_of_the_driver_ends_with_the_weights_of_an_uninterru
     assert changed.returncode == 2
     assert "the pipeline differs" in changed.stderr and "lr: 0.001" in changed.stderr and "--force" in changed.stderr
 
+    # a fresh run there would leave the old checkpoints for a later resume to take: refused;
+    # --overwrite deletes them (and the old final model) and starts over
+    fresh = subprocess.run(_cli("run", str(pipeline_file), "--plain"), capture_output=True, text=True)
+    assert fresh.returncode == 2 and "Traceback" not in fresh.stderr
+    assert "holds checkpoints of an earlier run (step-3, step-6)" in fresh.stderr and "--overwrite" in fresh.stderr
+    assert _steps(killed) == list(range(1, steps + 1))  # nothing of that run was touched
+    over = subprocess.run(_cli("run", str(pipeline_file), "--plain", "--overwrite", "--steps", "4"),
+                          capture_output=True, text=True)
+    assert over.returncode == 0, over.stderr
+    assert _steps(killed) == [1, 2, 3, 4]
+    assert sorted(path.name for path in (killed / "checkpoints").glob("step-*")) == ["step-3"]
+
 
 def test_nan_updates_are_skipped_then_the_run_stops(tmp_path: Path) -> None:
     """A learning rate of 1e30 sends the weights to infinity in one step: every later loss
