@@ -19,7 +19,7 @@ import networkx as nx
 
 from flowrl.errors import SpecError, SpecIssue
 from flowrl.spec.messages import Issue, did_you_mean
-from flowrl.spec.schema import SOURCE_NODE, GenerateNode, NodeBase, PipelineSpec, ScoreNode
+from flowrl.spec.schema import SOURCE_NODE, AdvantageNode, GenerateNode, NodeBase, PipelineSpec, ScoreNode
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
@@ -54,6 +54,7 @@ class _Checker:
         self._check_cycles()
         self._check_unused()
         self._check_eval()
+        self._check_groups()
         return self.issues
 
     def add(self, path: str, message: str) -> None:
@@ -203,6 +204,28 @@ class _Checker:
             shown = " -> ".join([*cycle, start])
             # the edge that closes the cycle is an input of the first node
             self.add(f"nodes.{start}.inputs", f"cycle {shown}; one iteration must flow one way")
+
+    def _check_groups(self) -> None:
+        """grpo and rloo compare the samples of each prompt: a rollout of one sample per
+        prompt gives every completion the advantage 0, and nothing would train."""
+        if self.issues or self.broken:
+            return  # the inputs or the rollouts' fields may be what is wrong
+        inputs = nx.DiGraph()
+        inputs.add_nodes_from(self.spec.nodes)
+        inputs.add_edges_from((item, name) for name, node in self.spec.nodes.items()
+                              for item in node.inputs if item in self.spec.nodes)
+        for name, node in self.spec.nodes.items():
+            if not isinstance(node, AdvantageNode) or node.estimator not in ("grpo", "rloo"):
+                continue
+            rollouts = [item for item in nx.ancestors(inputs, name)
+                        if isinstance(self.spec.nodes[item], GenerateNode)]
+            single = [item for item in rollouts if getattr(self.spec.nodes[item], "n", 2) < 2]
+            if single and len(single) == len(rollouts):
+                self.add(f"nodes.{single[0]}.n",
+                         f"advantage '{name}' uses {node.estimator}, which compares the n samples of each prompt, "
+                         f"and '{single[0]}' draws n: 1: every advantage would be 0 and nothing would train; "
+                         "set n to 2 or more (8 is usual), or use estimator: reinforce_pp or gae, which need no "
+                         "groups")
 
     def _check_eval(self) -> None:
         """Evaluation applies reward functions: named ones must be score nodes with ``fn``."""

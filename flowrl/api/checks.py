@@ -7,6 +7,7 @@ the file and line of its ``fn:``, not at step 1.
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from flowrl.data.files import missing_local_source
 from flowrl.data.source import BUILTIN_PREFIX
 from flowrl.errors import DataError, ModelLoadError, RewardError, SpecError, SpecIssue
 from flowrl.graph import PipelineGraph
-from flowrl.rewards import FLOWRL_KEYWORDS, resolve_reward, signature_problem
+from flowrl.rewards import FLOWRL_KEYWORDS, REWARD_FUNCTIONS, resolve_reward, signature_problem
 from flowrl.spec.lines import LineMap, line_of
 from flowrl.spec.messages import Issue
 from flowrl.spec.schema import ScoreNode
@@ -47,12 +48,33 @@ def reward_issues(graph: PipelineGraph, base_dir: Path | None, offered: set[str]
         except RewardError as error:
             issues.append((f"nodes.{name}.fn", str(error)))
             continue
+        unknown = builtin_params_problem(node.fn, dict(node.params))
+        if unknown is not None:
+            issues.append((f"nodes.{name}.params", unknown))
         if offered is None:
             continue
         problem = signature_problem(fn, offered, dict(node.params))
         if problem is not None:
             issues.append((f"nodes.{name}.fn", f"the reward function '{node.fn_name}' cannot be called: {problem}"))
     return issues
+
+
+def builtin_params_problem(fn: object, params: dict[str, Any]) -> str | None:
+    """Params a built-in reward function does not take (they take ``**kwargs`` for the
+    dataset's columns, which would swallow a misspelt or foreign param)."""
+    if not isinstance(fn, str) or fn.strip() not in REWARD_FUNCTIONS or not params:
+        return None
+    function = REWARD_FUNCTIONS[fn.strip()]
+    taken = sorted(
+        parameter.name for parameter in inspect.signature(function).parameters.values()
+        if parameter.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        and parameter.name not in FLOWRL_KEYWORDS
+    )
+    unknown = sorted(set(params) - set(taken))
+    if not unknown:
+        return None
+    takes = f"it takes {', '.join(taken)}" if taken else "it takes none"
+    return f"the built-in reward function '{fn.strip()}' has no parameter {', '.join(unknown)} ({takes})"
 
 
 def check_inputs(graph: PipelineGraph, base_dir: Path | None, file: str | None = None, line_map: LineMap | None = None) -> None:

@@ -1,8 +1,9 @@
 """Turning a score node's ``fn`` string into a callable.
 
-``fn`` is a registry name (``digits``) or ``module:function``. The module is looked up in two
-places only, in this order: a ``.py`` file in the pipeline's own folder (``base_dir``), then
-the installed packages. The pipeline's folder is never put on ``sys.path``, so a file there
+``fn`` is a registry name (``digits``), ``module:function`` or ``path/file.py:function``. A
+module is looked up in two places only, in this order: a ``.py`` file in the pipeline's own
+folder (``base_dir``), then the installed packages; a file path is read as given when
+absolute, else from the pipeline's folder. The pipeline's folder is never put on ``sys.path``, so a file there
 cannot shadow an installed module for the rest of the process.
 
 Resolve on the process that calls the function (each Dask worker resolves the string itself):
@@ -63,6 +64,17 @@ def _without_working_directory() -> Iterator[None]:
         yield
     finally:
         sys.path[:] = saved
+
+
+def _reward_file(name: str, base_dir: Path | None) -> Path:
+    """The ``.py`` file ``name`` names: as given when absolute, else in the pipeline's folder."""
+    path = Path(name).expanduser()
+    if not path.is_absolute() and base_dir is not None:
+        path = Path(base_dir) / path
+    if not path.is_file():
+        where = " (a relative path is read from the pipeline file's folder)" if not Path(name).is_absolute() else ""
+        raise RewardError(f"reward file {path} not found{where}")
+    return path
 
 
 def _import_module(module_name: str, base_dir: Path | None) -> ModuleType:
@@ -134,10 +146,13 @@ def resolve_reward(ref: str | PythonFunction, base_dir: Path | None = None) -> R
     module_name, _, qualname = ref.partition(":")
     if not module_name or not qualname or ":" in qualname:
         raise RewardError(
-            f"reward function '{ref}' is not of the form 'module:function' "
+            f"reward function '{ref}' is not of the form 'module:function' or 'path/file.py:function' "
             "(e.g. 'my_rewards:score' for a function score in my_rewards.py)"
         )
-    module = _import_module(module_name, base_dir)
+    if module_name.endswith(".py"):
+        module = _load_file_module(Path(module_name).stem, _reward_file(module_name, base_dir))
+    else:
+        module = _import_module(module_name, base_dir)
     fn = _get_attribute(module, module_name, qualname)
     if not callable(fn):
         raise RewardError(

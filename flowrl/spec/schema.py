@@ -417,6 +417,17 @@ class ValueNode(_NodeBase):
         self._need_kind(view, "value")
 
 
+ESTIMATOR_FIELDS: dict[str, tuple[str, ...]] = {
+    "scale_by_std": ("grpo",),
+    "epsilon": ("grpo",),
+    "gamma": ("gae", "reinforce_pp"),
+    "lam": ("gae",),
+    "whiten": ("gae",),
+}
+"""An advantage node's field -> the estimators that read it (a field set for another
+estimator would be ignored: it is an error)."""
+
+
 class AdvantageNode(_NodeBase):
     """Turn scores (and values) into per-token advantages."""
 
@@ -455,6 +466,13 @@ class AdvantageNode(_NodeBase):
         if self.model is not None:
             view.add(f"{path}.model", "an advantage node runs no model; remove 'model'")
         self._need(view, ScoreNode, "scores")
+        if view.reliable(f"{path}.estimator"):
+            for field in sorted(self.model_fields_set & ESTIMATOR_FIELDS.keys()):
+                readers = ESTIMATOR_FIELDS[field]
+                if self.estimator not in readers:
+                    view.add(f"{path}.{field}",
+                             f"estimator {self.estimator} does not read '{field}' (only {' and '.join(readers)} "
+                             "does); remove it, or choose that estimator")
         if self.estimator == "gae" and view.reliable(f"{path}.estimator"):
             self._need(view, ValueNode, "values (gae)")
         if self.kl_coef > 0 and view.reliable(f"{path}.kl_coef") and not view.inputs_of(ReferenceLogprobNode):
@@ -463,6 +481,15 @@ class AdvantageNode(_NodeBase):
                 f"kl_coef is {self.kl_coef}, so the KL reward penalty needs reference log-probs: add a "
                 "reference_logprob node to inputs (or set kl_coef: 0)",
             )
+
+
+UPDATE_FIELDS: dict[str, str] = {
+    "clip_eps": "policy",
+    "kl_coef": "policy",
+    "kl_estimator": "policy",
+    "clip_range_value": "value",
+}
+"""An update node's field -> the kind of model whose update reads it."""
 
 
 class UpdateNode(_NodeBase):
@@ -539,6 +566,12 @@ class UpdateNode(_NodeBase):
                         f"a value model's update learns returns, which advantage '{advantage}' computes only "
                         f"with estimator: gae (it has {estimator}); set estimator: gae there",
                     )
+        if kind in ("policy", "value"):
+            for field in sorted(self.model_fields_set & UPDATE_FIELDS.keys()):
+                if UPDATE_FIELDS[field] != kind:
+                    view.add(f"{path}.{field}",
+                             f"'{field}' is read by updates of {UPDATE_FIELDS[field]} models only, and '{self.model}' "
+                             f"is a {kind} model; remove it")
         if kind != "policy":
             return
         for rollout in rollouts:

@@ -205,6 +205,29 @@ def test_module_that_fails_to_import(tmp_path: Path) -> None:
         resolve_reward("syntax:f", base_dir=tmp_path)
 
 
+def test_a_file_path_names_the_module_relative_to_the_pipeline_or_absolute(tmp_path: Path) -> None:
+    (tmp_path / "graders").mkdir()
+    (tmp_path / "graders" / "score.py").write_text("def length(completions, **kwargs):\n    return [1.0]\n")
+    relative = resolve_reward("graders/score.py:length", base_dir=tmp_path)
+    absolute = resolve_reward(f"{tmp_path / 'graders' / 'score.py'}:length")
+    assert relative(completions=["a"]) == absolute(completions=["a"]) == [1.0]
+    with pytest.raises(RewardError) as caught:
+        resolve_reward("graders/scores.py:length", base_dir=tmp_path)
+    assert str(caught.value) == (f"reward file {tmp_path / 'graders' / 'scores.py'} not found "
+                                 "(a relative path is read from the pipeline file's folder)")
+
+
+def test_params_a_builtin_reward_function_does_not_take_are_named() -> None:
+    from flowrl.api.checks import builtin_params_problem
+
+    assert builtin_params_problem("digits", {"foo": 1}) == (
+        "the built-in reward function 'digits' has no parameter foo (it takes none)")
+    assert builtin_params_problem("regex_format", {"patern": "x"}) == (
+        "the built-in reward function 'regex_format' has no parameter patern (it takes pattern)")
+    assert builtin_params_problem("regex_format", {"pattern": "x"}) is None
+    assert builtin_params_problem("my_rewards:f", {"anything": 1}) is None  # its signature says
+
+
 def test_malformed_references() -> None:
     for ref in ("mod:", ":fn", "a:b:c"):
         with pytest.raises(RewardError, match="not of the form 'module:function'"):

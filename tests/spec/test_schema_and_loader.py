@@ -278,3 +278,44 @@ def test_sharding_a_model_no_update_trains_or_two_models_on_one_group_is_refused
     ppo["models"]["reference"]["sharded"] = False
     ppo["models"]["critic"]["device_group"] = "critic_group"
     pipeline_from_dict(ppo)
+
+
+ADV = "adv:     {role: advantage, inputs: [reward]}"
+TRAIN = "train:   {role: update, model: actor, inputs: [rollout, adv]}"
+
+
+@pytest.mark.parametrize(
+    "old, new, message",
+    [
+        (ADV, "adv: {role: advantage, gamma: 0.9, inputs: [reward]}",
+         "9: nodes.adv.gamma: estimator grpo does not read 'gamma' (only gae and reinforce_pp does); remove it, "
+         "or choose that estimator"),
+        (ADV, "adv: {role: advantage, estimator: rloo, scale_by_std: false, inputs: [reward]}",
+         "9: nodes.adv.scale_by_std: estimator rloo does not read 'scale_by_std' (only grpo does); remove it, "
+         "or choose that estimator"),
+        (TRAIN, "train: {role: update, model: actor, clip_range_value: 0.3, inputs: [rollout, adv]}",
+         "10: nodes.train.clip_range_value: 'clip_range_value' is read by updates of value models only, and "
+         "'actor' is a policy model; remove it"),
+    ],
+)
+def test_a_field_the_node_s_estimator_or_model_kind_never_reads_is_an_error(
+        tmp_path: Path, old: str, new: str, message: str) -> None:
+    (problem,) = problems(write(tmp_path, GOOD.replace(old, new)))
+    assert problem == f"{tmp_path / 'pipeline.yaml'}:{message}"
+
+
+def test_fields_of_the_node_s_own_estimator_and_defaults_set_explicitly_load(tmp_path: Path) -> None:
+    text = GOOD.replace(ADV, "adv: {role: advantage, scale_by_std: false, epsilon: 0.001, inputs: [reward]}")
+    text = text.replace(TRAIN, "train: {role: update, model: actor, clip_eps: 0.3, kl_estimator: k1, inputs: [rollout, adv]}")
+    graph = load_pipeline(write(tmp_path, text))
+    assert graph.spec.nodes["adv"].epsilon == 0.001  # type: ignore[union-attr]
+
+
+def test_grpo_over_one_sample_per_prompt_is_refused_at_the_rollout(tmp_path: Path) -> None:
+    text = GOOD.replace("inputs: [prompts]}", "inputs: [prompts], n: 1}")
+    (problem,) = problems(write(tmp_path, text))
+    assert problem.startswith(
+        f"{tmp_path / 'pipeline.yaml'}:7: nodes.rollout.n: advantage 'adv' uses grpo, which compares the n samples "
+        "of each prompt, and 'rollout' draws n: 1: every advantage would be 0")
+    # reinforce_pp needs no groups
+    load_pipeline(write(tmp_path, text.replace("{role: advantage, inputs", "{role: advantage, estimator: reinforce_pp, inputs")))
