@@ -222,6 +222,12 @@ class _NodeBase(_Strict):
     def role_name(cls) -> str:
         return str(cls.model_fields["role"].default)
 
+    def changed_fields(self) -> set[str]:
+        """Fields whose value is not their default (a default written out changes nothing:
+        ``PipelineGraph.to_dict`` writes every field)."""
+        return {name for name, field in type(self).model_fields.items()
+                if not field.is_required() and getattr(self, name) != field.get_default(call_default_factory=True)}
+
     @property
     def work(self) -> Work:
         return "forward"
@@ -424,8 +430,8 @@ ESTIMATOR_FIELDS: dict[str, tuple[str, ...]] = {
     "lam": ("gae",),
     "whiten": ("gae",),
 }
-"""An advantage node's field -> the estimators that read it (a field set for another
-estimator would be ignored: it is an error)."""
+"""An advantage node's field -> the estimators that read it (a value other than the default
+for another estimator would be ignored: it is an error)."""
 
 
 class AdvantageNode(_NodeBase):
@@ -467,7 +473,7 @@ class AdvantageNode(_NodeBase):
             view.add(f"{path}.model", "an advantage node runs no model; remove 'model'")
         self._need(view, ScoreNode, "scores")
         if view.reliable(f"{path}.estimator"):
-            for field in sorted(self.model_fields_set & ESTIMATOR_FIELDS.keys()):
+            for field in sorted(self.changed_fields() & ESTIMATOR_FIELDS.keys()):
                 readers = ESTIMATOR_FIELDS[field]
                 if self.estimator not in readers:
                     view.add(f"{path}.{field}",
@@ -567,7 +573,7 @@ class UpdateNode(_NodeBase):
                         f"with estimator: gae (it has {estimator}); set estimator: gae there",
                     )
         if kind in ("policy", "value"):
-            for field in sorted(self.model_fields_set & UPDATE_FIELDS.keys()):
+            for field in sorted(self.changed_fields() & UPDATE_FIELDS.keys()):
                 if UPDATE_FIELDS[field] != kind:
                     view.add(f"{path}.{field}",
                              f"'{field}' is read by updates of {UPDATE_FIELDS[field]} models only, and '{self.model}' "

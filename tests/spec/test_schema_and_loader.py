@@ -305,7 +305,8 @@ def test_a_field_the_node_s_estimator_or_model_kind_never_reads_is_an_error(
 
 
 def test_fields_of_the_node_s_own_estimator_and_defaults_set_explicitly_load(tmp_path: Path) -> None:
-    text = GOOD.replace(ADV, "adv: {role: advantage, scale_by_std: false, epsilon: 0.001, inputs: [reward]}")
+    # gamma: 1.0 is its default, which a dump of the whole spec writes out (PipelineGraph.to_dict)
+    text = GOOD.replace(ADV, "adv: {role: advantage, scale_by_std: false, epsilon: 0.001, gamma: 1.0, inputs: [reward]}")
     text = text.replace(TRAIN, "train: {role: update, model: actor, clip_eps: 0.3, kl_estimator: k1, inputs: [rollout, adv]}")
     graph = load_pipeline(write(tmp_path, text))
     assert graph.spec.nodes["adv"].epsilon == 0.001  # type: ignore[union-attr]
