@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from pydantic import ValidationError
+
 from flowrl.api.builder import Pipeline
 from flowrl.algorithms.kl_control import AdaptiveKLController, FixedKLController
 from flowrl.api.loggers import Logger, close_quietly, logger_problems, make_loggers, missing_package
@@ -273,23 +275,29 @@ def apply_options(graph: PipelineGraph, options: RunOptions) -> PipelineGraph:
     trainer = spec.trainer
     runtime = spec.runtime
     if options.steps is not None:
-        trainer = replace_model(trainer, steps=options.steps)
+        trainer = replace_model(trainer, "trainer", steps=options.steps)
     if options.output_dir is not None:
-        trainer = replace_model(trainer, output_dir=options.output_dir)
+        trainer = replace_model(trainer, "trainer", output_dir=options.output_dir)
     if options.seed is not None:
-        trainer = replace_model(trainer, seed=options.seed)
+        trainer = replace_model(trainer, "trainer", seed=options.seed)
     if options.scheduler_address is not None:
-        runtime = replace_model(runtime, scheduler_address=options.scheduler_address)
+        runtime = replace_model(runtime, "runtime", scheduler_address=options.scheduler_address)
     if options.cpu_slots is not None:
-        runtime = replace_model(runtime, cpu_slots=options.cpu_slots)
+        runtime = replace_model(runtime, "runtime", cpu_slots=options.cpu_slots)
     if trainer is spec.trainer and runtime is spec.runtime:
         return graph
     return PipelineGraph(spec.model_copy(update={"trainer": trainer, "runtime": runtime}))
 
 
-def replace_model(model: Any, **changes: Any) -> Any:
-    """A validated copy of a frozen pydantic model with some fields changed."""
-    return type(model).model_validate({**model.model_dump(), **changes})
+def replace_model(model: Any, section: str, **changes: Any) -> Any:
+    """A validated copy of a frozen pydantic model (the pipeline's ``section``) with some
+    fields changed; a value the schema refuses is a user error naming the field."""
+    try:
+        return type(model).model_validate({**model.model_dump(), **changes})
+    except ValidationError as error:
+        first = error.errors()[0]
+        field = ".".join([section, *(str(part) for part in first["loc"])])
+        raise FlowrlError(f"{field}: {first['msg'].removeprefix('Value error, ')}") from None
 
 
 def check_runnable(graph: PipelineGraph) -> None:

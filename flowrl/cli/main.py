@@ -28,16 +28,22 @@ app = typer.Typer(
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+def _console(**options: Any) -> Console:
+    """A console that prints text as given: paths, names and messages may hold ``:word:``,
+    which rich would otherwise turn into an emoji."""
+    return Console(emoji=False, **options)
+
+
 def _friendly(function: F) -> F:
     @functools.wraps(function)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return function(*args, **kwargs)
         except FlowrlError as error:
-            Console(stderr=True, highlight=False).print(f"[bold red]error:[/] {escape(str(error))}", markup=True, soft_wrap=True)
+            _console(stderr=True, highlight=False).print(f"[bold red]error:[/] {escape(str(error))}", markup=True, soft_wrap=True)
             raise typer.Exit(code=error.exit_code) from None
         except KeyboardInterrupt:
-            Console(stderr=True).print("interrupted")
+            _console(stderr=True).print("interrupted")
             raise typer.Exit(code=130) from None
 
     return wrapper  # type: ignore[return-value]
@@ -180,7 +186,7 @@ def _train(graph: Any, base_dir: Path, plain: bool, resume: bool, force: bool, o
         from flowrl.api.run import run as run_pipeline
         from flowrl.ui import make_reporter
 
-        console = Console()
+        console = _console()
         num_steps = overrides.get("steps") or graph.spec.trainer.steps
         with make_reporter(console, plain, graph.name, num_steps) as reporter:
             result = run_pipeline(graph, observer=reporter, base_dir=base_dir, resume=resume, force=force,
@@ -214,7 +220,7 @@ def devices(
     """Show the devices here (or in an inventory file) and how a pipeline's device groups match them."""
     from flowrl.cli.devices import devices_command
 
-    devices_command(pipeline, devices_file, as_json, Console())
+    devices_command(pipeline, devices_file, as_json, _console())
 
 
 @app.command()
@@ -233,7 +239,7 @@ def plan(
     """Place a pipeline's nodes on devices and predict one step: placement, memory, critical path, timeline."""
     from flowrl.cli.plan import plan_command
 
-    plan_command(pipeline_file, devices_file, as_json, output, Console(), overrides or [])
+    plan_command(pipeline_file, devices_file, as_json, output, _console(), overrides or [])
 
 
 @app.command()
@@ -255,7 +261,7 @@ def simulate(
     """Run scheduler policies on a simulated cluster with noise and device events, and compare them."""
     from flowrl.cli.simulate import simulate_command
 
-    simulate_command(pipeline_file, devices_file, steps, scenario, policy, seed, as_json, Console(), overrides or [])
+    simulate_command(pipeline_file, devices_file, steps, scenario, policy, seed, as_json, _console(), overrides or [])
 
 
 @app.command()
@@ -269,7 +275,7 @@ def report(
     from flowrl.ui.report import build_report
 
     page = build_report(output_dir, output, step)
-    Console().print(f"report: {page}  (Chrome/Perfetto trace: {page.parent / 'trace.json'})")
+    _console().print(f"report: {page}  (Chrome/Perfetto trace: {page.parent / 'trace.json'})")
 
 
 def main() -> None:

@@ -8,6 +8,7 @@ are checked on the graph (``flowrl.graph``), not here, so that all problems are 
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, ClassVar, Literal, Protocol
 
 from pydantic import (
@@ -153,6 +154,23 @@ def _check_pass_tokens(value: Any) -> Any:
     if number < 1:
         raise ValueError(problem)
     return number
+
+
+_SCHEDULER_ADDRESS = re.compile(r"^(?:(?P<scheme>[a-z]+)://)?(?P<host>\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):(?P<port>\d+)/?$")
+SCHEDULER_SCHEMES = ("tcp", "tls", "ucx", "inproc", "ws", "wss")
+
+
+def check_scheduler_address(value: Any) -> Any:
+    """A Dask scheduler address: ``[scheme://]host:port`` with a port in 1-65535."""
+    if value is None:
+        return value
+    text = str(value).strip()
+    found = _SCHEDULER_ADDRESS.match(text)
+    scheme = found.group("scheme") if found else None
+    if found is None or not 0 < int(found.group("port")) < 65536 or (scheme and scheme not in SCHEDULER_SCHEMES):
+        raise ValueError(f"expected a Dask scheduler address such as tcp://HOST:8786 (scheme://host:port, "
+                         f"port 1-65535, scheme one of {', '.join(SCHEDULER_SCHEMES)}), found {text!r}")
+    return text
 
 
 PassTokens = Annotated[Annotated[int, Field(ge=1)] | Literal["auto"] | None, BeforeValidator(_check_pass_tokens)]
@@ -757,7 +775,7 @@ class RuntimeSpec(_Strict):
 
     cpu_slots: int = Field(default=2, ge=1)
     """CPU device slots (= Dask worker processes) on a CPU machine. Default 2."""
-    scheduler_address: str | None = None
+    scheduler_address: Annotated[str | None, BeforeValidator(check_scheduler_address)] = None
     """Existing Dask scheduler (``tcp://host:8786``, or ``tls://host:8786`` with the tls_*
     files); None starts a local cluster. Default None."""
     tls_ca_file: str | None = None

@@ -52,6 +52,11 @@ def test_validate_accepts_every_shipped_pipeline() -> None:
         (("run", "pipelines/grpo_tiny.yaml", "--steps", "0"), ("--steps",)),
         (("run", "pipelines/grpo_tiny.yaml", "--stpes", "3"), ("--stpes",)),
         (("frobnicate",), ("frobnicate",)),
+        (("run", "pipelines/grpo_tiny.yaml", "--scheduler", "tcp://localhost:99999"),
+         ("runtime.scheduler_address: expected a Dask scheduler address", "'tcp://localhost:99999'")),
+        # printed as given (rich would read ':abc:' as an emoji code)
+        (("validate", "pipelines/grpo_tiny.yaml", "runtime.scheduler_address=localhost:abc"),
+         ("runtime.scheduler_address=localhost:abc: expected a Dask scheduler address", "found 'localhost:abc'")),
     ],
 )
 def test_bad_command_lines(args: tuple[str, ...], expected: tuple[str, ...]) -> None:
