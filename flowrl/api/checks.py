@@ -12,6 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from flowrl.api.data import eval_examples, policy_formatter, training_source
+from flowrl.backends.cache import BUILTIN_PREFIX as MODEL_PREFIX
+from flowrl.backends.catalog import lookup_builtin
+from flowrl.backends.hf import missing_config
+from flowrl.backends.hf import resolve_model_path as local_or_hub
 from flowrl.data import PromptExample, PromptSource
 from flowrl.data.files import missing_local_source
 from flowrl.data.source import BUILTIN_PREFIX
@@ -78,32 +82,54 @@ def builtin_params_problem(fn: object, params: dict[str, Any]) -> str | None:
 
 
 def check_inputs(graph: PipelineGraph, base_dir: Path | None, file: str | None = None, line_map: LineMap | None = None) -> None:
-    """Load the data (and held-out data) and check every reward function against it;
-    SpecError listing every problem, at its place in ``file`` when given."""
-    issues: list[Issue] = []
+    """Check the model paths, load the data (and held-out data) and check every reward
+    function against it; SpecError listing every problem, at its place in ``file`` when given."""
+    issues: list[Issue] = model_issues(graph, base_dir)
     offered: set[str] | None = None
-    try:
-        formatter = policy_formatter(graph, base_dir)
-        source = training_source(graph, base_dir, formatter)
-        held_out: list[Any] = []
+    if not issues:  # the data is read with the policy's tokenizer
         try:
-            held_out = eval_examples(graph, base_dir, formatter)
+            formatter = policy_formatter(graph, base_dir)
+            source = training_source(graph, base_dir, formatter)
+            held_out: list[Any] = []
+            try:
+                held_out = eval_examples(graph, base_dir, formatter)
+            except (DataError, ModelLoadError) as error:
+                issues.append(("eval.source" if graph.spec.eval and graph.spec.eval.source else "eval.split", str(error)))
+            offered = offered_keywords(source, held_out)
         except (DataError, ModelLoadError) as error:
-            issues.append(("eval.source" if graph.spec.eval and graph.spec.eval.source else "eval.split", str(error)))
-        offered = offered_keywords(source, held_out)
-    except (DataError, ModelLoadError) as error:
-        issues.append(("data.source", str(error)))
+            issues.append(("data.source", str(error)))
     issues.extend(reward_issues(graph, base_dir, offered))
     if issues:
-        lines = line_map or {}
-        raise SpecError([SpecIssue(path, message, file, line_of(path, lines) if file else None) for path, message in issues])
+        raise SpecError(_located(issues, file, line_map))
 
 
-def raise_early_issues(graph: PipelineGraph, base_dir: Path | None) -> None:
-    """The checks that need no data loaded and no worker: reward functions that cannot be
-    loaded, local data files that are not there. SpecError listing them (a run checks the
-    rest, with the data, as it starts)."""
-    issues = reward_issues(graph, base_dir, None)
+def model_issues(graph: PipelineGraph, base_dir: Path | None) -> list[Issue]:
+    """A (path, message) per model whose path names nothing loadable here: an unknown builtin
+    name, a missing folder, a folder without config.json (hub names are read at load time)."""
+    issues: list[Issue] = []
+    for name, model in graph.spec.models.items():
+        where = f"models.{name}.path"
+        try:
+            if model.path.startswith(MODEL_PREFIX):
+                lookup_builtin(model.path[len(MODEL_PREFIX):])
+                continue
+            location = local_or_hub(model.path, base_dir)
+        except ModelLoadError as error:
+            issues.append((where, str(error)))
+            continue
+        problem = missing_config(location) if isinstance(location, Path) else None
+        if problem is not None:
+            issues.append((where, problem))
+    return issues
+
+
+def raise_early_issues(graph: PipelineGraph, base_dir: Path | None, file: str | None = None,
+                       line_map: LineMap | None = None) -> None:
+    """The checks that need no data loaded and no worker: model paths that name nothing,
+    reward functions that cannot be loaded, local data files that are not there. SpecError
+    listing them, at their place in ``file`` when given (a run checks the rest, with the data,
+    as it starts)."""
+    issues = model_issues(graph, base_dir) + reward_issues(graph, base_dir, None)
     sources = [("data.source", graph.spec.data.source)]
     if graph.spec.eval is not None and graph.spec.eval.source:
         sources.append(("eval.source", graph.spec.eval.source))
@@ -112,4 +138,9 @@ def raise_early_issues(graph: PipelineGraph, base_dir: Path | None) -> None:
         if problem is not None:
             issues.append((path, problem))
     if issues:
-        raise SpecError([SpecIssue(path, message) for path, message in issues])
+        raise SpecError(_located(issues, file, line_map))
+
+
+def _located(issues: list[Issue], file: str | None, line_map: LineMap | None) -> list[SpecIssue]:
+    lines = line_map or {}
+    return [SpecIssue(path, message, file, line_of(path, lines) if file else None) for path, message in issues]

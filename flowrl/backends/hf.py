@@ -78,6 +78,14 @@ def resolve_model_path(path: str, base_dir: Path | None = None) -> Path | str:
     )
 
 
+def missing_config(location: Path) -> str | None:
+    """Why the folder ``location`` is not a saved model, or None."""
+    if (location / "config.json").is_file():
+        return None
+    return (f"model directory {location} has no config.json; pass a directory written by "
+            "save_pretrained (config.json, weights and tokenizer files)")
+
+
 @dataclass(frozen=True)
 class HubOptions:
     """What ``from_pretrained`` needs of a model besides its path (``models.<m>`` in a pipeline)."""
@@ -118,11 +126,9 @@ def load_causal_lm(
         )
     location = resolve_model_path(path, base_dir)
     if isinstance(location, Path):
-        if not (location / "config.json").is_file():
-            raise ModelLoadError(
-                f"model directory {location} has no config.json; pass a directory written by "
-                "save_pretrained (config.json, weights and tokenizer files)"
-            )
+        problem = missing_config(location)
+        if problem is not None:
+            raise ModelLoadError(problem)
         if (location / "scalar_head.json").is_file():
             raise ModelLoadError(
                 f"model '{path}' is a value/reward model (scalar head); give it kind: value or kind: reward"

@@ -132,7 +132,7 @@ def run(
     graph = load_pipeline(pipeline_file, overrides or [])
     if overwrite and resume:
         raise FlowrlError("--overwrite starts over and --resume continues: give one of them")
-    _train(graph, pipeline_file.resolve().parent, plain, resume, force, overwrite=overwrite,
+    _train(graph, pipeline_file.resolve().parent, plain, resume, force, overwrite=overwrite, file=pipeline_file,
            steps=steps, output_dir=output_dir, scheduler_address=scheduler, cpu_slots=cpu_slots, seed=seed)
 
 
@@ -157,7 +157,7 @@ def resume(
         base_dir = Path(json.loads((output_dir / "run.json").read_text()).get("base_dir") or output_dir)
     except (OSError, ValueError, AttributeError):
         base_dir = output_dir.resolve()
-    _train(graph, base_dir, plain, True, force, output_dir=str(output_dir.resolve()))
+    _train(graph, base_dir, plain, True, force, file=config, output_dir=str(output_dir.resolve()))
 
 
 def _start_warm_server() -> None:
@@ -170,12 +170,15 @@ def _start_warm_server() -> None:
 
 
 def _train(graph: Any, base_dir: Path, plain: bool, resume: bool, force: bool, overwrite: bool = False,
-           **overrides: Any) -> None:
+           file: Path | None = None, **overrides: Any) -> None:
     from flowrl.api.checks import raise_early_issues
+    from flowrl.spec.lines import read_yaml_file
 
     runtime = graph.spec.runtime
     pending = None
-    raise_early_issues(graph, base_dir)  # the usual mistakes, before any worker starts
+    line_map = read_yaml_file(file, "pipeline")[1] if file is not None else None
+    # the usual mistakes, before any worker starts, at their line of the file
+    raise_early_issues(graph, base_dir, str(file) if file is not None else None, line_map)
     if not (overrides.get("scheduler_address") or runtime.scheduler_address):
         # The workers start now, and import torch while this process imports the rest of
         # flowrl and reads the data: on a small machine that halves the wait for step 1.

@@ -138,3 +138,19 @@ def test_the_command_line_exits_with_its_output_written() -> None:
     result = _flowrl("validate", "pipelines/grpo_tiny.yaml", "trainer.steps=7")
     assert result.returncode == 0, result.stderr
     assert "valid pipeline 'grpo-tiny'" in result.stdout
+
+
+@pytest.mark.parametrize("command", ["validate", "run"])
+def test_a_model_path_that_names_nothing_is_refused_at_its_line(tmp_path: Path, command: str) -> None:
+    text = (ROOT / "pipelines" / "grpo_tiny.yaml").read_text()
+    line = next(number for number, row in enumerate(text.splitlines(), 1) if "builtin:tiny-llama" in row)
+    (tmp_path / "not-a-model").mkdir()
+    for path, expected in [
+        ("builtin:tiny-lama", "unknown builtin model 'tiny-lama' (did you mean 'tiny-llama'?)"),
+        ("no/such/dir/", "model directory 'no/such/dir/' not found"),
+        ("not-a-model", f"model directory {tmp_path / 'not-a-model'} has no config.json"),
+    ]:
+        pipeline = tmp_path / "pipeline.yaml"
+        pipeline.write_text(text.replace("builtin:tiny-llama", path, 1))
+        result = _flowrl(command, str(pipeline), cwd=tmp_path)
+        _assert_user_error(result, f"{pipeline}:{line}: models.", f".path: {expected}")
