@@ -114,3 +114,7 @@ def error_chain(error: BaseException) -> Iterator[BaseException]:
     while link is not None:
         yield link
         link = link.__cause__ or link.__context__
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped a run; the message says where, what was kept and how to go on."""

@@ -31,7 +31,8 @@ from flowrl.api.recovery import FoundCheckpoint, newest_checkpoint
 from flowrl.api.replanning import Replanner
 from flowrl.api.reward_guard import RewardFailureGuard
 from flowrl.data import PromptSource
-from flowrl.errors import CheckpointError, FlowrlError, NodeTimeout, PlacementError, RunStopped, WorkerLost, error_chain
+from flowrl.errors import (CheckpointError, FlowrlError, NodeTimeout, PlacementError, RunInterrupted, RunStopped,
+                           WorkerLost, error_chain)
 from flowrl.graph import PipelineGraph
 from flowrl.records import RunEvent, StepRecord
 from flowrl.runtime.cluster import Cluster
@@ -496,7 +497,14 @@ class Driver:
 
     def _stop(self, stop: lc.Stop, error: BaseException | None, failed_at: lc.Instruction | None) -> None:
         if stop.reason == "interrupted":
-            raise KeyboardInterrupt
+            found = newest_checkpoint(self.folder.checkpoints)
+            every = self.graph.spec.trainer.checkpoint_every
+            if found is not None:
+                kept = f"the newest intact checkpoint is {found.path}. {self._resume_hint()}"
+            else:
+                kept = (f"no checkpoint was written yet (trainer.checkpoint_every: {every}"
+                        f"{', none at all' if every == 0 else ''}), so a resume would start over at step 1")
+            raise RunInterrupted(f"{stop.message}; {kept}")
         if stop.reason == "error" and error is not None:
             if isinstance(failed_at, lc.Checkpoint) and not isinstance(error, FlowrlError):
                 raise CheckpointError(

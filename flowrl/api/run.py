@@ -163,7 +163,8 @@ def _run_watched(graph: PipelineGraph, folder: RunFolder, watcher: "_Watchers", 
         for line in start.skipped if start is not None else ():
             watcher.event(RunEvent("warning", f"checkpoint skipped: {line}", 0))
         if start is None:
-            watcher.event(RunEvent("resume", "no intact checkpoint to resume from: starting at step 1", 0))
+            watcher.event(RunEvent("warning", f"no intact checkpoint to resume from in {folder.checkpoints}: the run "
+                                              "starts over at step 1", 0))
 
     formatter = policy_formatter(graph, base_dir or Path.cwd())
     source = training_source(graph, base_dir or Path.cwd(), formatter)

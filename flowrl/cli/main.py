@@ -42,8 +42,8 @@ def _friendly(function: F) -> F:
         except FlowrlError as error:
             _console(stderr=True, highlight=False).print(f"[bold red]error:[/] {escape(str(error))}", markup=True, soft_wrap=True)
             raise typer.Exit(code=error.exit_code) from None
-        except KeyboardInterrupt:
-            _console(stderr=True).print("interrupted")
+        except KeyboardInterrupt as interrupt:
+            _console(stderr=True, highlight=False).print(str(interrupt) or "interrupted", markup=False, soft_wrap=True)
             raise typer.Exit(code=130) from None
 
     return wrapper  # type: ignore[return-value]
