@@ -14,7 +14,9 @@ fails at once with what to do instead (``save_to_disk`` elsewhere, then point at
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -157,11 +159,15 @@ def _load_hub(name: str, split: str, subset: str | None) -> Any:
     import datasets
 
     offline = hub_offline() or os.environ.get("HF_DATASETS_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
+    # Asked first: without network, datasets retries its requests for half a minute before it
+    # gives up; offline it reads its cache only, at once.
+    offline = offline or not hub_reachable(HUB_PROBE_TIMEOUT_S)
     try:
         # A copy in the local datasets cache loads without network.
-        return datasets.load_dataset(name, subset, split=split, download_mode="reuse_dataset_if_exists")
+        with _offline_mode(offline):
+            return datasets.load_dataset(name, subset, split=split, download_mode="reuse_dataset_if_exists")
     except Exception as cached_error:  # noqa: BLE001 - decided below: offline or a real problem
-        if offline or not hub_reachable(HUB_PROBE_TIMEOUT_S):
+        if offline:
             raise DataError(
                 f"dataset '{name}' is not a local file or folder and the hub cannot be reached; "
                 f"on a machine with network run: datasets.load_dataset('{name}'"
@@ -171,6 +177,23 @@ def _load_hub(name: str, split: str, subset: str | None) -> Any:
         if isinstance(cached_error, ValueError) and "split" in str(cached_error).lower():
             raise DataError(f"dataset '{name}': {_reason(cached_error)} (set data.split)") from cached_error
         raise DataError(f"cannot load dataset '{name}': {_reason(cached_error)}") from cached_error
+
+
+@contextlib.contextmanager
+def _offline_mode(offline: bool) -> Iterator[None]:
+    """datasets (and the hub client under it) in offline mode for one load, when ``offline``."""
+    import datasets.config  # type: ignore[import-untyped]
+    import huggingface_hub.constants
+
+    if not offline:
+        yield
+        return
+    saved = (datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE)
+    datasets.config.HF_HUB_OFFLINE = huggingface_hub.constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE = saved
 
 
 def _reason(error: BaseException) -> str:

@@ -362,3 +362,33 @@ def test_from_spec_and_describe(tmp_path: Path) -> None:
     builtin = PromptSource("builtin:first_letter", 8, seed=0, base_dir=tmp_path)
     assert builtin.describe().startswith("builtin:first_letter: 8 random letters + '='")
     assert builtin.num_examples is None
+
+
+def test_an_unreachable_hub_is_asked_once_and_datasets_reads_its_cache_only(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without network datasets would retry for half a minute; offline it answers from its
+    cache at once. The process's own setting comes back afterwards."""
+    import datasets
+    import datasets.config
+    import huggingface_hub.constants
+
+    from flowrl.data import files
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    probes: list[float] = []
+    monkeypatch.setattr(files, "hub_reachable", lambda timeout_s: probes.append(timeout_s) or False)
+    seen: list[tuple[bool, bool]] = []
+    load = datasets.load_dataset
+
+    def recording_load(*args: object, **kwargs: object) -> object:
+        seen.append((datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE))
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(datasets, "load_dataset", recording_load)
+    with pytest.raises(DataError, match="the hub cannot be reached"):
+        PromptSource("someone/no-such-dataset", 1, 0, tmp_path)
+    assert len(probes) == 1 and seen == [(True, True)]
+    assert datasets.config.HF_HUB_OFFLINE is False and huggingface_hub.constants.HF_HUB_OFFLINE is False
