@@ -16,6 +16,14 @@ def timing_name(graph: PipelineGraph, node: str) -> str:
     return spec.timing_name(graph.spec.models[spec.model].kind if spec.model else None)
 
 
+def status_labels(graph: PipelineGraph) -> dict[str, str]:
+    """Each node's name in the status line: its metrics name (``gen``, ``ref``), or its own
+    name where several nodes share one (two score nodes are both ``reward``)."""
+    names = {node: timing_name(graph, node) for node in graph.topological_order()}
+    shared = {name for name in names.values() if list(names.values()).count(name) > 1}
+    return {node: node if name in shared else name for node, name in names.items()}
+
+
 def step_metrics(
     graph: PipelineGraph, reports: dict[str, NodeReport], step_s: float, num_devices: int
 ) -> tuple[dict[str, float], list[NodeTiming]]:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from flowrl.api.metrics import timing_name
+from flowrl.api.metrics import status_labels
 from flowrl.api.outputs import RunFolder
 from flowrl.graph import PipelineGraph
 from flowrl.errors import PlacementError
@@ -48,7 +48,7 @@ class Replanner:
         self.emit = emit
         self.slots = slots
         self.profile = NodeProfile(alpha_for_window(graph.spec.profiler.ewma_window))
-        self.labels = {node: timing_name(graph, node) for node in graph.topological_order()}
+        self.labels = status_labels(graph)
 
     def before_step(self, step: int) -> None:
         for decision in self.policy.decide(step, []):

@@ -51,7 +51,8 @@ def format_step_line(record: StepRecord, eta_s: float | None) -> str:
     if STEP_TIME_KEY in metrics:
         parts.append(f"step {format_seconds(metrics[STEP_TIME_KEY])}")
     if record.nodes:
-        parts.append(" ".join(f"{node.node} {format_ms(node.wall_s)}" for node in record.nodes))
+        # compute time: a node's wall time also counts its wait for its inputs
+        parts.append(" ".join(f"{node.node} {format_ms(node.compute_s)}" for node in record.nodes))
     if THROUGHPUT_KEY in metrics:
         parts.append(format_tokens_per_s(metrics[THROUGHPUT_KEY]))
     parts.append(f"eta {format_duration(eta_s)}")

@@ -51,3 +51,12 @@ def test_per_token_timings_with_two_score_nodes(tmp_path: Path) -> None:
     # the score nodes are timed together (their sum), and so is their per-token time
     assert metrics["timing_s/reward"] == pytest.approx(0.04)
     assert metrics["timing_per_token_ms/reward"] == pytest.approx(40.0 / 40)
+
+
+def test_the_status_line_names_nodes_that_share_a_metrics_name_by_their_own(tmp_path: Path) -> None:
+    from flowrl.api.metrics import status_labels
+
+    path = tmp_path / "p.yaml"
+    path.write_text(PIPELINE)
+    assert status_labels(load_pipeline(path)) == {
+        "rollout": "gen", "digits": "digits", "again": "again", "adv": "adv", "train": "update_actor"}

@@ -19,11 +19,12 @@ def test_step_line_matches_documented_format(clock: FakeClock, make_step: StepFa
         log.on_step(make_step(12, elapsed_s=6.084))
     # step 11 alone: 6.0 s / 11 steps = 0.5454 s/step, 109 left -> 59.45 s -> "59s"
     # steps 11 -> 12: 0.084 s/step, 108 left -> 9.072 s -> "9s"
+    # nodes by compute time (gen's wall time is 31 ms, 2 ms of it waiting for its prompts)
     assert stream.getvalue().splitlines() == [
-        "step 11/120 | reward 0.41 | resp_len 16.0 | step 0.084s | gen 31ms ref 9ms score 1ms "
-        "update 40ms | 1,520 tok/s | eta 59s",
-        "step 12/120 | reward 0.41 | resp_len 16.0 | step 0.084s | gen 31ms ref 9ms score 1ms "
-        "update 40ms | 1,520 tok/s | eta 9s",
+        "step 11/120 | reward 0.41 | resp_len 16.0 | step 0.084s | gen 29ms ref 5ms score 1ms "
+        "update 38ms | 1,520 tok/s | eta 59s",
+        "step 12/120 | reward 0.41 | resp_len 16.0 | step 0.084s | gen 29ms ref 5ms score 1ms "
+        "update 38ms | 1,520 tok/s | eta 9s",
     ]
 
 
