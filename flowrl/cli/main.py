@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import os
+import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
 
@@ -28,9 +30,17 @@ app = typer.Typer(
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+PIPED_WIDTH = 160
+"""Columns of the output when it goes to a file or a pipe (rich would assume 80, and wrap a
+plan's table into a narrow column)."""
+
+
 def _console(**options: Any) -> Console:
     """A console that prints text as given: paths, names and messages may hold ``:word:``,
     which rich would otherwise turn into an emoji."""
+    stream = sys.stderr if options.get("stderr") else sys.stdout
+    if "COLUMNS" not in os.environ and not stream.isatty():
+        options.setdefault("width", PIPED_WIDTH)
     return Console(emoji=False, **options)
 
 

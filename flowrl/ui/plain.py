@@ -11,6 +11,7 @@ lines stay short and ``grep``-able.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from types import TracebackType
@@ -74,6 +75,7 @@ class PlainLog:
 
     def __init__(self, stream: IO[str], clock: Callable[[], float] = time.monotonic) -> None:
         self._stream = stream
+        self._closed = False
         self._clock = clock
         self._started_s = clock()
         self._eta = EtaEstimator()
@@ -100,6 +102,28 @@ class PlainLog:
         self._stream.flush()
 
     def _write(self, line: str) -> None:
-        self._stream.write(line + "\n")
-        # Flushed per line so `tail -f` and CI logs show progress as it happens.
-        self._stream.flush()
+        if self._closed:
+            return
+        try:
+            self._stream.write(line + "\n")
+            # Flushed per line so `tail -f` and CI logs show progress as it happens.
+            self._stream.flush()
+        except BrokenPipeError:
+            # The reader went away (`flowrl run ... | head`): the run goes on, its files keep
+            # every line; what this stream would still get goes nowhere.
+            self._closed = True
+            _drop_stream(self._stream)
+
+
+def _drop_stream(stream: IO[str]) -> None:
+    """Point a closed pipe's file descriptor at /dev/null, so that later writes and the
+    interpreter's last flush do not fail on it again."""
+    try:
+        descriptor = stream.fileno()
+    except (OSError, ValueError):
+        return
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, descriptor)
+    finally:
+        os.close(null)

@@ -157,3 +157,19 @@ def test_a_model_path_that_names_nothing_is_refused_at_its_line(tmp_path: Path, 
         pipeline.write_text(text.replace("builtin:tiny-llama", path, 1))
         result = _flowrl(command, str(pipeline), cwd=tmp_path)
         _assert_user_error(result, f"{pipeline}:{line}: models.", f".path: {expected}")
+
+
+def test_a_reader_that_goes_away_does_not_stop_the_run(tmp_path: Path) -> None:
+    """`flowrl run ... | head -3`: the pipe closes after three lines; the run trains on, its
+    files keep every step."""
+    output = tmp_path / "out"
+    process = subprocess.Popen([FLOWRL, "run", str(ROOT / "pipelines" / "grpo_tiny.yaml"), "--steps", "6", "-o", str(output)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert process.stdout is not None
+    process.stdout.readline()
+    process.stdout.close()
+    _, errors = process.communicate(timeout=120)
+    assert process.returncode == 0, errors
+    assert "Traceback" not in errors and "BrokenPipe" not in errors, errors
+    assert len((output / "metrics.jsonl").read_text().splitlines()) == 6
+    assert (output / "final" / "model.safetensors").is_file()
