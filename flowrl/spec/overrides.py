@@ -22,7 +22,7 @@ import yaml
 
 from flowrl.errors import SpecError, SpecIssue
 from flowrl.spec.lines import LineMap
-from flowrl.spec.messages import show
+from flowrl.spec.messages import did_you_mean, show
 
 COMMAND_LINE = "command line"
 """What an issue about an override names instead of a file."""
@@ -125,6 +125,7 @@ def apply_overrides(
         data = {}
     if not isinstance(data, dict):
         return data, line_map, {}  # validation reports that the file is not a pipeline
+    file_nodes = list(data.get("nodes") or {}) if isinstance(data.get("nodes"), dict) else []
     data = copy.deepcopy(data)
     lines = dict(line_map)
     origins: Origins = {}
@@ -132,6 +133,8 @@ def apply_overrides(
         issue for override in overrides
         if (issue := _apply(data, override, lines, origins)) is not None
     ]
+    if not issues:
+        issues = _new_nodes_without_role(data, overrides, file_nodes)
     if issues:
         raise SpecError(issues)
     return data, lines, origins
@@ -155,6 +158,25 @@ def _apply(
     _forget(override.key, lines, origins)
     origins[override.key] = override.text
     return None
+
+
+def _new_nodes_without_role(data: dict[str, Any], overrides: Sequence[Override], file_nodes: list[str]) -> list[SpecIssue]:
+    """A node the overrides made without a role is most likely a misspelt one of the file's."""
+    issues: list[SpecIssue] = []
+    named: set[str] = set()
+    nodes = data.get("nodes")
+    for override in overrides:
+        if len(override.path) < 2 or override.path[0] != "nodes" or not isinstance(nodes, dict):
+            continue
+        name = override.path[1]
+        node = nodes.get(name)
+        if name in file_nodes or name in named or not isinstance(node, dict) or "role" in node:
+            continue
+        named.add(name)
+        issues.append(SpecIssue(
+            f"nodes.{name}", f"no node '{name}' in the file{did_you_mean(name, file_nodes)}; a new node needs its "
+            f"role too (nodes.{name}.role=...)", COMMAND_LINE, None, override.text))
+    return issues
 
 
 def _forget(path: str, lines: LineMap, origins: Origins) -> None:

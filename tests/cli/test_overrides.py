@@ -187,6 +187,17 @@ def test_an_unknown_field_suggests_the_nearest(tmp_path: Path) -> None:
     assert_user_error(code, output, expected)
 
 
+def test_a_misspelt_node_is_named_with_the_nearest_and_a_new_one_needs_its_role(tmp_path: Path) -> None:
+    path = write(tmp_path)
+    name = next(line.split(":")[0].strip() for line in GOOD.splitlines() if "role: generate" in line)
+    misspelt = name[:-1]
+    code, output = flowrl("validate", str(path), f"nodes.{misspelt}.n=3")
+    assert_user_error(code, output, f"command line: nodes.{misspelt}.n=3: nodes.{misspelt}: no node '{misspelt}' in "
+                                    f"the file (did you mean '{name}'?); a new node needs its role too")
+    code, output = flowrl("validate", str(path), f"nodes.{misspelt}.role=generate", f"nodes.{misspelt}.n=3")
+    assert "no node" not in output and "a new node needs its role" not in output
+
+
 @pytest.mark.parametrize(
     "command, argument, expected",
     [
