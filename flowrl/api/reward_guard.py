@@ -27,6 +27,7 @@ class RewardFailureGuard:
         self.streaks = {name: 0 for name in self.functions}
         self.first_errors: dict[str, str] = {}
         self._warned: dict[str, str] = {}
+        self.kept = "" if graph.spec.trainer.checkpoint_every == 0 else " and its checkpoints are kept"
 
     def check(self, step: int, reports: dict[str, Any], on_event: Callable[[RunEvent], None]) -> None:
         """Look at one step's score reports; raises RewardError when a function never works."""
@@ -49,6 +50,6 @@ class RewardFailureGuard:
                 raise RewardError(
                     f"the reward function '{function}' of score node '{name}' failed on every sample for "
                     f"{self.limit} steps in a row (trainer.max_failed_reward_steps), so training had no "
-                    f"signal; the run stopped at step {step} and its checkpoints are kept. First error: "
+                    f"signal; the run stopped at step {step}{self.kept}. First error: "
                     f"{self.first_errors.get(name, 'unknown')}"
                 )

@@ -23,7 +23,7 @@ from flowrl.api.driver import Driver
 from flowrl.api.recovery import FoundCheckpoint, config_changes, newest_checkpoint
 from flowrl.api.replanning import Replanner
 from flowrl.backends.cache import BUILTIN_PREFIX, built_builtin_dir
-from flowrl.api.data import eval_examples, policy_formatter, training_source
+from flowrl.api.data import eval_examples, evaluates_training_prompts, policy_formatter, training_source
 from flowrl.api.checks import offered_keywords, reward_issues
 from flowrl.api.evaluation import Evaluator
 from flowrl.data import PromptSource
@@ -174,8 +174,15 @@ def _run_watched(graph: PipelineGraph, folder: RunFolder, watcher: "_Watchers", 
     held_out = eval_examples(graph, base_dir or Path.cwd(), formatter)
     preflight(graph, base_dir, offered_keywords(source, held_out))
     watcher.event(RunEvent("data", source.describe(), 0))
+    if (too_large := source.batch_warning()) is not None:
+        watcher.event(RunEvent("warning", too_large, 0))
     if held_out:
-        watcher.event(RunEvent("data", f"evaluation: {len(held_out)} held-out prompts", 0))
+        if evaluates_training_prompts(graph, base_dir or Path.cwd()):
+            watcher.event(RunEvent(
+                "warning", f"evaluation: {len(held_out)} prompts of the training split '{spec.data.split}' itself, not "
+                "held out (a single data file has one split); give eval.source a file of held-out prompts", 0))
+        else:
+            watcher.event(RunEvent("data", f"evaluation: {len(held_out)} held-out prompts", 0))
     address = spec.runtime.scheduler_address
     runtime = spec.runtime
     tls = {"ca_file": runtime.tls_ca_file, "cert": runtime.tls_cert, "key": runtime.tls_key}

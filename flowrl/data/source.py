@@ -220,6 +220,14 @@ class PromptSource:
             self._permutations[epoch] = order
         return self._permutations[epoch]
 
+    def batch_warning(self) -> str | None:
+        """What to say when a step's batch is larger than the dataset: it repeats prompts."""
+        if self.task is not None or not self.examples or self.batch_size <= len(self.examples):
+            return None
+        return (f"data.batch_size {self.batch_size} is larger than the {len(self.examples)} prompts of "
+                f"{self.source}: every step repeats prompts ({self.batch_size / len(self.examples):.3g} epochs "
+                "per step); lower data.batch_size or add prompts")
+
     def describe(self) -> str:
         """One line for logs: what the prompts are and how they are batched."""
         if self.task is not None:

@@ -392,3 +392,12 @@ def test_an_unreachable_hub_is_asked_once_and_datasets_reads_its_cache_only(
         PromptSource("someone/no-such-dataset", 1, 0, tmp_path)
     assert len(probes) == 1 and seen == [(True, True)]
     assert datasets.config.HF_HUB_OFFLINE is False and huggingface_hub.constants.HF_HUB_OFFLINE is False
+
+
+def test_a_batch_larger_than_the_data_is_named(tmp_path: Path) -> None:
+    _write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"p{i}"} for i in range(4)])
+    assert PromptSource("d.jsonl", 4, 0, tmp_path).batch_warning() is None
+    assert PromptSource("d.jsonl", 10, 0, tmp_path).batch_warning() == (
+        "data.batch_size 10 is larger than the 4 prompts of d.jsonl: every step repeats prompts (2.5 epochs per "
+        "step); lower data.batch_size or add prompts")
+    assert PromptSource("builtin:digits", 400, 0, tmp_path).batch_warning() is None  # fresh prompts each step
