@@ -149,6 +149,12 @@ def resolve_reward(ref: str | PythonFunction, base_dir: Path | None = None) -> R
             f"reward function '{ref}' is not of the form 'module:function' or 'path/file.py:function' "
             "(e.g. 'my_rewards:score' for a function score in my_rewards.py)"
         )
+    if module_name == "__main__" and not hasattr(sys.modules.get("__main__"), qualname.split(".")[0]):
+        raise RewardError(
+            f"'{ref}' names a function of the script or notebook that built the pipeline in Python, which a "
+            f"pipeline file cannot reach: move '{qualname}' into a module next to the file (my_rewards.py) and "
+            f"write fn: my_rewards:{qualname}, or run the pipeline from that script"
+        )
     if module_name.endswith(".py"):
         module = _load_file_module(Path(module_name).stem, _reward_file(module_name, base_dir))
     else:

@@ -228,6 +228,13 @@ def test_params_a_builtin_reward_function_does_not_take_are_named() -> None:
     assert builtin_params_problem("my_rewards:f", {"anything": 1}) is None  # its signature says
 
 
+def test_a_function_of_another_process_s_main_script_is_named_as_such() -> None:
+    with pytest.raises(RewardError) as caught:
+        resolve_reward("__main__:no_such_correct")
+    assert str(caught.value).startswith(
+        "'__main__:no_such_correct' names a function of the script or notebook that built the pipeline in Python")
+
+
 def test_malformed_references() -> None:
     for ref in ("mod:", ":fn", "a:b:c"):
         with pytest.raises(RewardError, match="not of the form 'module:function'"):
