@@ -17,7 +17,6 @@ from flowrl.api.builder import Pipeline
 from flowrl.algorithms.kl_control import AdaptiveKLController, FixedKLController
 from flowrl.api.loggers import Logger, close_quietly, logger_problems, make_loggers, missing_package
 from flowrl.api.outputs import RunFolder, finite_metrics
-from flowrl.api.paths import absolute_paths
 from flowrl.api.prometheus import PrometheusMetrics
 from flowrl.api.driver import Driver
 from flowrl.api.recovery import FoundCheckpoint, config_changes, newest_checkpoint
@@ -123,8 +122,6 @@ def _run(pipeline: PipelineGraph | Pipeline, options: RunOptions, observer: Obse
     # The folder is named absolutely in config.yaml, so `flowrl resume DIR` from anywhere
     # resolves to the same pipeline text as `flowrl run FILE --resume` did.
     graph = apply_options(graph, RunOptions(output_dir=str(_resolve(Path(graph.spec.trainer.output_dir)))))
-    # and so are the models, data and reward modules it found next to the pipeline file
-    graph = absolute_paths(graph, base_dir)
     check_runnable(graph)
     spec = graph.spec
     folder = RunFolder(Path(spec.trainer.output_dir))
