@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import json
 import os
 import sys
 from pathlib import Path
@@ -109,7 +110,9 @@ def validate(
 
     graph = load_pipeline(pipeline_file, overrides or [])
     _, line_map, _ = read_yaml_file(pipeline_file, "pipeline")
-    check_inputs(graph, pipeline_file.resolve().parent, str(pipeline_file), line_map)
+    # a run's config.yaml reads its relative paths from the folder of the file the run started from
+    base_dir = _pipeline_folder(pipeline_file) or pipeline_file.resolve().parent
+    check_inputs(graph, base_dir, str(pipeline_file), line_map)
     roles = ", ".join(f"{n} ({graph.spec.nodes[n].role})" for n in graph.topological_order())
     source = f"{pipeline_file} with {' '.join(overrides)}" if overrides else f"{pipeline_file}"
     print(f"{source}: valid pipeline '{graph.name}': {len(graph.spec.nodes)} nodes: {roles}")
@@ -155,19 +158,28 @@ def resume(
 ) -> None:
     """Continue a run from its output folder (its config.yaml and newest checkpoint)."""
     _start_warm_server()
-    import json
-
     from flowrl.spec.loader import load_pipeline
 
     config = output_dir / "config.yaml"
     if not config.is_file():
         raise FlowrlError(f"{output_dir} holds no config.yaml: it is not the output folder of a flowrl run")
     graph = load_pipeline(config)
-    try:
-        base_dir = Path(json.loads((output_dir / "run.json").read_text()).get("base_dir") or output_dir)
-    except (OSError, ValueError, AttributeError):
-        base_dir = output_dir.resolve()
+    base_dir = _pipeline_folder(config) or output_dir.resolve()
     _train(graph, base_dir, plain, True, force, file=config, output_dir=str(output_dir.resolve()))
+
+
+def _pipeline_folder(config: Path) -> Path | None:
+    """The folder a run's ``config.yaml`` reads its relative paths from (models, data, reward
+    modules): that of the pipeline file the run started from, which ``run.json`` beside it
+    records; None for any other file."""
+    info = config.parent / "run.json"
+    if config.name != "config.yaml" or not info.is_file():
+        return None
+    try:
+        folder = json.loads(info.read_text()).get("base_dir")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return Path(folder) if isinstance(folder, str) and folder else None
 
 
 def _start_warm_server() -> None:

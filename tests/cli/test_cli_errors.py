@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -173,3 +174,22 @@ def test_a_reader_that_goes_away_does_not_stop_the_run(tmp_path: Path) -> None:
     assert "Traceback" not in errors and "BrokenPipe" not in errors, errors
     assert len((output / "metrics.jsonl").read_text().splitlines()) == 6
     assert (output / "final" / "model.safetensors").is_file()
+
+
+def test_a_run_s_config_yaml_validates_from_any_folder(tmp_path: Path) -> None:
+    """Its relative data and reward paths are read from the pipeline file's folder, which
+    run.json records."""
+    project, output, elsewhere = tmp_path / "project", tmp_path / "out", tmp_path / "elsewhere"
+    for folder in (project, output, elsewhere):
+        folder.mkdir()
+    (project / "train.jsonl").write_text('{"prompt": "ab=", "answer": "1"}\n')
+    (project / "my_rewards.py").write_text("def correct(completions, **kwargs):\n    return [0.0] * len(completions)\n")
+    text = (ROOT / "pipelines" / "grpo_tiny.yaml").read_text()
+    text = text.replace("fn: digits,", "fn: 'my_rewards:correct',").replace("builtin:digits", "train.jsonl")
+    assert "train.jsonl" in text and "my_rewards:correct" in text
+    (output / "config.yaml").write_text(text)
+    result = _flowrl("validate", str(output / "config.yaml"), cwd=elsewhere)
+    _assert_user_error(result, "data source 'train.jsonl' not found")  # no run.json: the file's own folder
+    (output / "run.json").write_text(json.dumps({"base_dir": str(project), "finished_steps": None}))
+    result = _flowrl("validate", str(output / "config.yaml"), cwd=elsewhere)
+    assert result.returncode == 0, result.stdout + result.stderr
