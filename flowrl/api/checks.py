@@ -14,8 +14,8 @@ from typing import Any
 from flowrl.api.data import eval_examples, policy_formatter, training_source
 from flowrl.backends.cache import BUILTIN_PREFIX as MODEL_PREFIX
 from flowrl.backends.catalog import lookup_builtin
-from flowrl.backends.hf import missing_config
-from flowrl.backends.hf import resolve_model_path as local_or_hub
+from flowrl.backends.locations import missing_config
+from flowrl.backends.locations import resolve_model_path as local_or_hub
 from flowrl.data import PromptExample, PromptSource
 from flowrl.data.files import missing_local_source
 from flowrl.data.source import BUILTIN_PREFIX
