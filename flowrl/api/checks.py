@@ -22,9 +22,12 @@ from flowrl.data.source import BUILTIN_PREFIX
 from flowrl.errors import DataError, ModelLoadError, RewardError, SpecError, SpecIssue
 from flowrl.graph import PipelineGraph
 from flowrl.rewards import FLOWRL_KEYWORDS, REWARD_FUNCTIONS, resolve_reward, signature_problem
-from flowrl.spec.lines import LineMap, line_of
+from flowrl.spec.loader import Locate
 from flowrl.spec.messages import Issue
 from flowrl.spec.schema import ScoreNode
+
+BUILTIN_REWARDS_MODULE = "flowrl.rewards.builtin"
+"""Where flowrl's own reward functions live (the registry also holds the user's)."""
 
 SAMPLED_ROWS = 1000
 """Examples whose columns are read to learn what keywords reward functions will get."""
@@ -69,6 +72,8 @@ def builtin_params_problem(fn: object, params: dict[str, Any]) -> str | None:
     if not isinstance(fn, str) or fn.strip() not in REWARD_FUNCTIONS or not params:
         return None
     function = REWARD_FUNCTIONS[fn.strip()]
+    if function.__module__ != BUILTIN_REWARDS_MODULE:
+        return None  # registered by the user (register_reward): its **kwargs may read params
     taken = sorted(
         parameter.name for parameter in inspect.signature(function).parameters.values()
         if parameter.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
@@ -81,9 +86,10 @@ def builtin_params_problem(fn: object, params: dict[str, Any]) -> str | None:
     return f"the built-in reward function '{fn.strip()}' has no parameter {', '.join(unknown)} ({takes})"
 
 
-def check_inputs(graph: PipelineGraph, base_dir: Path | None, file: str | None = None, line_map: LineMap | None = None) -> None:
+def check_inputs(graph: PipelineGraph, base_dir: Path | None, locate: Locate | None = None) -> None:
     """Check the model paths, load the data (and held-out data) and check every reward
-    function against it; SpecError listing every problem, at its place in ``file`` when given."""
+    function against it; SpecError listing every problem, each placed by ``locate`` (a line
+    of the pipeline file, or the override that set it) when given."""
     issues: list[Issue] = model_issues(graph, base_dir)
     offered: set[str] | None = None
     if not issues:  # the data is read with the policy's tokenizer
@@ -100,7 +106,7 @@ def check_inputs(graph: PipelineGraph, base_dir: Path | None, file: str | None =
             issues.append(("data.source", str(error)))
     issues.extend(reward_issues(graph, base_dir, offered))
     if issues:
-        raise SpecError(_located(issues, file, line_map))
+        raise SpecError(_located(issues, locate))
 
 
 def model_issues(graph: PipelineGraph, base_dir: Path | None) -> list[Issue]:
@@ -123,12 +129,11 @@ def model_issues(graph: PipelineGraph, base_dir: Path | None) -> list[Issue]:
     return issues
 
 
-def raise_early_issues(graph: PipelineGraph, base_dir: Path | None, file: str | None = None,
-                       line_map: LineMap | None = None) -> None:
+def raise_early_issues(graph: PipelineGraph, base_dir: Path | None, locate: Locate | None = None) -> None:
     """The checks that need no data loaded and no worker: model paths that name nothing,
     reward functions that cannot be loaded, local data files that are not there. SpecError
-    listing them, at their place in ``file`` when given (a run checks the rest, with the data,
-    as it starts)."""
+    listing them, placed by ``locate`` when given (a run checks the rest, with the data, as
+    it starts)."""
     issues = model_issues(graph, base_dir) + reward_issues(graph, base_dir, None)
     sources = [("data.source", graph.spec.data.source)]
     if graph.spec.eval is not None and graph.spec.eval.source:
@@ -138,9 +143,8 @@ def raise_early_issues(graph: PipelineGraph, base_dir: Path | None, file: str | 
         if problem is not None:
             issues.append((path, problem))
     if issues:
-        raise SpecError(_located(issues, file, line_map))
+        raise SpecError(_located(issues, locate))
 
 
-def _located(issues: list[Issue], file: str | None, line_map: LineMap | None) -> list[SpecIssue]:
-    lines = line_map or {}
-    return [SpecIssue(path, message, file, line_of(path, lines) if file else None) for path, message in issues]
+def _located(issues: list[Issue], locate: Locate | None) -> list[SpecIssue]:
+    return [locate(path, message) if locate is not None else SpecIssue(path, message) for path, message in issues]

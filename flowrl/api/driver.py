@@ -27,7 +27,7 @@ from flowrl.api.evaluation import Evaluator
 from flowrl.api.faults import NonFiniteGuard
 from flowrl.api.metrics import step_metrics
 from flowrl.api.outputs import RunFolder
-from flowrl.api.recovery import FoundCheckpoint, newest_checkpoint
+from flowrl.api.recovery import FoundCheckpoint, newest_checkpoint, newest_written
 from flowrl.api.replanning import Replanner
 from flowrl.api.reward_guard import RewardFailureGuard
 from flowrl.data import PromptSource
@@ -131,7 +131,7 @@ class Driver:
         self.pending_snapshot: tuple[PendingSnapshot, dict[str, Any], int] | None = None
         """A snapshot on its way to the driver, with the KL state and step it belongs to."""
         self.nonfinite = NonFiniteGuard(graph.spec.trainer.max_nonfinite_updates)
-        self.rewards = RewardFailureGuard(graph)
+        self.rewards = RewardFailureGuard(graph, folder.checkpoints)
         self.recovery: Recovery | None = None
         self.started = time.perf_counter()
         self.built_once = False
@@ -497,10 +497,10 @@ class Driver:
 
     def _stop(self, stop: lc.Stop, error: BaseException | None, failed_at: lc.Instruction | None) -> None:
         if stop.reason == "interrupted":
-            found = newest_checkpoint(self.folder.checkpoints)
+            written = newest_written(self.folder.checkpoints)
             every = self.graph.spec.trainer.checkpoint_every
-            if found is not None:
-                kept = f"the newest intact checkpoint is {found.path}. {self._resume_hint()}"
+            if written is not None:
+                kept = f"the newest checkpoint is {written}. {self._resume_hint()}"
             else:
                 kept = (f"no checkpoint was written yet (trainer.checkpoint_every: {every}"
                         f"{', none at all' if every == 0 else ''}), so a resume would start over at step 1")

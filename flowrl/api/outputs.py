@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from flowrl.api.recovery import TRAINER_STATE, file_digests
+from flowrl.api.recovery import TRAINER_STATE, checkpoint_dirs, file_digests
 from flowrl.errors import CheckpointError, FlowrlError
 from flowrl.profiler import NodeSummary
 from flowrl.records import NodeTiming, RunEvent, StepRecord, slowest_part_medians
@@ -44,11 +44,7 @@ class RunFolder:
 
     def earlier_checkpoints(self) -> list[str]:
         """Names of the checkpoints a run left here (``step-N``, oldest first)."""
-        if not self.checkpoints.is_dir():
-            return []
-        steps = [path.name for path in self.checkpoints.glob("step-*")
-                 if path.is_dir() and path.name.removeprefix("step-").isdigit()]
-        return sorted(steps, key=lambda name: int(name.removeprefix("step-")))
+        return [path.name for _, path in checkpoint_dirs(self.checkpoints)]
 
     def start_over(self) -> None:
         """Delete an earlier run's checkpoints and final model: a fresh run must never resume

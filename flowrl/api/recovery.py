@@ -63,17 +63,30 @@ class FoundCheckpoint:
     """One line per newer checkpoint that was skipped, saying why."""
 
 
-def newest_checkpoint(checkpoints: Path) -> FoundCheckpoint | None:
-    """The newest complete and intact checkpoint under ``checkpoints`` (None if there is none)."""
+def checkpoint_dirs(checkpoints: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every ``step-<n>`` folder under ``checkpoints``, oldest first,
+    whatever state it is in."""
     if not checkpoints.is_dir():
-        return None
+        return []
     steps = []
     for path in checkpoints.glob("step-*"):
         suffix = path.name.removeprefix("step-")
         if path.is_dir() and suffix.isdigit():
             steps.append((int(suffix), path))
+    return sorted(steps)
+
+
+def newest_written(checkpoints: Path) -> Path | None:
+    """The newest checkpoint whose write finished (its trainer state exists), without reading
+    its files again: what a message may name at once (checking every checksum of a large
+    model's checkpoint takes minutes)."""
+    return next((path for _, path in reversed(checkpoint_dirs(checkpoints)) if (path / TRAINER_STATE).is_file()), None)
+
+
+def newest_checkpoint(checkpoints: Path) -> FoundCheckpoint | None:
+    """The newest complete and intact checkpoint under ``checkpoints`` (None if there is none)."""
     skipped: list[str] = []
-    for step, path in sorted(steps, reverse=True):
+    for step, path in reversed(checkpoint_dirs(checkpoints)):
         problem = checkpoint_problem(path)
         if problem is None:
             state = json.loads((path / TRAINER_STATE).read_text())

@@ -8,8 +8,10 @@ error, once every sample of ``trainer.max_failed_reward_steps`` steps in a row f
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Callable
 
+from flowrl.api.recovery import newest_written
 from flowrl.errors import RewardError
 from flowrl.graph import PipelineGraph
 from flowrl.records import RunEvent
@@ -17,7 +19,7 @@ from flowrl.spec.schema import ScoreNode
 
 
 class RewardFailureGuard:
-    def __init__(self, graph: PipelineGraph) -> None:
+    def __init__(self, graph: PipelineGraph, checkpoints: Path | None = None) -> None:
         self.limit = graph.spec.trainer.max_failed_reward_steps
         self.functions = {
             name: str(node.fn_name)
@@ -27,7 +29,7 @@ class RewardFailureGuard:
         self.streaks = {name: 0 for name in self.functions}
         self.first_errors: dict[str, str] = {}
         self._warned: dict[str, str] = {}
-        self.kept = "" if graph.spec.trainer.checkpoint_every == 0 else " and its checkpoints are kept"
+        self.checkpoints = checkpoints
 
     def check(self, step: int, reports: dict[str, Any], on_event: Callable[[RunEvent], None]) -> None:
         """Look at one step's score reports; raises RewardError when a function never works."""
@@ -50,6 +52,10 @@ class RewardFailureGuard:
                 raise RewardError(
                     f"the reward function '{function}' of score node '{name}' failed on every sample for "
                     f"{self.limit} steps in a row (trainer.max_failed_reward_steps), so training had no "
-                    f"signal; the run stopped at step {step}{self.kept}. First error: "
+                    f"signal; the run stopped at step {step}{self._kept()}. First error: "
                     f"{self.first_errors.get(name, 'unknown')}"
                 )
+
+    def _kept(self) -> str:
+        written = newest_written(self.checkpoints) if self.checkpoints is not None else None
+        return f"; its newest checkpoint is {written}" if written is not None else ""

@@ -12,7 +12,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 import typer
 from rich.console import Console
@@ -27,6 +27,9 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
+
+if TYPE_CHECKING:
+    from flowrl.spec.loader import Locate
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -105,14 +108,12 @@ def validate(
 ) -> None:
     """Check a pipeline file (with any KEY=VALUE overrides): schema, names, graph, its data and its reward functions. Exit 0 when valid, 2 otherwise."""
     from flowrl.api.checks import check_inputs
-    from flowrl.spec.lines import read_yaml_file
-    from flowrl.spec.loader import load_pipeline
+    from flowrl.spec.loader import issue_locator, load_pipeline
 
     graph = load_pipeline(pipeline_file, overrides or [])
-    _, line_map, _ = read_yaml_file(pipeline_file, "pipeline")
     # a run's config.yaml reads its relative paths from the folder of the file the run started from
     base_dir = _pipeline_folder(pipeline_file) or pipeline_file.resolve().parent
-    check_inputs(graph, base_dir, str(pipeline_file), line_map)
+    check_inputs(graph, base_dir, issue_locator(pipeline_file, overrides or []))
     roles = ", ".join(f"{n} ({graph.spec.nodes[n].role})" for n in graph.topological_order())
     source = f"{pipeline_file} with {' '.join(overrides)}" if overrides else f"{pipeline_file}"
     print(f"{source}: valid pipeline '{graph.name}': {len(graph.spec.nodes)} nodes: {roles}")
@@ -140,12 +141,13 @@ def run(
     """Train a pipeline (with any KEY=VALUE overrides): start (or join) Dask, place the roles, run the steps."""
     if scheduler is None:
         _start_warm_server()
-    from flowrl.spec.loader import load_pipeline
+    from flowrl.spec.loader import issue_locator, load_pipeline
 
     graph = load_pipeline(pipeline_file, overrides or [])
     if overwrite and resume:
         raise FlowrlError("--overwrite starts over and --resume continues: give one of them")
-    _train(graph, pipeline_file.resolve().parent, plain, resume, force, overwrite=overwrite, file=pipeline_file,
+    _train(graph, pipeline_file.resolve().parent, plain, resume, force, overwrite=overwrite,
+           locate=issue_locator(pipeline_file, overrides or []),
            steps=steps, output_dir=output_dir, scheduler_address=scheduler, cpu_slots=cpu_slots, seed=seed)
 
 
@@ -158,14 +160,14 @@ def resume(
 ) -> None:
     """Continue a run from its output folder (its config.yaml and newest checkpoint)."""
     _start_warm_server()
-    from flowrl.spec.loader import load_pipeline
+    from flowrl.spec.loader import issue_locator, load_pipeline
 
     config = output_dir / "config.yaml"
     if not config.is_file():
         raise FlowrlError(f"{output_dir} holds no config.yaml: it is not the output folder of a flowrl run")
     graph = load_pipeline(config)
     base_dir = _pipeline_folder(config) or output_dir.resolve()
-    _train(graph, base_dir, plain, True, force, file=config, output_dir=str(output_dir.resolve()))
+    _train(graph, base_dir, plain, True, force, locate=issue_locator(config), output_dir=str(output_dir.resolve()))
 
 
 def _pipeline_folder(config: Path) -> Path | None:
@@ -192,15 +194,12 @@ def _start_warm_server() -> None:
 
 
 def _train(graph: Any, base_dir: Path, plain: bool, resume: bool, force: bool, overwrite: bool = False,
-           file: Path | None = None, **overrides: Any) -> None:
+           locate: "Locate | None" = None, **overrides: Any) -> None:
     from flowrl.api.checks import raise_early_issues
-    from flowrl.spec.lines import read_yaml_file
 
     runtime = graph.spec.runtime
     pending = None
-    line_map = read_yaml_file(file, "pipeline")[1] if file is not None else None
-    # the usual mistakes, before any worker starts, at their line of the file
-    raise_early_issues(graph, base_dir, str(file) if file is not None else None, line_map)
+    raise_early_issues(graph, base_dir, locate)  # the usual mistakes, before any worker starts, at their place
     if not (overrides.get("scheduler_address") or runtime.scheduler_address):
         # The workers start now, and import torch while this process imports the rest of
         # flowrl and reads the data: on a small machine that halves the wait for step 1.

@@ -92,6 +92,18 @@ def _validate(
     return PipelineGraph(spec)
 
 
+Locate = Callable[[str, str], SpecIssue]
+"""(dotted path, message) -> the issue at its place: a line of the file, or the override."""
+
+
+def issue_locator(path: str | Path, overrides: Sequence[str] = ()) -> Locate:
+    """Where issues found later (data, reward functions, models) about the pipeline that
+    ``load_pipeline(path, overrides)`` read are: the file's line, or the override that set the field."""
+    data, line_map, _ = read_yaml_file(path, "pipeline")
+    _, line_map, origins = apply_overrides(data, line_map, parse_overrides(overrides))
+    return lambda where, message: _locate(where, message, str(path), line_map, origins)
+
+
 def _locate(
     path: str, message: str, source_name: str | None, line_map: LineMap, origins: Origins
 ) -> SpecIssue:

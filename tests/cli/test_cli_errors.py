@@ -56,6 +56,9 @@ def test_validate_accepts_every_shipped_pipeline() -> None:
         (("run", "pipelines/grpo_tiny.yaml", "--scheduler", "tcp://localhost:99999"),
          ("runtime.scheduler_address: expected a Dask scheduler address", "'tcp://localhost:99999'")),
         # printed as given (rich would read ':abc:' as an emoji code)
+        # a model path from an override is the override's mistake, not the file's
+        (("validate", "pipelines/grpo_tiny.yaml", "models.actor.path=builtin:tiny-lama"),
+         ("command line: models.actor.path=builtin:tiny-lama: unknown builtin model 'tiny-lama'",)),
         (("validate", "pipelines/grpo_tiny.yaml", "runtime.scheduler_address=localhost:abc"),
          ("runtime.scheduler_address=localhost:abc: expected a Dask scheduler address", "found 'localhost:abc'")),
     ],

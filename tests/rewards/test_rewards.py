@@ -226,6 +226,17 @@ def test_params_a_builtin_reward_function_does_not_take_are_named() -> None:
         "the built-in reward function 'regex_format' has no parameter patern (it takes pattern)")
     assert builtin_params_problem("regex_format", {"pattern": "x"}) is None
     assert builtin_params_problem("my_rewards:f", {"anything": 1}) is None  # its signature says
+    # a function the user registered reads its params from **kwargs as it likes
+    from flowrl.rewards.builtin import REWARD_FUNCTIONS, register_reward
+
+    def by_kwargs(completions: list[str], **kwargs: object) -> list[float]:
+        return [float(kwargs.get("scale", 1.0))] * len(completions)  # type: ignore[arg-type]
+
+    register_reward("test_by_kwargs", by_kwargs)
+    try:
+        assert builtin_params_problem("test_by_kwargs", {"scale": 2.0}) is None
+    finally:
+        REWARD_FUNCTIONS.pop("test_by_kwargs")
 
 
 def test_a_function_of_another_process_s_main_script_is_named_as_such() -> None:
