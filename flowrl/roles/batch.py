@@ -91,7 +91,7 @@ class Rollout:
         )
 
     def texts_pending(self) -> Future[list[str]] | None:
-        """The decode of the completion texts, while it still runs."""
+        """The decode of the completion texts while it still runs (or when it failed)."""
         return pending(self.completions)
 
     def completion_token_lists(self) -> list[list[int]]:

@@ -16,6 +16,7 @@ import torch
 
 from flowrl.roles.batch import Rollout
 from flowrl.roles.data_parallel import weighted_rows
+from flowrl.roles.texts import joined
 
 
 def shard_rows(num_rows: int, index: int, count: int) -> slice:
@@ -57,7 +58,7 @@ def join_rollouts(parts: list[Rollout]) -> Rollout:
         completion_mask=torch.cat([widen(p.completion_mask, completion_width, 0, False) for p in parts]),
         group_size=first.group_size,
         prompts=[text for p in parts for text in p.prompts],
-        completions=[text for p in parts for text in p.completions],
+        completions=joined([p.completions for p in parts]),
         answers=[answer for p in parts for answer in p.answers],
         max_new_tokens=first.max_new_tokens,
         temperature=first.temperature,

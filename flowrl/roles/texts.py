@@ -118,6 +118,14 @@ class LaterTexts(Sequence[str]):
         return (list, (self.texts(),))
 
 
+def joined(parts: list[Sequence[str]]) -> Sequence[str]:
+    """The texts of ``parts`` one after another; still decoding if any part is. The join
+    runs on the texts thread after the decodes queued before it, so it never waits on itself."""
+    if not any(isinstance(part, LaterTexts) for part in parts):
+        return [text for part in parts for text in part]
+    return LaterTexts(_POOL.submit(lambda: [text for part in parts for text in part]), sum(len(part) for part in parts))
+
+
 def pick(texts: Sequence[str], index: list[int]) -> Sequence[str]:
     """Rows ``index`` of ``texts``; texts still decoding stay so."""
     if isinstance(texts, LaterTexts):
@@ -126,7 +134,7 @@ def pick(texts: Sequence[str], index: list[int]) -> Sequence[str]:
 
 
 def pending(texts: Sequence[str]) -> Future[list[str]] | None:
-    """The decode ``texts`` still wait for, if any."""
-    if isinstance(texts, LaterTexts) and not texts.done():
+    """The decode ``texts`` still wait for, or that failed; None when they are there."""
+    if isinstance(texts, LaterTexts) and (not texts.done() or texts.future.exception() is not None):
         return texts.future
     return None

@@ -402,7 +402,12 @@ class RoleHost:
         value = await self._stored(key)
         texts = value.texts_pending() if isinstance(value, Rollout) else None
         if texts is not None:
-            await asyncio.wrap_future(texts)
+            try:
+                await asyncio.wrap_future(texts)
+            except Exception as error:  # noqa: BLE001 - the producer's failure, told as such
+                step, _, node = key.partition(":")
+                raise UpstreamFailed(f"the completion texts of node '{node}' at step {step} could not be decoded: "
+                                     f"{type(error).__name__}: {error}") from error
         return value
 
     def _forget_before(self, step: int) -> None:

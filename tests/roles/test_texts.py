@@ -48,3 +48,37 @@ def test_a_rollout_leaving_its_process_carries_plain_texts() -> None:
     assert type(travelled.completions) is list
     assert travelled.completions == ["xy", "z"] == decode_rows(tokenizer, rollout.completion_ids, rollout.completion_mask)
 
+
+
+def test_joined_parts_stay_pending_until_every_part_is_decoded() -> None:
+    from flowrl.roles.texts import joined
+
+    assert joined([["a"], ["b", "c"]]) == ["a", "b", "c"]
+    first: Future[list[str]] = Future()
+    together = joined([LaterTexts(first, 2), ["c"]])
+    assert isinstance(together, LaterTexts) and len(together) == 3
+    first.set_result(["a", "b"])
+    assert list(together) == ["a", "b", "c"]
+
+
+def test_a_decode_that_fails_is_the_producer_s_failure_for_a_peer() -> None:
+    import asyncio
+
+    from flowrl.runtime.calls import store_key
+    from flowrl.runtime.host import RoleHost, UpstreamFailed
+
+    host = RoleHost("cpu-0", "cpu", torch.get_num_threads(), 0, None, sample_interval_s=60.0)
+    tokenizer = build_char_tokenizer()
+    rollout = text_rollout(tokenizer, ["a="], ["x"], 1, 2)
+    failed: Future[list[str]] = Future()
+    failed.set_exception(UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte"))
+    rollout.completions = LaterTexts(failed, 1)
+    key = store_key(0, "gen", 0)
+    host.store[key] = rollout
+    host._event(key).set()
+    try:
+        asyncio.run(host.fetch(key))
+    except UpstreamFailed as error:
+        assert str(error).startswith("the completion texts of node 'gen' at step 0 could not be decoded: UnicodeDecodeError")
+    else:
+        raise AssertionError("the fetch passed a rollout whose texts failed")
