@@ -221,11 +221,12 @@ class _Checker:
                         if isinstance(self.spec.nodes[item], GenerateNode)]
             single = [item for item in rollouts if getattr(self.spec.nodes[item], "n", 2) < 2]
             if single and len(single) == len(rollouts):
+                outcome = ("every advantage would be 0 and nothing would train" if node.estimator == "grpo"
+                           else "a sample's baseline is the mean of the other samples of its prompt, and there are none")
                 self.add(f"nodes.{single[0]}.n",
                          f"advantage '{name}' uses {node.estimator}, which compares the n samples of each prompt, "
-                         f"and '{single[0]}' draws n: 1: every advantage would be 0 and nothing would train; "
-                         "set n to 2 or more (8 is usual), or use estimator: reinforce_pp or gae, which need no "
-                         "groups")
+                         f"and '{single[0]}' draws n: 1: {outcome}; set n to 2 or more (8 is usual), or use "
+                         "estimator: reinforce_pp or gae, which need no groups")
 
     def _check_eval(self) -> None:
         """Evaluation applies reward functions: named ones must be score nodes with ``fn``."""

@@ -65,11 +65,12 @@ def eval_examples(graph: PipelineGraph, base_dir: Path | None, formatter: Prompt
 
 
 def evaluates_training_prompts(graph: PipelineGraph, base_dir: Path | None) -> bool:
-    """Whether the evaluation reads the very split training draws from (a single data file
-    without ``eval.source``: its one split is the training data)."""
+    """Whether the evaluation reads the very split training draws from (as a single data file
+    without ``eval.source`` does: its one split is the training data)."""
     spec = graph.spec
     evaluation = spec.eval
     if evaluation is None or (evaluation.source is not None and evaluation.source != spec.data.source):
         return False
     split = eval_split(evaluation.source, evaluation.split, spec.data.source, base_dir)
-    return split == spec.data.split
+    subset = evaluation.subset if evaluation.source is not None else (evaluation.subset or spec.data.subset)
+    return split == spec.data.split and subset == spec.data.subset

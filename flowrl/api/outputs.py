@@ -33,6 +33,20 @@ from flowrl.profiler import NodeSummary
 from flowrl.records import NodeTiming, RunEvent, StepRecord, slowest_part_medians
 
 
+def check_fresh_start(output_dir: Path, overwrite: bool) -> None:
+    """A fresh run may not start in a folder that holds an earlier run's checkpoints (a later
+    resume would take them for its own) unless it starts over there (``overwrite``)."""
+    earlier = [path.name for _, path in checkpoint_dirs(output_dir / "checkpoints")]
+    if earlier and not overwrite:
+        shown = ", ".join(earlier[-3:]) + (f" and {len(earlier) - 3} older" if len(earlier) > 3 else "")
+        raise FlowrlError(
+            f"the output folder {output_dir} holds checkpoints of an earlier run ({shown}), which a later resume "
+            f"would take for this run's: continue that run (flowrl resume {output_dir}; run(..., resume=True)), "
+            "start over there (--overwrite; run(..., overwrite=True): deletes its checkpoints and final model), "
+            "or give this run another output folder (-o DIR; trainer.output_dir)"
+        )
+
+
 class RunFolder:
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -41,10 +55,6 @@ class RunFolder:
         except OSError as error:
             raise FlowrlError(f"cannot create the output folder {path}: {error}") from error
         self.checkpoints = path / "checkpoints"
-
-    def earlier_checkpoints(self) -> list[str]:
-        """Names of the checkpoints a run left here (``step-N``, oldest first)."""
-        return [path.name for _, path in checkpoint_dirs(self.checkpoints)]
 
     def start_over(self) -> None:
         """Delete an earlier run's checkpoints and final model: a fresh run must never resume

@@ -16,14 +16,14 @@ from pydantic import ValidationError
 from flowrl.api.builder import Pipeline
 from flowrl.algorithms.kl_control import AdaptiveKLController, FixedKLController
 from flowrl.api.loggers import Logger, close_quietly, logger_problems, make_loggers, missing_package
-from flowrl.api.outputs import RunFolder, finite_metrics
+from flowrl.api.outputs import RunFolder, check_fresh_start, finite_metrics
 from flowrl.api.prometheus import PrometheusMetrics
 from flowrl.api.driver import Driver
 from flowrl.api.recovery import FoundCheckpoint, config_changes, newest_checkpoint
 from flowrl.api.replanning import Replanner
 from flowrl.backends.cache import BUILTIN_PREFIX, built_builtin_dir
 from flowrl.api.data import eval_examples, evaluates_training_prompts, policy_formatter, training_source
-from flowrl.api.checks import offered_keywords, reward_issues
+from flowrl.api.checks import model_issues, offered_keywords, reward_issues
 from flowrl.api.evaluation import Evaluator
 from flowrl.data import PromptSource
 from flowrl.devices.groups import offload_notes, pipeline_groups
@@ -127,6 +127,7 @@ def _run(pipeline: PipelineGraph | Pipeline, options: RunOptions, observer: Obse
     folder = RunFolder(Path(spec.trainer.output_dir))
     config_text = to_yaml(graph)
     start: FoundCheckpoint | None = None
+    earlier_run = folder.read_config() is not None
     if resume:
         finished = _finished_steps(folder)
         _check_unchanged(folder, config_text, force)
@@ -147,7 +148,7 @@ def _run(pipeline: PipelineGraph | Pipeline, options: RunOptions, observer: Obse
     failed = True
     try:
         watcher.start_reporting(graph, config_text)
-        result = _run_watched(graph, folder, watcher, base_dir, resume, start, local_cluster)
+        result = _run_watched(graph, folder, watcher, base_dir, resume and earlier_run, start, local_cluster)
         failed = False
         return result
     finally:
@@ -159,7 +160,7 @@ def _run(pipeline: PipelineGraph | Pipeline, options: RunOptions, observer: Obse
 def _run_watched(graph: PipelineGraph, folder: RunFolder, watcher: "_Watchers", base_dir: Path | None,
                  resume: bool, start: FoundCheckpoint | None, pending: PendingCluster | None = None) -> RunResult:
     spec = graph.spec
-    if resume:
+    if resume:  # a run to resume was there (a first start with --resume starts quietly)
         for line in start.skipped if start is not None else ():
             watcher.event(RunEvent("warning", f"checkpoint skipped: {line}", 0))
         if start is None:
@@ -176,8 +177,9 @@ def _run_watched(graph: PipelineGraph, folder: RunFolder, watcher: "_Watchers", 
     if held_out:
         if evaluates_training_prompts(graph, base_dir or Path.cwd()):
             watcher.event(RunEvent(
-                "warning", f"evaluation: {len(held_out)} prompts of the training split '{spec.data.split}' itself, not "
-                "held out (a single data file has one split); give eval.source a file of held-out prompts", 0))
+                "warning", f"evaluation: {len(held_out)} prompts of split '{spec.data.split}' of {spec.data.source}, the "
+                "split training draws from, so they are not held out; give eval.source held-out prompts (a single "
+                "data file has only that split) or eval.split another split", 0))
         else:
             watcher.event(RunEvent("data", f"evaluation: {len(held_out)} held-out prompts", 0))
     address = spec.runtime.scheduler_address
@@ -265,15 +267,7 @@ def _train(
 
 
 def _fresh_start(folder: RunFolder, overwrite: bool) -> None:
-    earlier = folder.earlier_checkpoints()
-    if earlier and not overwrite:
-        shown = ", ".join(earlier[-3:]) + (f" and {len(earlier) - 3} older" if len(earlier) > 3 else "")
-        raise FlowrlError(
-            f"the output folder {folder.path} holds checkpoints of an earlier run ({shown}), which a later resume "
-            f"would take for this run's: continue that run (flowrl resume {folder.path}; run(..., resume=True)), "
-            "start over there (--overwrite; run(..., overwrite=True): deletes its checkpoints and final model), "
-            "or give this run another output folder (-o DIR; trainer.output_dir)"
-        )
+    check_fresh_start(folder.path, overwrite)
     if overwrite:
         folder.start_over()
 
@@ -351,16 +345,16 @@ def preflight(graph: PipelineGraph, base_dir: Path | None, offered: set[str] | N
     Resolving a builtin model also builds it once, so that workers never race to build
     the same cache directory.
     """
+    issues = model_issues(graph, base_dir) + reward_issues(graph, base_dir, offered)
+    if issues:
+        raise SpecError([SpecIssue(path, message) for path, message in issues])
     for model in graph.spec.models.values():
         path = model.path
-        if path.startswith(BUILTIN_PREFIX) and built_builtin_dir(path[len(BUILTIN_PREFIX):]) is not None:
-            continue  # built already: the driver need not import the builders (transformers)
+        if not path.startswith(BUILTIN_PREFIX) or built_builtin_dir(path[len(BUILTIN_PREFIX):]) is not None:
+            continue  # a folder or hub name, or built already: the driver need not import the builders
         from flowrl.backends.models import resolve_model_path
 
         resolve_model_path(path, base_dir)
-    issues = reward_issues(graph, base_dir, offered)
-    if issues:
-        raise SpecError([SpecIssue(path, message) for path, message in issues])
 
 
 def _resolve(path: Path) -> Path:

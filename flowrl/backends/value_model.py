@@ -41,6 +41,7 @@ from transformers.utils import logging as hf_logging
 
 from flowrl.backends.builtin import quiet_progress_bars
 from flowrl.backends.hf import TORCH_DTYPES, DtypeName, HubOptions, load_error, resolve_model_path, set_padding
+from flowrl.backends.locations import missing_config
 from flowrl.backends.scalar_files import (
     MARKER_FILE,
     SCORE,
@@ -143,11 +144,9 @@ def load_scalar_model(
             f"unknown dtype '{dtype}' for model '{path}'; expected one of {', '.join(TORCH_DTYPES)}"
         )
     location = resolve_model_path(path, base_dir)
-    if isinstance(location, Path) and not (location / "config.json").is_file():
-        raise ModelLoadError(
-            f"model directory {location} has no config.json; pass a directory written by "
-            "save_pretrained (config.json, weights and tokenizer files)"
-        )
+    problem = missing_config(location) if isinstance(location, Path) else None
+    if problem is not None:
+        raise ModelLoadError(problem)
     source = str(location)
     torch_dtype = TORCH_DTYPES[dtype]
     kwargs = options.kwargs(local_files_only=True)

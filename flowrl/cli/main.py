@@ -56,6 +56,12 @@ def _friendly(function: F) -> F:
         except FlowrlError as error:
             _console(stderr=True, highlight=False).print(f"[bold red]error:[/] {escape(str(error))}", markup=True, soft_wrap=True)
             raise typer.Exit(code=error.exit_code) from None
+        except BrokenPipeError:
+            # the reader of the output went away (`flowrl ... | head`) after the work was done
+            from flowrl.ui.plain import drop_stream
+
+            drop_stream(sys.stdout)
+            return None
         except KeyboardInterrupt as interrupt:
             _console(stderr=True, highlight=False).print(str(interrupt) or "interrupted", markup=False, soft_wrap=True)
             raise typer.Exit(code=130) from None
@@ -200,6 +206,11 @@ def _train(graph: Any, base_dir: Path, plain: bool, resume: bool, force: bool, o
     runtime = graph.spec.runtime
     pending = None
     raise_early_issues(graph, base_dir, locate)  # the usual mistakes, before any worker starts, at their place
+    if not resume:
+        from flowrl.api.outputs import check_fresh_start
+
+        output = Path(overrides.get("output_dir") or graph.spec.trainer.output_dir)
+        check_fresh_start(output if output.is_absolute() else Path.cwd() / output, overwrite)
     if not (overrides.get("scheduler_address") or runtime.scheduler_address):
         # The workers start now, and import torch while this process imports the rest of
         # flowrl and reads the data: on a small machine that halves the wait for step 1.

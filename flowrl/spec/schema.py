@@ -496,7 +496,8 @@ class AdvantageNode(_NodeBase):
                 if self.estimator not in readers:
                     view.add(f"{path}.{field}",
                              f"estimator {self.estimator} does not read '{field}' (only {' and '.join(readers)} "
-                             "does); remove it, or choose that estimator")
+                             f"{'does' if len(readers) == 1 else 'do'}); remove it, or choose "
+                             f"{'that estimator' if len(readers) == 1 else 'one of them'}")
         if self.estimator == "gae" and view.reliable(f"{path}.estimator"):
             self._need(view, ValueNode, "values (gae)")
         if self.kl_coef > 0 and view.reliable(f"{path}.kl_coef") and not view.inputs_of(ReferenceLogprobNode):

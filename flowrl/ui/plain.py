@@ -112,10 +112,10 @@ class PlainLog:
             # The reader went away (`flowrl run ... | head`): the run goes on, its files keep
             # every line; what this stream would still get goes nowhere.
             self._closed = True
-            _drop_stream(self._stream)
+            drop_stream(self._stream)
 
 
-def _drop_stream(stream: IO[str]) -> None:
+def drop_stream(stream: IO[str]) -> None:
     """Point a closed pipe's file descriptor at /dev/null, so that later writes and the
     interpreter's last flush do not fail on it again."""
     try:

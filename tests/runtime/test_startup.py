@@ -26,8 +26,10 @@ def test_the_driver_imports_neither_transformers_nor_the_roles() -> None:
 
 
 @pytest.mark.parametrize(("override", "expected"), [
-    ("nodes.reward.fn=nope", "nodes.reward.fn: unknown reward function 'nope'"),
-    ("data.source=no/such/prompts.jsonl", "data.source: data source 'no/such/prompts.jsonl' not found"),
+    # placed at the override that brought the mistake in
+    ("nodes.reward.fn=nope", "command line: nodes.reward.fn=nope: unknown reward function 'nope'"),
+    ("data.source=no/such/prompts.jsonl",
+     "command line: data.source=no/such/prompts.jsonl: data source 'no/such/prompts.jsonl' not found"),
 ])
 def test_the_usual_mistakes_are_reported_before_any_worker_starts(
     override: str, expected: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
@@ -46,6 +48,25 @@ def test_the_usual_mistakes_are_reported_before_any_worker_starts(
                                       "-o", str(tmp_path / "out"), "--plain"])
     assert result.exit_code == 2, result.output
     assert expected in result.output
+
+
+def test_a_fresh_run_into_an_earlier_run_s_checkpoints_is_refused_before_any_worker_starts(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from typer.testing import CliRunner
+
+    from flowrl.cli.main import app
+    from flowrl.runtime import cluster
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a local cluster was started")
+
+    monkeypatch.setattr(cluster, "PendingCluster", refuse)
+    monkeypatch.setattr(cluster.Cluster, "start_local", refuse)
+    (tmp_path / "out" / "checkpoints" / "step-2").mkdir(parents=True)
+    result = CliRunner().invoke(app, ["run", str(ROOT / "pipelines" / "grpo_tiny.yaml"), "-o", str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    assert f"the output folder {tmp_path / 'out'} holds checkpoints of an earlier run (step-2)" in result.output
 
 
 @pytest.mark.parametrize("name", sorted(BUILTIN_MODELS))

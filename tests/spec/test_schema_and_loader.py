@@ -288,8 +288,8 @@ TRAIN = "train:   {role: update, model: actor, inputs: [rollout, adv]}"
     "old, new, message",
     [
         (ADV, "adv: {role: advantage, gamma: 0.9, inputs: [reward]}",
-         "9: nodes.adv.gamma: estimator grpo does not read 'gamma' (only gae and reinforce_pp does); remove it, "
-         "or choose that estimator"),
+         "9: nodes.adv.gamma: estimator grpo does not read 'gamma' (only gae and reinforce_pp do); remove it, "
+         "or choose one of them"),
         (ADV, "adv: {role: advantage, estimator: rloo, scale_by_std: false, inputs: [reward]}",
          "9: nodes.adv.scale_by_std: estimator rloo does not read 'scale_by_std' (only grpo does); remove it, "
          "or choose that estimator"),
@@ -318,5 +318,9 @@ def test_grpo_over_one_sample_per_prompt_is_refused_at_the_rollout(tmp_path: Pat
     assert problem.startswith(
         f"{tmp_path / 'pipeline.yaml'}:7: nodes.rollout.n: advantage 'adv' uses grpo, which compares the n samples "
         "of each prompt, and 'rollout' draws n: 1: every advantage would be 0")
+    rloo = text.replace("{role: advantage, inputs", "{role: advantage, estimator: rloo, inputs")
+    (problem,) = problems(write(tmp_path, rloo))
+    assert "uses rloo, which compares the n samples of each prompt, and 'rollout' draws n: 1: a sample's baseline " \
+           "is the mean of the other samples of its prompt, and there are none" in problem
     # reinforce_pp needs no groups
     load_pipeline(write(tmp_path, text.replace("{role: advantage, inputs", "{role: advantage, estimator: reinforce_pp, inputs")))
