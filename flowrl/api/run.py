@@ -184,7 +184,9 @@ def _run_watched(graph: PipelineGraph, folder: RunFolder, watcher: "_Watchers", 
             watcher.event(RunEvent("data", f"evaluation: {len(held_out)} held-out prompts", 0))
     address = spec.runtime.scheduler_address
     runtime = spec.runtime
-    tls = {"ca_file": runtime.tls_ca_file, "cert": runtime.tls_cert, "key": runtime.tls_key}
+    here = base_dir or Path.cwd()
+    tls = {"ca_file": pipeline_file(runtime.tls_ca_file, here), "cert": pipeline_file(runtime.tls_cert, here),
+           "key": pipeline_file(runtime.tls_key, here)}
     local = (spec.runtime.cpu_slots, spec.runtime.dashboard, spec.runtime.pin_cpus)
     if address:
         if pending is not None:
@@ -355,6 +357,16 @@ def preflight(graph: PipelineGraph, base_dir: Path | None, offered: set[str] | N
         from flowrl.backends.models import resolve_model_path
 
         resolve_model_path(path, base_dir)
+
+
+def pipeline_file(path: str | None, base_dir: Path) -> str | None:
+    """A file the pipeline names, as data files are found: in the pipeline's folder first,
+    else as given (relative to the working directory)."""
+    if path is None:
+        return None
+    given = Path(path).expanduser()
+    nearby = base_dir / given
+    return str(nearby) if not given.is_absolute() and nearby.is_file() else str(given)
 
 
 def _resolve(path: Path) -> Path:

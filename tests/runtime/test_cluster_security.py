@@ -25,3 +25,14 @@ def test_yaml_tags_that_build_objects_are_refused(tmp_path: Path) -> None:
     with pytest.raises(FlowrlError) as caught:
         load_pipeline(path)
     assert "evil.yaml" in str(caught.value)
+
+
+def test_tls_files_are_found_next_to_the_pipeline_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from flowrl.api.run import pipeline_file
+
+    (tmp_path / "project" / "certs").mkdir(parents=True)
+    (tmp_path / "project" / "certs" / "ca.pem").write_text("x")
+    monkeypatch.chdir(tmp_path)
+    assert pipeline_file("certs/ca.pem", tmp_path / "project") == str(tmp_path / "project" / "certs" / "ca.pem")
+    assert pipeline_file("other.pem", tmp_path / "project") == "other.pem"  # as given: the working directory
+    assert pipeline_file(None, tmp_path / "project") is None
