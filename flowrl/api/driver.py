@@ -13,6 +13,7 @@ driver's in-memory snapshot (``runtime.snapshot_every``) and the newest checkpoi
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import signal
 import statistics
@@ -463,7 +464,11 @@ class Driver:
     def _lost(self, in_use: set[str], wait_s: float) -> list[str]:
         deadline = time.monotonic() + wait_s
         while True:
-            lost = lost_slots(in_use, self.addresses, self.cluster.addresses())
+            try:
+                now = self.cluster.addresses()
+            except (OSError, TimeoutError, asyncio.TimeoutError) as error:
+                raise self._scheduler_lost(error) from None
+            lost = lost_slots(in_use, self.addresses, now)
             if lost or time.monotonic() >= deadline:
                 return lost
             time.sleep(0.1)
@@ -516,6 +521,17 @@ class Driver:
         kept = f"the newest intact checkpoint is {found.path}" if found is not None else "no checkpoint was written yet"
         self.watcher.event(RunEvent("stopped", stop.message, self.machine.step))
         raise RunStopped(f"{stop.message}; the run stopped, {kept}. {self._resume_hint()}") from None
+
+    def _scheduler_lost(self, error: BaseException) -> RunStopped:
+        """The scheduler itself is gone: no worker can be asked or replaced, so the run stops
+        with what it kept."""
+        step = self.machine.step
+        written = newest_written(self.folder.checkpoints)
+        kept = f"the newest checkpoint is {written}" if written is not None else "no checkpoint was written yet"
+        message = (f"step {step}: the Dask scheduler cannot be reached ({type(error).__name__}: {str(error)[:200]}); "
+                   f"the run stopped, {kept}. {self._resume_hint()} once the scheduler and its workers are back")
+        self.watcher.event(RunEvent("stopped", message, step))
+        return RunStopped(message)
 
     def _resume_hint(self) -> str:
         return f"Resume it with `flowrl resume {self.folder.path}`"

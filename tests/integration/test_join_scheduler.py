@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 
@@ -111,3 +111,41 @@ def _write(pipeline, folder: Path) -> Path:
     path = folder / "pipeline.yaml"
     path.write_text(pipeline.to_yaml())
     return path
+
+
+def test_a_lost_scheduler_stops_the_run_with_one_message(tmp_path: Path, make_pipeline) -> None:
+    """The scheduler is killed mid-run: no worker can be asked or replaced, so the run stops
+    (exit 1) saying so and what it kept, without a traceback."""
+    from distributed import Client
+
+    output = tmp_path / "out"
+    pipeline = _write(make_pipeline(output, steps=2000), tmp_path)
+    with dask_processes(tmp_path, {"node-a": ({}, []), "node-b": ({}, [])}) as address:
+        with Client(address, timeout=30) as client:
+            client.wait_for_workers(2, timeout=60)
+        process = subprocess.Popen([str(BIN / "flowrl"), "run", str(pipeline), "--scheduler", address, "--plain"],
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert process.stdout is not None
+        for line in process.stdout:
+            if line.startswith("step 3/"):
+                break
+        scheduler = next(child for child in _children_listening(address))
+        scheduler.terminate()
+        rest, _ = process.communicate(timeout=240)
+    assert process.returncode == 1, rest
+    assert "the Dask scheduler cannot be reached" in rest and "flowrl resume" in rest, rest
+    assert "Traceback" not in rest, rest
+
+
+def _children_listening(address: str) -> Iterator[Any]:
+    """The scheduler process of ``address`` (the one listening on its port)."""
+    import psutil
+
+    port = int(address.rsplit(":", 1)[1])
+    for process in psutil.process_iter():
+        try:
+            if any(connection.laddr and connection.laddr.port == port and connection.status == psutil.CONN_LISTEN
+                   for connection in process.net_connections(kind="tcp")):
+                yield process
+        except (psutil.AccessDenied, psutil.NoSuchProcess):
+            continue
