@@ -278,7 +278,8 @@ class Lifecycle:
         if isinstance(event, StepDone):
             self.retries = 0
             every = self.checkpoint_every
-            if every and event.step % every == 0 and event.step < self.num_steps:
+            # the last step too: a run with checkpoints can be resumed for more steps from its end
+            if every and (event.step % every == 0 or event.step == self.num_steps):
                 self.phase = "checkpointing"
                 return Checkpoint(event.step)
             return self._after_step(event.step)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import yaml
 from pydantic import ValidationError
 
 from flowrl.api.builder import Pipeline
@@ -128,16 +129,19 @@ def _run(pipeline: PipelineGraph | Pipeline, options: RunOptions, observer: Obse
     config_text = to_yaml(graph)
     start: FoundCheckpoint | None = None
     earlier_run = folder.read_config() is not None
+    forced: list[str] = []
     if resume:
         finished = _finished_steps(folder)
-        _check_unchanged(folder, config_text, force)
+        forced = _check_unchanged(folder, config_text, force)
         if finished is not None and finished >= spec.trainer.steps:
             return RunResult(folder.path, already_finished=True)
         start = newest_checkpoint(folder.checkpoints)
     else:
         _fresh_start(folder, overwrite)
     folder.write_config(config_text)
-    folder.write_run_info({"base_dir": str(base_dir or Path.cwd()), "finished_steps": None})
+    # the pipeline as the run (re)started, for the next resume to compare with (config.yaml
+    # itself may be edited before `flowrl resume`)
+    folder.write_run_info({"base_dir": str(base_dir or Path.cwd()), "finished_steps": None, "config": config_text})
     if start is None:
         folder.reset_logs()
     if local_cluster is None and not spec.runtime.scheduler_address:
@@ -148,6 +152,9 @@ def _run(pipeline: PipelineGraph | Pipeline, options: RunOptions, observer: Obse
     failed = True
     try:
         watcher.start_reporting(graph, config_text)
+        if forced:
+            watcher.event(RunEvent("warning", "resumed with a pipeline that differs from the one the run started with "
+                                              f"(--force; - before, + now): {'; '.join(forced)}", 0, {"changes": forced}))
         result = _run_watched(graph, folder, watcher, base_dir, resume and earlier_run, start, local_cluster)
         failed = False
         return result
@@ -205,18 +212,35 @@ def _finished_steps(folder: RunFolder) -> int | None:
     return int(value) if isinstance(value, int) else None
 
 
-def _check_unchanged(folder: RunFolder, config_text: str, force: bool) -> None:
-    before = folder.read_config()
-    if before is None or before == config_text or force:
-        return
+def _check_unchanged(folder: RunFolder, config_text: str, force: bool) -> list[str]:
+    """The changes of the pipeline since the run started, as diff lines, when ``force`` lets
+    them through; a FlowrlError showing them otherwise. More steps, or the output folder
+    moved, are not changes: a run may be extended or its folder copied."""
+    stored = folder.read_run_info().get("config")
+    before = stored if isinstance(stored, str) else folder.read_config()
+    if before is None or _comparable(before) == _comparable(config_text):
+        return []
     changes = config_changes(before, config_text)
+    if force:
+        return changes
     shown = "\n".join(f"  {line}" for line in changes[:20])
     more = f"\n  ... and {len(changes) - 20} more lines" if len(changes) > 20 else ""
     raise FlowrlError(
         f"the pipeline differs from the one the run in {folder.path} started with "
         f"(- before, + now):\n{shown}{more}\n"
-        "resume with --force to go on with the new pipeline, or give another output_dir to start afresh"
+        "resume with --force (run(..., force=True)) to go on with the new pipeline, or give another output_dir "
+        "to start afresh"
     )
+
+
+def _comparable(config_text: str) -> Any:
+    """A pipeline's text as data, less what a resume may change freely (steps, output_dir)."""
+    data = yaml.safe_load(config_text)
+    trainer = data.get("trainer") if isinstance(data, dict) else None
+    if isinstance(trainer, dict):
+        trainer.pop("steps", None)
+        trainer.pop("output_dir", None)
+    return data
 
 
 def _train(

@@ -88,7 +88,8 @@ def test_an_undisturbed_run_in_order() -> None:
         "Replan 1", "RunStep 1", "Snapshot 1",
         "Replan 2", "RunStep 2", "Checkpoint 2", "Snapshot 2",
         "Replan 3", "RunStep 3", "Snapshot 3",
-        "Replan 4", "RunStep 4", "Snapshot 4",  # no checkpoint at the last step: final/ is written
+        # a checkpoint at the last step too: a resume for more steps starts from the run's end
+        "Replan 4", "RunStep 4", "Checkpoint 4", "Snapshot 4",
         "SaveFinal 4", "Finish 4",
     ]
 
@@ -131,7 +132,7 @@ def test_a_loss_during_a_checkpoint_write_goes_back_to_the_snapshot_and_writes_i
     at = seen.index("Checkpoint 2")
     assert seen[at:at + 8] == [
         "Checkpoint 2", "AwaitWorkers", "Build", "Restore", "Replan 2", "RunStep 2", "Checkpoint 2", "Snapshot 2"]
-    assert machine.checkpoint_step == 2
+    assert machine.checkpoint_step == 4  # and the last step's
 
 
 @pytest.mark.parametrize("kind", [lc.Replan, lc.RunStep, lc.Snapshot, lc.Evaluate])

@@ -208,13 +208,35 @@ def test_resume_after_kill_9_of_the_driver_ends_with_the_weights_of_an_uninterru
     # --overwrite deletes them (and the old final model) and starts over
     fresh = subprocess.run(_cli("run", str(pipeline_file), "--plain"), capture_output=True, text=True)
     assert fresh.returncode == 2 and "Traceback" not in fresh.stderr
-    assert "holds checkpoints of an earlier run (step-3, step-6)" in fresh.stderr and "--overwrite" in fresh.stderr
+    # (two kept: the last step's is one of them)
+    assert "holds checkpoints of an earlier run (step-6, step-8)" in fresh.stderr and "--overwrite" in fresh.stderr
     assert _steps(killed) == list(range(1, steps + 1))  # nothing of that run was touched
     over = subprocess.run(_cli("run", str(pipeline_file), "--plain", "--overwrite", "--steps", "4"),
                           capture_output=True, text=True)
     assert over.returncode == 0, over.stderr
     assert _steps(killed) == [1, 2, 3, 4]
-    assert sorted(path.name for path in (killed / "checkpoints").glob("step-*")) == ["step-3"]
+    # every 3 steps, and the last one
+    assert sorted(path.name for path in (killed / "checkpoints").glob("step-*")) == ["step-3", "step-4"]
+
+    # more steps are no change of the pipeline: the run goes on from its last step's checkpoint
+    config = killed / "config.yaml"
+    assert "steps: 4" in config.read_text()
+    config.write_text(config.read_text().replace("steps: 4", "steps: 6"))
+    extended = subprocess.run(_cli("resume", str(killed), "--plain"), capture_output=True, text=True)
+    assert extended.returncode == 0, extended.stderr
+    assert _steps(killed) == [1, 2, 3, 4, 5, 6]
+    assert any(e["kind"] == "resume" and "step 5" in e["message"] for e in _events(killed))
+    # an edit of config.yaml itself is a change, refused without --force; with it, the
+    # changes are recorded
+    config.write_text(config.read_text().replace("lr: 0.001", "lr: 0.002"))
+    edited = subprocess.run(_cli("resume", str(killed), "--plain"), capture_output=True, text=True)
+    assert edited.returncode == 2 and "the pipeline differs" in edited.stderr and "+" in edited.stderr
+    assert "lr: 0.002" in edited.stderr, edited.stderr
+    config.write_text(config.read_text().replace("steps: 6", "steps: 7"))
+    forced = subprocess.run(_cli("resume", str(killed), "--plain", "--force"), capture_output=True, text=True)
+    assert forced.returncode == 0, forced.stderr
+    assert any(e["kind"] == "warning" and "resumed with a pipeline that differs" in e["message"]
+               and "lr: 0.002" in e["message"] for e in _events(killed))
 
 
 def test_nan_updates_are_skipped_then_the_run_stops(tmp_path: Path) -> None:
