@@ -396,6 +396,12 @@ class ScoreNode(_NodeBase):
         if self.model is None and self.micro_batch_tokens is not None:
             raise ValueError("micro_batch_tokens bounds a reward model's forward passes; this score calls "
                              "a function ('fn'): leave micro_batch_tokens out")
+        if self.model is not None:
+            function_only = [name for name in ("params", "on_error") if name in self.changed_fields()]
+            if function_only:
+                raise ValueError(f"{' and '.join(function_only)} {'applies' if len(function_only) == 1 else 'apply'} "
+                                 "to a reward function ('fn'); this score runs a reward model: leave "
+                                 f"{'it' if len(function_only) == 1 else 'them'} out")
         return self
 
 

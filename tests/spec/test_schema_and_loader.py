@@ -324,3 +324,12 @@ def test_grpo_over_one_sample_per_prompt_is_refused_at_the_rollout(tmp_path: Pat
            "is the mean of the other samples of its prompt, and there are none" in problem
     # reinforce_pp needs no groups
     load_pipeline(write(tmp_path, text.replace("{role: advantage, inputs", "{role: advantage, estimator: reinforce_pp, inputs")))
+
+
+def test_function_fields_on_a_reward_model_score_are_refused() -> None:
+    from flowrl.spec.schema import ScoreNode
+
+    with pytest.raises(ValidationError, match=r"params and on_error apply to a reward function \('fn'\); this "
+                                              r"score runs a reward model: leave them out"):
+        ScoreNode(model="rm", inputs=["rollout"], params={"x": 1}, on_error="strict")
+    ScoreNode(model="rm", inputs=["rollout"], on_error="zero")  # the default, as a whole dump writes it
