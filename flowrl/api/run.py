@@ -198,6 +198,11 @@ def _run_watched(graph: PipelineGraph, folder: RunFolder, watcher: "_Watchers", 
     if address:
         if pending is not None:
             pending.discard()
+        ignored = local_only_settings(runtime)
+        if ignored:
+            watcher.event(RunEvent(
+                "warning", f"{', '.join(ignored)} set the local cluster's workers, and this run joins {address}, whose "
+                "workers are as they were started (one dask worker per device slot): they are not used", 0))
         cluster = Cluster.join(address, tls=tls)
     else:
         cluster = (pending.take(*local) if pending is not None else None) or Cluster.start_local(*local)
@@ -381,6 +386,18 @@ def preflight(graph: PipelineGraph, base_dir: Path | None, offered: set[str] | N
         from flowrl.backends.models import resolve_model_path
 
         resolve_model_path(path, base_dir)
+
+
+LOCAL_CLUSTER_SETTINGS = ("cpu_slots", "pin_cpus", "dashboard", "standby_workers")
+"""runtime fields that shape the workers of a local cluster (a joined one's are started by
+whoever started it)."""
+
+
+def local_only_settings(runtime: Any) -> list[str]:
+    """The local-cluster settings given other values than their defaults."""
+    fields = type(runtime).model_fields
+    return [f"runtime.{name}" for name in LOCAL_CLUSTER_SETTINGS
+            if getattr(runtime, name) != fields[name].get_default(call_default_factory=True)]
 
 
 def pipeline_file(path: str | None, base_dir: Path) -> str | None:

@@ -1,5 +1,5 @@
-"""An evaluation of a single data file without eval.source reads the training prompts
-themselves; the run warns instead of calling them held out."""
+"""What a run warns about: an evaluation of the training prompts themselves (a single data
+file without eval.source), local-cluster settings on a run that joins a cluster."""
 
 from __future__ import annotations
 
@@ -34,3 +34,12 @@ def test_only_a_single_file_without_an_eval_source_evaluates_on_its_training_pro
     assert not evaluates_training_prompts(_pipeline("train.jsonl", {"source": "held.jsonl"}), tmp_path)
     assert not evaluates_training_prompts(_pipeline("splits", {}), tmp_path)  # a folder: its test split
     assert not evaluates_training_prompts(_pipeline("builtin:digits", {}), tmp_path)
+
+
+def test_settings_of_a_local_cluster_are_named_when_a_run_joins_one() -> None:
+    from flowrl.api.run import local_only_settings
+    from flowrl.spec.schema import RuntimeSpec
+
+    assert local_only_settings(RuntimeSpec(scheduler_address="tcp://head:8786")) == []
+    joined = RuntimeSpec(scheduler_address="tcp://head:8786", cpu_slots=4, pin_cpus=True, standby_workers=1)
+    assert local_only_settings(joined) == ["runtime.cpu_slots", "runtime.pin_cpus"]
