@@ -18,7 +18,7 @@ from flowrl.backends.locations import missing_config
 from flowrl.backends.locations import resolve_model_path as local_or_hub
 from flowrl.data import PromptExample, PromptSource
 from flowrl.data.files import missing_local_source
-from flowrl.data.source import BUILTIN_PREFIX
+from flowrl.data.source import BUILTIN_PREFIX, endless_task, is_endless_task
 from flowrl.errors import DataError, ModelLoadError, RewardError, SpecError, SpecIssue
 from flowrl.graph import PipelineGraph
 from flowrl.rewards import FLOWRL_KEYWORDS, REWARD_FUNCTIONS, resolve_reward, signature_problem
@@ -97,10 +97,14 @@ def check_inputs(graph: PipelineGraph, base_dir: Path | None, locate: Locate | N
             formatter = policy_formatter(graph, base_dir)
             source = training_source(graph, base_dir, formatter)
             held_out: list[Any] = []
-            try:
-                held_out = eval_examples(graph, base_dir, formatter)
-            except (DataError, ModelLoadError) as error:
-                issues.append(("eval.source" if graph.spec.eval and graph.spec.eval.source else "eval.split", str(error)))
+            evaluation = graph.spec.eval
+            if evaluation is not None and is_endless_task(evaluation.source or graph.spec.data.source):
+                issues.append(("eval.source", endless_task(evaluation.source or graph.spec.data.source)))
+            else:
+                try:
+                    held_out = eval_examples(graph, base_dir, formatter)
+                except (DataError, ModelLoadError) as error:
+                    issues.append(("eval.source" if evaluation and evaluation.source else "eval.split", str(error)))
             offered = offered_keywords(source, held_out)
         except (DataError, ModelLoadError) as error:
             issues.append(("data.source", str(error)))
@@ -142,6 +146,9 @@ def raise_early_issues(graph: PipelineGraph, base_dir: Path | None, locate: Loca
         problem = None if source.startswith(BUILTIN_PREFIX) else missing_local_source(source, base_dir)
         if problem is not None:
             issues.append((path, problem))
+    evaluation = graph.spec.eval
+    if evaluation is not None and is_endless_task(evaluation.source or graph.spec.data.source):
+        issues.append(("eval.source", endless_task(evaluation.source or graph.spec.data.source)))
     if issues:
         raise SpecError(_located(issues, locate))
 

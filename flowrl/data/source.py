@@ -39,6 +39,22 @@ def _builtin_name(name: str) -> str:
     raise DataError(f"unknown built-in data '{name}'{hint}; the built-in tasks and datasets are: {names}")
 
 
+def endless_task(source: str) -> str:
+    """Why a built-in task cannot give a split (an evaluation's held-out prompts)."""
+    return (f"{source} is a task of endless random prompts, not a dataset with splits: give eval.source a "
+            "dataset of held-out prompts (a file, a folder, or builtin:arith)")
+
+
+def is_endless_task(source: str) -> bool:
+    """Whether ``source`` names a built-in task of random prompts (no splits)."""
+    if not source.startswith(BUILTIN_PREFIX):
+        return False
+    try:
+        return _builtin_name(source[len(BUILTIN_PREFIX):]) in BUILTIN_TASKS
+    except DataError:
+        return False
+
+
 def read_examples(
     source: str,
     split: str,
@@ -54,7 +70,7 @@ def read_examples(
     if source.startswith(BUILTIN_PREFIX):
         name = _builtin_name(source[len(BUILTIN_PREFIX):])
         if name in BUILTIN_TASKS:
-            raise DataError(f"{source} is a task of endless random prompts, not a dataset with splits")
+            raise DataError(endless_task(source))
         location = str(BUILTIN_DATASETS[name](None))
     rows = load_split(location, split, subset, base_dir)
     display = source if split == SINGLE_SPLIT and not has_splits(location, base_dir) else f"{source} (split {split})"

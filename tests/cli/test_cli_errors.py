@@ -56,6 +56,10 @@ def test_validate_accepts_every_shipped_pipeline() -> None:
         (("run", "pipelines/grpo_tiny.yaml", "--scheduler", "tcp://localhost:99999"),
          ("runtime.scheduler_address: expected a Dask scheduler address", "'tcp://localhost:99999'")),
         # printed as given (rich would read ':abc:' as an emoji code)
+        # an evaluation of a task of random prompts has nothing held out: refused before a run starts
+        (("run", "pipelines/grpo_tiny.yaml", "eval.every_steps=5"),
+         ("command line: eval.every_steps=5: eval.source: builtin:digits is a task of endless random prompts",
+          "give eval.source a dataset of held-out prompts")),
         # a model path from an override is the override's mistake, not the file's
         (("validate", "pipelines/grpo_tiny.yaml", "models.actor.path=builtin:tiny-lama"),
          ("command line: models.actor.path=builtin:tiny-lama: unknown builtin model 'tiny-lama'",)),
