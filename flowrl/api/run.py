@@ -42,6 +42,7 @@ from flowrl.runtime.cluster import Cluster, PendingCluster
 from flowrl.scheduler import make_policy, settings_from_spec
 from flowrl.scheduler.calibration import calibrated_prediction
 from flowrl.spec.dump import to_yaml
+from flowrl.spec.messages import issues_from_validation
 from flowrl.spec.schema import AdvantageNode, GenerateNode
 
 CALIBRATION_STEPS = 4
@@ -328,9 +329,8 @@ def replace_model(model: Any, section: str, **changes: Any) -> Any:
     try:
         return type(model).model_validate({**model.model_dump(), **changes})
     except ValidationError as error:
-        first = error.errors()[0]
-        field = ".".join([section, *(str(part) for part in first["loc"])])
-        raise FlowrlError(f"{field}: {first['msg'].removeprefix('Value error, ')}") from None
+        path, message = issues_from_validation(error, (section,))[0]
+        raise FlowrlError(f"{path}: {message}") from None
 
 
 def check_runnable(graph: PipelineGraph) -> None:

@@ -47,9 +47,10 @@ def show(value: Any) -> str:
     return str(value)
 
 
-def issues_from_validation(error: ValidationError) -> list[Issue]:
-    """One ``(path, message)`` per pydantic error, in pydantic's (field) order."""
-    return [_issue(detail["loc"], detail) for detail in error.errors()]
+def issues_from_validation(error: ValidationError, within: Sequence[str] = ()) -> list[Issue]:
+    """One ``(path, message)`` per pydantic error, in pydantic's (field) order; ``within``:
+    the section the validated model is (``("trainer",)``) when it is not the whole pipeline."""
+    return [_issue((*within, *detail["loc"]), detail) for detail in error.errors()]
 
 
 def _path(loc: Sequence[Any]) -> str:

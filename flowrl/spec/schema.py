@@ -12,6 +12,7 @@ import re
 from typing import Annotated, Any, ClassVar, Literal, Protocol
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -171,6 +172,15 @@ def check_scheduler_address(value: Any) -> Any:
         raise ValueError(f"expected a Dask scheduler address such as tcp://HOST:8786 (scheme://host:port, "
                          f"port 1-65535, scheme one of {', '.join(SCHEDULER_SCHEMES)}), found {text!r}")
     return text
+
+
+def _each_once(items: tuple[str, ...]) -> tuple[str, ...]:
+    """A list of names where a repeat would do the same thing twice (a logger writing every
+    number twice)."""
+    repeated = sorted({item for item in items if items.count(item) > 1})
+    if repeated:
+        raise ValueError(f"each may be listed once; {', '.join(repr(item) for item in repeated)} is listed more than once")
+    return items
 
 
 PassTokens = Annotated[Annotated[int, Field(ge=1)] | Literal["auto"] | None, BeforeValidator(_check_pass_tokens)]
@@ -749,7 +759,8 @@ class TrainerSpec(_Strict):
     max_shard_size: str = Field(default="5GB", pattern=SHARD_SIZE_PATTERN)
     """Largest weights file of a checkpoint or ``final/``; bigger models are split into
     several files with a ``model.safetensors.index.json``. Default 5GB."""
-    loggers: tuple[Literal["jsonl", "tensorboard", "wandb", "mlflow"], ...] = ("jsonl",)
+    loggers: Annotated[tuple[Literal["jsonl", "tensorboard", "wandb", "mlflow"], ...],
+                       AfterValidator(_each_once)] = ("jsonl",)
     """Where every step's metrics, the resolved pipeline and the run's summary go besides
     ``metrics.jsonl`` (always written): ``tensorboard`` (``OUTPUT_DIR/tensorboard``),
     ``wandb`` (``OUTPUT_DIR/wandb``, offline without an API key), ``mlflow``

@@ -1,5 +1,5 @@
-"""What a run warns about: an evaluation of the training prompts themselves (a single data
-file without eval.source), local-cluster settings on a run that joins a cluster."""
+"""What a run warns about (an evaluation of the training prompts themselves, local-cluster
+settings on a run that joins a cluster) and options it refuses as the file's would be."""
 
 from __future__ import annotations
 
@@ -43,3 +43,24 @@ def test_settings_of_a_local_cluster_are_named_when_a_run_joins_one() -> None:
     assert local_only_settings(RuntimeSpec(scheduler_address="tcp://head:8786")) == []
     joined = RuntimeSpec(scheduler_address="tcp://head:8786", cpu_slots=4, pin_cpus=True, standby_workers=1)
     assert local_only_settings(joined) == ["runtime.cpu_slots", "runtime.pin_cpus"]
+
+
+def test_a_run_option_out_of_range_reads_as_the_file_s_would() -> None:
+    import pytest
+
+    from flowrl.api.run import run
+    from flowrl.errors import FlowrlError
+
+    with pytest.raises(FlowrlError) as caught:
+        run(_pipeline("builtin:digits", {}), steps=0)
+    assert str(caught.value) == "trainer.steps: out of range: allowed steps >= 1, found 0"
+
+
+def test_a_logger_listed_twice_is_refused() -> None:
+    import pytest
+    from pydantic import ValidationError
+
+    from flowrl.spec.schema import TrainerSpec
+
+    with pytest.raises(ValidationError, match="'tensorboard' is listed more than once"):
+        TrainerSpec(loggers=("jsonl", "tensorboard", "tensorboard"))
