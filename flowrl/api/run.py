@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import yaml
 from pydantic import ValidationError
 
 from flowrl.api.builder import Pipeline
@@ -41,7 +40,7 @@ from flowrl.records import RunEvent, StepRecord
 from flowrl.runtime.cluster import Cluster, PendingCluster
 from flowrl.scheduler import make_policy, settings_from_spec
 from flowrl.scheduler.calibration import calibrated_prediction
-from flowrl.spec.dump import to_yaml
+from flowrl.spec.dump import resumable_form, to_yaml
 from flowrl.spec.messages import issues_from_validation
 from flowrl.spec.schema import AdvantageNode, GenerateNode
 
@@ -224,7 +223,7 @@ def _check_unchanged(folder: RunFolder, config_text: str, force: bool) -> list[s
     moved, are not changes: a run may be extended or its folder copied."""
     stored = folder.read_run_info().get("config")
     before = stored if isinstance(stored, str) else folder.read_config()
-    if before is None or _comparable(before) == _comparable(config_text):
+    if before is None or resumable_form(before) == resumable_form(config_text):
         return []
     changes = config_changes(before, config_text)
     if force:
@@ -237,16 +236,6 @@ def _check_unchanged(folder: RunFolder, config_text: str, force: bool) -> list[s
         "resume with --force (run(..., force=True)) to go on with the new pipeline, or give another output_dir "
         "to start afresh"
     )
-
-
-def _comparable(config_text: str) -> Any:
-    """A pipeline's text as data, less what a resume may change freely (steps, output_dir)."""
-    data = yaml.safe_load(config_text)
-    trainer = data.get("trainer") if isinstance(data, dict) else None
-    if isinstance(trainer, dict):
-        trainer.pop("steps", None)
-        trainer.pop("output_dir", None)
-    return data
 
 
 def _train(

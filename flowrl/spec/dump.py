@@ -94,3 +94,18 @@ def _scalar(value: Any) -> str:
 def _dump_one(value: Any) -> str:
     text: str = yaml.safe_dump([value], default_flow_style=True, width=1 << 30)
     return text.strip()[1:-1]
+
+
+RESUME_MAY_CHANGE = ("steps", "output_dir")
+"""trainer fields a resumed run may change freely: it may run longer, and its folder may move."""
+
+
+def resumable_form(config_text: str) -> Any:
+    """A written pipeline as data, less what a resume may change (``RESUME_MAY_CHANGE``):
+    two runs' texts with equal forms are the same job."""
+    data = yaml.safe_load(config_text)
+    trainer = data.get("trainer") if isinstance(data, dict) else None
+    if isinstance(trainer, dict):
+        for name in RESUME_MAY_CHANGE:
+            trainer.pop(name, None)
+    return data

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import pytest
 
-from flowrl.api.recovery import newest_checkpoint
+from flowrl.api.recovery import checkpoint_problem, newest_checkpoint
 from flowrl.api.run import run
 from flowrl.errors import RunStopped
 from flowrl.runtime.session import Session
@@ -98,7 +98,8 @@ def test_a_worker_killed_while_a_checkpoint_is_written(tmp_path: Path, monkeypat
     fault, = _events(output, "fault")
     assert fault["step"] == 2
     found = newest_checkpoint(output / "checkpoints")
-    assert found is not None and found.step == 2 and not found.skipped  # written again, intact
+    assert found is not None and found.step == 4 and not found.skipped  # the last step's
+    assert checkpoint_problem(output / "checkpoints" / "step-2") is None  # written again, intact
     assert not [path.name for path in (output / "checkpoints").iterdir() if not path.name.startswith("step-")]
 
 

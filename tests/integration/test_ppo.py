@@ -63,9 +63,10 @@ def test_sharded_checkpoints_resume_to_the_weights_of_an_uninterrupted_run(tmp_p
         for name in [*shards, "model.safetensors.index.json"]:
             assert f"{model}/{name}" in manifest  # sealed by the checkpoint's SHA-256 manifest
 
-    # the folder as a run killed after its step-2 checkpoint leaves it: no final/, not finished
+    # the folder as a run killed after its step-2 checkpoint leaves it: no final/, no last
+    # step's checkpoint, not finished
     resumed = tmp_path / "resumed"
-    shutil.copytree(whole, resumed, ignore=shutil.ignore_patterns("final"))
+    shutil.copytree(whole, resumed, ignore=shutil.ignore_patterns("final", "step-4"))
     info = json.loads((resumed / "run.json").read_text())
     (resumed / "run.json").write_text(json.dumps({**info, "finished_steps": None}))
     config = (resumed / "config.yaml").read_text().replace(str(whole), str(resumed))

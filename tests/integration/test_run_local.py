@@ -81,19 +81,19 @@ def test_grpo_on_local_cluster_learns_and_writes_outputs(tmp_path: Path, make_pi
         # calibrated prediction is (up to the call overhead's share) their median
         assert entry["predicted_s"] == pytest.approx(statistics.median(learned), rel=0.05), node
 
-    # checkpoints every 10 steps, the last 2 kept, each complete; none at the final step
+    # checkpoints every 10 steps and at the last, the last 2 kept, each complete
     kept = sorted(p.name for p in (output / "checkpoints").iterdir())
-    assert kept == ["step-20", "step-30"]
-    assert (output / "checkpoints" / "step-30" / "actor" / "state.pt").exists()
-    trainer_state = json.loads((output / "checkpoints" / "step-30" / "trainer_state.json").read_text())
-    assert (trainer_state["step"], trainer_state["kl"]) == (30, {})
+    assert kept == ["step-30", "step-40"]
+    assert (output / "checkpoints" / "step-40" / "actor" / "state.pt").exists()
+    trainer_state = json.loads((output / "checkpoints" / "step-40" / "trainer_state.json").read_text())
+    assert (trainer_state["step"], trainer_state["kl"]) == (40, {})
     assert "actor/model.safetensors" in trainer_state["files"] and "actor/state.pt" in trainer_state["files"]
 
     # final/ is the trained actor, loadable with from_pretrained, and it differs from the start
     model = AutoModelForCausalLM.from_pretrained(output / "final")
     tokenizer = AutoTokenizer.from_pretrained(output / "final")
     assert tokenizer.decode(tokenizer("ab=12", add_special_tokens=False)["input_ids"]) == "ab=12"
-    start = AutoModelForCausalLM.from_pretrained(output / "checkpoints" / "step-20" / "actor")
+    start = AutoModelForCausalLM.from_pretrained(output / "checkpoints" / "step-30" / "actor")
     assert any((a - b).abs().max() > 0 for a, b in zip(model.parameters(), start.parameters()))
 
     events = [json.loads(line)["kind"] for line in (output / "events.jsonl").read_text().splitlines()]
