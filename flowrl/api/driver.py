@@ -405,6 +405,12 @@ class Driver:
         deadline = time.monotonic() + runtime.recovery_timeout_s
         new_after = time.monotonic() + NEW_WORKER_AFTER_S
         added: list[str] = []
+        missing = sorted(wanted - self.cluster.alive())
+        if missing:
+            self.watcher.event(RunEvent(
+                "waiting", f"waiting up to {runtime.recovery_timeout_s:g} s (runtime.recovery_timeout_s) for "
+                f"{', '.join(missing)} to come back (a worker started again under the same name takes its slot); "
+                "after that the run goes on without them", self.machine.step))
         while not wanted <= self.cluster.alive() and time.monotonic() < deadline:
             time.sleep(0.1)
             taken += self.cluster.take_over(wanted, set())

@@ -136,6 +136,8 @@ def test_a_worker_that_does_not_come_back_in_time_leaves_its_roles_to_the_surviv
                          runtime={"recovery_timeout_s": 0.05, "standby_workers": 0})  # no spare to take over
     run(pipeline, base_dir=tmp_path)
     assert _steps(output) == [1, 2, 3, 4, 5]
+    waiting = next(e for e in _events(output) if e["kind"] == "waiting")
+    assert waiting["step"] == 3 and "waiting up to 0.05 s (runtime.recovery_timeout_s) for cpu-" in waiting["message"]
     replan = next(e for e in _events(output) if e["kind"] == "replan")
     assert replan["step"] == 3 and "did not come back within 0.05 s" in replan["message"]
     plan = json.loads((output / "plan-3.json").read_text())["runtime"]
