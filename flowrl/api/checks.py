@@ -14,8 +14,7 @@ from typing import Any
 from flowrl.api.data import eval_examples, policy_formatter, training_source
 from flowrl.backends.cache import BUILTIN_PREFIX as MODEL_PREFIX
 from flowrl.backends.catalog import lookup_builtin
-from flowrl.backends.locations import missing_config
-from flowrl.backends.locations import resolve_model_path as local_or_hub
+from flowrl.backends.locations import saved_model_location
 from flowrl.data import PromptExample, PromptSource
 from flowrl.data.files import missing_local_source
 from flowrl.data.source import BUILTIN_PREFIX, endless_task, is_endless_task
@@ -98,8 +97,9 @@ def check_inputs(graph: PipelineGraph, base_dir: Path | None, locate: Locate | N
             source = training_source(graph, base_dir, formatter)
             held_out: list[Any] = []
             evaluation = graph.spec.eval
-            if evaluation is not None and is_endless_task(evaluation.source or graph.spec.data.source):
-                issues.append(("eval.source", endless_task(evaluation.source or graph.spec.data.source)))
+            endless = _endless_eval(graph)
+            if endless is not None:
+                issues.append(endless)
             else:
                 try:
                     held_out = eval_examples(graph, base_dir, formatter)
@@ -123,13 +123,9 @@ def model_issues(graph: PipelineGraph, base_dir: Path | None) -> list[Issue]:
             if model.path.startswith(MODEL_PREFIX):
                 lookup_builtin(model.path[len(MODEL_PREFIX):])
                 continue
-            location = local_or_hub(model.path, base_dir)
+            saved_model_location(model.path, base_dir)
         except ModelLoadError as error:
             issues.append((where, str(error)))
-            continue
-        problem = missing_config(location) if isinstance(location, Path) else None
-        if problem is not None:
-            issues.append((where, problem))
     return issues
 
 
@@ -146,11 +142,18 @@ def raise_early_issues(graph: PipelineGraph, base_dir: Path | None, locate: Loca
         problem = None if source.startswith(BUILTIN_PREFIX) else missing_local_source(source, base_dir)
         if problem is not None:
             issues.append((path, problem))
-    evaluation = graph.spec.eval
-    if evaluation is not None and is_endless_task(evaluation.source or graph.spec.data.source):
-        issues.append(("eval.source", endless_task(evaluation.source or graph.spec.data.source)))
+    endless = _endless_eval(graph)
+    if endless is not None:
+        issues.append(endless)
     if issues:
         raise SpecError(_located(issues, locate))
+
+
+def _endless_eval(graph: PipelineGraph) -> Issue | None:
+    """An evaluation of a built-in task of random prompts: nothing there is held out."""
+    evaluation = graph.spec.eval
+    source = evaluation.source or graph.spec.data.source if evaluation is not None else None
+    return ("eval.source", endless_task(source)) if source is not None and is_endless_task(source) else None
 
 
 def _located(issues: list[Issue], locate: Locate | None) -> list[SpecIssue]:

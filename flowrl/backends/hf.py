@@ -32,7 +32,7 @@ from transformers import (
 )
 
 from flowrl.backends.hub import HUB_PROBE_TIMEOUT_S, hub_offline, hub_reachable
-from flowrl.backends.locations import missing_config, resolve_model_path
+from flowrl.backends.locations import resolve_model_path, saved_model_location
 from flowrl.backends.builtin import quiet_progress_bars
 from flowrl.errors import ModelLoadError, RemoteCodeNotTrusted
 
@@ -84,11 +84,8 @@ def load_causal_lm(
         raise ModelLoadError(
             f"unknown dtype '{dtype}' for model '{path}'; expected one of {', '.join(TORCH_DTYPES)}"
         )
-    location = resolve_model_path(path, base_dir)
+    location = saved_model_location(path, base_dir)
     if isinstance(location, Path):
-        problem = missing_config(location)
-        if problem is not None:
-            raise ModelLoadError(problem)
         if (location / "scalar_head.json").is_file():
             raise ModelLoadError(
                 f"model '{path}' is a value/reward model (scalar head); give it kind: value or kind: reward"

@@ -44,9 +44,10 @@ def resolve_model_path(path: str, base_dir: Path | None = None) -> Path | str:
     )
 
 
-def missing_config(location: Path) -> str | None:
-    """Why the folder ``location`` is not a saved model, or None."""
-    if (location / "config.json").is_file():
-        return None
-    return (f"model directory {location} has no config.json; pass a directory written by "
-            "save_pretrained (config.json, weights and tokenizer files)")
+def saved_model_location(path: str, base_dir: Path | None = None) -> Path | str:
+    """:func:`resolve_model_path`, and a local folder must be a saved model (config.json)."""
+    location = resolve_model_path(path, base_dir)
+    if isinstance(location, Path) and not (location / "config.json").is_file():
+        raise ModelLoadError(f"model directory {location} has no config.json; pass a directory written by "
+                             "save_pretrained (config.json, weights and tokenizer files)")
+    return location

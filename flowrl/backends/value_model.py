@@ -41,7 +41,7 @@ from transformers.utils import logging as hf_logging
 
 from flowrl.backends.builtin import quiet_progress_bars
 from flowrl.backends.hf import TORCH_DTYPES, DtypeName, HubOptions, load_error, resolve_model_path, set_padding
-from flowrl.backends.locations import missing_config
+from flowrl.backends.locations import saved_model_location
 from flowrl.backends.scalar_files import (
     MARKER_FILE,
     SCORE,
@@ -143,10 +143,7 @@ def load_scalar_model(
         raise ModelLoadError(
             f"unknown dtype '{dtype}' for model '{path}'; expected one of {', '.join(TORCH_DTYPES)}"
         )
-    location = resolve_model_path(path, base_dir)
-    problem = missing_config(location) if isinstance(location, Path) else None
-    if problem is not None:
-        raise ModelLoadError(problem)
+    location = saved_model_location(path, base_dir)
     source = str(location)
     torch_dtype = TORCH_DTYPES[dtype]
     kwargs = options.kwargs(local_files_only=True)
