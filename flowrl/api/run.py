@@ -42,7 +42,7 @@ from flowrl.scheduler import make_policy, settings_from_spec
 from flowrl.scheduler.calibration import calibrated_prediction
 from flowrl.spec.dump import resumable_form, to_yaml
 from flowrl.spec.messages import issues_from_validation
-from flowrl.spec.schema import AdvantageNode, GenerateNode
+from flowrl.spec.schema import AdvantageNode, GenerateNode, RuntimeSpec
 
 CALIBRATION_STEPS = 4
 """Steps after the first that learn how far the cost model is off per node, before device
@@ -382,11 +382,10 @@ LOCAL_CLUSTER_SETTINGS = ("cpu_slots", "pin_cpus", "dashboard", "standby_workers
 whoever started it)."""
 
 
-def local_only_settings(runtime: Any) -> list[str]:
+def local_only_settings(runtime: RuntimeSpec) -> list[str]:
     """The local-cluster settings given other values than their defaults."""
-    fields = type(runtime).model_fields
-    return [f"runtime.{name}" for name in LOCAL_CLUSTER_SETTINGS
-            if getattr(runtime, name) != fields[name].get_default(call_default_factory=True)]
+    changed = runtime.changed_fields()
+    return [f"runtime.{name}" for name in LOCAL_CLUSTER_SETTINGS if name in changed]
 
 
 def pipeline_file(path: str | None, base_dir: Path) -> str | None:

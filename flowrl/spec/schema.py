@@ -31,6 +31,12 @@ SOURCE_NODE = "prompts"
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
+    def changed_fields(self) -> set[str]:
+        """Fields whose value is not their default (a default written out changes nothing:
+        ``PipelineGraph.to_dict`` writes every field)."""
+        return {name for name, field in type(self).model_fields.items()
+                if not field.is_required() and getattr(self, name) != field.get_default(call_default_factory=True)}
+
 
 class ModelSpec(_Strict):
     """One model that nodes run: a policy, a value model (critic) or a reward model."""
@@ -249,12 +255,6 @@ class _NodeBase(_Strict):
     @classmethod
     def role_name(cls) -> str:
         return str(cls.model_fields["role"].default)
-
-    def changed_fields(self) -> set[str]:
-        """Fields whose value is not their default (a default written out changes nothing:
-        ``PipelineGraph.to_dict`` writes every field)."""
-        return {name for name, field in type(self).model_fields.items()
-                if not field.is_required() and getattr(self, name) != field.get_default(call_default_factory=True)}
 
     @property
     def work(self) -> Work:
