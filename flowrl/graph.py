@@ -180,14 +180,7 @@ class _Checker:
     def _check_cycles(self) -> None:
         """One message per group of nodes that feed each other: its shortest cycle."""
         order = {name: index for index, name in enumerate(self.spec.nodes)}
-        graph = nx.DiGraph()
-        graph.add_nodes_from(order)
-        for name, node in self.spec.nodes.items():
-            graph.add_edges_from(
-                (item, name)
-                for item in node.inputs
-                if item in order and item not in (name, SOURCE_NODE)
-            )
+        graph = self._input_graph()
         components = [
             sorted(group, key=order.__getitem__)
             for group in nx.strongly_connected_components(graph)
@@ -210,16 +203,13 @@ class _Checker:
         prompt gives every completion the advantage 0, and nothing would train."""
         if self.issues or self.broken:
             return  # the inputs or the rollouts' fields may be what is wrong
-        inputs = nx.DiGraph()
-        inputs.add_nodes_from(self.spec.nodes)
-        inputs.add_edges_from((item, name) for name, node in self.spec.nodes.items()
-                              for item in node.inputs if item in self.spec.nodes)
+        inputs = self._input_graph()
         for name, node in self.spec.nodes.items():
             if not isinstance(node, AdvantageNode) or node.estimator not in ("grpo", "rloo"):
                 continue
-            rollouts = [item for item in nx.ancestors(inputs, name)
-                        if isinstance(self.spec.nodes[item], GenerateNode)]
-            single = [item for item in rollouts if getattr(self.spec.nodes[item], "n", 2) < 2]
+            rollouts = {item: rollout for item in nx.ancestors(inputs, name)
+                        if isinstance(rollout := self.spec.nodes[item], GenerateNode)}
+            single = sorted(item for item, rollout in rollouts.items() if rollout.n < 2)
             if single and len(single) == len(rollouts):
                 outcome = ("every advantage would be 0 and nothing would train" if node.estimator == "grpo"
                            else "a sample's baseline is the mean of the other samples of its prompt, and there are none")
@@ -227,6 +217,14 @@ class _Checker:
                          f"advantage '{name}' uses {node.estimator}, which compares the n samples of each prompt, "
                          f"and '{single[0]}' draws n: 1: {outcome}; set n to 2 or more (8 is usual), or use "
                          "estimator: reinforce_pp or gae, which need no groups")
+
+    def _input_graph(self) -> nx.DiGraph:
+        """The nodes and the inputs they list (not ``prompts``, not themselves), as edges."""
+        graph = nx.DiGraph()
+        graph.add_nodes_from(self.spec.nodes)
+        graph.add_edges_from((item, name) for name, node in self.spec.nodes.items()
+                             for item in node.inputs if item in self.spec.nodes and item not in (name, SOURCE_NODE))
+        return graph
 
     def _check_eval(self) -> None:
         """Evaluation applies reward functions: named ones must be score nodes with ``fn``."""
