@@ -57,9 +57,7 @@ def eval_examples(graph: PipelineGraph, base_dir: Path | None, formatter: Prompt
     evaluation = spec.eval
     if evaluation is None:
         return []
-    source = evaluation.source or spec.data.source
-    split = eval_split(evaluation.source, evaluation.split, spec.data.source, base_dir)
-    subset = evaluation.subset if evaluation.source is not None else (evaluation.subset or spec.data.subset)
+    source, split, subset = _eval_data(graph, base_dir)
     examples, _ = read_examples(source, split, subset, base_dir, spec.data.prompt_key, spec.data.answer_key, formatter)
     return examples[: evaluation.max_examples] if evaluation.max_examples else examples
 
@@ -67,10 +65,16 @@ def eval_examples(graph: PipelineGraph, base_dir: Path | None, formatter: Prompt
 def evaluates_training_prompts(graph: PipelineGraph, base_dir: Path | None) -> bool:
     """Whether the evaluation reads the very split training draws from (as a single data file
     without ``eval.source`` does: its one split is the training data)."""
+    data = graph.spec.data
+    return graph.spec.eval is not None and _eval_data(graph, base_dir) == (data.source, data.split, data.subset)
+
+
+def _eval_data(graph: PipelineGraph, base_dir: Path | None) -> tuple[str, str, str | None]:
+    """(source, split, subset) an evaluation reads: its own, else the training data's."""
     spec = graph.spec
     evaluation = spec.eval
-    if evaluation is None or (evaluation.source is not None and evaluation.source != spec.data.source):
-        return False
+    assert evaluation is not None
+    source = evaluation.source or spec.data.source
     split = eval_split(evaluation.source, evaluation.split, spec.data.source, base_dir)
     subset = evaluation.subset if evaluation.source is not None else (evaluation.subset or spec.data.subset)
-    return split == spec.data.split and subset == spec.data.subset
+    return source, split, subset
