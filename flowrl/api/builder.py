@@ -148,8 +148,18 @@ class Pipeline:
         return pipeline_from_dict(self.to_dict())
 
     def to_yaml(self) -> str:
-        """The pipeline as YAML text (validated first)."""
-        return to_yaml(self.build())
+        """The pipeline as YAML text (validated first). A reward function passed by value is
+        written as its ``module:function`` name, so it must be one a file can name."""
+        graph = self.build()
+        issues = [
+            SpecIssue(f"nodes.{name}.fn", problem)
+            for name, node in graph.spec.nodes.items()
+            if isinstance(fn := getattr(node, "fn", None), PythonFunction)
+            and (problem := unnamable_function(fn.name)) is not None
+        ]
+        if issues:
+            raise SpecError(issues)
+        return to_yaml(graph)
 
     # --- internals -------------------------------------------------------------------
 
@@ -197,6 +207,23 @@ def function_by_value(fn: Callable[..., Any]) -> PythonFunction:
             cloudpickle.unregister_pickle_by_value(module)
     qualname = getattr(fn, "__qualname__", type(fn).__name__)
     return PythonFunction(name=f"{module_name}:{qualname}", payload=payload)
+
+
+def unnamable_function(name: str) -> str | None:
+    """Why a function named ``module:qualname`` cannot be named in a pipeline file (a lambda,
+    a function defined inside another, one of the script or notebook itself), or None."""
+    module_name, _, qualname = name.partition(":")
+    if "<lambda>" in qualname or "<locals>" in qualname:
+        what = "a lambda" if qualname.endswith("<lambda>") else "a function defined inside another"
+    elif module_name == "__main__":
+        what = "a function of the script or notebook that builds the pipeline"
+    else:
+        return None
+    return (
+        f"the reward function '{qualname}' is {what}, which a pipeline file cannot name: define it at "
+        "the top level of a module next to the file (my_rewards.py) and pass it from there, or run "
+        "the pipeline from Python with run(p), which takes the function itself"
+    )
 
 
 def _installed(module: Any) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -127,3 +128,37 @@ def test_to_yaml_loads_back(tmp_path: Path) -> None:
     path = tmp_path / "out.yaml"
     path.write_text(p.to_yaml())
     assert load_pipeline(path) == p.build()
+
+
+def _local_reward() -> Any:
+    def score(completions: list[str], **_: Any) -> list[float]:
+        return [0.0] * len(completions)
+
+    return score
+
+
+@pytest.mark.parametrize(
+    ("fn", "what"),
+    [
+        (lambda completions, **_: [0.0] * len(completions), "is a lambda"),
+        (_local_reward(), "is a function defined inside another"),
+    ],
+)
+def test_to_yaml_refuses_a_function_a_file_cannot_name(fn: Any, what: str) -> None:
+    p = Pipeline("by-value")
+    actor = p.model("actor", path="builtin:tiny-llama")
+    roll = p.generate(actor, p.source("builtin:digits"))
+    p.update(actor, roll, p.advantage("grpo", p.score(fn, roll)))
+    p.build()  # it runs from Python
+    with pytest.raises(SpecError, match=rf"nodes\.reward\.fn: the reward function '.*' {what}.*run\(p\)"):
+        p.to_yaml()
+
+
+def test_to_yaml_names_a_module_level_function() -> None:
+    from flowrl.rewards import digit_match
+
+    p = Pipeline("by-name")
+    actor = p.model("actor", path="builtin:tiny-llama")
+    roll = p.generate(actor, p.source("builtin:digits"))
+    p.update(actor, roll, p.advantage("grpo", p.score(digit_match, roll)))
+    assert "fn: flowrl.rewards.builtin:digit_match" in p.to_yaml()
