@@ -100,6 +100,15 @@ def _print_match(spec: PipelineSpec, match: Match, console: Console) -> None:
             escape(match.reasons.get(group, "")),
         )
     console.print(table)
+    exclusive = {name for name, group in spec.devices.items() if group.exclusive}
+    if len(match.assignment) > 1 and set(match.assignment) - exclusive:
+        # The match gives each group devices of its own; the plan may still run a group's nodes
+        # on another group's devices (time-shared) where it predicts a shorter step.
+        console.print(
+            "Each group's own devices. The plan (flowrl plan) may run a group on another group's "
+            "devices where that is predicted faster and memory fits; exclusive: true on a group "
+            "keeps it on its own.", highlight=False, markup=False,
+        )
 
 
 def _headroom(headroom_gb: float | None, min_memory_gb: float | None) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -61,6 +62,20 @@ def test_devices_command_shows_a_file_inventory() -> None:
     text = out.getvalue()
     assert "gpu-7" in text and "H200-141GB" in text and "hopper" in text
     assert "Detected 8 GPUs" in text
+
+
+def test_devices_command_says_the_plan_may_share_devices_unless_exclusive(tmp_path: Path) -> None:
+    term, out = console()
+    devices_command(PPO, MIXED_FILE, False, term)
+    assert "The plan (flowrl plan) may run a group on another group's devices" in out.getvalue()
+    text = PPO.read_text()
+    text = re.sub(r"^(  \w+_group: +\{)", r"\1exclusive: true, ", text, flags=re.MULTILINE)
+    assert text.count("exclusive: true") == 4
+    path = tmp_path / "ppo.yaml"
+    path.write_text(text)
+    term, out = console()
+    devices_command(path, MIXED_FILE, False, term)
+    assert "another group's devices" not in out.getvalue() and "actor_group" in out.getvalue()
 
 
 def test_devices_command_matches_a_pipeline_as_json() -> None:
