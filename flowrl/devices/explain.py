@@ -16,6 +16,8 @@ from flowrl.devices.inventory import Device
 from flowrl.spec.schema import DeviceGroupSpec
 
 _MAX_CLOSEST = 4  # enough to see the pattern without flooding the line
+_JOINED_CPU = " (on a joined Dask cluster: start more CPU workers)"
+"""cpu_slots sizes the local cluster only; a joined cluster's slots are the workers started."""
 
 
 def gb(value: float) -> str:
@@ -59,13 +61,13 @@ def explain_alone(group: str, spec: DeviceGroupSpec, pool: Sequence[Device], cou
                 f"{need}; this inventory has no gpus: set type: cpu, or match against an "
                 "inventory with gpus (--devices devices/FILE.yaml)"
             )
-        return f"{need}; this inventory has no cpu slots: raise runtime.cpu_slots"
+        return f"{need}; this inventory has no cpu slots: raise runtime.cpu_slots{_JOINED_CPU}"
     if count > len(pool):
         listed = ", ".join(device.id for device in pool[:_MAX_CLOSEST])
         more = ", ..." if len(pool) > _MAX_CLOSEST else ""
         fix = f"set {count_field(spec)}: {len(pool)}"
         if spec.type == "cpu":
-            fix += f", or raise runtime.cpu_slots to {count}"
+            fix += f", or raise runtime.cpu_slots to {count}{_JOINED_CPU}"
         return f"{need}; the inventory has {plural(len(pool), spec.type)} ({listed}{more}): {fix}"
     arch_ok = [device for device in pool if fits_arch(device, spec)]
     memory_ok = [device for device in pool if fits_memory(device, spec)]

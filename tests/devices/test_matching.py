@@ -182,7 +182,7 @@ def test_cpu_group_larger_than_the_machine() -> None:
     match = match_groups({"actor": DeviceGroupSpec(count=3)}, CPU_MACHINE)
     assert match.unsatisfied["actor"] == (
         "actor needs 3 cpu slots; the inventory has 2 cpu slots (cpu-0, cpu-1): "
-        "set count: 2, or raise runtime.cpu_slots to 3"
+        "set count: 2, or raise runtime.cpu_slots to 3 (on a joined Dask cluster: start more CPU workers)"
     )
 
 
