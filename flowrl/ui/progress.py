@@ -35,12 +35,14 @@ class EtaEstimator:
     def __init__(self, window_steps: int = ETA_WINDOW_STEPS) -> None:
         # One extra point: a window of k step durations needs k + 1 marks.
         self._marks: deque[tuple[int, float]] = deque(maxlen=window_steps + 1)
+        self._restarted = False
 
     def add(self, step: int, elapsed_s: float) -> None:
         """Remember that ``step`` finished ``elapsed_s`` seconds into the run."""
         if self._marks and step <= self._marks[-1][0]:
             # A resumed or repeated step restarts the window: old marks are another run's clock.
             self._marks.clear()
+            self._restarted = True
         self._marks.append((step, elapsed_s))
 
     def seconds_per_step(self) -> float | None:
@@ -48,6 +50,10 @@ class EtaEstimator:
         if not self._marks:
             return None
         if len(self._marks) == 1:
+            if self._restarted:
+                # A replay from an older snapshot: elapsed / step would count the replayed
+                # steps' first pass too. Unknown until the next step.
+                return None
             step, elapsed_s = self._marks[0]
             return elapsed_s / step if step > 0 else None
         first_step, first_s = self._marks[0]
