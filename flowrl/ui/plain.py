@@ -53,11 +53,25 @@ def format_step_line(record: StepRecord, eta_s: float | None) -> str:
         parts.append(f"step {format_seconds(metrics[STEP_TIME_KEY])}")
     if record.nodes:
         # compute time: a node's wall time also counts its wait for its inputs
-        parts.append(" ".join(f"{node.node} {format_ms(node.compute_s)}" for node in record.nodes))
+        parts.append(" ".join(f"{name} {_compute_range(times)}" for name, times in _node_compute_s(record).items()))
     if THROUGHPUT_KEY in metrics:
         parts.append(format_tokens_per_s(metrics[THROUGHPUT_KEY]))
     parts.append(f"eta {format_duration(eta_s)}")
     return " | ".join(parts)
+
+
+def _node_compute_s(record: StepRecord) -> dict[str, list[float]]:
+    """Compute seconds by node in the step's order: a node split over devices has one per part."""
+    times: dict[str, list[float]] = {}
+    for node in record.nodes:
+        times.setdefault(node.node, []).append(node.compute_s)
+    return times
+
+
+def _compute_range(times: list[float]) -> str:
+    """``38ms`` for one part, ``30-38ms`` from the fastest to the slowest of a split node's."""
+    low, high = format_ms(min(times)), format_ms(max(times))
+    return high if low == high else f"{low.removesuffix('ms')}-{high}"
 
 
 def format_event_line(event: RunEvent) -> str:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import io
 from typing import TYPE_CHECKING
 
-from flowrl.records import RunEvent, StepRecord
-from flowrl.ui.plain import PlainLog
+from flowrl.records import NodeTiming, RunEvent, StepRecord
+from flowrl.ui.plain import PlainLog, format_step_line
 
 if TYPE_CHECKING:
     from conftest import FakeClock, StepFactory
@@ -64,3 +64,15 @@ def test_event_lines(clock: FakeClock) -> None:
         "[event] checkpoint: saved outputs/run/step-10",
         "[event] warning: cpu:1 under 40% busy for 30s",
     ]
+
+
+def test_a_node_split_over_devices_shows_its_fastest_to_slowest_part(clock: FakeClock) -> None:
+    def part(device: str, compute_s: float) -> NodeTiming:
+        return NodeTiming("train", "update", device, wall_s=compute_s, compute_s=compute_s, wait_s=0.0,
+                          tokens_in=10, tokens_out=0)
+
+    record = StepRecord(step=1, num_steps=2, metrics={}, elapsed_s=1.0,
+                        nodes=[part("cpu:0", 0.030), part("cpu:1", 0.0384),
+                               NodeTiming("adv", "advantage", "cpu:0", wall_s=0.001, compute_s=0.0008,
+                                          wait_s=0.0, tokens_in=0, tokens_out=0)])
+    assert format_step_line(record, None) == "step 1/2 | train 30-38ms adv 0.8ms | eta -"
