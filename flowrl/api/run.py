@@ -323,7 +323,9 @@ def replace_model(model: Any, section: str, **changes: Any) -> Any:
 
 
 def check_runnable(graph: PipelineGraph) -> None:
-    """Refuse, before any work, what this version validates but cannot run."""
+    """Refuse, before any work, a valid pipeline that cannot run here: a group of several devices
+    running nodes that do not split, a GPU group without a GPU, a logger or dashboard whose
+    package is missing."""
     problems = []
     no_gpu = _no_local_gpu(graph)
     for name, group in graph.spec.devices.items():
@@ -344,7 +346,7 @@ def check_runnable(graph: PipelineGraph) -> None:
         if problem is not None:
             problems.append(problem)
     if problems:
-        raise FlowrlError("this pipeline is valid but cannot run in this version:\n" + "\n".join(f"  {p}" for p in problems))
+        raise FlowrlError("this pipeline is valid but cannot run here:\n" + "\n".join(f"  {p}" for p in problems))
 
 
 def _no_local_gpu(graph: PipelineGraph) -> str | None:
