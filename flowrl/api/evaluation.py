@@ -96,7 +96,8 @@ class Evaluator:
             if key.endswith(("/mean", f"/pass@{self.spec.n}")) and not key.startswith("val/response_length")
         )
         when = "before training" if step == 0 else f"after step {step}"
-        return f"{when}: {shown} ({len(self.examples)} prompts x {self.spec.n}, {mode}, {seconds:.1f} s)"
+        took = f"{seconds:.1f} s" if seconds >= 0.1 else f"{seconds * 1000:.0f} ms"  # a small model's read 0.0 s
+        return f"{when}: {shown} ({len(self.examples)} prompts x {self.spec.n}, {mode}, {took})"
 
 
 def merge_parts(parts: list[dict[str, float]]) -> dict[str, float]:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from flowrl.api.evaluation import merge_parts
+from pathlib import Path
+
+from flowrl.api.evaluation import Evaluator, merge_parts
+from flowrl.spec.loader import load_pipeline
 
 
 def test_parts_merge_by_their_number_of_prompts() -> None:
@@ -13,3 +16,13 @@ def test_parts_merge_by_their_number_of_prompts() -> None:
     merged = merge_parts([first, second])
     assert merged == {"val/num_prompts": 4.0, "val/r/mean": 0.5, "val/r/pass@2": 0.75, "val/r/num_failed": 1.0}
     assert merge_parts([first]) == first
+
+
+def test_the_event_gives_a_short_evaluation_in_milliseconds() -> None:
+    graph = load_pipeline(Path(__file__).parents[2] / "pipelines" / "grpo_arith.yaml")
+    evaluator = Evaluator(graph, ["a", "b"])
+    metrics = {"val/reward/mean": 0.25, "val/response_length/mean": 7.0}
+    fast = evaluator.describe(10, metrics, 0.042)
+    assert fast.startswith("after step 10: val/reward/mean 0.250 (2 prompts x ")
+    assert fast.endswith(", 42 ms)")
+    assert evaluator.describe(0, metrics, 2.345).endswith(", 2.3 s)")
