@@ -42,7 +42,7 @@ from flowrl.scheduler import make_policy, settings_from_spec
 from flowrl.scheduler.calibration import calibrated_prediction
 from flowrl.spec.dump import resumable_form, to_yaml
 from flowrl.spec.messages import issues_from_validation
-from flowrl.spec.schema import AdvantageNode, GenerateNode, RuntimeSpec
+from flowrl.spec.schema import AdvantageNode, GenerateNode, RuntimeSpec, ScoreNode
 
 CALIBRATION_STEPS = 4
 """Steps after the first that learn how far the cost model is off per node, before device
@@ -178,7 +178,9 @@ def _run_watched(graph: PipelineGraph, folder: RunFolder, watcher: "_Watchers", 
     source = training_source(graph, base_dir or Path.cwd(), formatter)
     held_out = eval_examples(graph, base_dir or Path.cwd(), formatter)
     preflight(graph, base_dir, offered_keywords(source, held_out))
-    watcher.event(RunEvent("data", source.describe(), 0))
+    reward_functions = {node.fn.strip() for node in spec.nodes.values()
+                        if isinstance(node, ScoreNode) and isinstance(node.fn, str)}
+    watcher.event(RunEvent("data", source.describe(reward_functions), 0))
     if (too_large := source.batch_warning()) is not None:
         watcher.event(RunEvent("warning", too_large, 0))
     if held_out:

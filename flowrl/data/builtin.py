@@ -26,8 +26,11 @@ class BuiltinTask:
 
     name: str
     description: str
+    """What the prompts are."""
     reward: str
     """Name of the matching function in flowrl.rewards' registry."""
+    reward_description: str
+    """What that function rewards."""
     make_example: Callable[[random.Random], PromptExample]
 
 
@@ -50,14 +53,16 @@ def _first_letter_example(rng: random.Random) -> PromptExample:
 BUILTIN_TASKS: dict[str, BuiltinTask] = {
     "digits": BuiltinTask(
         name="digits",
-        description="8 random letters + '='; reward: share of digit characters in the completion",
+        description="8 random letters + '='",
         reward="digits",
+        reward_description="share of digit characters in the completion",
         make_example=_digits_example,
     ),
     "first_letter": BuiltinTask(
         name="first_letter",
-        description="8 random letters + '='; reward: repeat the prompt's first letter",
+        description="8 random letters + '='",
         reward="first_letter",
+        reward_description="repeat the prompt's first letter",
         make_example=_first_letter_example,
     ),
 }

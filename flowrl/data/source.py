@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import difflib
 import random
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -244,11 +245,16 @@ class PromptSource:
                 f"{self.source}: every step repeats prompts ({self.batch_size / len(self.examples):.3g} epochs "
                 "per step); lower data.batch_size or add prompts")
 
-    def describe(self) -> str:
-        """One line for logs: what the prompts are and how they are batched."""
+    def describe(self, reward_functions: Collection[str] | None = None) -> str:
+        """One line for logs: what the prompts are and how they are batched; for a built-in
+        task, what its reward function rewards when the pipeline scores with it (one of
+        ``reward_functions``, the score nodes' functions; None: say it)."""
         if self.task is not None:
+            task = self.task
+            scored = reward_functions is None or task.reward in reward_functions
+            reward = f"; reward: {task.reward_description}" if scored else ""
             return (
-                f"{BUILTIN_PREFIX}{self.task.name}: {self.task.description}; "
+                f"{BUILTIN_PREFIX}{task.name}: {task.description}{reward}; "
                 f"{self.batch_size} random prompts per step (seed {self.seed})"
             )
         num_examples = len(self.examples)

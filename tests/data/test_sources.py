@@ -362,6 +362,12 @@ def test_from_spec_and_describe(tmp_path: Path) -> None:
     builtin = PromptSource("builtin:first_letter", 8, seed=0, base_dir=tmp_path)
     assert builtin.describe().startswith("builtin:first_letter: 8 random letters + '='")
     assert builtin.num_examples is None
+    # the task's own reward is named only where a score node uses it (not under a reward model)
+    assert builtin.describe({"first_letter"}) == (
+        "builtin:first_letter: 8 random letters + '='; reward: repeat the prompt's first letter; "
+        "8 random prompts per step (seed 0)"
+    )
+    assert builtin.describe(set()) == "builtin:first_letter: 8 random letters + '='; 8 random prompts per step (seed 0)"
 
 
 def test_an_unreachable_hub_is_asked_once_and_datasets_reads_its_cache_only(
