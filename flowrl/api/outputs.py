@@ -35,16 +35,57 @@ from flowrl.records import NodeTiming, RunEvent, StepRecord, slowest_part_median
 
 def check_fresh_start(output_dir: Path, overwrite: bool) -> None:
     """A fresh run may not start in a folder that holds an earlier run's checkpoints (a later
-    resume would take them for its own) unless it starts over there (``overwrite``)."""
+    resume would take them for its own) or its final model (this run would replace it) unless
+    it starts over there (``overwrite``)."""
+    if overwrite:
+        return
     earlier = [path.name for _, path in checkpoint_dirs(output_dir / "checkpoints")]
-    if earlier and not overwrite:
+    elsewhere = "or give this run another output folder (-o DIR; trainer.output_dir)"
+    if earlier:
         shown = ", ".join(earlier[-3:]) + (f" and {len(earlier) - 3} older" if len(earlier) > 3 else "")
         raise FlowrlError(
             f"the output folder {output_dir} holds checkpoints of an earlier run ({shown}), which a later resume "
             f"would take for this run's: continue that run (flowrl resume {output_dir}; run(..., resume=True)), "
-            "start over there (--overwrite; run(..., overwrite=True): deletes its checkpoints and final model), "
-            "or give this run another output folder (-o DIR; trainer.output_dir)"
+            f"start over there (--overwrite; run(..., overwrite=True): deletes its checkpoints and final model), {elsewhere}"
         )
+    if has_final_model(output_dir):
+        raise FlowrlError(
+            f"the output folder {output_dir} holds the final model of an earlier run ({output_dir / 'final'}), which "
+            "this run would replace: start over there (--overwrite; run(..., overwrite=True): deletes it), "
+            f"{elsewhere}"
+        )
+
+
+def check_resume_start(output_dir: Path, steps: int, checkpoint_every: int) -> None:
+    """A resume may not train over a finished run that kept no checkpoint to continue from:
+    it would start at step 1 and replace that run's final model."""
+    info = read_run_info(output_dir)
+    finished = info.get("finished_steps") if isinstance(info.get("finished_steps"), int) else None
+    if finished is not None and finished >= steps:
+        return  # nothing to train: the run says so
+    if checkpoint_dirs(output_dir / "checkpoints") or not has_final_model(output_dir):
+        return
+    raise FlowrlError(
+        f"the run in {output_dir} ended{f' after {finished} steps' if finished else ''} and kept no checkpoint to "
+        f"continue from (trainer.checkpoint_every: {checkpoint_every}), so it cannot go on to step {steps}: train "
+        "again from step 1 there (--overwrite, without --resume; replaces its final model) or into another output "
+        "folder; a run keeps checkpoints with trainer.checkpoint_every > 0"
+    )
+
+
+def read_run_info(output_dir: Path) -> dict[str, Any]:
+    """``run.json`` of the run in ``output_dir``; empty when there is none (or it is unreadable)."""
+    path = output_dir / "run.json"
+    try:
+        return dict(json.loads(path.read_text())) if path.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def has_final_model(output_dir: Path) -> bool:
+    """Whether an earlier run left its trained model in ``output_dir/final``."""
+    final = output_dir / "final"
+    return final.is_dir() and any(final.iterdir())
 
 
 class RunFolder:
@@ -77,11 +118,7 @@ class RunFolder:
         (self.path / "run.json").write_text(json.dumps(info, indent=2) + "\n")
 
     def read_run_info(self) -> dict[str, Any]:
-        path = self.path / "run.json"
-        try:
-            return dict(json.loads(path.read_text())) if path.is_file() else {}
-        except (OSError, ValueError):
-            return {}
+        return read_run_info(self.path)
 
     def reset_logs(self) -> None:
         """A fresh run starts the line files anew (a resumed run appends)."""

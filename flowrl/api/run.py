@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from flowrl.api.builder import Pipeline
 from flowrl.algorithms.kl_control import AdaptiveKLController, FixedKLController
 from flowrl.api.loggers import Logger, close_quietly, logger_problems, make_loggers, missing_package
-from flowrl.api.outputs import RunFolder, check_fresh_start, finite_metrics
+from flowrl.api.outputs import RunFolder, check_fresh_start, check_resume_start, finite_metrics
 from flowrl.api.prometheus import PrometheusMetrics
 from flowrl.api.driver import Driver
 from flowrl.api.recovery import FoundCheckpoint, config_changes, newest_checkpoint
@@ -135,6 +135,7 @@ def _run(pipeline: PipelineGraph | Pipeline, options: RunOptions, observer: Obse
         forced = _check_unchanged(folder, config_text, force)
         if finished is not None and finished >= spec.trainer.steps:
             return RunResult(folder.path, already_finished=True)
+        check_resume_start(folder.path, spec.trainer.steps, spec.trainer.checkpoint_every)
         start = newest_checkpoint(folder.checkpoints)
     else:
         _fresh_start(folder, overwrite)

@@ -141,7 +141,7 @@ def run(
     resume: bool = typer.Option(False, "--resume", help="Continue the run in the output folder from its newest checkpoint."),
     force: bool = typer.Option(False, "--force", help="With --resume: go on although the pipeline changed."),
     overwrite: bool = typer.Option(
-        False, "--overwrite", help="Start over in an output folder that holds an earlier run's checkpoints (deletes them)."
+        False, "--overwrite", help="Start over in an output folder that holds an earlier run's checkpoints or final model (deletes them)."
     ),
 ) -> None:
     """Train a pipeline (with any KEY=VALUE overrides): start (or join) Dask, place the roles, run the steps."""
@@ -206,11 +206,15 @@ def _train(graph: Any, base_dir: Path, plain: bool, resume: bool, force: bool, o
     runtime = graph.spec.runtime
     pending = None
     raise_early_issues(graph, base_dir, locate)  # the usual mistakes, before any worker starts, at their place
-    if not resume:
-        from flowrl.api.outputs import check_fresh_start
+    from flowrl.api.outputs import check_fresh_start, check_resume_start
 
-        output = Path(overrides.get("output_dir") or graph.spec.trainer.output_dir)
-        check_fresh_start(output if output.is_absolute() else Path.cwd() / output, overwrite)
+    output = Path(overrides.get("output_dir") or graph.spec.trainer.output_dir)
+    output = output if output.is_absolute() else Path.cwd() / output
+    if resume:
+        steps = overrides.get("steps") or graph.spec.trainer.steps
+        check_resume_start(output, steps, graph.spec.trainer.checkpoint_every)
+    else:
+        check_fresh_start(output, overwrite)
     if not (overrides.get("scheduler_address") or runtime.scheduler_address):
         # The workers start now, and import torch while this process imports the rest of
         # flowrl and reads the data: on a small machine that halves the wait for step 1.

@@ -742,7 +742,9 @@ class TrainerSpec(_Strict):
     """Run folder (checkpoints, metrics, plans), relative to the working directory.
     Default outputs/run."""
     checkpoint_every: int = Field(default=0, ge=0)
-    """Write a checkpoint every this many steps; 0 writes only the final one. Default 0."""
+    """Write a checkpoint every this many steps and at the last step; 0 writes none (the
+    trained model is still saved in ``final/``, but the run cannot be resumed or extended).
+    Default 0."""
     seed: int = Field(default=0, ge=0)
     """Seed of data order, sampling and initialisation. Default 0."""
     log_every: int = Field(default=1, ge=1)

@@ -69,6 +69,35 @@ def test_a_fresh_run_into_an_earlier_run_s_checkpoints_is_refused_before_any_wor
     assert f"the output folder {tmp_path / 'out'} holds checkpoints of an earlier run (step-2)" in result.output
 
 
+def test_a_fresh_run_into_an_earlier_run_s_final_model_is_refused_and_a_resume_cannot_extend_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A run without checkpoints leaves only final/: a second fresh run would replace it, and a
+    resume would train it over from step 1."""
+    from typer.testing import CliRunner
+
+    from flowrl.cli.main import app
+    from flowrl.runtime import cluster
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a local cluster was started")
+
+    monkeypatch.setattr(cluster, "PendingCluster", refuse)
+    monkeypatch.setattr(cluster.Cluster, "start_local", refuse)
+    out = tmp_path / "out"
+    (out / "final").mkdir(parents=True)
+    (out / "final" / "model.safetensors").write_bytes(b"weights")
+    (out / "run.json").write_text('{"finished_steps": 3}')
+    pipeline = str(ROOT / "pipelines" / "grpo_tiny.yaml")
+    fresh = CliRunner().invoke(app, ["run", pipeline, "-o", str(out)])
+    assert fresh.exit_code == 2, fresh.output
+    assert f"holds the final model of an earlier run ({out / 'final'}), which this run would replace" in fresh.output
+    resumed = CliRunner().invoke(app, ["run", pipeline, "-o", str(out), "--resume", "--steps", "5"])
+    assert resumed.exit_code == 2, resumed.output
+    assert "ended after 3 steps and kept no checkpoint" in " ".join(resumed.output.split())
+    assert (out / "final" / "model.safetensors").read_bytes() == b"weights"
+
+
 @pytest.mark.parametrize("name", sorted(BUILTIN_MODELS))
 def test_builtin_folder_names_what_the_builder_writes(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The driver checks for a built model by ``builtin_folder`` without importing its builder:
