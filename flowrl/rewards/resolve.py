@@ -47,17 +47,31 @@ def _load_file_module(module_name: str, path: Path) -> ModuleType:
         spec.loader.exec_module(module)
     except Exception as error:
         sys.modules.pop(unique_name, None)
+        hint = ""
+        if isinstance(error, ImportError) and "no known parent package" in str(error):
+            hint = (f"; a module of a package is named by its dotted name, fn: "
+                    f"{'.'.join(path.with_suffix('').parts[-2:])}:FUNCTION, with the package next to the pipeline file")
         raise RewardError(
-            f"importing reward module {path} failed: {type(error).__name__}: {error}"
+            f"importing reward module {path} failed: {type(error).__name__}: {error}{hint}"
         ) from error
     return module
 
 
+def _importable(folder: Path) -> None:
+    """Let a reward module in the pipeline's ``folder`` import its helper modules and packages
+    there, when it is loaded and when its functions run. Appended, so that a file there named
+    like an installed or standard module (``random.py``) shadows nothing."""
+    entry = str(folder.resolve())
+    if entry not in sys.path:
+        sys.path.append(entry)
+
+
 @contextmanager
-def _without_working_directory() -> Iterator[None]:
-    """Import from installed packages only: ``python -c`` and ``python -m`` put the working
-    directory first on sys.path, and a stray ``rewards.py`` there must not run as a reward."""
-    here = {"", ".", os.getcwd()}
+def _without_working_directory(keep: Path | None = None) -> Iterator[None]:
+    """Import from installed packages (and the pipeline's folder ``keep``) only: ``python -c``
+    and ``python -m`` put the working directory first on sys.path, and a stray ``rewards.py``
+    there must not run as a reward."""
+    here = {"", ".", os.getcwd()} - ({str(keep.resolve())} if keep is not None else set())
     saved = list(sys.path)
     sys.path[:] = [entry for entry in saved if entry not in here]
     try:
@@ -78,12 +92,20 @@ def _reward_file(name: str, base_dir: Path | None) -> Path:
 
 
 def _import_module(module_name: str, base_dir: Path | None) -> ModuleType:
-    if base_dir is not None:
-        candidate = Path(base_dir) / (module_name.replace(".", "/") + ".py")
-        if candidate.is_file():
-            return _load_file_module(module_name, candidate)
+    folder = Path(base_dir) if base_dir is not None else None
+    if folder is not None:
+        if (folder / module_name.split(".")[0] / "__init__.py").is_file():
+            # a package beside the pipeline file: imported as a package, so that its modules'
+            # relative imports work
+            _importable(folder)
+        else:
+            candidate = folder / (module_name.replace(".", "/") + ".py")
+            if candidate.is_file():
+                _importable(folder)
+                return _load_file_module(module_name, candidate)
+            folder = None
     try:
-        with _without_working_directory():
+        with _without_working_directory(keep=folder):
             return importlib.import_module(module_name)
     except ModuleNotFoundError as error:
         missing = error.name or ""
@@ -156,7 +178,9 @@ def resolve_reward(ref: str | PythonFunction, base_dir: Path | None = None) -> R
             f"write fn: my_rewards:{qualname}, or run the pipeline from that script"
         )
     if module_name.endswith(".py"):
-        module = _load_file_module(Path(module_name).stem, _reward_file(module_name, base_dir))
+        path = _reward_file(module_name, base_dir)
+        _importable(path.parent)
+        module = _load_file_module(Path(module_name).stem, path)
     else:
         module = _import_module(module_name, base_dir)
     fn = _get_attribute(module, module_name, qualname)

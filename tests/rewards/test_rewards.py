@@ -161,13 +161,50 @@ def test_module_function_from_the_pipeline_folder(tmp_path: Path) -> None:
     assert method(completions=["x"]) == [0.5]
 
 
-def test_pipeline_folder_is_searched_first_but_never_put_on_sys_path(tmp_path: Path) -> None:
-    # A file named like an installed module wins for this reference only.
+def test_pipeline_folder_is_searched_first_but_shadows_no_installed_module(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A file named like an installed module wins for this reference only: the folder goes on
+    # sys.path after everything installed.
+    monkeypatch.setattr(sys, "path", list(sys.path))
     _write_module(tmp_path, "json", "def reward(completions, **kwargs):\n    return [1.0] * len(completions)\n")
     fn = resolve_reward("json:reward", base_dir=tmp_path)
     assert fn(completions=[]) == []
-    assert sys.modules["json"] is json and str(tmp_path) not in sys.path
+    assert sys.modules["json"] is json and sys.path[-1] == str(tmp_path.resolve())
     assert json.dumps([1]) == "[1]"
+
+
+def test_a_reward_module_imports_its_helpers_and_packages_beside_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    for name in ("flowrl_test_helpers", "flowrl_test_later", "flowrl_test_pkg", "flowrl_test_pkg.core",
+                 "flowrl_test_pkg.helpers"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    _write_module(tmp_path, "flowrl_test_helpers", "def normalize(text):\n    return text.strip()\n")
+    _write_module(tmp_path, "flowrl_test_later", "BONUS = 0.5\n")
+    _write_module(
+        tmp_path,
+        "rw",
+        """
+        from flowrl_test_helpers import normalize
+
+        def score(completions, **kwargs):
+            import flowrl_test_later  # imported when the function runs, as on a worker
+            return [float(normalize(c) == "42") + flowrl_test_later.BONUS for c in completions]
+        """,
+    )
+    fn = resolve_reward("rw:score", base_dir=tmp_path)
+    assert fn(completions=[" 42 ", "7"]) == [1.5, 0.5]
+    package = tmp_path / "flowrl_test_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "helpers.py").write_text("def double(x):\n    return 2 * x\n")
+    (package / "core.py").write_text(
+        "from .helpers import double\n\ndef score(completions, **kwargs):\n    return [double(1.0)] * len(completions)\n"
+    )
+    assert resolve_reward("flowrl_test_pkg.core:score", base_dir=tmp_path)(completions=["a"]) == [2.0]
+    # by its file, a package's module cannot import relatively: the message names the dotted form
+    with pytest.raises(RewardError, match=r"no known parent package; .*fn: flowrl_test_pkg\.core:FUNCTION"):
+        resolve_reward("flowrl_test_pkg/core.py:score", base_dir=tmp_path)
 
 
 def test_missing_module() -> None:
