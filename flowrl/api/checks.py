@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from flowrl.api.data import eval_examples, policy_formatter, training_source
+from flowrl.api.evaluation import eval_score_nodes
 from flowrl.backends.cache import BUILTIN_PREFIX as MODEL_PREFIX
 from flowrl.backends.catalog import lookup_builtin
 from flowrl.backends.locations import saved_model_location
@@ -40,6 +41,34 @@ def offered_keywords(source: PromptSource, held_out: list[PromptExample]) -> set
     for example in examples:
         columns.update(example.columns)
     return set(FLOWRL_KEYWORDS) | columns
+
+
+def eval_keywords(held_out: list[PromptExample]) -> set[str]:
+    """Every keyword a reward function's call gets on the evaluation's prompts."""
+    columns: set[str] = set()
+    for example in held_out[:SAMPLED_ROWS]:
+        columns.update(example.columns)
+    return set(FLOWRL_KEYWORDS) | columns
+
+
+def eval_reward_issues(graph: PipelineGraph, base_dir: Path | None, offered: set[str]) -> list[Issue]:
+    """A (path, message) per reward function the evaluation scores with that cannot be called
+    with the held-out data's keywords ``offered`` (its columns may differ from training's)."""
+    spec = graph.spec
+    where = "eval.source" if spec.eval is not None and spec.eval.source else "eval.split"
+    issues: list[Issue] = []
+    for name, node in eval_score_nodes(spec).items():
+        if node.fn is None:
+            continue
+        try:
+            fn = resolve_reward(node.fn, base_dir)
+        except RewardError:
+            continue  # reported at the score node
+        problem = signature_problem(fn, offered, dict(node.params))
+        if problem is not None:
+            issues.append((where, f"the evaluation scores with '{node.fn_name}' (score node '{name}'), which cannot "
+                                  f"be called on the held-out prompts: {problem}"))
+    return issues
 
 
 def reward_issues(graph: PipelineGraph, base_dir: Path | None, offered: set[str] | None) -> list[Issue]:
@@ -91,11 +120,11 @@ def check_inputs(graph: PipelineGraph, base_dir: Path | None, locate: Locate | N
     of the pipeline file, or the override that set it) when given."""
     issues: list[Issue] = model_issues(graph, base_dir)
     offered: set[str] | None = None
+    held_out: list[Any] = []
     if not issues:  # the data is read with the policy's tokenizer
         try:
             formatter = policy_formatter(graph, base_dir)
             source = training_source(graph, base_dir, formatter)
-            held_out: list[Any] = []
             evaluation = graph.spec.eval
             endless = _endless_eval(graph)
             if endless is not None:
@@ -109,6 +138,8 @@ def check_inputs(graph: PipelineGraph, base_dir: Path | None, locate: Locate | N
         except (DataError, ModelLoadError) as error:
             issues.append(("data.source", str(error)))
     issues.extend(reward_issues(graph, base_dir, offered))
+    if held_out:
+        issues.extend(eval_reward_issues(graph, base_dir, eval_keywords(held_out)))
     if issues:
         raise SpecError(_located(issues, locate))
 

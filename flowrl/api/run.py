@@ -23,7 +23,7 @@ from flowrl.api.recovery import FoundCheckpoint, config_changes, newest_checkpoi
 from flowrl.api.replanning import Replanner
 from flowrl.backends.cache import BUILTIN_PREFIX, built_builtin_dir
 from flowrl.api.data import eval_examples, evaluates_training_prompts, policy_formatter, training_source
-from flowrl.api.checks import model_issues, offered_keywords, reward_issues
+from flowrl.api.checks import eval_keywords, eval_reward_issues, model_issues, offered_keywords, reward_issues
 from flowrl.api.evaluation import Evaluator
 from flowrl.data import PromptSource
 from flowrl.devices.groups import offload_notes, pipeline_groups
@@ -178,7 +178,7 @@ def _run_watched(graph: PipelineGraph, folder: RunFolder, watcher: "_Watchers", 
     formatter = policy_formatter(graph, base_dir or Path.cwd())
     source = training_source(graph, base_dir or Path.cwd(), formatter)
     held_out = eval_examples(graph, base_dir or Path.cwd(), formatter)
-    preflight(graph, base_dir, offered_keywords(source, held_out))
+    preflight(graph, base_dir, offered_keywords(source, held_out), eval_keywords(held_out) if held_out else None)
     reward_functions = {node.fn.strip() for node in spec.nodes.values()
                         if isinstance(node, ScoreNode) and isinstance(node.fn, str)}
     watcher.event(RunEvent("data", source.describe(reward_functions), 0))
@@ -363,14 +363,17 @@ def _no_local_gpu(graph: PipelineGraph) -> str | None:
     return inventory.notes[0] if inventory.notes else "NVML sees none"
 
 
-def preflight(graph: PipelineGraph, base_dir: Path | None, offered: set[str] | None = None) -> None:
-    """Catch missing models and reward functions that cannot be called, before any worker
-    starts.
+def preflight(graph: PipelineGraph, base_dir: Path | None, offered: set[str] | None = None,
+              offered_eval: set[str] | None = None) -> None:
+    """Catch missing models and reward functions that cannot be called (on the training data's
+    keywords ``offered``, and the evaluation's ``offered_eval``), before any worker starts.
 
     Resolving a builtin model also builds it once, so that workers never race to build
     the same cache directory.
     """
     issues = model_issues(graph, base_dir) + reward_issues(graph, base_dir, offered)
+    if offered_eval is not None:
+        issues += eval_reward_issues(graph, base_dir, offered_eval)
     if issues:
         raise SpecError([SpecIssue(path, message) for path, message in issues])
     for model in graph.spec.models.values():

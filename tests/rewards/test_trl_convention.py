@@ -168,3 +168,20 @@ def test_validate_accepts_a_trl_function(tmp_path: Path) -> None:
                      "my_rewards:ok")
     result = subprocess.run([FLOWRL, "validate", str(path)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_validate_checks_the_evaluation_s_reward_functions_on_its_own_columns(tmp_path: Path) -> None:
+    """Held-out prompts may lack a column the training rows have: every evaluation sample's
+    reward would fail, and the run would report a held-out score of 0."""
+    path = _pipeline(tmp_path, "def ok(prompts, completions, answer, **kwargs):\n    return [0.0] * len(completions)\n",
+                     "my_rewards:ok")
+    (tmp_path / "held.jsonl").write_text("".join(f'{{"prompt": "h{i}=", "target": "{i}"}}\n' for i in range(4)))
+    path.write_text(path.read_text() + "eval:    {source: held.jsonl, every_steps: 5}\n")
+    result = subprocess.run([FLOWRL, "validate", str(path)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    assert (f"{path}:11: eval.source: the evaluation scores with 'my_rewards:ok' (score node 'reward'), which cannot "
+            "be called on the held-out prompts: it needs the argument 'answer'") in " ".join(result.stderr.split())
+    (tmp_path / "held.jsonl").write_text("".join(f'{{"prompt": "h{i}=", "answer": "{i}"}}\n' for i in range(4)))
+    result = subprocess.run([FLOWRL, "validate", str(path)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
