@@ -86,12 +86,27 @@ def reward_issues(graph: PipelineGraph, base_dir: Path | None, offered: set[str]
         unknown = builtin_params_problem(node.fn, dict(node.params))
         if unknown is not None:
             issues.append((f"nodes.{name}.params", unknown))
+        clash = params_clash(dict(node.params), offered)
+        if clash is not None:
+            issues.append((f"nodes.{name}.params", clash))
         if offered is None:
             continue
         problem = signature_problem(fn, offered, dict(node.params))
         if problem is not None:
             issues.append((f"nodes.{name}.fn", f"the reward function '{node.fn_name}' cannot be called: {problem}"))
     return issues
+
+
+def params_clash(params: dict[str, Any], offered: set[str] | None) -> str | None:
+    """Params named like a keyword every call gets (flowrl's own, or a dataset column when
+    ``offered`` is known): the param would replace the per-sample values in every call."""
+    taken = sorted(set(params) & (set(FLOWRL_KEYWORDS) | (offered or set())))
+    if not taken:
+        return None
+    names = ", ".join(taken)
+    return (f"{names} {'is' if len(taken) == 1 else 'are'} already an argument of every call (flowrl's own, or a "
+            f"dataset column by its name): a param of that name would replace the per-sample values; rename the "
+            f"param{'s' if len(taken) > 1 else ''}")
 
 
 def builtin_params_problem(fn: object, params: dict[str, Any]) -> str | None:

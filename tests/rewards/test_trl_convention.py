@@ -185,3 +185,18 @@ def test_validate_checks_the_evaluation_s_reward_functions_on_its_own_columns(tm
     (tmp_path / "held.jsonl").write_text("".join(f'{{"prompt": "h{i}=", "answer": "{i}"}}\n' for i in range(4)))
     result = subprocess.run([FLOWRL, "validate", str(path)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_validate_refuses_params_named_like_a_column_or_flowrl_s_own_arguments(tmp_path: Path) -> None:
+    path = _pipeline(tmp_path, "def ok(completions, answer, **kwargs):\n    return [0.0] * len(completions)\n",
+                     "my_rewards:ok")
+    for params, taken in (('{bonus: 1, answer: "3"}', "answer is"), ("{completions: [a], prompts: [b]}", "completions, prompts are")):
+        result = subprocess.run([FLOWRL, "validate", str(path), f"nodes.reward.params={params}"],
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2, result.stdout + result.stderr
+        # placed at the override that set the params
+        assert (f"command line: nodes.reward.params={params}: {taken} already an argument of every call (flowrl's own, or a dataset column by "
+                "its name): a param of that name would replace the per-sample values") in " ".join(result.stderr.split())
+    result = subprocess.run([FLOWRL, "validate", str(path), "nodes.reward.params={bonus: 1}"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
