@@ -163,6 +163,9 @@ def resume(
     output_dir: Path = typer.Argument(..., help="The output folder of the run to continue."),
     plain: bool = typer.Option(False, "--plain", help="One log line per step instead of the live view."),
     force: bool = typer.Option(False, "--force", help="Go on although the saved pipeline was edited."),
+    steps: Optional[int] = typer.Option(
+        None, "--steps", min=1, help="Train to this step in all (extends a finished run that kept checkpoints)."
+    ),
 ) -> None:
     """Continue a run from its output folder (its config.yaml and newest checkpoint)."""
     _start_warm_server()
@@ -173,7 +176,8 @@ def resume(
         raise FlowrlError(f"{output_dir} holds no config.yaml: it is not the output folder of a flowrl run")
     graph = load_pipeline(config)
     base_dir = _pipeline_folder(config) or output_dir.resolve()
-    _train(graph, base_dir, plain, True, force, locate=issue_locator(config), output_dir=str(output_dir.resolve()))
+    _train(graph, base_dir, plain, True, force, locate=issue_locator(config), output_dir=str(output_dir.resolve()),
+           steps=steps)
 
 
 def _pipeline_folder(config: Path) -> Path | None:

@@ -36,6 +36,8 @@ def _as_score(value: Any) -> tuple[float | None, str]:
     """(score, "") for a usable value, else (None, why not)."""
     if value is None:  # TRL's "not applicable to this sample": scores 0, not a failure
         return 0.0, NOT_APPLICABLE
+    if isinstance(value, (str, bytes)):  # float() would read "1.0": text is never a score
+        return None, f"returned {type(value).__name__} {_short(str(value), 30)}, not a number"
     try:
         score = float(value)
     except (TypeError, ValueError):

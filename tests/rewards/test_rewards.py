@@ -336,13 +336,14 @@ def test_strict_names_the_function_and_the_first_failing_sample() -> None:
 
 def test_nan_and_non_numbers_are_failures_and_none_is_not_applicable() -> None:
     def odd(completions: list[str], **kwargs: object) -> list[object]:
-        return [1, None, math.nan, "high", True, math.inf]
+        return [1, None, math.nan, "high", True, math.inf, "1.0"]
 
-    result = score_safely(odd, _inputs(["c"] * 6), {})
-    # None scores 0 from this function but is not a failure (TRL: "does not apply")
-    assert (result.scores, result.num_failed, result.num_none) == ([1.0, 0.0, 0.0, 0.0, 1.0, 0.0], 3, 1)
+    result = score_safely(odd, _inputs(["c"] * 7), {})
+    # None scores 0 from this function but is not a failure (TRL: "does not apply"); text is
+    # not a number even where float() would read it
+    assert (result.scores, result.num_failed, result.num_none) == ([1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0], 4, 1)
     with pytest.raises(RewardError, match="failed on sample 2 .*: returned nan"):
-        _call(odd, ["c"] * 6, on_error="strict")
+        _call(odd, ["c"] * 7, on_error="strict")
 
 
 def test_wrong_length_fails_every_sample() -> None:
