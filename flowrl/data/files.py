@@ -56,7 +56,8 @@ def missing_local_source(source: str, base_dir: Path | None) -> str | None:
     if resolve_local(source, base_dir) is not None:
         return None
     if source.startswith((".", "/", "~")) or Path(source).suffix in FILE_BUILDERS or not HUB_NAME_PATTERN.match(source):
-        where = f" (looked in {base_dir} and {Path.cwd()})" if base_dir is not None else ""
+        folders = list(dict.fromkeys(str(folder) for folder in (base_dir, Path.cwd()) if folder is not None))
+        where = f" (looked in {' and '.join(folders)})" if base_dir is not None else ""
         return (
             f"data source '{source}' not found{where}; give a .parquet, .jsonl, .json or .csv "
             "file, a folder written by save_to_disk, a hub dataset name, or a built-in task "

@@ -118,8 +118,8 @@ class PromptFormatter:
         if too_long:
             _raise_if(
                 too_long, display_name,
-                f"longer than data.max_prompt_tokens = {self.max_prompt_tokens} tokens of {self.tokenizer_name}'s "
-                "tokenizer; raise max_prompt_tokens, or set data.overlong_prompts to truncate_left or skip",
+                f"longer than data.max_prompt_tokens = {self.max_prompt_tokens} tokens of the tokenizer of "
+                f"{self.tokenizer_name}; raise max_prompt_tokens, or set data.overlong_prompts to truncate_left or skip",
             )
         counts = FormatCounts(len(rows), sum(chat for _, _, chat in kept_rows), truncated, skipped)
         return examples, counts
@@ -145,7 +145,7 @@ class PromptFormatter:
         tokenizer = self.tokenizer
         if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
             raise DataError(
-                f"the prompts are chat messages, but {self.tokenizer_name}'s tokenizer has no chat "
+                f"the prompts are chat messages, but the tokenizer of {self.tokenizer_name} has no chat "
                 "template to render them with; give a model whose tokenizer_config.json has a "
                 "chat_template, or plain-text prompts"
             )

@@ -271,5 +271,5 @@ class PromptSource:
         extra = f"; {', '.join(notes)}" if notes else ""
         return (
             f"{self.source}: {num_examples} prompts, {order}, {self.batch_size} per step "
-            f"({steps_per_epoch:g} steps per epoch){extra}"
+            f"({f'{steps_per_epoch:.2f}'.rstrip('0').rstrip('.')} steps per epoch){extra}"
         )

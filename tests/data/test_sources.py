@@ -191,7 +191,7 @@ def test_chat_messages_are_rendered_with_the_template(tmp_path: Path) -> None:
 def test_chat_data_without_a_template_fails_before_training(tmp_path: Path) -> None:
     _write_jsonl(tmp_path / "c.jsonl", [{"prompt": [{"role": "user", "content": "hi"}]}])
     formatter = PromptFormatter(build_char_tokenizer(), tokenizer_name="model 'actor'")
-    with pytest.raises(DataError, match="chat messages, but model 'actor''s tokenizer has no chat template"):
+    with pytest.raises(DataError, match="chat messages, but the tokenizer of model 'actor' has no chat template"):
         PromptSource("c.jsonl", 1, 0, tmp_path, formatter=formatter)
 
 
