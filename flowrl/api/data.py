@@ -58,7 +58,10 @@ def eval_examples(graph: PipelineGraph, base_dir: Path | None, formatter: Prompt
     if evaluation is None:
         return []
     source, split, subset = _eval_data(graph, base_dir)
-    examples, _ = read_examples(source, split, subset, base_dir, spec.data.prompt_key, spec.data.answer_key, formatter)
+    examples, _ = read_examples(
+        source, split, subset, base_dir, evaluation.prompt_key or spec.data.prompt_key,
+        evaluation.answer_key or spec.data.answer_key, formatter, section="eval",
+    )
     return examples[: evaluation.max_examples] if evaluation.max_examples else examples
 
 

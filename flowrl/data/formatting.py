@@ -160,8 +160,9 @@ class PromptFormatter:
         return [list(ids) for ids in encoded]
 
 
-def check_columns(columns: list[str], answer_key: str, display_name: str) -> None:
-    """Refuse column names that would clash with the keywords rewards get from flowrl."""
+def check_columns(columns: list[str], answer_key: str, display_name: str, section: str = "data") -> None:
+    """Refuse column names that would clash with the keywords rewards get from flowrl
+    (``section``: the pipeline section whose ``answer_key`` applies)."""
     clashes = [name for name in columns if name in RESERVED_COLUMNS]
     if answer_key != "answer" and "answer" in columns:
         clashes.append("answer")
@@ -169,7 +170,7 @@ def check_columns(columns: list[str], answer_key: str, display_name: str) -> Non
         raise DataError(
             f"{display_name} has column{'s' if len(clashes) > 1 else ''} {', '.join(repr(c) for c in clashes)}, "
             f"which reward functions receive from flowrl ({', '.join(RESERVED_COLUMNS)}, and 'answer' for "
-            "the data.answer_key column); rename the column, or set data.answer_key: answer"
+            f"the {section}.answer_key column); rename the column, or set {section}.answer_key: answer"
         )
 
 

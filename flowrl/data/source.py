@@ -64,8 +64,10 @@ def read_examples(
     prompt_key: str = "prompt",
     answer_key: str = "answer",
     formatter: PromptFormatter | None = None,
+    section: str = "data",
 ) -> tuple[list[PromptExample], FormatCounts]:
-    """Every usable example of ``split`` of a dataset source, in the data's order."""
+    """Every usable example of ``split`` of a dataset source, in the data's order; messages
+    name the pipeline ``section`` whose ``prompt_key`` and ``answer_key`` were used."""
     formatter = formatter or PromptFormatter()
     location = source
     if source.startswith(BUILTIN_PREFIX):
@@ -75,11 +77,11 @@ def read_examples(
         location = str(BUILTIN_DATASETS[name](None))
     rows = load_split(location, split, subset, base_dir)
     display = source if split == SINGLE_SPLIT and not has_splits(location, base_dir) else f"{source} (split {split})"
-    check_columns(list(rows.column_names), answer_key, display)
+    check_columns(list(rows.column_names), answer_key, display, section)
     if prompt_key not in rows.column_names:
         raise DataError(
             f"{display} has no column '{prompt_key}' (columns: {', '.join(rows.column_names)}); "
-            "set data.prompt_key to the column that holds the prompts"
+            f"set {section}.prompt_key to the column that holds the prompts"
         )
     examples, counts = formatter.examples(rows.to_list(), prompt_key, answer_key, display)
     if not examples:

@@ -713,6 +713,10 @@ class EvalSpec(_Strict):
     subset: str | None = None
     """Configuration of a hub dataset; None: ``data.subset`` when the source is the
     training one. Default None."""
+    prompt_key: str | None = None
+    """Column of the held-out prompts; None: ``data.prompt_key``. Default None."""
+    answer_key: str | None = None
+    """Column of the held-out reference answers; None: ``data.answer_key``. Default None."""
     every_steps: int = Field(default=10, ge=1)
     """Evaluate after every this many steps (and after the last). Default 10."""
     at_start: bool = True

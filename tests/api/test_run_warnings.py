@@ -10,7 +10,7 @@ from flowrl.api.data import evaluates_training_prompts
 from flowrl.spec.loader import pipeline_from_dict
 
 
-def _pipeline(source: str, evaluation: dict[str, Any]) -> Any:
+def _pipeline(source: str, evaluation: dict[str, Any], **data: Any) -> Any:
     return pipeline_from_dict({
         "name": "p",
         "models": {"actor": {"path": "builtin:tiny-llama"}},
@@ -20,7 +20,7 @@ def _pipeline(source: str, evaluation: dict[str, Any]) -> Any:
             "adv": {"role": "advantage", "inputs": ["reward"]},
             "train": {"role": "update", "model": "actor", "inputs": ["rollout", "adv"]},
         },
-        "data": {"source": source},
+        "data": {"source": source, **data},
         "eval": {"every_steps": 5, **evaluation},
     })
 
@@ -64,3 +64,22 @@ def test_a_logger_listed_twice_is_refused() -> None:
 
     with pytest.raises(ValidationError, match="'tensorboard' is listed more than once"):
         TrainerSpec(loggers=("jsonl", "tensorboard", "tensorboard"))
+
+
+def test_held_out_prompts_may_name_their_own_columns(tmp_path: Path) -> None:
+    import pytest
+
+    from flowrl.api.data import eval_examples
+    from flowrl.data.formatting import PromptFormatter
+    from flowrl.errors import DataError
+
+    (tmp_path / "train.jsonl").write_text('{"question": "1+1=", "answer": "2"}\n')
+    (tmp_path / "held.jsonl").write_text('{"prompt": "2+2=", "target": "4"}\n')
+    graph = _pipeline("train.jsonl", {"source": "held.jsonl", "prompt_key": "prompt", "answer_key": "target"},
+                      prompt_key="question")
+    examples = eval_examples(graph, tmp_path, PromptFormatter())
+    assert [(e.prompt, e.answer) for e in examples] == [("2+2=", "4")]
+    # without eval.prompt_key the training data's key applies, and the message names eval's field
+    with pytest.raises(DataError, match=r"held.jsonl has no column 'prompt_x' .*set eval.prompt_key"):
+        eval_examples(_pipeline("train.jsonl", {"source": "held.jsonl", "prompt_key": "prompt_x"}), tmp_path,
+                      PromptFormatter())
