@@ -137,21 +137,25 @@ def check_inputs(graph: PipelineGraph, base_dir: Path | None, locate: Locate | N
     offered: set[str] | None = None
     held_out: list[Any] = []
     if not issues:  # the data is read with the policy's tokenizer
+        formatter = policy_formatter(graph, base_dir)
+        source: PromptSource | None = None
+        tokenizer_failed = False
         try:
-            formatter = policy_formatter(graph, base_dir)
             source = training_source(graph, base_dir, formatter)
-            evaluation = graph.spec.eval
-            endless = _endless_eval(graph)
-            if endless is not None:
-                issues.append(endless)
-            else:
-                try:
-                    held_out = eval_examples(graph, base_dir, formatter)
-                except (DataError, ModelLoadError) as error:
-                    issues.append(("eval.source" if evaluation and evaluation.source else "eval.split", str(error)))
-            offered = offered_keywords(source, held_out)
         except (DataError, ModelLoadError) as error:
             issues.append(("data.source", str(error)))
+            tokenizer_failed = isinstance(error, ModelLoadError)
+        evaluation = graph.spec.eval
+        endless = _endless_eval(graph)
+        if endless is not None:
+            issues.append(endless)
+        elif not tokenizer_failed:  # the held-out data too, so that both are reported at once
+            try:
+                held_out = eval_examples(graph, base_dir, formatter)
+            except (DataError, ModelLoadError) as error:
+                issues.append(("eval.source" if evaluation and evaluation.source else "eval.split", str(error)))
+        if source is not None:
+            offered = offered_keywords(source, held_out)
     issues.extend(reward_issues(graph, base_dir, offered))
     if held_out:
         issues.extend(eval_reward_issues(graph, base_dir, eval_keywords(held_out)))

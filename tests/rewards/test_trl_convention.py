@@ -200,3 +200,14 @@ def test_validate_refuses_params_named_like_a_column_or_flowrl_s_own_arguments(t
     result = subprocess.run([FLOWRL, "validate", str(path), "nodes.reward.params={bonus: 1}"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_validate_reports_a_missing_training_file_and_a_missing_held_out_file_at_once(tmp_path: Path) -> None:
+    path = _pipeline(tmp_path, "def ok(completions, **kwargs):\n    return [0.0] * len(completions)\n", "my_rewards:ok")
+    path.write_text(path.read_text().replace("source: data.jsonl", "source: trian.jsonl")
+                    + "eval:    {source: tset.jsonl, every_steps: 5}\n")
+    result = subprocess.run([FLOWRL, "validate", str(path)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    text = " ".join(result.stderr.split())
+    assert "2 problems in the pipeline" in text
+    assert "data.source: data source 'trian.jsonl' not found" in text and "eval.source: data source 'tset.jsonl' not found" in text
