@@ -18,6 +18,7 @@ import importlib
 import importlib.util
 import os
 import sys
+import traceback
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
@@ -52,9 +53,18 @@ def _load_file_module(module_name: str, path: Path) -> ModuleType:
             hint = (f"; a module of a package is named by its dotted name, fn: "
                     f"{'.'.join(path.with_suffix('').parts[-2:])}:FUNCTION, with the package next to the pipeline file")
         raise RewardError(
-            f"importing reward module {path} failed: {type(error).__name__}: {error}{hint}"
+            f"importing reward module {path} failed{_line_in(error, path)}: {type(error).__name__}: {error}{hint}"
         ) from error
     return module
+
+
+def _line_in(error: BaseException, path: Path) -> str:
+    """`` at line N`` of ``path`` where the error was raised while its module ran (a
+    SyntaxError names its own line in its message)."""
+    if isinstance(error, SyntaxError):
+        return ""
+    lines = [frame.lineno for frame in traceback.extract_tb(error.__traceback__) if Path(frame.filename) == path]
+    return f" at line {lines[-1]}" if lines and lines[-1] is not None else ""
 
 
 def _importable(folder: Path) -> None:

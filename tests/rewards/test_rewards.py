@@ -233,8 +233,8 @@ def test_not_callable(tmp_path: Path) -> None:
 
 
 def test_module_that_fails_to_import(tmp_path: Path) -> None:
-    _write_module(tmp_path, "broken", "import no_such_dependency_xyz\n")
-    expected = r"importing reward module .*broken\.py failed: ModuleNotFoundError"
+    _write_module(tmp_path, "broken", "import os\nimport no_such_dependency_xyz\n")
+    expected = r"importing reward module .*broken\.py failed at line 2: ModuleNotFoundError"
     with pytest.raises(RewardError, match=expected):
         resolve_reward("broken:fn", base_dir=tmp_path)
     _write_module(tmp_path, "syntax", "def f(:\n")
