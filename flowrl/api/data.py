@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from flowrl.data import PromptExample, PromptFormatter, PromptSource, eval_split, read_examples
+from flowrl.data.formatting import FormatCounts
 from flowrl.graph import PipelineGraph
 from flowrl.spec.schema import GenerateNode
 
@@ -53,16 +54,23 @@ def training_source(graph: PipelineGraph, base_dir: Path | None, formatter: Prom
 
 def eval_examples(graph: PipelineGraph, base_dir: Path | None, formatter: PromptFormatter) -> list[PromptExample]:
     """The held-out prompts in the data's order (the first ``max_examples``); [] without eval."""
+    return read_eval(graph, base_dir, formatter)[0]
+
+
+def read_eval(graph: PipelineGraph, base_dir: Path | None,
+              formatter: PromptFormatter) -> tuple[list[PromptExample], FormatCounts | None]:
+    """The held-out prompts (as :func:`eval_examples`) and what formatting did to the split's
+    rows (skipped or truncated as too long); ([], None) without eval."""
     spec = graph.spec
     evaluation = spec.eval
     if evaluation is None:
-        return []
+        return [], None
     source, split, subset = _eval_data(graph, base_dir)
-    examples, _ = read_examples(
+    examples, counts = read_examples(
         source, split, subset, base_dir, evaluation.prompt_key or spec.data.prompt_key,
         evaluation.answer_key or spec.data.answer_key, formatter, section="eval",
     )
-    return examples[: evaluation.max_examples] if evaluation.max_examples else examples
+    return (examples[: evaluation.max_examples] if evaluation.max_examples else examples), counts
 
 
 def evaluates_training_prompts(graph: PipelineGraph, base_dir: Path | None) -> bool:

@@ -22,10 +22,11 @@ from flowrl.api.driver import Driver
 from flowrl.api.recovery import FoundCheckpoint, config_changes, newest_checkpoint
 from flowrl.api.replanning import Replanner
 from flowrl.backends.cache import BUILTIN_PREFIX, built_builtin_dir
-from flowrl.api.data import eval_examples, evaluates_training_prompts, policy_formatter, training_source
+from flowrl.api.data import evaluates_training_prompts, policy_formatter, read_eval, training_source
 from flowrl.api.checks import eval_keywords, eval_reward_issues, model_issues, offered_keywords, reward_issues
 from flowrl.api.evaluation import Evaluator
 from flowrl.data import PromptSource
+from flowrl.data.formatting import FormatCounts
 from flowrl.devices.groups import offload_notes, pipeline_groups
 from flowrl.devices.inventory import detect_local
 from flowrl.devices.matching import match_groups
@@ -177,7 +178,7 @@ def _run_watched(graph: PipelineGraph, folder: RunFolder, watcher: "_Watchers", 
 
     formatter = policy_formatter(graph, base_dir or Path.cwd())
     source = training_source(graph, base_dir or Path.cwd(), formatter)
-    held_out = eval_examples(graph, base_dir or Path.cwd(), formatter)
+    held_out, held_out_counts = read_eval(graph, base_dir or Path.cwd(), formatter)
     preflight(graph, base_dir, offered_keywords(source, held_out), eval_keywords(held_out) if held_out else None)
     reward_functions = {node.fn.strip() for node in spec.nodes.values()
                         if isinstance(node, ScoreNode) and isinstance(node.fn, str)}
@@ -191,7 +192,7 @@ def _run_watched(graph: PipelineGraph, folder: RunFolder, watcher: "_Watchers", 
                 "split training draws from, so they are not held out; give eval.source held-out prompts (a single "
                 "data file has only that split) or eval.split another split", 0))
         else:
-            watcher.event(RunEvent("data", f"evaluation: {len(held_out)} held-out prompts", 0))
+            watcher.event(RunEvent("data", f"evaluation: {len(held_out)} held-out prompts{_formatted(held_out_counts)}", 0))
     address = spec.runtime.scheduler_address
     runtime = spec.runtime
     here = base_dir or Path.cwd()
@@ -213,6 +214,15 @@ def _run_watched(graph: PipelineGraph, folder: RunFolder, watcher: "_Watchers", 
         return _train(graph, cluster, folder, source, watcher, base_dir, start, Evaluator(graph, held_out))
     finally:
         cluster.close()
+
+
+def _formatted(counts: FormatCounts | None) -> str:
+    """What formatting did to held-out prompts too long for data.max_prompt_tokens."""
+    if counts is None:
+        return ""
+    notes = [f"{number} {what}" for number, what in ((counts.num_skipped, "skipped as longer than data.max_prompt_tokens"),
+                                                     (counts.num_truncated, "truncated on the left")) if number]
+    return f" ({', '.join(notes)})" if notes else ""
 
 
 def _finished_steps(folder: RunFolder) -> int | None:

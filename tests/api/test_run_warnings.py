@@ -83,3 +83,13 @@ def test_held_out_prompts_may_name_their_own_columns(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"held.jsonl has no column 'prompt_x' .*set eval.prompt_key"):
         eval_examples(_pipeline("train.jsonl", {"source": "held.jsonl", "prompt_key": "prompt_x"}), tmp_path,
                       PromptFormatter())
+
+
+def test_the_evaluation_event_counts_held_out_prompts_skipped_or_cut_as_too_long() -> None:
+    from flowrl.api.run import _formatted
+    from flowrl.data.formatting import FormatCounts
+
+    assert _formatted(FormatCounts(10, num_skipped=1)) == " (1 skipped as longer than data.max_prompt_tokens)"
+    assert _formatted(FormatCounts(10, num_skipped=2, num_truncated=3)) == (
+        " (2 skipped as longer than data.max_prompt_tokens, 3 truncated on the left)")
+    assert _formatted(FormatCounts(10)) == "" and _formatted(None) == ""
