@@ -11,8 +11,7 @@ import inspect
 from pathlib import Path
 from typing import Any
 
-from flowrl.api.data import eval_examples, policy_formatter, training_source
-from flowrl.api.evaluation import eval_score_nodes
+from flowrl.api.data import eval_examples, eval_score_nodes, policy_formatter, training_source
 from flowrl.backends.cache import BUILTIN_PREFIX as MODEL_PREFIX
 from flowrl.backends.catalog import lookup_builtin
 from flowrl.backends.locations import saved_model_location

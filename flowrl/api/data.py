@@ -13,7 +13,7 @@ from typing import Any
 from flowrl.data import PromptExample, PromptFormatter, PromptSource, eval_split, read_examples
 from flowrl.data.formatting import FormatCounts
 from flowrl.graph import PipelineGraph
-from flowrl.spec.schema import GenerateNode
+from flowrl.spec.schema import GenerateNode, PipelineSpec, ScoreNode
 
 
 class _LazyTokenizer:
@@ -89,3 +89,13 @@ def _eval_data(graph: PipelineGraph, base_dir: Path | None) -> tuple[str, str, s
     split = eval_split(evaluation.source, evaluation.split, spec.data.source, base_dir)
     subset = evaluation.subset if evaluation.source is not None else (evaluation.subset or spec.data.subset)
     return source, split, subset
+
+
+def eval_score_nodes(spec: PipelineSpec) -> dict[str, ScoreNode]:
+    """The score nodes an evaluation scores with: ``eval.scores``, else every one that runs a
+    reward function."""
+    score_nodes = {name: item for name, item in spec.nodes.items() if isinstance(item, ScoreNode)}
+    if spec.eval is None:
+        return {}
+    wanted = spec.eval.scores or [name for name, item in score_nodes.items() if item.fn is not None]
+    return {name: score_nodes[name] for name in wanted}

@@ -11,11 +11,12 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
+from flowrl.api.data import eval_score_nodes
 from flowrl.graph import PipelineGraph
 from flowrl.records import EvalSettings, NodeTiming, RunEvent
 from flowrl.runtime.calls import EvalCall
 from flowrl.runtime.session import Session
-from flowrl.spec.schema import GenerateNode, PipelineSpec, ScoreNode
+from flowrl.spec.schema import GenerateNode
 
 EVAL_SEED_OFFSET = 1_000_003
 """Added to the run's seed for evaluation sampling, so it never mirrors training's stream."""
@@ -94,16 +95,6 @@ class Evaluator:
         when = "before training" if step == 0 else f"after step {step}"
         took = f"{seconds:.1f} s" if seconds >= 0.1 else f"{seconds * 1000:.0f} ms"  # a small model's read 0.0 s
         return f"{when}: {shown} ({len(self.examples)} prompts x {self.spec.n}, {mode}, {took})"
-
-
-def eval_score_nodes(spec: PipelineSpec) -> dict[str, ScoreNode]:
-    """The score nodes an evaluation scores with: ``eval.scores``, else every one that runs a
-    reward function."""
-    score_nodes = {name: item for name, item in spec.nodes.items() if isinstance(item, ScoreNode)}
-    if spec.eval is None:
-        return {}
-    wanted = spec.eval.scores or [name for name, item in score_nodes.items() if item.fn is not None]
-    return {name: score_nodes[name] for name in wanted}
 
 
 def merge_parts(parts: list[dict[str, float]]) -> dict[str, float]:

@@ -25,6 +25,14 @@ def test_the_driver_imports_neither_transformers_nor_the_roles() -> None:
     assert done.stdout.strip() == "[]"
 
 
+def test_the_checks_before_the_workers_start_import_neither_torch_nor_dask() -> None:
+    # they run before the local cluster starts: torch there would delay the workers' start
+    code = "import sys, flowrl.api.checks; print(sorted(m for m in ('torch', 'distributed') if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
 @pytest.mark.parametrize(("override", "expected"), [
     # placed at the override that brought the mistake in
     ("nodes.reward.fn=nope", "command line: nodes.reward.fn=nope: unknown reward function 'nope'"),
