@@ -56,20 +56,27 @@ def check_fresh_start(output_dir: Path, overwrite: bool) -> None:
         )
 
 
-def check_resume_start(output_dir: Path, steps: int, checkpoint_every: int) -> None:
-    """A resume may not train over a finished run that kept no checkpoint to continue from:
-    it would start at step 1 and replace that run's final model."""
+def check_resume_start(output_dir: Path, steps: int) -> None:
+    """A resume may not train over a finished run that kept no checkpoint to continue from
+    (it would start at step 1 and replace that run's final model), nor stop before its newest
+    checkpoint (it would save that checkpoint's weights as a final model of fewer steps)."""
     info = read_run_info(output_dir)
     finished = info.get("finished_steps") if isinstance(info.get("finished_steps"), int) else None
     if finished is not None and finished >= steps:
         return  # nothing to train: the run says so
-    if checkpoint_dirs(output_dir / "checkpoints") or not has_final_model(output_dir):
+    written = checkpoint_dirs(output_dir / "checkpoints")
+    if written and written[-1][0] > steps:
+        raise FlowrlError(
+            f"the run in {output_dir} has a checkpoint of step {written[-1][0]}, past the {steps} steps asked for: "
+            f"resume with at least {written[-1][0]} steps (--steps; trainer.steps)"
+        )
+    if written or not has_final_model(output_dir):
         return
     raise FlowrlError(
         f"the run in {output_dir} ended{f' after {finished} steps' if finished else ''} and kept no checkpoint to "
-        f"continue from (trainer.checkpoint_every: {checkpoint_every}), so it cannot go on to step {steps}: train "
-        "again from step 1 there (--overwrite, without --resume; replaces its final model) or into another output "
-        "folder; a run keeps checkpoints with trainer.checkpoint_every > 0"
+        f"continue from, so it cannot go on to step {steps} (a run keeps checkpoints with trainer.checkpoint_every "
+        "> 0): train again from step 1 there (flowrl run FILE -o DIR --overwrite; run(..., overwrite=True); it "
+        "replaces the final model) or into another output folder"
     )
 
 

@@ -136,7 +136,7 @@ def _run(pipeline: PipelineGraph | Pipeline, options: RunOptions, observer: Obse
         forced = _check_unchanged(folder, config_text, force)
         if finished is not None and finished >= spec.trainer.steps:
             return RunResult(folder.path, already_finished=True)
-        check_resume_start(folder.path, spec.trainer.steps, spec.trainer.checkpoint_every)
+        check_resume_start(folder.path, spec.trainer.steps)
         start = newest_checkpoint(folder.checkpoints)
     else:
         _fresh_start(folder, overwrite)

@@ -216,7 +216,7 @@ def _train(graph: Any, base_dir: Path, plain: bool, resume: bool, force: bool, o
     output = output if output.is_absolute() else Path.cwd() / output
     if resume:
         steps = overrides.get("steps") or graph.spec.trainer.steps
-        check_resume_start(output, steps, graph.spec.trainer.checkpoint_every)
+        check_resume_start(output, steps)
     else:
         check_fresh_start(output, overwrite)
     if not (overrides.get("scheduler_address") or runtime.scheduler_address):

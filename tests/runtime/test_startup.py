@@ -104,6 +104,12 @@ def test_a_fresh_run_into_an_earlier_run_s_final_model_is_refused_and_a_resume_c
     assert resumed.exit_code == 2, resumed.output
     assert "ended after 3 steps and kept no checkpoint" in " ".join(resumed.output.split())
     assert (out / "final" / "model.safetensors").read_bytes() == b"weights"
+    # fewer steps than the newest checkpoint would save its weights as a shorter run's final model
+    (out / "checkpoints" / "step-4").mkdir(parents=True)
+    (out / "run.json").write_text('{"finished_steps": null}')
+    short = CliRunner().invoke(app, ["run", pipeline, "-o", str(out), "--resume", "--steps", "3"])
+    assert short.exit_code == 2, short.output
+    assert "has a checkpoint of step 4, past the 3 steps asked for" in " ".join(short.output.split())
 
 
 @pytest.mark.parametrize("name", sorted(BUILTIN_MODELS))
