@@ -50,12 +50,24 @@ def _load_file_module(module_name: str, path: Path) -> ModuleType:
         sys.modules.pop(unique_name, None)
         hint = ""
         if isinstance(error, ImportError) and "no known parent package" in str(error):
-            hint = (f"; a module of a package is named by its dotted name, fn: "
-                    f"{'.'.join(path.with_suffix('').parts[-2:])}:FUNCTION, with the package next to the pipeline file")
+            hint = _relative_import_hint(path)
         raise RewardError(
             f"importing reward module {path} failed{_line_in(error, path)}: {type(error).__name__}: {error}{hint}"
         ) from error
     return module
+
+
+def _relative_import_hint(path: Path) -> str:
+    """What to write for a module loaded by its file that imports relatively."""
+    packages: list[str] = []
+    folder = path.parent
+    while (folder / "__init__.py").is_file():
+        packages.insert(0, folder.name)
+        folder = folder.parent
+    if not packages:
+        return "; a module that is not in a package (a folder with __init__.py) imports absolutely: import helpers"
+    return (f"; a module of a package is named by its dotted name, fn: {'.'.join([*packages, path.stem])}:FUNCTION, "
+            f"with the package in the pipeline file's folder")
 
 
 def _line_in(error: BaseException, path: Path) -> str:
@@ -77,11 +89,10 @@ def _importable(folder: Path) -> None:
 
 
 @contextmanager
-def _without_working_directory(keep: Path | None = None) -> Iterator[None]:
-    """Import from installed packages (and the pipeline's folder ``keep``) only: ``python -c``
-    and ``python -m`` put the working directory first on sys.path, and a stray ``rewards.py``
-    there must not run as a reward."""
-    here = {"", ".", os.getcwd()} - ({str(keep.resolve())} if keep is not None else set())
+def _without_working_directory() -> Iterator[None]:
+    """Import from installed packages only: ``python -c`` and ``python -m`` put the working
+    directory first on sys.path, and a stray ``rewards.py`` there must not run as a reward."""
+    here = {"", ".", os.getcwd()}
     saved = list(sys.path)
     sys.path[:] = [entry for entry in saved if entry not in here]
     try:
@@ -104,18 +115,18 @@ def _reward_file(name: str, base_dir: Path | None) -> Path:
 def _import_module(module_name: str, base_dir: Path | None) -> ModuleType:
     folder = Path(base_dir) if base_dir is not None else None
     if folder is not None:
-        if (folder / module_name.split(".")[0] / "__init__.py").is_file():
+        package = folder / module_name.split(".")[0]
+        if (package / "__init__.py").is_file():
             # a package beside the pipeline file: imported as a package, so that its modules'
             # relative imports work
             _importable(folder)
-        else:
-            candidate = folder / (module_name.replace(".", "/") + ".py")
-            if candidate.is_file():
-                _importable(folder)
-                return _load_file_module(module_name, candidate)
-            folder = None
+            return _import_package_module(module_name, package)
+        candidate = folder / (module_name.replace(".", "/") + ".py")
+        if candidate.is_file():
+            _importable(folder)
+            return _load_file_module(module_name, candidate)
     try:
-        with _without_working_directory(keep=folder):
+        with _without_working_directory():
             return importlib.import_module(module_name)
     except ModuleNotFoundError as error:
         missing = error.name or ""
@@ -133,6 +144,36 @@ def _import_module(module_name: str, base_dir: Path | None) -> ModuleType:
         raise RewardError(
             f"importing module '{module_name}' failed: {type(error).__name__}: {error}"
         ) from error
+
+
+def _import_package_module(module_name: str, package: Path) -> ModuleType:
+    """``module_name`` of the package folder ``package`` beside the pipeline file, imported
+    with that folder searched first; a package of the same name imported already (an installed
+    or standard one) is a name clash, not a silent stand-in."""
+    _refuse_clash(package)
+    folder = str(package.parent.resolve())
+    sys.path.insert(0, folder)
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as error:
+        raise RewardError(f"importing module '{module_name}' failed: {type(error).__name__}: {error}") from error
+    finally:
+        sys.path.remove(folder)
+    _refuse_clash(package)
+    return module
+
+
+def _refuse_clash(package: Path) -> None:
+    imported = sys.modules.get(package.name)
+    if imported is None:
+        return
+    found = getattr(imported, "__file__", None)
+    if found is None or not Path(found).resolve().is_relative_to(package.resolve()):
+        where = f" ({Path(found).parent})" if found else ""
+        raise RewardError(
+            f"the package '{package.name}' next to the pipeline file has the name of one imported already{where}: "
+            f"rename the folder {package}"
+        )
 
 
 def _get_attribute(module: ModuleType, module_name: str, qualname: str) -> Any:

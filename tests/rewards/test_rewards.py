@@ -205,6 +205,26 @@ def test_a_reward_module_imports_its_helpers_and_packages_beside_it(
     # by its file, a package's module cannot import relatively: the message names the dotted form
     with pytest.raises(RewardError, match=r"no known parent package; .*fn: flowrl_test_pkg\.core:FUNCTION"):
         resolve_reward("flowrl_test_pkg/core.py:score", base_dir=tmp_path)
+    (package / "sub").mkdir()
+    (package / "sub" / "__init__.py").write_text("")
+    (package / "sub" / "deep.py").write_text("from .. import helpers\n")
+    with pytest.raises(RewardError, match=r"fn: flowrl_test_pkg\.sub\.deep:FUNCTION"):
+        resolve_reward("flowrl_test_pkg/sub/deep.py:score", base_dir=tmp_path)
+    _write_module(tmp_path, "loose", "from . import flowrl_test_helpers\n")
+    with pytest.raises(RewardError, match="not in a package .* imports absolutely"):
+        resolve_reward("loose:score", base_dir=tmp_path)
+
+
+def test_a_package_beside_the_pipeline_named_like_an_imported_one_is_a_clash(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    (tmp_path / "json").mkdir()
+    (tmp_path / "json" / "__init__.py").write_text("")
+    (tmp_path / "json" / "score.py").write_text("def score(completions, **kwargs):\n    return [1.0] * len(completions)\n")
+    with pytest.raises(RewardError, match=r"the package 'json' next to the pipeline file has the name of one imported "
+                                          r"already .*rename the folder"):
+        resolve_reward("json.score:score", base_dir=tmp_path)
+    assert json.dumps([1]) == "[1]"
 
 
 def test_missing_module() -> None:
