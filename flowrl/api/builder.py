@@ -46,6 +46,8 @@ class Pipeline:
         self._nodes: dict[str, dict[str, Any]] = {}
         self._data: dict[str, Any] | None = None
         self._sections: dict[str, dict[str, Any]] = {}
+        self._unnamable: dict[str, str] = {}
+        """Score node -> why its function (passed by value) has no name a file can load."""
 
     # --- models, devices, data -------------------------------------------------------
 
@@ -103,7 +105,11 @@ class Pipeline:
         if isinstance(scorer, str):
             return self._node("score", name, inputs, {"fn": scorer, **fields})
         if callable(scorer):
-            return self._node("score", name, inputs, {"fn": function_by_value(scorer), **fields})
+            function = function_by_value(scorer)
+            node = self._node("score", name, inputs, {"fn": function, **fields})
+            if (problem := unnamable_function(scorer, function.name)) is not None:
+                self._unnamable[node] = problem
+            return node
         raise SpecError([SpecIssue("nodes", f"score() takes a model, a function's name or a function, not {type(scorer).__name__}")])
 
     def reference_logprob(
@@ -151,12 +157,7 @@ class Pipeline:
         """The pipeline as YAML text (validated first). A reward function passed by value is
         written as its ``module:function`` name, so it must be one a file can name."""
         graph = self.build()
-        issues = [
-            SpecIssue(f"nodes.{name}.fn", problem)
-            for name, node in graph.spec.nodes.items()
-            if isinstance(fn := getattr(node, "fn", None), PythonFunction)
-            and (problem := unnamable_function(fn.name)) is not None
-        ]
+        issues = [SpecIssue(f"nodes.{name}.fn", problem) for name, problem in self._unnamable.items()]
         if issues:
             raise SpecError(issues)
         return to_yaml(graph)
@@ -209,21 +210,33 @@ def function_by_value(fn: Callable[..., Any]) -> PythonFunction:
     return PythonFunction(name=f"{module_name}:{qualname}", payload=payload)
 
 
-def unnamable_function(name: str) -> str | None:
-    """Why a function named ``module:qualname`` cannot be named in a pipeline file (a lambda,
-    a function defined inside another, one of the script or notebook itself), or None."""
+def unnamable_function(fn: Callable[..., Any], name: str) -> str | None:
+    """Why ``fn``, named ``module:qualname``, cannot be named in a pipeline file (a lambda, a
+    function defined inside another, one of the script or notebook itself, a callable that its
+    name does not lead back to), or None."""
     module_name, _, qualname = name.partition(":")
     if "<lambda>" in qualname or "<locals>" in qualname:
-        what = "a lambda" if qualname.endswith("<lambda>") else "a function defined inside another"
+        what = "is a lambda" if qualname.endswith("<lambda>") else "is a function defined inside another"
     elif module_name == "__main__":
-        what = "a function of the script or notebook that builds the pipeline"
+        what = "is a function of the script or notebook that builds the pipeline"
+    elif _by_name(module_name, qualname) is not fn:
+        what = (f"is not what its name {name} leads to (a functools.partial, a callable object or a bound "
+                "method is not a function of a module)")
     else:
         return None
     return (
-        f"the reward function '{qualname}' is {what}, which a pipeline file cannot name: define it at "
+        f"the reward function '{qualname}' {what}, which a pipeline file cannot name: define it at "
         "the top level of a module next to the file (my_rewards.py) and pass it from there, or run "
         "the pipeline from Python with run(p), which takes the function itself"
     )
+
+
+def _by_name(module_name: str, qualname: str) -> Any:
+    """What ``module:qualname`` names in this process (None where nothing)."""
+    target: Any = sys.modules.get(module_name)
+    for part in qualname.split("."):
+        target = getattr(target, part, None)
+    return target
 
 
 def _installed(module: Any) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -137,11 +138,18 @@ def _local_reward() -> Any:
     return score
 
 
+class _Scorer:
+    def __call__(self, completions: list[str], **_: Any) -> list[float]:
+        return [0.0] * len(completions)
+
+
 @pytest.mark.parametrize(
     ("fn", "what"),
     [
         (lambda completions, **_: [0.0] * len(completions), "is a lambda"),
         (_local_reward(), "is a function defined inside another"),
+        (functools.partial(_local_reward), "is not what its name functools:partial leads to"),
+        (_Scorer(), "is not what its name .*:_Scorer leads to"),
     ],
 )
 def test_to_yaml_refuses_a_function_a_file_cannot_name(fn: Any, what: str) -> None:
