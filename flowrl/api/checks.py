@@ -50,9 +50,12 @@ def eval_keywords(held_out: list[PromptExample]) -> set[str]:
     return set(FLOWRL_KEYWORDS) | columns
 
 
-def eval_reward_issues(graph: PipelineGraph, base_dir: Path | None, offered: set[str]) -> list[Issue]:
+def eval_reward_issues(graph: PipelineGraph, base_dir: Path | None, offered: set[str],
+                       offered_training: set[str] | None) -> list[Issue]:
     """A (path, message) per reward function the evaluation scores with that cannot be called
-    with the held-out data's keywords ``offered`` (its columns may differ from training's)."""
+    with the held-out data's keywords ``offered`` (its columns may differ from training's),
+    or whose params clash with them; what the training keywords ``offered_training`` already
+    give away is reported at the score node, not here again."""
     spec = graph.spec
     where = "eval.source" if spec.eval is not None and spec.eval.source else "eval.split"
     issues: list[Issue] = []
@@ -63,10 +66,14 @@ def eval_reward_issues(graph: PipelineGraph, base_dir: Path | None, offered: set
             fn = resolve_reward(node.fn, base_dir)
         except RewardError:
             continue  # reported at the score node
-        problem = signature_problem(fn, offered, dict(node.params))
-        if problem is not None:
-            issues.append((where, f"the evaluation scores with '{node.fn_name}' (score node '{name}'), which cannot "
-                                  f"be called on the held-out prompts: {problem}"))
+        params = dict(node.params)
+        known = offered_training or set()
+        pairs = ((signature_problem(fn, offered, params), signature_problem(fn, known, params)),
+                 (params_clash(params, offered), params_clash(params, offered_training)))
+        for problem, training in pairs:
+            if problem is not None and (offered_training is None or training is None):
+                issues.append((where, f"the evaluation scores with '{node.fn_name}' (score node '{name}'), which "
+                                      f"cannot be called on the held-out prompts: {problem}"))
     return issues
 
 
@@ -148,7 +155,9 @@ def check_inputs(graph: PipelineGraph, base_dir: Path | None, locate: Locate | N
         endless = _endless_eval(graph)
         if endless is not None:
             issues.append(endless)
-        elif not tokenizer_failed:  # the held-out data too, so that both are reported at once
+        elif not tokenizer_failed and (source is not None or graph.spec.eval is None or graph.spec.eval.source):
+            # the held-out data too, so that a missing training file and a missing held-out
+            # file are reported at once (not when it is the training source that failed)
             try:
                 held_out = eval_examples(graph, base_dir, formatter)
             except (DataError, ModelLoadError) as error:
@@ -157,7 +166,7 @@ def check_inputs(graph: PipelineGraph, base_dir: Path | None, locate: Locate | N
             offered = offered_keywords(source, held_out)
     issues.extend(reward_issues(graph, base_dir, offered))
     if held_out:
-        issues.extend(eval_reward_issues(graph, base_dir, eval_keywords(held_out)))
+        issues.extend(eval_reward_issues(graph, base_dir, eval_keywords(held_out), offered))
     if issues:
         raise SpecError(_located(issues, locate))
 

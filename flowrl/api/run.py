@@ -383,7 +383,7 @@ def preflight(graph: PipelineGraph, base_dir: Path | None, offered: set[str] | N
     """
     issues = model_issues(graph, base_dir) + reward_issues(graph, base_dir, offered)
     if offered_eval is not None:
-        issues += eval_reward_issues(graph, base_dir, offered_eval)
+        issues += eval_reward_issues(graph, base_dir, offered_eval, offered)
     if issues:
         raise SpecError([SpecIssue(path, message) for path, message in issues])
     for model in graph.spec.models.values():

@@ -211,3 +211,19 @@ def test_validate_reports_a_missing_training_file_and_a_missing_held_out_file_at
     text = " ".join(result.stderr.split())
     assert "2 problems in the pipeline" in text
     assert "data.source: data source 'trian.jsonl' not found" in text and "eval.source: data source 'tset.jsonl' not found" in text
+
+
+def test_validate_reports_a_training_problem_once_not_again_for_the_evaluation(tmp_path: Path) -> None:
+    path = _pipeline(tmp_path, "def wants(completions, solution, **kwargs):\n    return [0.0] * len(completions)\n",
+                     "my_rewards:wants")
+    (tmp_path / "held.jsonl").write_text("".join(f'{{"prompt": "h{i}=", "answer": "{i}"}}\n' for i in range(4)))
+    path.write_text(path.read_text() + "eval:    {source: held.jsonl, every_steps: 5}\n")
+    result = subprocess.run([FLOWRL, "validate", str(path)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "1 problem in the pipeline" in result.stderr, result.stderr
+    assert "nodes.reward.fn" in result.stderr and "eval.source" not in result.stderr
+    # a missing training file that the evaluation reads too is one problem, at data.source
+    path.write_text(path.read_text().replace("source: data.jsonl", "source: trian.jsonl")
+                    .replace("eval:    {source: held.jsonl, every_steps: 5}", "eval:    {every_steps: 5}"))
+    result = subprocess.run([FLOWRL, "validate", str(path)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "1 problem in the pipeline" in result.stderr, result.stderr
+    assert "data.source: data source 'trian.jsonl' not found" in " ".join(result.stderr.split())
