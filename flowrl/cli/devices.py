@@ -25,6 +25,7 @@ from flowrl.devices.groups import pipeline_groups
 from flowrl.devices.inventory import Inventory, detect_local
 from flowrl.devices.matching import Match, match_groups
 from flowrl.devices.report import inventory_lines
+from flowrl.planner.search import SearchOptions, sharings
 from flowrl.spec.loader import load_pipeline
 from flowrl.spec.schema import PipelineSpec, RuntimeSpec
 
@@ -33,7 +34,8 @@ def devices_command(
     pipeline: Path | None, devices_file: Path | None, as_json: bool, console: Console
 ) -> None:
     """Print the inventory, and with ``pipeline`` the match of its device groups."""
-    spec = load_pipeline(pipeline).spec if pipeline is not None else None
+    graph = load_pipeline(pipeline) if pipeline is not None else None
+    spec = graph.spec if graph is not None else None
     if devices_file is not None:
         inventory = load_inventory(devices_file)
     else:
@@ -47,8 +49,10 @@ def devices_command(
         console.print(json.dumps(data, indent=2), markup=False, highlight=False, soft_wrap=True)
     else:
         _print_inventory(inventory, console)
-        if match is not None and spec is not None:
-            _print_match(spec, match, console)
+        if match is not None and graph is not None:
+            # the planner's own rule for which groups may run on another's devices
+            shareable = next(sharings(graph, match, SearchOptions()), None) is not None
+            _print_match(graph.spec, match, shareable, console)
     if match is not None:
         match.raise_if_unsatisfied()
 
@@ -87,7 +91,7 @@ def _peers(peers: tuple[str, ...]) -> str:
     return ", ".join(peers) if len(peers) <= 3 else f"{len(peers)} peers"
 
 
-def _print_match(spec: PipelineSpec, match: Match, console: Console) -> None:
+def _print_match(spec: PipelineSpec, match: Match, shareable: bool, console: Console) -> None:
     table = Table(title=f"Device groups of '{spec.name}'", title_justify="left")
     for column in ("group", "devices", "headroom", "why"):
         table.add_column(column, overflow="fold")
@@ -100,8 +104,7 @@ def _print_match(spec: PipelineSpec, match: Match, console: Console) -> None:
             escape(match.reasons.get(group, "")),
         )
     console.print(table)
-    exclusive = {name for name, group in spec.devices.items() if group.exclusive}
-    if len(match.assignment) > 1 and set(match.assignment) - exclusive:
+    if shareable:
         # The match gives each group devices of its own; the plan may still run a group's nodes
         # on another group's devices (time-shared) where it predicts a shorter step.
         console.print(
