@@ -74,7 +74,9 @@ class StepRecord:
     nodes: list[NodeTiming] = field(default_factory=list)
     devices: list[DeviceSample] = field(default_factory=list)
     elapsed_s: float = 0.0
-    """Seconds since the run's first step started."""
+    """Seconds since this process's run started (a resumed run: since it resumed)."""
+    first_step: int = 1
+    """The first step this process ran (a resumed run's first step after its checkpoint)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -332,7 +332,8 @@ class Driver:
             self.evaluations.append((step, values))
         for timing in timings:
             self.folder.append_node(step, timing)
-        record = StepRecord(step, num_steps, metrics, nodes, devices, time.perf_counter() - self.started)
+        record = StepRecord(step, num_steps, metrics, nodes, devices, time.perf_counter() - self.started,
+                            first_step=self.machine.first_step)
         self.records.append(record)
         self.watcher.step(record)
         self.nonfinite.check(record, self.watcher)

@@ -110,7 +110,7 @@ class LiveView:
         with self._lock:
             self._last = record
             self._last_received_s = self._clock()
-            self._eta.add(record.step, record.elapsed_s)
+            self._eta.add(record.step, record.elapsed_s, record.first_step)
             if REWARD_KEY in record.metrics:
                 self._rewards.append(record.metrics[REWARD_KEY])
 

@@ -36,14 +36,18 @@ class EtaEstimator:
         # One extra point: a window of k step durations needs k + 1 marks.
         self._marks: deque[tuple[int, float]] = deque(maxlen=window_steps + 1)
         self._restarted = False
+        self._first_step = 1
 
-    def add(self, step: int, elapsed_s: float) -> None:
-        """Remember that ``step`` finished ``elapsed_s`` seconds into the run."""
+    def add(self, step: int, elapsed_s: float, first_step: int = 1) -> None:
+        """Remember that ``step`` finished ``elapsed_s`` seconds after step ``first_step`` of
+        this process's run started (a resumed run's clock starts at its first step after the
+        checkpoint)."""
         if self._marks and step <= self._marks[-1][0]:
             # A resumed or repeated step restarts the window: old marks are another run's clock.
             self._marks.clear()
             self._restarted = True
         self._marks.append((step, elapsed_s))
+        self._first_step = first_step
 
     def seconds_per_step(self) -> float | None:
         """Mean step time over the window; ``None`` before the first step."""
@@ -55,7 +59,8 @@ class EtaEstimator:
                 # steps' first pass too. Unknown until the next step.
                 return None
             step, elapsed_s = self._marks[0]
-            return elapsed_s / step if step > 0 else None
+            ran = step - self._first_step + 1
+            return elapsed_s / ran if ran > 0 else None
         first_step, first_s = self._marks[0]
         last_step, last_s = self._marks[-1]
         return (last_s - first_s) / (last_step - first_step)

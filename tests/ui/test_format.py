@@ -92,3 +92,10 @@ def test_eta_restarts_on_repeated_step() -> None:
     assert eta.eta_s(10) is None
     eta.add(6, 62.0)
     assert eta.eta_s(10) == pytest.approx(40.0)
+
+
+def test_eta_of_a_resumed_run_counts_only_the_steps_this_process_ran() -> None:
+    eta = EtaEstimator()
+    eta.add(51, 6.0, first_step=51)  # resumed after step 50's checkpoint: one step in 6 s
+    # 6 s / 1 step (not 6 s / 51 steps) x 49 left
+    assert eta.eta_s(100) == pytest.approx(294.0)
