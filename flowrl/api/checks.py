@@ -32,7 +32,7 @@ SAMPLED_ROWS = 1000
 """Examples whose columns are read to learn what keywords reward functions will get."""
 
 
-def offered_keywords(source: PromptSource, held_out: list[PromptExample]) -> set[str]:
+def offered_keywords(source: PromptSource) -> set[str]:
     """Every keyword a reward function's call gets: flowrl's own and the data's columns
     (the columns present in the training rows)."""
     examples = source.examples[:SAMPLED_ROWS] if source.examples else source.next_batch(0)
@@ -163,7 +163,7 @@ def check_inputs(graph: PipelineGraph, base_dir: Path | None, locate: Locate | N
             except (DataError, ModelLoadError) as error:
                 issues.append(("eval.source" if evaluation and evaluation.source else "eval.split", str(error)))
         if source is not None:
-            offered = offered_keywords(source, held_out)
+            offered = offered_keywords(source)
     issues.extend(reward_issues(graph, base_dir, offered))
     if held_out:
         issues.extend(eval_reward_issues(graph, base_dir, eval_keywords(held_out), offered))

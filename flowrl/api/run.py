@@ -38,6 +38,7 @@ from flowrl.planner.costs import EstimatedCosts
 from flowrl.planner.micro_batches import resolve_micro_batches, resolved_json
 from flowrl.planner.placement import node_group, plan_from_compiled, splittable
 from flowrl.records import RunEvent, StepRecord
+from flowrl.rewards import REWARD_FUNCTIONS
 from flowrl.runtime.cluster import Cluster, PendingCluster
 from flowrl.scheduler import make_policy, settings_from_spec
 from flowrl.scheduler.calibration import calibrated_prediction
@@ -179,9 +180,11 @@ def _run_watched(graph: PipelineGraph, folder: RunFolder, watcher: "_Watchers", 
     formatter = policy_formatter(graph, base_dir or Path.cwd())
     source = training_source(graph, base_dir or Path.cwd(), formatter)
     held_out, held_out_counts = read_eval(graph, base_dir or Path.cwd(), formatter)
-    preflight(graph, base_dir, offered_keywords(source, held_out), eval_keywords(held_out) if held_out else None)
-    reward_functions = {node.fn.strip() for node in spec.nodes.values()
-                        if isinstance(node, ScoreNode) and isinstance(node.fn, str)}
+    preflight(graph, base_dir, offered_keywords(source), eval_keywords(held_out) if held_out else None)
+    reward_functions = {(node.fn_name or "").strip() for node in spec.nodes.values() if isinstance(node, ScoreNode)}
+    # a built-in function named by its module (as to_yaml writes one passed by value) is the same
+    reward_functions |= {name for name, fn in REWARD_FUNCTIONS.items()
+                         if f"{fn.__module__}:{fn.__qualname__}" in reward_functions}
     watcher.event(RunEvent("data", source.describe(reward_functions), 0))
     if (too_large := source.batch_warning()) is not None:
         watcher.event(RunEvent("warning", too_large, 0))
@@ -222,7 +225,7 @@ def _formatted(counts: FormatCounts | None) -> str:
         return ""
     notes = [f"{number} {what}" for number, what in ((counts.num_skipped, "skipped as longer than data.max_prompt_tokens"),
                                                      (counts.num_truncated, "truncated on the left")) if number]
-    return f" ({', '.join(notes)})" if notes else ""
+    return f" (of the split read, {', '.join(notes)})" if notes else ""
 
 
 def _finished_steps(folder: RunFolder) -> int | None:

@@ -273,5 +273,10 @@ class PromptSource:
         extra = f"; {', '.join(notes)}" if notes else ""
         return (
             f"{self.source}: {num_examples} prompts, {order}, {self.batch_size} per step "
-            f"({f'{steps_per_epoch:.2f}'.rstrip('0').rstrip('.')} steps per epoch){extra}"
+            f"({_short_number(steps_per_epoch)} steps per epoch){extra}"
         )
+
+
+def _short_number(value: float) -> str:
+    """``5.71``, ``12``, ``0.0039``: two decimals at most, three digits below 1."""
+    return f"{value:.2f}".rstrip("0").rstrip(".") if value >= 1 else f"{value:.2g}"

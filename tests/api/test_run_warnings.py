@@ -89,7 +89,7 @@ def test_the_evaluation_event_counts_held_out_prompts_skipped_or_cut_as_too_long
     from flowrl.api.run import _formatted
     from flowrl.data.formatting import FormatCounts
 
-    assert _formatted(FormatCounts(10, num_skipped=1)) == " (1 skipped as longer than data.max_prompt_tokens)"
+    assert _formatted(FormatCounts(10, num_skipped=1)) == " (of the split read, 1 skipped as longer than data.max_prompt_tokens)"
     assert _formatted(FormatCounts(10, num_skipped=2, num_truncated=3)) == (
-        " (2 skipped as longer than data.max_prompt_tokens, 3 truncated on the left)")
+        " (of the split read, 2 skipped as longer than data.max_prompt_tokens, 3 truncated on the left)")
     assert _formatted(FormatCounts(10)) == "" and _formatted(None) == ""
