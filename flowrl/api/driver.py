@@ -14,11 +14,13 @@ driver's in-memory snapshot (``runtime.snapshot_every``) and the newest checkpoi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import signal
 import statistics
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -160,7 +162,8 @@ class Driver:
         failed_at: lc.Instruction | None = None
         while not isinstance(instruction, (lc.Stop, lc.Finish)):
             try:
-                event = self.carry_out(instruction)
+                with interrupt.armed():
+                    event = self.carry_out(instruction)
             except KeyboardInterrupt:
                 event = lc.Interrupted()
             except Exception as failure:  # noqa: BLE001 - every failure becomes an event
@@ -559,13 +562,25 @@ def _looks_lost(error: BaseException) -> bool:
 
 
 class _InterruptFlag:
-    """SIGINT raises KeyboardInterrupt, as Python's own handler does, and is also remembered,
-    so that the loop stops at the next instruction even if the exception was lost. Only the
-    main thread may set signal handlers; elsewhere (a run started from a thread) nothing changes."""
+    """SIGINT is remembered, so that the loop stops at the next instruction, and while an
+    instruction is carried out (:meth:`armed`) it also raises KeyboardInterrupt, as Python's
+    own handler does, to cut a long wait short. Between instructions it raises nothing: a
+    KeyboardInterrupt there would escape the loop's handling (the run would end without saying
+    where). Only the main thread may set signal handlers; elsewhere (a run started from a
+    thread) nothing changes."""
 
     def __init__(self) -> None:
         self.raised = False
+        self._armed = False
         self._previous: Any = None
+
+    @contextlib.contextmanager
+    def armed(self) -> Iterator[None]:
+        self._armed = True
+        try:
+            yield
+        finally:
+            self._armed = False
 
     def __enter__(self) -> _InterruptFlag:
         # A process started with Ctrl-C ignored (a background job of a script) keeps ignoring it.
@@ -579,4 +594,5 @@ class _InterruptFlag:
 
     def _handle(self, signum: int, frame: Any) -> None:
         self.raised = True
-        raise KeyboardInterrupt
+        if self._armed:
+            raise KeyboardInterrupt

@@ -23,12 +23,22 @@ def test_sigint_raises_and_is_remembered_even_when_the_exception_is_swallowed() 
     before = signal.getsignal(signal.SIGINT)
     with _InterruptFlag() as flag:
         assert not flag.raised
+        raised = False
         try:
-            os.kill(os.getpid(), signal.SIGINT)  # the handler runs as soon as kill returns
+            with flag.armed():
+                os.kill(os.getpid(), signal.SIGINT)  # the handler runs as soon as kill returns
         except KeyboardInterrupt:
-            pass  # as C code that clears Python errors would
-        assert flag.raised
+            raised = True  # as C code that clears Python errors would swallow it
+        assert flag.raised and raised
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_between_instructions_sigint_is_only_remembered() -> None:
+    """A KeyboardInterrupt between two instructions would escape the loop that turns it into
+    the run's stop (the run ended saying only 'interrupted')."""
+    with _InterruptFlag() as flag:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert flag.raised
 
 
 def test_an_ignored_sigint_stays_ignored() -> None:
