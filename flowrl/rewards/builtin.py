@@ -88,7 +88,7 @@ def _require_answer(expected: Any) -> None:
     if expected is None or not str(expected).strip():
         raise ValueError(
             "this sample has no reference answer; give every row of the data a value in the "
-            "data.answer_key column"
+            "answer column (data.answer_key; for held-out prompts eval.answer_key)"
         )
 
 
