@@ -35,17 +35,14 @@ SAMPLED_ROWS = 1000
 def offered_keywords(source: PromptSource) -> set[str]:
     """Every keyword a reward function's call gets: flowrl's own and the data's columns
     (the columns present in the training rows)."""
-    examples = source.examples[:SAMPLED_ROWS] if source.examples else source.next_batch(0)
-    columns: set[str] = set()
-    for example in examples:
-        columns.update(example.columns)
-    return set(FLOWRL_KEYWORDS) | columns
+    return eval_keywords(source.examples if source.examples else source.next_batch(0))
 
 
-def eval_keywords(held_out: list[PromptExample]) -> set[str]:
-    """Every keyword a reward function's call gets on the evaluation's prompts."""
+def eval_keywords(examples: list[PromptExample]) -> set[str]:
+    """Every keyword a reward function's call gets on ``examples`` (the held-out prompts, or
+    the training rows): flowrl's own and the columns of the first ``SAMPLED_ROWS``."""
     columns: set[str] = set()
-    for example in held_out[:SAMPLED_ROWS]:
+    for example in examples[:SAMPLED_ROWS]:
         columns.update(example.columns)
     return set(FLOWRL_KEYWORDS) | columns
 
@@ -155,7 +152,7 @@ def check_inputs(graph: PipelineGraph, base_dir: Path | None, locate: Locate | N
         endless = _endless_eval(graph)
         if endless is not None:
             issues.append(endless)
-        elif not tokenizer_failed and (source is not None or graph.spec.eval is None or graph.spec.eval.source):
+        elif not tokenizer_failed and (source is not None or evaluation is None or evaluation.source):
             # the held-out data too, so that a missing training file and a missing held-out
             # file are reported at once (not when it is the training source that failed)
             try:

@@ -60,8 +60,7 @@ def check_resume_start(output_dir: Path, steps: int) -> None:
     """A resume may not train over a finished run that kept no checkpoint to continue from
     (it would start at step 1 and replace that run's final model), nor stop before its newest
     checkpoint (it would save that checkpoint's weights as a final model of fewer steps)."""
-    info = read_run_info(output_dir)
-    finished = info.get("finished_steps") if isinstance(info.get("finished_steps"), int) else None
+    finished = finished_steps(output_dir)
     if finished is not None and finished >= steps:
         return  # nothing to train: the run says so
     written = checkpoint_dirs(output_dir / "checkpoints")
@@ -87,6 +86,13 @@ def read_run_info(output_dir: Path) -> dict[str, Any]:
         return dict(json.loads(path.read_text())) if path.is_file() else {}
     except (OSError, ValueError):
         return {}
+
+
+def finished_steps(output_dir: Path) -> int | None:
+    """The steps the run in ``output_dir`` finished, as ``run.json`` records them (None: it
+    did not finish, or there is no run)."""
+    value = read_run_info(output_dir).get("finished_steps")
+    return value if isinstance(value, int) else None
 
 
 def has_final_model(output_dir: Path) -> bool:

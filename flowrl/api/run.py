@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from flowrl.api.builder import Pipeline
 from flowrl.algorithms.kl_control import AdaptiveKLController, FixedKLController
 from flowrl.api.loggers import Logger, close_quietly, logger_problems, make_loggers, missing_package
-from flowrl.api.outputs import RunFolder, check_fresh_start, check_resume_start, finite_metrics
+from flowrl.api.outputs import RunFolder, check_fresh_start, check_resume_start, finished_steps, finite_metrics
 from flowrl.api.prometheus import PrometheusMetrics
 from flowrl.api.driver import Driver
 from flowrl.api.recovery import FoundCheckpoint, config_changes, newest_checkpoint
@@ -133,7 +133,7 @@ def _run(pipeline: PipelineGraph | Pipeline, options: RunOptions, observer: Obse
     earlier_run = folder.read_config() is not None
     forced: list[str] = []
     if resume:
-        finished = _finished_steps(folder)
+        finished = finished_steps(folder.path)
         forced = _check_unchanged(folder, config_text, force)
         if finished is not None and finished >= spec.trainer.steps:
             return RunResult(folder.path, already_finished=True)
@@ -226,11 +226,6 @@ def _formatted(counts: FormatCounts | None) -> str:
     notes = [f"{number} {what}" for number, what in ((counts.num_skipped, "skipped as longer than data.max_prompt_tokens"),
                                                      (counts.num_truncated, "truncated on the left")) if number]
     return f" (of the split read, {', '.join(notes)})" if notes else ""
-
-
-def _finished_steps(folder: RunFolder) -> int | None:
-    value = folder.read_run_info().get("finished_steps")
-    return int(value) if isinstance(value, int) else None
 
 
 def _check_unchanged(folder: RunFolder, config_text: str, force: bool) -> list[str]:
