@@ -35,10 +35,10 @@ SAMPLED_ROWS = 1000
 def offered_keywords(source: PromptSource) -> set[str]:
     """Every keyword a reward function's call gets: flowrl's own and the data's columns
     (the columns present in the training rows)."""
-    return eval_keywords(source.examples if source.examples else source.next_batch(0))
+    return call_keywords(source.examples if source.examples else source.next_batch(0))
 
 
-def eval_keywords(examples: list[PromptExample]) -> set[str]:
+def call_keywords(examples: list[PromptExample]) -> set[str]:
     """Every keyword a reward function's call gets on ``examples`` (the held-out prompts, or
     the training rows): flowrl's own and the columns of the first ``SAMPLED_ROWS``."""
     columns: set[str] = set()
@@ -163,7 +163,7 @@ def check_inputs(graph: PipelineGraph, base_dir: Path | None, locate: Locate | N
             offered = offered_keywords(source)
     issues.extend(reward_issues(graph, base_dir, offered))
     if held_out:
-        issues.extend(eval_reward_issues(graph, base_dir, eval_keywords(held_out), offered))
+        issues.extend(eval_reward_issues(graph, base_dir, call_keywords(held_out), offered))
     if issues:
         raise SpecError(_located(issues, locate))
 

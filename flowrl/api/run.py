@@ -23,7 +23,7 @@ from flowrl.api.recovery import FoundCheckpoint, config_changes, newest_checkpoi
 from flowrl.api.replanning import Replanner
 from flowrl.backends.cache import BUILTIN_PREFIX, built_builtin_dir
 from flowrl.api.data import evaluates_training_prompts, policy_formatter, read_eval, training_source
-from flowrl.api.checks import eval_keywords, eval_reward_issues, model_issues, offered_keywords, reward_issues
+from flowrl.api.checks import call_keywords, eval_reward_issues, model_issues, offered_keywords, reward_issues
 from flowrl.api.evaluation import Evaluator
 from flowrl.data import PromptSource
 from flowrl.data.formatting import FormatCounts
@@ -180,7 +180,7 @@ def _run_watched(graph: PipelineGraph, folder: RunFolder, watcher: "_Watchers", 
     formatter = policy_formatter(graph, base_dir or Path.cwd())
     source = training_source(graph, base_dir or Path.cwd(), formatter)
     held_out, held_out_counts = read_eval(graph, base_dir or Path.cwd(), formatter)
-    preflight(graph, base_dir, offered_keywords(source), eval_keywords(held_out) if held_out else None)
+    preflight(graph, base_dir, offered_keywords(source), call_keywords(held_out) if held_out else None)
     reward_functions = {(node.fn_name or "").strip() for node in spec.nodes.values() if isinstance(node, ScoreNode)}
     # a built-in function named by its module (as to_yaml writes one passed by value) is the same
     reward_functions |= {name for name, fn in REWARD_FUNCTIONS.items()
