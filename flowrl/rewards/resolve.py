@@ -3,8 +3,9 @@
 ``fn`` is a registry name (``digits``), ``module:function`` or ``path/file.py:function``. A
 module is looked up in two places only, in this order: a ``.py`` file in the pipeline's own
 folder (``base_dir``), then the installed packages; a file path is read as given when
-absolute, else from the pipeline's folder. The pipeline's folder is never put on ``sys.path``, so a file there
-cannot shadow an installed module for the rest of the process.
+absolute, else from the pipeline's folder. While the pipeline's rewards are in use its folder
+is the last entry of ``sys.path`` (for the helper modules a reward module imports), so a file
+there cannot shadow an installed module.
 
 Resolve on the process that calls the function (each Dask worker resolves the string itself):
 a function loaded from a file is not importable by name elsewhere, so it does not pickle.
@@ -20,6 +21,7 @@ import os
 import sys
 import traceback
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Iterator
@@ -34,11 +36,14 @@ def _did_you_mean(name: str, candidates: list[str]) -> str:
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
+_UNIQUE_PREFIX = "flowrl_pipeline_"
+
+
 def _load_file_module(module_name: str, path: Path) -> ModuleType:
     # A name unique to the file, so two pipelines' "rewards.py" never collide in sys.modules;
     # registered while it runs because dataclasses and pickling look modules up there.
     digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:10]
-    unique_name = f"flowrl_pipeline_{digest}_{module_name.replace('.', '_')}"
+    unique_name = f"{_UNIQUE_PREFIX}{digest}_{module_name.replace('.', '_')}"
     spec = importlib.util.spec_from_file_location(unique_name, path)
     if spec is None or spec.loader is None:
         raise RewardError(f"cannot load reward module {path}: not a Python source file")
@@ -79,13 +84,59 @@ def _line_in(error: BaseException, path: Path) -> str:
     return f" at line {lines[-1]}" if lines and lines[-1] is not None else ""
 
 
-def _importable(folder: Path) -> None:
-    """Let a reward module in the pipeline's ``folder`` import its helper modules and packages
-    there, when it is loaded and when its functions run. Appended, so that a file there named
-    like an installed or standard module (``random.py``) shadows nothing."""
+_PIPELINE_FOLDERS: set[str] = set()
+"""The pipeline folders this process has made importable for reward modules."""
+
+
+@dataclass(frozen=True)
+class _Helper:
+    folder: str
+    path: str
+    modified: float
+
+
+_HELPERS: dict[str, _Helper] = {}
+"""The modules that loading a reward module imported from its pipeline's folder, by name."""
+
+
+@contextmanager
+def _from_folder(folder: Path) -> Iterator[None]:
+    """Around loading a reward module of the pipeline in ``folder``: let it import its helper
+    modules and packages there, when it is loaded and when its functions run. The folder is
+    appended to ``sys.path``, so that a file there named like an installed or standard module
+    (``random.py``) shadows nothing.
+
+    One process may load the rewards of many pipelines (a worker of a joined cluster lives
+    across runs; a notebook runs one pipeline after another): only this pipeline's folder
+    stays on ``sys.path``, and the helpers imported before from another pipeline's folder, or
+    edited since, are imported afresh. Functions loaded before keep the helpers they were
+    loaded with."""
     entry = str(folder.resolve())
+    for other in _PIPELINE_FOLDERS - {entry}:
+        while other in sys.path:
+            sys.path.remove(other)
+    for name, helper in list(_HELPERS.items()):
+        if helper.folder != entry or _modified(helper.path) != helper.modified:
+            sys.modules.pop(name, None)
+            del _HELPERS[name]
+    _PIPELINE_FOLDERS.add(entry)
     if entry not in sys.path:
         sys.path.append(entry)
+    before = set(sys.modules)
+    try:
+        yield
+    finally:
+        for name in set(sys.modules) - before:
+            found = getattr(sys.modules.get(name), "__file__", None)
+            if found and found.startswith(entry + os.sep) and not name.startswith(_UNIQUE_PREFIX):
+                _HELPERS[name] = _Helper(entry, found, _modified(found))
+
+
+def _modified(path: str) -> float:
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return -1.0
 
 
 @contextmanager
@@ -119,12 +170,12 @@ def _import_module(module_name: str, base_dir: Path | None) -> ModuleType:
         if (package / "__init__.py").is_file():
             # a package beside the pipeline file: imported as a package, so that its modules'
             # relative imports work
-            _importable(folder)
-            return _import_package_module(module_name, package)
+            with _from_folder(folder):
+                return _import_package_module(module_name, package)
         candidate = folder / (module_name.replace(".", "/") + ".py")
         if candidate.is_file():
-            _importable(folder)
-            return _load_file_module(module_name, candidate)
+            with _from_folder(folder):
+                return _load_file_module(module_name, candidate)
     try:
         with _without_working_directory():
             return importlib.import_module(module_name)
@@ -230,8 +281,8 @@ def resolve_reward(ref: str | PythonFunction, base_dir: Path | None = None) -> R
         )
     if module_name.endswith(".py"):
         path = _reward_file(module_name, base_dir)
-        _importable(path.parent)
-        module = _load_file_module(Path(module_name).stem, path)
+        with _from_folder(path.parent):
+            module = _load_file_module(Path(module_name).stem, path)
     else:
         module = _import_module(module_name, base_dir)
     fn = _get_attribute(module, module_name, qualname)

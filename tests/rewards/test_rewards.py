@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import textwrap
 from fractions import Fraction
@@ -213,6 +214,39 @@ def test_a_reward_module_imports_its_helpers_and_packages_beside_it(
     _write_module(tmp_path, "loose", "from . import flowrl_test_helpers\n")
     with pytest.raises(RewardError, match="not in a package .* imports absolutely"):
         resolve_reward("loose:score", base_dir=tmp_path)
+
+
+def test_pipelines_loaded_one_after_another_each_get_their_own_helpers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # One process, many pipelines (a worker of a joined cluster, a notebook): a helper module
+    # or package named alike in two pipeline folders is each pipeline's own, and an edited
+    # helper is read again.
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    for name in ("flowrl_test_shared", "flowrl_test_shared_pkg", "flowrl_test_shared_pkg.values"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    folders = {}
+    for label, value in (("a", 1.0), ("b", 2.0)):
+        folder = folders[label] = tmp_path / label
+        folder.mkdir()
+        _write_module(folder, "flowrl_test_shared", f"VALUE = {value}\n")
+        _write_module(folder, "rw", "from flowrl_test_shared import VALUE\n\n"
+                                    "def score(completions, **kwargs):\n    return [VALUE] * len(completions)\n")
+        package = folder / "flowrl_test_shared_pkg"
+        package.mkdir()
+        (package / "__init__.py").write_text("")
+        (package / "values.py").write_text(f"def score(completions, **kwargs):\n    return [{value} * 10] * len(completions)\n")
+    first = resolve_reward("rw:score", base_dir=folders["a"])
+    assert resolve_reward("rw:score", base_dir=folders["b"])(completions=["x"]) == [2.0]
+    assert str(folders["a"].resolve()) not in sys.path and sys.path[-1] == str(folders["b"].resolve())
+    assert first(completions=["x"]) == [1.0]  # a function loaded before keeps its helpers
+    assert resolve_reward("rw:score", base_dir=folders["a"])(completions=["x"]) == [1.0]
+    assert resolve_reward("flowrl_test_shared_pkg.values:score", base_dir=folders["a"])(completions=["x"]) == [10.0]
+    assert resolve_reward("flowrl_test_shared_pkg.values:score", base_dir=folders["b"])(completions=["x"]) == [20.0]
+    helper = folders["b"] / "flowrl_test_shared.py"
+    helper.write_text("VALUE = 3.0\n")
+    os.utime(helper, (helper.stat().st_atime, helper.stat().st_mtime + 5))
+    assert resolve_reward("rw:score", base_dir=folders["b"])(completions=["x"]) == [3.0]
+    assert resolve_reward("rw.py:score", base_dir=folders["b"])(completions=["x"]) == [3.0]
 
 
 def test_a_package_beside_the_pipeline_named_like_an_imported_one_is_a_clash(
