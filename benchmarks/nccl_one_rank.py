@@ -11,8 +11,9 @@ node's learning rate, micro-batches, KL term) runs on a rollout of the pipeline'
 random tokens, ``max_new_tokens`` completion tokens each, every token real), alternately
 without a group and as rank 0 of a one-rank NCCL group (``DeviceGroup``: the gradient
 buckets all-reduced over NCCL while the last backward runs, the numbers summed through it
-too). One warm-up update of each, then ``--repeats`` rounds of one of each, the two taking
-turns at going first. ``--device cpu`` runs
+too). One warm-up update of each, then ``--repeats`` rounds of one sample of each, the two taking
+turns at going first; a sample is as many updates in a row as take about ``--min-sample-s``
+(one for the 0.4B model; a few-millisecond update alone is mostly noise). ``--device cpu`` runs
 the same over gloo, to check the program on a machine without a GPU. Reported: seconds
 per update of each (median and all), the ratio of the medians and each round's own ratio
 (with their median), and the group's own time (blocked_s).
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -57,7 +59,7 @@ def rollout_of(pipeline: Any, prompt_tokens: int, vocab: int, seed: int) -> Any:
     )
 
 
-def measure(path: Path, repeats: int, prompt_tokens: int, device: str) -> dict[str, Any]:
+def measure(path: Path, repeats: int, prompt_tokens: int, device: str, min_sample_s: float) -> dict[str, Any]:
     import torch
 
     from flowrl.roles.data_parallel import DataParallel
@@ -82,21 +84,30 @@ def measure(path: Path, repeats: int, prompt_tokens: int, device: str) -> dict[s
     cuda = device == "cuda"
     times: dict[str, list[float]] = {"no_group": [], "one_rank_group": []}
     blocked: list[float] = []
+    inner = 1
     for round_ in range(repeats + 1):
         # the two variants take turns at going first, so that neither always follows the other
         order = list(times) if round_ % 2 == 0 else list(reversed(times))
         for variant in order:
-            dp = DataParallel(group, (1.0,)) if variant == "one_rank_group" else None
             if cuda:
                 torch.cuda.synchronize()
             started = time.perf_counter()
-            update_policy(state, rollout, advantages, reference, node, seed=0, dp=dp)
+            waited = 0.0
+            for _ in range(inner):
+                # one DataParallel per update, as a run makes one per call of the node
+                dp = DataParallel(group, (1.0,)) if variant == "one_rank_group" else None
+                update_policy(state, rollout, advantages, reference, node, seed=0, dp=dp)
+                waited += dp.blocked_s if dp is not None else 0.0
             if cuda:
                 torch.cuda.synchronize()
+            elapsed = (time.perf_counter() - started) / inner
             if round_ > 0:  # round 0 warms both up (compilation, the optimizer's state)
-                times[variant].append(time.perf_counter() - started)
-                if dp is not None:
-                    blocked.append(dp.blocked_s)
+                times[variant].append(elapsed)
+                if variant == "one_rank_group":
+                    blocked.append(waited / inner)
+        if round_ == 0:
+            # a short update is timed over several in a row: one of a few ms is mostly noise
+            inner = max(1, math.ceil(min_sample_s / max(elapsed, 1e-6)))
     medians = {variant: statistics.median(values) for variant, values in times.items()}
     # each round's own ratio: slow drifts of the machine cancel within a round
     per_round = [grouped / plain for grouped, plain in zip(times["one_rank_group"], times["no_group"])]
@@ -107,6 +118,7 @@ def measure(path: Path, repeats: int, prompt_tokens: int, device: str) -> dict[s
         "dtype": model.dtype,
         "rows": rows,
         "tokens_per_row": prompt_tokens + rollout.max_new_tokens,
+        "updates_per_sample": inner,
         "backend": group.backend,
         "seconds_per_update": times,
         "median_s": medians,
@@ -123,13 +135,15 @@ def main() -> None:
     parser.add_argument("--pipelines", default="pipelines/grpo_tiny_gpu.yaml,pipelines/grpo_0.4b_gpu.yaml")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--prompt-tokens", type=int, default=9)
+    parser.add_argument("--min-sample-s", type=float, default=0.25,
+                        help="each timed sample runs as many updates in a row as take about this long")
     parser.add_argument("--device", default="cuda", help="cuda (an NCCL group), or cpu (gloo: checks the program)")
     parser.add_argument("--output", type=Path, default=HERE / "results" / "nccl_one_rank.json")
     args = parser.parse_args()
     results = []
     for item in args.pipelines.split(","):
         path = Path(item) if Path(item).is_absolute() else HERE.parent / item
-        result = measure(path, args.repeats, args.prompt_tokens, args.device)
+        result = measure(path, args.repeats, args.prompt_tokens, args.device, args.min_sample_s)
         results.append(result)
         shown = ("pipeline", "backend", "median_s", "group_over_no_group", "median_of_round_ratios")
         print(json.dumps({key: result[key] for key in shown}), flush=True)
