@@ -39,10 +39,10 @@ from flowrl.planner.micro_batches import resolve_micro_batches, resolved_json
 from flowrl.planner.placement import node_group, plan_from_compiled, splittable
 from flowrl.records import RunEvent, StepRecord
 from flowrl.rewards import REWARD_FUNCTIONS
-from flowrl.runtime.cluster import Cluster, PendingCluster
+from flowrl.runtime.cluster import Cluster, PendingCluster, join_for
 from flowrl.scheduler import make_policy, settings_from_spec
 from flowrl.scheduler.calibration import calibrated_prediction
-from flowrl.spec.dump import resumable_form, to_yaml
+from flowrl.spec.dump import resumable_form, to_yaml, written_steps
 from flowrl.spec.messages import issues_from_validation
 from flowrl.spec.schema import AdvantageNode, GenerateNode, RuntimeSpec, ScoreNode
 
@@ -132,9 +132,12 @@ def _run(pipeline: PipelineGraph | Pipeline, options: RunOptions, observer: Obse
     start: FoundCheckpoint | None = None
     earlier_run = folder.read_config() is not None
     forced: list[str] = []
+    planned: int | None = None
     if resume:
         finished = finished_steps(folder.path)
         forced = _check_unchanged(folder, config_text, force)
+        stored = folder.read_run_info().get("config")
+        planned = written_steps(stored) if isinstance(stored, str) else None
         if finished is not None and finished >= spec.trainer.steps:
             return RunResult(folder.path, already_finished=True)
         check_resume_start(folder.path, spec.trainer.steps)
@@ -155,6 +158,9 @@ def _run(pipeline: PipelineGraph | Pipeline, options: RunOptions, observer: Obse
     failed = True
     try:
         watcher.start_reporting(graph, config_text)
+        if planned is not None and start is not None and spec.trainer.steps < planned:
+            watcher.event(RunEvent("warning", f"training to step {spec.trainer.steps}, fewer than the {planned} steps the "
+                                              "run was started with (--steps)", 0))
         if forced:
             watcher.event(RunEvent("warning", "resumed with a pipeline that differs from the one the run started with "
                                               f"(--force; - before, + now): {'; '.join(forced)}", 0, {"changes": forced}))
@@ -198,9 +204,6 @@ def _run_watched(graph: PipelineGraph, folder: RunFolder, watcher: "_Watchers", 
             watcher.event(RunEvent("data", f"evaluation: {len(held_out)} held-out prompts{_formatted(held_out_counts)}", 0))
     address = spec.runtime.scheduler_address
     runtime = spec.runtime
-    here = base_dir or Path.cwd()
-    tls = {"ca_file": pipeline_file(runtime.tls_ca_file, here), "cert": pipeline_file(runtime.tls_cert, here),
-           "key": pipeline_file(runtime.tls_key, here)}
     local = (spec.runtime.cpu_slots, spec.runtime.dashboard, spec.runtime.pin_cpus)
     if address:
         if pending is not None:
@@ -210,7 +213,7 @@ def _run_watched(graph: PipelineGraph, folder: RunFolder, watcher: "_Watchers", 
             watcher.event(RunEvent(
                 "warning", f"{', '.join(ignored)} set the local cluster's workers, and this run joins {address}, whose "
                 "workers are as they were started (one dask worker per device slot): they are not used", 0))
-        cluster = Cluster.join(address, tls=tls)
+        cluster = join_for(runtime, address, base_dir or Path.cwd())
     else:
         cluster = (pending.take(*local) if pending is not None else None) or Cluster.start_local(*local)
     try:
@@ -402,16 +405,6 @@ def local_only_settings(runtime: RuntimeSpec) -> list[str]:
     """The local-cluster settings given other values than their defaults."""
     changed = runtime.changed_fields()
     return [f"runtime.{name}" for name in LOCAL_CLUSTER_SETTINGS if name in changed]
-
-
-def pipeline_file(path: str | None, base_dir: Path) -> str | None:
-    """A file the pipeline names, as data files are found: in the pipeline's folder first,
-    else as given (relative to the working directory)."""
-    if path is None:
-        return None
-    given = Path(path).expanduser()
-    nearby = base_dir / given
-    return str(nearby) if not given.is_absolute() and nearby.is_file() else str(given)
 
 
 def _resolve(path: Path) -> Path:

@@ -2,6 +2,7 @@
 
     flowrl devices                                     # this machine: NVML + CPU
     flowrl devices --devices devices/h200-8x.yaml      # a machine described in a file
+    flowrl devices --scheduler tcp://HOST:8786         # the workers of a running Dask cluster
     flowrl devices --pipeline pipelines/ppo.yaml [--devices devices/mixed-4gpu.yaml]
     ... --json                                         # the same as JSON
 
@@ -25,22 +26,20 @@ from flowrl.devices.groups import pipeline_groups
 from flowrl.devices.inventory import Inventory, detect_local
 from flowrl.devices.matching import Match, match_groups
 from flowrl.devices.report import inventory_lines
+from flowrl.errors import FlowrlError
 from flowrl.planner.search import SearchOptions, sharings
 from flowrl.spec.loader import load_pipeline
-from flowrl.spec.schema import PipelineSpec, RuntimeSpec
+from flowrl.spec.schema import PipelineSpec, RuntimeSpec, check_scheduler_address
 
 
 def devices_command(
-    pipeline: Path | None, devices_file: Path | None, as_json: bool, console: Console
+    pipeline: Path | None, devices_file: Path | None, as_json: bool, console: Console, scheduler: str | None = None,
 ) -> None:
     """Print the inventory, and with ``pipeline`` the match of its device groups."""
     graph = load_pipeline(pipeline) if pipeline is not None else None
     spec = graph.spec if graph is not None else None
-    if devices_file is not None:
-        inventory = load_inventory(devices_file)
-    else:
-        slots = spec.runtime.cpu_slots if spec is not None else RuntimeSpec().cpu_slots
-        inventory = detect_local(num_cpu_slots=slots)
+    base_dir = pipeline.resolve().parent if pipeline is not None else Path.cwd()
+    inventory = inventory_for(spec.runtime if spec is not None else RuntimeSpec(), devices_file, scheduler, base_dir)
     match = match_groups(pipeline_groups(spec), inventory) if spec is not None else None
     if as_json:
         data: dict[str, Any] = {"inventory": inventory.to_dict()}
@@ -55,6 +54,31 @@ def devices_command(
             _print_match(graph.spec, match, shareable, console)
     if match is not None:
         match.raise_if_unsatisfied()
+
+
+def inventory_for(runtime: RuntimeSpec, devices_file: Path | None, scheduler: str | None, base_dir: Path) -> Inventory:
+    """The devices to show or plan for: an inventory file; else the workers of a running Dask
+    scheduler (``scheduler``, else the pipeline's ``runtime.scheduler_address``), as a run that
+    joins it sees them; else this machine, with the local cluster's ``runtime.cpu_slots``."""
+    if devices_file is not None and scheduler is not None:
+        raise FlowrlError("give --devices (an inventory file) or --scheduler (a running cluster), not both")
+    if devices_file is not None:
+        return load_inventory(devices_file)
+    if scheduler is not None:
+        try:
+            scheduler = check_scheduler_address(scheduler)
+        except ValueError as error:
+            raise FlowrlError(f"--scheduler: {error}") from None
+    address = scheduler or runtime.scheduler_address
+    if not address:
+        return detect_local(num_cpu_slots=runtime.cpu_slots)
+    from flowrl.runtime.cluster import join_for
+
+    cluster = join_for(runtime, address, base_dir)
+    try:
+        return cluster.inventory()
+    finally:
+        cluster.close()  # this process's client only: the scheduler and its workers stay
 
 
 def _print_inventory(inventory: Inventory, console: Console) -> None:

@@ -80,6 +80,11 @@ def _overrides_argument() -> Any:
     return typer.Argument(None, metavar="KEY=VALUE", help=OVERRIDES_HELP, show_default=False)
 
 
+def _scheduler_option(what: str) -> Any:
+    """``--scheduler ADDRESS`` of ``plan`` and ``devices``."""
+    return typer.Option(None, "--scheduler", help=f"{what}, as a run that joins it (--scheduler) sees them.")
+
+
 def flowrl_version() -> str:
     """The installed distribution's version; the package's own when flowrl is not installed
     (run from a source folder)."""
@@ -240,13 +245,27 @@ def _train(graph: Any, base_dir: Path, plain: bool, resume: bool, force: bool, o
     if result.already_finished:
         console.print(f"the run in {result.output_dir} already finished all {num_steps} steps; nothing to resume")
         return
-    rewards = result.metric("critic/score/mean")
-    if rewards:
-        window = max(1, min(10, len(rewards) // 2))
-        first = sum(rewards[:window]) / window
-        last = sum(rewards[-window:]) / window
-        console.print(f"reward mean: first {window} steps {first:.3f} -> last {window} steps {last:.3f}")
+    summary = _reward_summary(result.records)
+    if summary:
+        console.print(summary)
     console.print(f"outputs: {result.output_dir}")
+
+
+def _reward_summary(records: list[Any]) -> str:
+    """The mean reward of the first and last few steps this process trained; a resumed run
+    names its steps (its first ones were trained before)."""
+    scored = [(record.step, record.metrics["critic/score/mean"]) for record in records
+              if "critic/score/mean" in record.metrics]
+    if not scored:
+        return ""
+    window = max(1, min(10, len(scored) // 2))
+    head, tail = scored[:window], scored[-window:]
+    first = sum(value for _, value in head) / window
+    last = sum(value for _, value in tail) / window
+    if scored[0][0] == 1:
+        return f"reward mean: first {window} steps {first:.3f} -> last {window} steps {last:.3f}"
+    return (f"reward mean since the resume: steps {head[0][0]}-{head[-1][0]} {first:.3f} -> "
+            f"steps {tail[0][0]}-{tail[-1][0]} {last:.3f}")
 
 
 @app.command()
@@ -259,11 +278,12 @@ def devices(
         None, "--devices", help="Inventory file (devices/*.yaml) to use instead of this machine."
     ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
+    scheduler: Optional[str] = _scheduler_option("Show the workers of this Dask scheduler (tcp://HOST:PORT)"),
 ) -> None:
-    """Show the devices here (or in an inventory file) and how a pipeline's device groups match them."""
+    """Show the devices here (or in an inventory file, or behind a Dask scheduler) and how a pipeline's device groups match them."""
     from flowrl.cli.devices import devices_command
 
-    devices_command(pipeline, devices_file, as_json, _console())
+    devices_command(pipeline, devices_file, as_json, _console(), scheduler)
 
 
 @app.command()
@@ -278,11 +298,12 @@ def plan(
     output: Optional[Path] = typer.Option(
         None, "--output", "-o", help="Write the timeline as a picture: .svg or .png."
     ),
+    scheduler: Optional[str] = _scheduler_option("Plan for the workers of this Dask scheduler (tcp://HOST:PORT)"),
 ) -> None:
     """Place a pipeline's nodes on devices and predict one step: placement, memory, critical path, timeline."""
     from flowrl.cli.plan import plan_command
 
-    plan_command(pipeline_file, devices_file, as_json, output, _console(), overrides or [])
+    plan_command(pipeline_file, devices_file, as_json, output, _console(), overrides or [], scheduler)
 
 
 @app.command()

@@ -5,7 +5,11 @@
     flowrl plan pipelines/ppo.yaml --devices devices/mixed-4gpu.yaml --output timeline.svg
     flowrl plan pipelines/ppo.yaml data.batch_size=16 --devices devices/mixed-4gpu.yaml
 
-Without ``--devices`` the plan is for this machine (NVML GPUs and ``runtime.cpu_slots``).
+    flowrl plan pipelines/ppo.yaml --scheduler tcp://HOST:8786
+
+Without ``--devices`` the plan is for the workers of the Dask scheduler that ``--scheduler``
+(else the pipeline's ``runtime.scheduler_address``) names, as a run that joins it places
+them, else for this machine (NVML GPUs and ``runtime.cpu_slots``).
 The picture is drawn with matplotlib (``flowrl.ui.plots``), as ``.svg`` or ``.png``.
 """
 
@@ -19,9 +23,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from flowrl.devices.files import load_inventory
+from flowrl.cli.devices import inventory_for
 from flowrl.devices.groups import pipeline_groups
-from flowrl.devices.inventory import detect_local
 from flowrl.devices.matching import match_groups
 from flowrl.errors import FlowrlError
 from flowrl.planner.compiled import CompiledPlan, compile_plan
@@ -36,20 +39,17 @@ GANTT_WIDTH = 60
 
 def plan_command(
     pipeline: Path, devices_file: Path | None, as_json: bool, output: Path | None,
-    console: Console, overrides: Sequence[str] = (),
+    console: Console, overrides: Sequence[str] = (), scheduler: str | None = None,
 ) -> CompiledPlan:
     """Plan ``pipeline`` (with ``KEY=VALUE`` overrides) and print it (tables or JSON); write
     the timeline to ``output``."""
     graph = load_pipeline(pipeline, overrides)
     if output is not None and output.suffix.lower() not in (".svg", ".png"):
         raise FlowrlError(f"--output {output}: write the timeline as .svg or .png")
-    cpu_rates = None
-    if devices_file is not None:
-        inventory = load_inventory(devices_file)
-    else:
-        inventory = detect_local(num_cpu_slots=graph.spec.runtime.cpu_slots)
-        # this machine: its CPUs measured as `flowrl run` measures them, so both predict alike
-        cpu_rates = measure_cpu_rates()
+    inventory = inventory_for(graph.spec.runtime, devices_file, scheduler, pipeline.resolve().parent)
+    # Where a run would plan (this machine, or a cluster it joins), this machine's CPUs are
+    # measured as `flowrl run` measures them, so that both predict alike.
+    cpu_rates = measure_cpu_rates() if devices_file is None else None
     match = match_groups(pipeline_groups(graph.spec), inventory)
     match.raise_if_unsatisfied()
     costs = EstimatedCosts(graph, cpu_rates, pipeline.resolve().parent)

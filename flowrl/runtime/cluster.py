@@ -14,6 +14,7 @@ import os
 import threading
 import warnings
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import dask
@@ -29,6 +30,8 @@ from flowrl.devices.inventory import (
     visible_items,
 )
 from flowrl.errors import ClusterError
+from flowrl.spec.loader import pipeline_file
+from flowrl.spec.schema import RuntimeSpec
 from flowrl.runtime.warm_server import WARM_PRELOAD, set_warm_preload, start_warm_server
 
 # torch (the serializers, the process groups) is imported where a cluster starts or joins,
@@ -131,6 +134,7 @@ class Cluster:
                 raise ClusterError(f"TLS file not found ({'; '.join(missing)}); give the path of an existing PEM file")
             security = Security(tls_ca_file=tls.get("ca_file"), tls_client_cert=tls.get("cert"),
                                 tls_client_key=tls.get("key"), require_encryption=True)
+        _quiet_reconnect_errors()
         try:
             client = Client(address, direct_to_workers=True, timeout=timeout_s, security=security)
         except (OSError, TimeoutError) as error:
@@ -292,6 +296,28 @@ class Cluster:
         self.client.close()
         if self._local is not None:
             self._local.close()
+
+
+class _DropReconnectErrors(logging.Filter):
+    """Drops the client's "Failed to reconnect to scheduler" log line: the run says the same
+    in its own words (the scheduler cannot be reached, what was kept, how to resume)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Failed to reconnect")
+
+
+def _quiet_reconnect_errors() -> None:
+    logger = logging.getLogger("distributed.client")
+    if not any(isinstance(f, _DropReconnectErrors) for f in logger.filters):
+        logger.addFilter(_DropReconnectErrors())
+
+
+def join_for(runtime: RuntimeSpec, address: str, base_dir: Path) -> Cluster:
+    """Join the scheduler at ``address`` with the pipeline's TLS files (``runtime.tls_*``, read
+    from the pipeline's folder ``base_dir`` first, as data files are)."""
+    tls = {"ca_file": pipeline_file(runtime.tls_ca_file, base_dir), "cert": pipeline_file(runtime.tls_cert, base_dir),
+           "key": pipeline_file(runtime.tls_key, base_dir)}
+    return Cluster.join(address, tls=tls)
 
 
 def split_cores(cores: list[int], num_slots: int) -> list[tuple[int, ...]]:

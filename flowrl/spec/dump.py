@@ -109,3 +109,11 @@ def resumable_form(config_text: str) -> Any:
         for name in RESUME_MAY_CHANGE:
             trainer.pop(name, None)
     return data
+
+
+def written_steps(config_text: str) -> int | None:
+    """``trainer.steps`` of a written pipeline; None where it holds none."""
+    data = yaml.safe_load(config_text)
+    trainer = data.get("trainer") if isinstance(data, dict) else None
+    steps = trainer.get("steps") if isinstance(trainer, dict) else None
+    return steps if isinstance(steps, int) else None

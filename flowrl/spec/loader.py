@@ -182,3 +182,13 @@ def _validate_entry(section: str, value: dict[str, Any]) -> Any:
     if section == "nodes":
         return _NODE_ADAPTER.validate_python(value)
     return SECTION_CLASSES[section].model_validate(value)
+
+
+def pipeline_file(path: str | None, base_dir: Path) -> str | None:
+    """A file the pipeline names, as data files are found: in the pipeline's folder first,
+    else as given (relative to the working directory)."""
+    if path is None:
+        return None
+    given = Path(path).expanduser()
+    nearby = base_dir / given
+    return str(nearby) if not given.is_absolute() and nearby.is_file() else str(given)

@@ -65,6 +65,13 @@ def test_validate_accepts_every_shipped_pipeline() -> None:
          ("command line: models.actor.path=builtin:tiny-lama: unknown builtin model 'tiny-lama'",)),
         (("validate", "pipelines/grpo_tiny.yaml", "runtime.scheduler_address=localhost:abc"),
          ("runtime.scheduler_address=localhost:abc: expected a Dask scheduler address", "found 'localhost:abc'")),
+        (("plan", "pipelines/grpo_tiny.yaml", "--scheduler", "localhost:abc"),
+         ("--scheduler: expected a Dask scheduler address", "found 'localhost:abc'")),
+        (("devices", "--devices", "devices/h200-8x.yaml", "--scheduler", "tcp://127.0.0.1:8786"),
+         ("give --devices (an inventory file) or --scheduler (a running cluster), not both",)),
+        # nothing listens there: said at once, not planned for this machine instead
+        (("plan", "pipelines/grpo_tiny.yaml", "runtime.scheduler_address=tcp://127.0.0.1:9"),
+         ("cannot reach the Dask scheduler at tcp://127.0.0.1:9",)),
     ],
 )
 def test_bad_command_lines(args: tuple[str, ...], expected: tuple[str, ...], tmp_path: Path) -> None:
