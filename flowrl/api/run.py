@@ -167,6 +167,10 @@ def _run(pipeline: PipelineGraph | Pipeline, options: RunOptions, observer: Obse
         result = _run_watched(graph, folder, watcher, base_dir, resume and earlier_run, start, local_cluster)
         failed = False
         return result
+    except FlowrlError as error:
+        if not watcher.stopped:  # a check that refused the run: its folder says why too
+            folder.append_event(RunEvent("stopped", str(error), watcher.last.step if watcher.last is not None else 0))
+        raise
     finally:
         watcher.close(failed)
         if local_cluster is not None:
@@ -458,6 +462,8 @@ class _Watchers:
         self.loggers: list[Logger] = []
         self.prometheus: PrometheusMetrics | None = None
         self.last: StepRecord | None = None
+        self.stopped = False
+        """A ``stopped`` event (why the run ended) was recorded."""
 
     def start_reporting(self, graph: PipelineGraph, config_text: str) -> None:
         spec = graph.spec
@@ -488,6 +494,7 @@ class _Watchers:
             self.observer.on_step(record)
 
     def event(self, event: RunEvent) -> None:
+        self.stopped = self.stopped or event.kind == "stopped"
         self.folder.append_event(event)
         if self.prometheus is not None:
             self.prometheus.on_event(event)

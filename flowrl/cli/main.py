@@ -264,8 +264,12 @@ def _reward_summary(records: list[Any]) -> str:
     last = sum(value for _, value in tail) / window
     if scored[0][0] == 1:
         return f"reward mean: first {window} steps {first:.3f} -> last {window} steps {last:.3f}"
-    return (f"reward mean since the resume: steps {head[0][0]}-{head[-1][0]} {first:.3f} -> "
-            f"steps {tail[0][0]}-{tail[-1][0]} {last:.3f}")
+    return f"reward mean since the resume: {_steps(head)} {first:.3f} -> {_steps(tail)} {last:.3f}"
+
+
+def _steps(scored: list[tuple[int, float]]) -> str:
+    first, last = scored[0][0], scored[-1][0]
+    return f"step {first}" if first == last else f"steps {first}-{last}"
 
 
 @app.command()

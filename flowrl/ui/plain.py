@@ -101,8 +101,10 @@ class PlainLog:
         self._write(format_step_line(record, self._eta.eta_s(record.num_steps)))
 
     def on_event(self, event: RunEvent) -> None:
-        """Log an event as it happens."""
-        self._write(format_event_line(event))
+        """Log an event as it happens; why a run stopped is the error ``flowrl`` prints
+        next (once), so it is left to that."""
+        if event.kind != "stopped":
+            self._write(format_event_line(event))
 
     def __enter__(self) -> PlainLog:
         return self

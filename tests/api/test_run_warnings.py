@@ -93,3 +93,37 @@ def test_the_evaluation_event_counts_held_out_prompts_skipped_or_cut_as_too_long
     assert _formatted(FormatCounts(10, num_skipped=2, num_truncated=3)) == (
         " (of the split read, 2 skipped as longer than data.max_prompt_tokens, 3 truncated on the left)")
     assert _formatted(FormatCounts(10)) == "" and _formatted(None) == ""
+
+
+def test_a_run_a_check_refuses_records_why_in_its_folder(tmp_path: Path) -> None:
+    import json
+
+    import pytest
+
+    from flowrl.api.run import run
+    from flowrl.errors import FlowrlError
+
+    (tmp_path / "rw.py").write_text("def wants_solution(completions, solution, **kwargs):\n    return [0.0] * len(completions)\n")
+    pipeline = _pipeline("builtin:digits", {})
+    spec = pipeline.spec.model_copy(update={"eval": None})
+    spec.nodes["reward"] = spec.nodes["reward"].model_copy(update={"fn": "rw:wants_solution"})
+    from flowrl.graph import PipelineGraph
+
+    output = tmp_path / "out"
+    with pytest.raises(FlowrlError, match="needs the argument 'solution'") as caught:
+        run(PipelineGraph(spec), output_dir=output, base_dir=tmp_path)
+    events = [json.loads(line) for line in (output / "events.jsonl").read_text().splitlines()]
+    assert events[-1]["kind"] == "stopped" and events[-1]["message"] == str(caught.value)
+
+
+def test_the_plain_log_leaves_why_a_run_stopped_to_the_error_printed_next() -> None:
+    import io
+
+    from flowrl.records import RunEvent
+    from flowrl.ui.plain import PlainLog
+
+    stream = io.StringIO()
+    log = PlainLog(stream)
+    log.on_event(RunEvent("stopped", "step 3: the Dask scheduler cannot be reached", 3))
+    log.on_event(RunEvent("warning", "w", 3))
+    assert stream.getvalue() == "[event] warning: w\n"

@@ -184,10 +184,19 @@ def test_resume_after_kill_9_of_the_driver_ends_with_the_weights_of_an_uninterru
     process.wait()
     assert not (killed / "final").exists()
 
+    # a resume to fewer steps than the run was started with says so (and the summary names
+    # the steps this process trained); a resume to all of them then ends where an
+    # uninterrupted run ends
+    shorter = subprocess.run(_cli("resume", str(killed), "--plain", "--steps", "7"), capture_output=True, text=True)
+    assert shorter.returncode == 0, shorter.stderr
+    assert any(e["kind"] == "warning" and "training to step 7, fewer than the 8 steps" in e["message"]
+               for e in _events(killed))
+    assert "reward mean since the resume: step 7 " in shorter.stdout, shorter.stdout
     resumed = subprocess.run(_cli("run", str(pipeline_file), "--plain", "--resume"), capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr
     assert _steps(killed) == list(range(1, steps + 1))
     assert any(e["kind"] == "resume" and "step 7" in e["message"] for e in _events(killed))
+    assert any(e["kind"] == "resume" and "step 8" in e["message"] for e in _events(killed))
     expected = load_file(str(whole / "final" / "model.safetensors"))
     actual = load_file(str(killed / "final" / "model.safetensors"))
     assert expected.keys() == actual.keys()
@@ -211,7 +220,7 @@ def test_resume_after_kill_9_of_the_driver_ends_with_the_weights_of_an_uninterru
     fresh = subprocess.run(_cli("run", str(pipeline_file), "--plain"), capture_output=True, text=True)
     assert fresh.returncode == 2 and "Traceback" not in fresh.stderr
     # (two kept: the last step's is one of them)
-    assert "holds checkpoints of an earlier run (step-6, step-8)" in fresh.stderr and "--overwrite" in fresh.stderr
+    assert "holds checkpoints of an earlier run (step-7, step-8)" in fresh.stderr and "--overwrite" in fresh.stderr
     assert _steps(killed) == list(range(1, steps + 1))  # nothing of that run was touched
     over = subprocess.run(_cli("run", str(pipeline_file), "--plain", "--overwrite", "--steps", "4"),
                           capture_output=True, text=True)
