@@ -9,7 +9,8 @@
 
 The builder only collects plain data; ``build()`` runs it through the same validation as a
 YAML file, so both front ends accept and reject exactly the same pipelines. Issues carry
-the dotted path (``nodes.train.lr``) but no file or line.
+the dotted path (``nodes.train.lr``) but no file or line. A field name that the section or
+node does not have is refused at once, by the call that gives it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,18 @@ from flowrl.errors import SpecError, SpecIssue
 from flowrl.graph import PipelineGraph
 from flowrl.spec.dump import to_yaml
 from flowrl.spec.loader import pipeline_from_dict
-from flowrl.spec.schema import NODE_CLASSES, SOURCE_NODE, PythonFunction
+from flowrl.spec.messages import unknown_field
+from flowrl.spec.schema import (
+    NODE_CLASSES,
+    SOURCE_NODE,
+    DataSpec,
+    DeviceGroupSpec,
+    ModelSpec,
+    PythonFunction,
+    RuntimeSpec,
+    SchedulerSpec,
+    TrainerSpec,
+)
 
 
 class ModelRef(str):
@@ -58,6 +70,7 @@ class Pipeline:
         """
         if name in self._models:
             raise SpecError([SpecIssue(f"models.{name}", f"a model named '{name}' already exists")])
+        _check_fields(fields, ModelSpec, f"models.{name}")
         entry: dict[str, Any] = {"path": path, **fields}
         if group is not None:
             entry["device_group"] = group
@@ -67,6 +80,7 @@ class Pipeline:
 
     def devices(self, group: str, **fields: Any) -> str:
         """Describe a device group (``type``, ``count``, ``min_memory_gb``, ...)."""
+        _check_fields(fields, DeviceGroupSpec, f"devices.{group}")
         self._devices[group] = {**self._devices.get(group, {}), **fields}
         return group
 
@@ -76,6 +90,7 @@ class Pipeline:
             raise SpecError(
                 [SpecIssue("data", "a pipeline has one data source; source() was called twice")]
             )
+        _check_fields(fields, DataSpec, "data")
         self._data = {"source": source, **fields}
         return NodeRef(SOURCE_NODE)
 
@@ -175,6 +190,7 @@ class Pipeline:
                 suffix += 1
         elif name in self._nodes:
             raise SpecError([SpecIssue(f"nodes.{name}", f"a node named '{name}' already exists")])
+        _check_fields(fields, NODE_CLASSES[role], f"nodes.{name}", role)
         self._note_group(fields.get("device_group"))
         self._nodes[name] = {"role": role, "inputs": [str(item) for item in inputs], **fields}
         return NodeRef(name)
@@ -184,7 +200,19 @@ class Pipeline:
             self._implicit_groups.append(group)
 
     def _set_section(self, section: str, fields: dict[str, Any]) -> None:
+        _check_fields(fields, _SECTIONS[section], section)
         self._sections[section] = {**self._sections.get(section, {}), **fields}
+
+
+_SECTIONS = {"trainer": TrainerSpec, "scheduler": SchedulerSpec, "runtime": RuntimeSpec}
+
+
+def _check_fields(fields: dict[str, Any], owner: Any, path: str, role: str | None = None) -> None:
+    """Refuse, where the builder's method is called, field names that ``owner`` does not have."""
+    issues = [SpecIssue(f"{path}.{name}", unknown_field(name, owner, role)) for name in fields
+              if name not in owner.model_fields]
+    if issues:
+        raise SpecError(issues)
 
 
 def function_by_value(fn: Callable[..., Any]) -> PythonFunction:

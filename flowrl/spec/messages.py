@@ -140,15 +140,22 @@ def _unknown_field(loc: Sequence[Any]) -> str:
             "" if hint else f"; sections: {', '.join(allowed)}"
         )
     owner, _ = _owner(loc)
+    role = str(loc[2]) if loc[0] == "nodes" and len(loc) >= 3 else None
+    return unknown_field(name, owner, role)
+
+
+def unknown_field(name: str, owner: type[BaseModel] | None, role: str | None = None) -> str:
+    """What is wrong with field ``name`` of a section or node of class ``owner`` (a node of
+    ``role``): the nearest field it may have meant, else the fields allowed there."""
     allowed = [field for field in owner.model_fields] if owner is not None else []
     hint = did_you_mean(name, allowed)
     if hint:
         return f"unknown field '{name}'{hint}"
     message = f"unknown field '{name}'; allowed: {', '.join(allowed)}"
-    if loc[0] == "nodes" and len(loc) >= 3:
-        elsewhere = [role for role, cls in NODE_CLASSES.items() if name in cls.model_fields]
+    if role is not None:
+        elsewhere = [other for other, cls in NODE_CLASSES.items() if name in cls.model_fields]
         if elsewhere:
-            message += f" ('{name}' belongs to {' / '.join(elsewhere)} nodes, not {loc[2]})"
+            message += f" ('{name}' belongs to {' / '.join(elsewhere)} nodes, not {role})"
     return message
 
 

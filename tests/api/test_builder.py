@@ -99,16 +99,28 @@ def test_build_reports_problems_by_path_without_file() -> None:
     p = Pipeline("bad")
     actor = p.model("actor", path="builtin:tiny-llama", dtype="fp64")
     roll = p.generate(actor, p.source("builtin:digits"), n=0)
-    p.update(actor, roll, lrr=1.0)
+    # a field the node does not have is refused by the call that gives it
+    with pytest.raises(SpecError) as unknown:
+        p.update(actor, roll, lrr=1.0)
+    assert [str(issue) for issue in unknown.value.issues] == ["nodes.train.lrr: unknown field 'lrr' (did you mean 'lr'?)"]
+    p.update(actor, roll, lr=1.0)
     with pytest.raises(SpecError) as caught:
         p.build()
     assert [str(issue) for issue in caught.value.issues] == [
         "models.actor.dtype: expected one of fp32, bf16, fp16, found 'fp64' (did you mean 'fp16'?)",
         "nodes.rollout.n: out of range: allowed n >= 1, found 0",
-        "nodes.train.lrr: unknown field 'lrr' (did you mean 'lr'?)",
         "nodes.train.inputs: update needs advantages: add an advantage node to inputs",
     ]
     assert all(issue.file is None and issue.line is None for issue in caught.value.issues)
+    for call, expected in ((lambda: p.model("critic", path="builtin:tiny-llama", dtyp="bf16"),
+                            "models.critic.dtyp: unknown field 'dtyp' (did you mean 'dtype'?)"),
+                           (lambda: p.trainer(stpes=3), "trainer.stpes: unknown field 'stpes' (did you mean 'steps'?)"),
+                           (lambda: p.devices("g", cuont=2), "devices.g.cuont: unknown field 'cuont' (did you mean 'count'?)"),
+                           (lambda: p.advantage("grpo", roll, lr=0.1),
+                            "nodes.adv.lr: unknown field 'lr'")):
+        with pytest.raises(SpecError) as refused:
+            call()
+        assert str(refused.value.issues[0]).startswith(expected), refused.value.issues
 
 
 def test_duplicates_are_refused_at_once() -> None:
