@@ -28,7 +28,7 @@ def test_yaml_tags_that_build_objects_are_refused(tmp_path: Path) -> None:
 
 
 def test_tls_files_are_found_next_to_the_pipeline_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from flowrl.api.run import pipeline_file
+    from flowrl.spec.loader import pipeline_file
 
     (tmp_path / "project" / "certs").mkdir(parents=True)
     (tmp_path / "project" / "certs" / "ca.pem").write_text("x")
