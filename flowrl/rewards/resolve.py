@@ -19,9 +19,9 @@ import importlib
 import importlib.util
 import os
 import sys
+import threading
 import traceback
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Iterator
@@ -84,52 +84,80 @@ def _line_in(error: BaseException, path: Path) -> str:
     return f" at line {lines[-1]}" if lines and lines[-1] is not None else ""
 
 
-_PIPELINE_FOLDERS: set[str] = set()
-"""The pipeline folders this process has made importable for reward modules."""
-
-
-@dataclass(frozen=True)
-class _Helper:
-    folder: str
-    path: str
-    modified: float
-
-
-_HELPERS: dict[str, _Helper] = {}
-"""The modules that loading a reward module imported from its pipeline's folder, by name."""
+_LOCK = threading.RLock()
+"""Loading reward modules changes ``sys.path`` and ``sys.modules``: one load at a time (the
+role hosts of two runs sharing a worker each have a thread of their own)."""
+_APPENDED: list[str] = []
+"""The pipeline folders this process put on ``sys.path`` itself."""
+_IMPORTED_BEFORE: dict[str, frozenset[str]] = {}
+"""Per pipeline folder, the modules imported already when a reward of its was first loaded:
+never taken for its helpers (flowrl itself may live in that folder)."""
+_SEEN: dict[str, float] = {}
+"""Each helper file's modification time when it was first seen imported."""
 
 
 @contextmanager
 def _from_folder(folder: Path) -> Iterator[None]:
     """Around loading a reward module of the pipeline in ``folder``: let it import its helper
-    modules and packages there, when it is loaded and when its functions run. The folder is
-    appended to ``sys.path``, so that a file there named like an installed or standard module
-    (``random.py``) shadows nothing.
+    modules and packages there, when it is loaded and when its functions run. The folder goes
+    on ``sys.path`` after every entry that was there before, so that a file there named like
+    an installed or standard module (``random.py``) shadows nothing.
 
     One process may load the rewards of many pipelines (a worker of a joined cluster lives
-    across runs; a notebook runs one pipeline after another): only this pipeline's folder
-    stays on ``sys.path``, and the helpers imported before from another pipeline's folder, or
-    edited since, are imported afresh. Functions loaded before keep the helpers they were
-    loaded with."""
+    across runs; a notebook runs one pipeline after another). A pipeline's helpers are the
+    modules found directly in its folder (``helpers.py``, ``package/``) that were not
+    imported before its first reward was; loading a reward forgets the helpers of every other
+    pipeline folder, and the ones of its own folder edited since, so that they are imported
+    afresh, and puts its folder before the other pipeline folders on ``sys.path``. Functions
+    loaded before keep the helper modules they were loaded with."""
     entry = str(folder.resolve())
-    for other in _PIPELINE_FOLDERS - {entry}:
-        while other in sys.path:
-            sys.path.remove(other)
-    for name, helper in list(_HELPERS.items()):
-        if helper.folder != entry or _modified(helper.path) != helper.modified:
-            sys.modules.pop(name, None)
-            del _HELPERS[name]
-    _PIPELINE_FOLDERS.add(entry)
-    if entry not in sys.path:
-        sys.path.append(entry)
-    before = set(sys.modules)
-    try:
-        yield
-    finally:
-        for name in set(sys.modules) - before:
-            found = getattr(sys.modules.get(name), "__file__", None)
-            if found and found.startswith(entry + os.sep) and not name.startswith(_UNIQUE_PREFIX):
-                _HELPERS[name] = _Helper(entry, found, _modified(found))
+    with _LOCK:
+        for other in [known for known in _IMPORTED_BEFORE if known != entry]:
+            for name, _ in _helpers(other):
+                sys.modules.pop(name, None)
+        if entry in _IMPORTED_BEFORE:
+            for name, found in _helpers(entry):
+                if _modified(found) != _SEEN.get(found):
+                    sys.modules.pop(name, None)
+                    _SEEN.pop(found, None)
+        else:
+            _IMPORTED_BEFORE[entry] = frozenset(sys.modules)
+        if entry in _APPENDED:
+            _APPENDED.remove(entry)
+            while entry in sys.path:
+                sys.path.remove(entry)
+        if entry not in sys.path:
+            ours = [index for index, path in enumerate(sys.path) if path in _APPENDED]
+            sys.path.insert(ours[0] if ours else len(sys.path), entry)
+            _APPENDED.append(entry)
+        try:
+            yield
+        finally:
+            for _, found in _helpers(entry):
+                _SEEN.setdefault(found, _modified(found))
+
+
+def _helpers(folder: str) -> list[tuple[str, str]]:
+    """(name, file) of the helper modules of the pipeline in ``folder`` imported now."""
+    before = _IMPORTED_BEFORE[folder]
+    found = []
+    for name, module in list(sys.modules.items()):
+        if name in before or name.startswith(_UNIQUE_PREFIX):
+            continue
+        path = getattr(module, "__file__", None)
+        top = sys.modules.get(name.partition(".")[0])
+        if path and top is not None and _found_in(top) == folder:
+            found.append((name, path))
+    return found
+
+
+def _found_in(module: ModuleType) -> str | None:
+    """The ``sys.path`` entry a top-level module or package was found in."""
+    path = getattr(module, "__file__", None)
+    if not path:
+        return None
+    where = Path(path)
+    return str(where.parent.parent if where.name == "__init__.py" else where.parent)
 
 
 def _modified(path: str) -> float:

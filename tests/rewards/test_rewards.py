@@ -9,6 +9,7 @@ import sys
 import textwrap
 from fractions import Fraction
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -216,14 +217,26 @@ def test_a_reward_module_imports_its_helpers_and_packages_beside_it(
         resolve_reward("loose:score", base_dir=tmp_path)
 
 
-def test_pipelines_loaded_one_after_another_each_get_their_own_helpers(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture(autouse=True)
+def fresh_imports(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """sys.path and the record of pipeline folders as they were, afterwards; the modules a
+    test imported forgotten."""
+    from flowrl.rewards import resolve
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    for name in ("_APPENDED", "_IMPORTED_BEFORE", "_SEEN"):
+        monkeypatch.setattr(resolve, name, type(getattr(resolve, name))())
+    before = set(sys.modules)
+    yield
+    for name in set(sys.modules) - before:
+        if name.startswith(("flowrl_test", "flowrl_pipeline_", "rw", "my_rewards", "loose", "json.")):
+            sys.modules.pop(name, None)
+
+
+def test_pipelines_loaded_one_after_another_each_get_their_own_helpers(tmp_path: Path) -> None:
     # One process, many pipelines (a worker of a joined cluster, a notebook): a helper module
     # or package named alike in two pipeline folders is each pipeline's own, and an edited
     # helper is read again.
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    for name in ("flowrl_test_shared", "flowrl_test_shared_pkg", "flowrl_test_shared_pkg.values"):
-        monkeypatch.delitem(sys.modules, name, raising=False)
     folders = {}
     for label, value in (("a", 1.0), ("b", 2.0)):
         folder = folders[label] = tmp_path / label
@@ -237,7 +250,8 @@ def test_pipelines_loaded_one_after_another_each_get_their_own_helpers(
         (package / "values.py").write_text(f"def score(completions, **kwargs):\n    return [{value} * 10] * len(completions)\n")
     first = resolve_reward("rw:score", base_dir=folders["a"])
     assert resolve_reward("rw:score", base_dir=folders["b"])(completions=["x"]) == [2.0]
-    assert str(folders["a"].resolve()) not in sys.path and sys.path[-1] == str(folders["b"].resolve())
+    # the folder in use comes first among the pipeline folders
+    assert sys.path.index(str(folders["b"].resolve())) < sys.path.index(str(folders["a"].resolve()))
     assert first(completions=["x"]) == [1.0]  # a function loaded before keeps its helpers
     assert resolve_reward("rw:score", base_dir=folders["a"])(completions=["x"]) == [1.0]
     assert resolve_reward("flowrl_test_shared_pkg.values:score", base_dir=folders["a"])(completions=["x"]) == [10.0]
@@ -247,6 +261,29 @@ def test_pipelines_loaded_one_after_another_each_get_their_own_helpers(
     os.utime(helper, (helper.stat().st_atime, helper.stat().st_mtime + 5))
     assert resolve_reward("rw:score", base_dir=folders["b"])(completions=["x"]) == [3.0]
     assert resolve_reward("rw.py:score", base_dir=folders["b"])(completions=["x"]) == [3.0]
+
+
+def test_only_a_pipeline_s_own_helpers_are_imported_afresh(tmp_path: Path) -> None:
+    # Modules imported before the pipeline's first reward (flowrl's own, where a pipeline sits
+    # in its repository), modules of a folder deeper down (a src/ layout, a .venv) found through
+    # another sys.path entry, and sys.path entries the process had already, stay as they are.
+    project, other = tmp_path / "project", tmp_path / "other"
+    (project / "src" / "flowrl_test_lib").mkdir(parents=True)
+    other.mkdir()
+    (project / "src" / "flowrl_test_lib" / "__init__.py").write_text("class Thing:\n    pass\n")
+    _write_module(project, "flowrl_test_early", "")
+    _write_module(project, "rw", "import flowrl_test_lib\nimport flowrl_test_early\n\n"
+                                 "def score(completions, **kwargs):\n    return [1.0] * len(completions)\n")
+    _write_module(other, "rw", "def score(completions, **kwargs):\n    return [2.0] * len(completions)\n")
+    sys.path.insert(0, str(project / "src"))
+    sys.path.insert(0, str(project.resolve()))  # as `python project/train.py` puts it
+    import flowrl_test_early  # noqa: F401  - imported by the script before any reward
+    import flowrl_test_lib
+
+    resolve_reward("rw:score", base_dir=project)
+    assert resolve_reward("rw:score", base_dir=other)(completions=["x"]) == [2.0]
+    assert sys.modules["flowrl_test_lib"] is flowrl_test_lib and "flowrl_test_early" in sys.modules
+    assert sys.path[0] == str(project.resolve())
 
 
 def test_a_package_beside_the_pipeline_named_like_an_imported_one_is_a_clash(
