@@ -106,8 +106,20 @@ def measure(path: Path, repeats: int, prompt_tokens: int, device: str, min_sampl
                 if variant == "one_rank_group":
                     blocked.append(waited / inner)
         if round_ == 0:
-            # a short update is timed over several in a row: one of a few ms is mostly noise
-            inner = max(1, math.ceil(min_sample_s / max(elapsed, 1e-6)))
+            # A short update is timed over several in a row (one of a few ms is mostly noise),
+            # as many as the faster variant takes about min_sample_s for, sized from one more
+            # update of each after the warm-up (whose first one sets up kernels and NCCL).
+            settled = []
+            for variant in times:
+                if cuda:
+                    torch.cuda.synchronize()
+                started = time.perf_counter()
+                dp = DataParallel(group, (1.0,)) if variant == "one_rank_group" else None
+                update_policy(state, rollout, advantages, reference, node, seed=0, dp=dp)
+                if cuda:
+                    torch.cuda.synchronize()
+                settled.append(time.perf_counter() - started)
+            inner = max(1, math.ceil(min_sample_s / max(min(settled), 1e-6)))
     medians = {variant: statistics.median(values) for variant, values in times.items()}
     # each round's own ratio: slow drifts of the machine cancel within a round
     per_round = [grouped / plain for grouped, plain in zip(times["one_rank_group"], times["no_group"])]

@@ -159,17 +159,20 @@ def _run(pipeline: PipelineGraph | Pipeline, options: RunOptions, observer: Obse
     try:
         watcher.start_reporting(graph, config_text)
         if planned is not None and start is not None and spec.trainer.steps < planned:
-            watcher.event(RunEvent("warning", f"training to step {spec.trainer.steps}, fewer than the {planned} steps the "
-                                              "run was started with (--steps)", 0))
+            watcher.event(RunEvent("warning", f"trainer.steps is {spec.trainer.steps}, fewer than the {planned} steps the "
+                                              f"run was started with: it ends at step {spec.trainer.steps} (resume it "
+                                              "with more steps to go on)", 0))
         if forced:
             watcher.event(RunEvent("warning", "resumed with a pipeline that differs from the one the run started with "
                                               f"(--force; - before, + now): {'; '.join(forced)}", 0, {"changes": forced}))
         result = _run_watched(graph, folder, watcher, base_dir, resume and earlier_run, start, local_cluster)
         failed = False
         return result
-    except FlowrlError as error:
-        if not watcher.stopped:  # a check that refused the run: its folder says why too
-            folder.append_event(RunEvent("stopped", str(error), watcher.last.step if watcher.last is not None else 0))
+    except BaseException as error:
+        if not watcher.stopped:  # a check that refused the run, an interrupt, a bug: its folder says why too
+            named = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+            why = str(error) if isinstance(error, (FlowrlError, KeyboardInterrupt)) and str(error) else named
+            watcher.event(RunEvent("stopped", why, watcher.last.step if watcher.last is not None else 0))
         raise
     finally:
         watcher.close(failed)

@@ -26,7 +26,7 @@ from flowrl.devices.groups import pipeline_groups
 from flowrl.devices.inventory import Inventory, detect_local
 from flowrl.devices.matching import Match, match_groups
 from flowrl.devices.report import inventory_lines
-from flowrl.errors import FlowrlError
+from flowrl.errors import ClusterError, FlowrlError
 from flowrl.planner.search import SearchOptions, sharings
 from flowrl.spec.loader import load_pipeline
 from flowrl.spec.schema import PipelineSpec, RuntimeSpec, check_scheduler_address
@@ -56,6 +56,10 @@ def devices_command(
         match.raise_if_unsatisfied()
 
 
+JOIN_TIMEOUT_S = 10.0
+"""How long ``plan`` and ``devices`` wait for a scheduler and its first worker (a run waits 30 s)."""
+
+
 def inventory_for(runtime: RuntimeSpec, devices_file: Path | None, scheduler: str | None, base_dir: Path) -> Inventory:
     """The devices to show or plan for: an inventory file; else the workers of a running Dask
     scheduler (``scheduler``, else the pipeline's ``runtime.scheduler_address``), as a run that
@@ -74,7 +78,14 @@ def inventory_for(runtime: RuntimeSpec, devices_file: Path | None, scheduler: st
         return detect_local(num_cpu_slots=runtime.cpu_slots)
     from flowrl.runtime.cluster import join_for
 
-    cluster = join_for(runtime, address, base_dir)
+    given = "--scheduler" if scheduler else "runtime.scheduler_address"
+    try:
+        cluster = join_for(runtime, address, base_dir, timeout_s=JOIN_TIMEOUT_S)
+    except ClusterError as error:
+        instead = "leave out --scheduler" if scheduler else (
+            "take runtime.scheduler_address out of the pipeline (flowrl plan: runtime.scheduler_address=null)")
+        raise ClusterError(f"{given}: {error} To use this machine instead, {instead}; for an inventory "
+                           "file, give --devices FILE.") from None
     try:
         return cluster.inventory()
     finally:

@@ -150,9 +150,9 @@ class Cluster:
                 f"the Dask scheduler at {address} has no workers after {timeout_s:.0f} s: "
                 "start some with `dask worker " + address + "`."
             ) from error
-        client.register_plugin(TorchSerializerPlugin())
-        slots = _slots(client, prefix=None)
         try:
+            client.register_plugin(TorchSerializerPlugin())
+            slots = _slots(client, prefix=None)
             raw = client.run(_report_devices)
             reports = {slot.name: inventory_from_dict(raw[slot.address]) for slot in slots}
             slots = _gpu_slots(slots, reports, {slot.name: raw[slot.address].get("started_with", {}) for slot in slots})
@@ -312,12 +312,12 @@ def _quiet_reconnect_errors() -> None:
         logger.addFilter(_DropReconnectErrors())
 
 
-def join_for(runtime: RuntimeSpec, address: str, base_dir: Path) -> Cluster:
+def join_for(runtime: RuntimeSpec, address: str, base_dir: Path, timeout_s: float = 30.0) -> Cluster:
     """Join the scheduler at ``address`` with the pipeline's TLS files (``runtime.tls_*``, read
     from the pipeline's folder ``base_dir`` first, as data files are)."""
     tls = {"ca_file": pipeline_file(runtime.tls_ca_file, base_dir), "cert": pipeline_file(runtime.tls_cert, base_dir),
            "key": pipeline_file(runtime.tls_key, base_dir)}
-    return Cluster.join(address, tls=tls)
+    return Cluster.join(address, timeout_s, tls)
 
 
 def split_cores(cores: list[int], num_slots: int) -> list[tuple[int, ...]]:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 from pydantic import BaseModel
 
-from flowrl.spec.schema import PipelineSpec
+from flowrl.spec.schema import PipelineSpec, TrainerSpec
 
 if TYPE_CHECKING:
     from flowrl.graph import PipelineGraph
@@ -111,9 +111,9 @@ def resumable_form(config_text: str) -> Any:
     return data
 
 
-def written_steps(config_text: str) -> int | None:
-    """``trainer.steps`` of a written pipeline; None where it holds none."""
+def written_steps(config_text: str) -> int:
+    """``trainer.steps`` of a written pipeline (which leaves out a default value)."""
     data = yaml.safe_load(config_text)
     trainer = data.get("trainer") if isinstance(data, dict) else None
     steps = trainer.get("steps") if isinstance(trainer, dict) else None
-    return steps if isinstance(steps, int) else None
+    return steps if isinstance(steps, int) else int(TrainerSpec.model_fields["steps"].default)

@@ -101,9 +101,11 @@ class PlainLog:
         self._write(format_step_line(record, self._eta.eta_s(record.num_steps)))
 
     def on_event(self, event: RunEvent) -> None:
-        """Log an event as it happens; why a run stopped is the error ``flowrl`` prints
-        next (once), so it is left to that."""
-        if event.kind != "stopped":
+        """Log an event as it happens. Why a run stopped is the error ``flowrl`` prints next:
+        the log says only where, so that the reason is printed once."""
+        if event.kind == "stopped":
+            self._write(f"[event] stopped at step {event.step or 0} (the error follows)")
+        else:
             self._write(format_event_line(event))
 
     def __enter__(self) -> PlainLog:

@@ -116,7 +116,7 @@ def test_a_run_a_check_refuses_records_why_in_its_folder(tmp_path: Path) -> None
     assert events[-1]["kind"] == "stopped" and events[-1]["message"] == str(caught.value)
 
 
-def test_the_plain_log_leaves_why_a_run_stopped_to_the_error_printed_next() -> None:
+def test_the_plain_log_says_where_a_run_stopped_and_leaves_why_to_the_error_printed_next() -> None:
     import io
 
     from flowrl.records import RunEvent
@@ -126,4 +126,4 @@ def test_the_plain_log_leaves_why_a_run_stopped_to_the_error_printed_next() -> N
     log = PlainLog(stream)
     log.on_event(RunEvent("stopped", "step 3: the Dask scheduler cannot be reached", 3))
     log.on_event(RunEvent("warning", "w", 3))
-    assert stream.getvalue() == "[event] warning: w\n"
+    assert stream.getvalue() == "[event] stopped at step 3 (the error follows)\n[event] warning: w\n"

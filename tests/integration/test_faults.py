@@ -189,7 +189,7 @@ def test_resume_after_kill_9_of_the_driver_ends_with_the_weights_of_an_uninterru
     # uninterrupted run ends
     shorter = subprocess.run(_cli("resume", str(killed), "--plain", "--steps", "7"), capture_output=True, text=True)
     assert shorter.returncode == 0, shorter.stderr
-    assert any(e["kind"] == "warning" and "training to step 7, fewer than the 8 steps" in e["message"]
+    assert any(e["kind"] == "warning" and "trainer.steps is 7, fewer than the 8 steps" in e["message"]
                for e in _events(killed))
     assert "reward mean since the resume: step 7 " in shorter.stdout, shorter.stdout
     resumed = subprocess.run(_cli("run", str(pipeline_file), "--plain", "--resume"), capture_output=True, text=True)
