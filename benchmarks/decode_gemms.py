@@ -1,0 +1,185 @@
+"""The decode step's matrix products: which GEMM implementation serves them fastest on this card.
+
+    python benchmarks/decode_gemms.py --output benchmarks/results/decode_gemms_h200.json
+    python benchmarks/decode_gemms.py --sections products --batches 256
+
+At batch 256 the layers' four matrix products (q/k/v stacked, attention output, gate/up
+stacked, down) are about half of a 0.4B model's decode step (``gpu_profile.py``'s kernel
+table). Two sections, each writing what it measured:
+
+- ``products``: each product alone at the decode shapes of ``decode.py``'s model (hidden 896,
+  2 KV heads of 64, MLP 4864), as ``F.linear`` through cuBLAS, through cuBLASLt
+  (``torch.backends.cuda.preferred_blas_library``) and compiled by inductor with
+  ``max-autotune-no-cudagraphs`` (Triton templates benchmarked against cuBLAS). Timed as 48
+  products captured in one CUDA graph, replayed: microseconds per product, launch cost aside.
+- ``steps``: the whole static-cache decode (``decode.py``'s model and measure: milliseconds per
+  decode step over 128 new tokens, prefill included) with the engine's compiled halves built
+  by default, with cuBLASLt preferred, and with ``max-autotune-no-cudagraphs``; the default is
+  measured again last, so that drift over the run shows.
+
+Needs a CUDA device. Writes JSON with the commit measured; never asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import decode as decode_bench  # noqa: E402
+from vs_trl import machine  # noqa: E402
+
+from flowrl.backends.static_decode import decoder_for  # noqa: E402
+
+PRODUCTS = {"qkv": (896, 896 + 2 * 2 * 64), "o": (896, 896), "gate_up": (896, 2 * 4864), "down": (4864, 896)}
+"""Each product's (in, out) features at the shape of ``decode.py``'s model."""
+STEP_VARIANTS = (("default", None, "cublas"), ("cublaslt", None, "cublaslt"),
+                 ("max_autotune", "max-autotune-no-cudagraphs", "cublas"), ("default_again", None, "cublas"))
+
+
+def graph_us(call: Callable[[], Any], per_graph: int = 48, replays: int = 20, rounds: int = 5) -> float:
+    """Microseconds per ``call()``: ``per_graph`` calls captured in one CUDA graph, replayed."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(per_graph):
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(begin.elapsed_time(end) * 1e3 / (per_graph * replays))
+    return statistics.median(times)
+
+
+def section_products(batches: list[int]) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for batch in batches:
+        for name, (features_in, features_out) in PRODUCTS.items():
+            x = torch.randn(batch, features_in, device="cuda", dtype=torch.bfloat16)
+            weight = torch.randn(features_out, features_in, device="cuda", dtype=torch.bfloat16) * 0.02
+            row: dict[str, Any] = {}
+            for library in ("cublas", "cublaslt"):
+                torch.backends.cuda.preferred_blas_library(library)
+                row[library] = graph_us(lambda: F.linear(x, weight))
+            torch.backends.cuda.preferred_blas_library("cublas")
+            try:
+                torch._dynamo.reset()
+                compiled = torch.compile(lambda a, b: F.linear(a, b), mode="max-autotune-no-cudagraphs", dynamic=False)
+                compiled(x, weight)
+                row["inductor_max_autotune"] = graph_us(lambda: compiled(x, weight))
+            except Exception as error:  # noqa: BLE001 - reported, the others still measured
+                row["inductor_max_autotune"] = f"{type(error).__name__}: {str(error)[:200]}"
+            results[f"{name}_batch{batch}"] = row
+            print(name, batch, {key: round(value, 2) if isinstance(value, float) else value
+                                for key, value in row.items()}, flush=True)
+    return results
+
+
+def step_variant(mode: str | None, library: str, batches: list[int], args: argparse.Namespace) -> dict[str, Any]:
+    """ms per decode step of a fresh model whose engine compiled its halves with ``mode``."""
+    torch._dynamo.reset()
+    torch.backends.cuda.preferred_blas_library(library)
+    plain_compile = torch.compile
+    if mode is not None:
+        torch.compile = functools.partial(plain_compile, mode=mode)
+    try:
+        model = decode_bench.build_model(args.layers, "cuda")
+        decoder = decoder_for(model)  # compiles its halves with torch.compile as set now
+    finally:
+        torch.compile = plain_compile
+    assert decoder is not None
+    results: dict[str, Any] = {}
+    try:
+        for batch in batches:
+            ids = torch.randint(1, decode_bench.VOCAB - 1, (batch, args.prompt_tokens), device="cuda")
+            mask = torch.ones_like(ids)
+            generator = torch.Generator(device="cuda")
+
+            def generate() -> None:
+                decoder.generate(ids, mask, max_new_tokens=args.new_tokens, eos_token_id=decode_bench.EOS,
+                                 pad_token_id=0, generator=generator.manual_seed(0))
+
+            started = time.perf_counter()
+            generate()
+            torch.cuda.synchronize()
+            first_s = time.perf_counter() - started
+            per_step = []
+            for _ in range(args.repeats):
+                torch.cuda.synchronize()
+                started = time.perf_counter()
+                generate()
+                torch.cuda.synchronize()
+                per_step.append((time.perf_counter() - started) / args.new_tokens * 1e3)
+            results[str(batch)] = {"ms_per_decode_step": statistics.median(per_step), "all": per_step,
+                                   "first_call_s": first_s}
+            print(mode or "default", library, batch, results[str(batch)], flush=True)
+    finally:
+        torch.backends.cuda.preferred_blas_library("cublas")
+        del decoder, model
+        torch.cuda.empty_cache()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sections", default="products,steps")
+    parser.add_argument("--batches", default="256,64")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--output", type=Path, default=REPO / "benchmarks" / "results" / "decode_gemms.json")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("decode_gemms.py measures GPU kernels: it needs a CUDA device")
+    batches = [int(item) for item in args.batches.split(",")]
+    report: dict[str, Any] = {"benchmark": "decode_gemms", "machine": machine(),
+                              "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                              "settings": {key: str(value) for key, value in vars(args).items()}}
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+
+    def write() -> None:  # after each part: a call cut short keeps what it measured
+        args.output.write_text(json.dumps(report, indent=1) + "\n")
+
+    sections = args.sections.split(",")
+    if "products" in sections:
+        report["products_us"] = section_products(batches)
+        write()
+    if "steps" in sections:
+        report["steps"] = {}
+        for name, mode, library in STEP_VARIANTS:
+            try:
+                report["steps"][name] = step_variant(mode, library, batches, args)
+            except Exception as error:  # noqa: BLE001 - reported, the next variant still runs
+                report["steps"][name] = f"{type(error).__name__}: {str(error)[:300]}"
+            write()
+    write()
+    print(f"written: {args.output}")
+
+
+if __name__ == "__main__":
+    main()
