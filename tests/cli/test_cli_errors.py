@@ -151,6 +151,9 @@ def test_ctrl_c_to_the_whole_process_group_stops_cleanly(tmp_path: Path) -> None
     assert "no checkpoint was written yet (trainer.checkpoint_every: 0, none at all), so a resume would start " \
            "over at step 1" in output
     assert "Traceback" not in output, output
+    # the output folder says why the run ended too
+    events = [json.loads(line) for line in (tmp_path / "out" / "events.jsonl").read_text().splitlines()]
+    assert any(e["kind"] == "stopped" and "interrupted (SIGINT) at step" in e["message"] for e in events), events
 
 
 def test_the_command_line_exits_with_its_output_written() -> None:
