@@ -14,7 +14,7 @@ from typing import Any
 from flowrl.api.data import eval_examples, eval_score_nodes, policy_formatter, training_source
 from flowrl.backends.cache import BUILTIN_PREFIX as MODEL_PREFIX
 from flowrl.backends.catalog import lookup_builtin
-from flowrl.backends.locations import saved_model_location
+from flowrl.backends.locations import hub_model_problem, saved_model_location
 from flowrl.data import PromptExample, PromptSource
 from flowrl.data.files import missing_local_source
 from flowrl.data.source import BUILTIN_PREFIX, endless_task, is_endless_task
@@ -170,7 +170,8 @@ def check_inputs(graph: PipelineGraph, base_dir: Path | None, locate: Locate | N
 
 def model_issues(graph: PipelineGraph, base_dir: Path | None) -> list[Issue]:
     """A (path, message) per model whose path names nothing loadable here: an unknown builtin
-    name, a missing folder, a folder without config.json (hub names are read at load time)."""
+    name, a missing folder, a folder without config.json, a hub name neither in the local cache
+    nor downloadable."""
     issues: list[Issue] = []
     for name, model in graph.spec.models.items():
         where = f"models.{name}.path"
@@ -178,7 +179,10 @@ def model_issues(graph: PipelineGraph, base_dir: Path | None) -> list[Issue]:
             if model.path.startswith(MODEL_PREFIX):
                 lookup_builtin(model.path[len(MODEL_PREFIX):])
                 continue
-            saved_model_location(model.path, base_dir)
+            location = saved_model_location(model.path, base_dir)
+            problem = hub_model_problem(location, model.revision) if isinstance(location, str) else None
+            if problem is not None:
+                issues.append((where, problem))
         except ModelLoadError as error:
             issues.append((where, str(error)))
     return issues

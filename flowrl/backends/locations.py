@@ -4,10 +4,11 @@ paths with these before any worker starts."""
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 
 from flowrl.backends.cache import BUILTIN_PREFIX
-from flowrl.backends.hub import HUB_NAME_PATTERN
+from flowrl.backends.hub import HUB_NAME_PATTERN, HUB_PROBE_TIMEOUT_S, hub_offline, hub_reachable
 from flowrl.errors import ModelLoadError
 
 
@@ -35,13 +36,37 @@ def resolve_model_path(path: str, base_dir: Path | None = None) -> Path | str:
                 f"model path '{path}' is a file ({candidate}); expected a directory holding "
                 "config.json and the weights"
             )
-    if HUB_NAME_PATTERN.match(path) and not path.startswith("."):
-        return path
     looked_in = ", ".join(str(candidate) for candidate in candidates)
+    parent = next((candidate.parent for candidate in candidates if candidate.parent.is_dir() and "/" in path), None)
+    if HUB_NAME_PATTERN.match(path) and not path.startswith(".") and parent is None:
+        return path
+    # 'models/my-qwne' where a folder models/ is at hand: a local path mistyped, not a hub name
+    near = ""
+    if parent is not None:
+        siblings = sorted(entry.name for entry in parent.iterdir() if entry.is_dir())
+        close = difflib.get_close_matches(Path(path).name, siblings, n=1)
+        near = f"; {parent} holds {', '.join(siblings[:8]) or 'no folders'}" + (
+            f" (did you mean '{str(Path(path).parent / close[0])}'?)" if close else "")
     raise ModelLoadError(
-        f"model directory '{path}' not found (looked in {looked_in}); pass an existing "
+        f"model directory '{path}' not found (looked in {looked_in}){near}; pass an existing "
         "directory, a hub name like 'org/name', or builtin:tiny-llama"
     )
+
+
+def hub_model_problem(name: str, revision: str | None = None) -> str | None:
+    """Why hub model ``name`` cannot be loaded here (not in the local cache and the hub
+    unreachable), or None: asked once, before any worker waits on the hub's retries."""
+    from huggingface_hub import try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(name, "config.json", revision=revision), str):
+        return None
+    if hub_offline() or not hub_reachable(HUB_PROBE_TIMEOUT_S):
+        at = f" at revision '{revision}'" if revision else ""
+        fetch = f"hf download {name}" + (f" --revision {revision}" if revision else "")
+        return (f"model '{name}'{at} is not a local directory nor in the local Hugging Face cache, and the hub "
+                f"cannot be reached (no network): download it elsewhere ({fetch}) and pass its directory, "
+                "or use builtin:tiny-llama")
+    return None
 
 
 def saved_model_location(path: str, base_dir: Path | None = None) -> Path | str:

@@ -13,6 +13,7 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from flowrl.backends.builtin import quiet_progress_bars
+from flowrl.backends.locations import hub_model_problem
 from flowrl.backends.models import resolve_model_path
 from flowrl.errors import ModelLoadError
 
@@ -22,6 +23,8 @@ def load_tokenizer(
 ) -> Any:
     """The tokenizer of the model at ``path``, padding on the left with eos when it has no pad."""
     location = resolve_model_path(path, base_dir)
+    if isinstance(location, str) and (problem := hub_model_problem(location, revision)) is not None:
+        raise ModelLoadError(problem)  # at once, not after the hub client's retries
     try:
         with quiet_progress_bars():
             tokenizer = AutoTokenizer.from_pretrained(

@@ -264,3 +264,36 @@ def test_a_worker_loads_with_the_models_revision_and_trust_remote_code(monkeypat
     RoleHost._load_model(host, "critic", spec, seed=0)  # type: ignore[arg-type]
     assert calls[0]["kind"] == "value"
     assert calls[0]["options"] == HubOptions(revision="refs/pr/7", trust_remote_code=True)
+
+
+def test_a_mistyped_local_path_is_not_taken_for_a_hub_name(tmp_path: Path) -> None:
+    # 'models/my-qwne' beside a folder models/: a local folder mistyped, said at once with the
+    # nearest folder there, instead of minutes of hub retries
+    (tmp_path / "models" / "my-qwen").mkdir(parents=True)
+    with pytest.raises(ModelLoadError) as raised:
+        resolve_any_model_path("models/my-qwne", tmp_path)
+    assert "model directory 'models/my-qwne' not found" in str(raised.value)
+    assert "holds my-qwen (did you mean 'models/my-qwen'?)" in str(raised.value)
+    assert resolve_any_model_path("someorg/my-model", tmp_path) == "someorg/my-model"  # no such folder: a hub name
+
+
+def test_a_hub_name_neither_cached_nor_downloadable_is_a_problem_of_its_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flowrl.api.checks import model_issues
+    from flowrl.backends import policy_tokenizer
+    from flowrl.spec.loader import pipeline_from_dict
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    graph = pipeline_from_dict({
+        "name": "p", "models": {"actor": {"path": MISSING_HUB_NAME, "revision": "v1.2"}},
+        "nodes": {"rollout": {"role": "generate", "model": "actor", "inputs": ["prompts"]},
+                  "reward": {"role": "score", "fn": "digits", "inputs": ["rollout"]},
+                  "adv": {"role": "advantage", "inputs": ["reward"]},
+                  "train": {"role": "update", "model": "actor", "inputs": ["rollout", "adv"]}},
+        "data": {"source": "builtin:digits"},
+    })
+    [(where, message)] = model_issues(graph, None)
+    assert where == "models.actor.path"
+    assert message.startswith(f"model '{MISSING_HUB_NAME}' at revision 'v1.2' is not a local directory nor in the "
+                              "local Hugging Face cache")
+    with pytest.raises(ModelLoadError, match="nor in the local Hugging Face cache"):
+        policy_tokenizer.load_tokenizer(MISSING_HUB_NAME)
