@@ -49,13 +49,16 @@ class RewardFailureGuard:
             else:
                 self.streaks[name] = 0
             if self.streaks[name] >= self.limit:
+                signal = "its reward gave training no signal" if len(self.functions) > 1 else "training had no signal"
                 raise RewardError(
                     f"the reward function '{function}' of score node '{name}' failed on every sample for "
-                    f"{self.limit} steps in a row (trainer.max_failed_reward_steps), so training had no "
-                    f"signal; the run stopped at step {step}{self._kept()}. First error: "
-                    f"{self.first_errors.get(name, 'unknown')}"
+                    f"{self.limit} steps in a row (trainer.max_failed_reward_steps), so {signal}; the run "
+                    f"stopped at step {step}{self._kept()}. First error: {self.first_errors.get(name, 'unknown')}"
                 )
 
     def _kept(self) -> str:
         written = newest_written(self.checkpoints) if self.checkpoints is not None else None
-        return f"; its newest checkpoint is {written}" if written is not None else ""
+        if written is None:
+            return ""
+        return (f"; its newest checkpoint is {written} (fix the function, then `flowrl resume "
+                f"{self.checkpoints.parent if self.checkpoints is not None else ''}`)")

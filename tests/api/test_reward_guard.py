@@ -1,0 +1,45 @@
+"""The reward-failure guard: when it stops a run and what its message says."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from flowrl.api.reward_guard import RewardFailureGuard
+from flowrl.errors import RewardError
+from flowrl.spec.loader import pipeline_from_dict
+
+
+def _graph(score_nodes: dict[str, str]) -> object:
+    nodes = {"rollout": {"role": "generate", "model": "actor", "inputs": ["prompts"]}}
+    nodes.update({name: {"role": "score", "fn": fn, "inputs": ["rollout"]} for name, fn in score_nodes.items()})
+    nodes["adv"] = {"role": "advantage", "inputs": list(score_nodes)}
+    nodes["train"] = {"role": "update", "model": "actor", "inputs": ["rollout", "adv"]}
+    return pipeline_from_dict({"name": "p", "models": {"actor": {"path": "builtin:tiny-llama"}}, "nodes": nodes,
+                               "data": {"source": "builtin:digits"}, "trainer": {"max_failed_reward_steps": 2}})
+
+
+def _report(failed_share: float) -> SimpleNamespace:
+    return SimpleNamespace(metrics={"reward/failed_share": failed_share}, messages=["boom (prompt 0)"])
+
+
+def test_a_failing_function_beside_a_working_one_is_said_to_give_no_signal_itself(tmp_path: Path) -> None:
+    checkpoints = tmp_path / "run" / "checkpoints"
+    (checkpoints / "step-1").mkdir(parents=True)
+    (checkpoints / "step-1" / "trainer_state.json").write_text("{}")
+    guard = RewardFailureGuard(_graph({"correct": "digits", "shape": "digits"}), checkpoints)  # type: ignore[arg-type]
+    events: list[object] = []
+    guard.check(1, {"correct": _report(0.0), "shape": _report(1.0)}, events.append)
+    with pytest.raises(RewardError) as raised:
+        guard.check(2, {"correct": _report(0.0), "shape": _report(1.0)}, events.append)
+    message = str(raised.value)
+    assert "score node 'shape' failed on every sample for 2 steps in a row" in message
+    assert "so its reward gave training no signal; the run stopped at step 2" in message
+    assert f"(fix the function, then `flowrl resume {tmp_path / 'run'}`)" in message
+    # one node alone: training as a whole had no signal
+    alone = RewardFailureGuard(_graph({"shape": "digits"}))  # type: ignore[arg-type]
+    alone.check(1, {"shape": _report(1.0)}, events.append)
+    with pytest.raises(RewardError, match="so training had no signal; the run stopped at step 2. First error: boom"):
+        alone.check(2, {"shape": _report(1.0)}, events.append)
