@@ -736,6 +736,13 @@ class EvalSpec(_Strict):
     batch_size: int = Field(default=64, ge=1)
     """Prompts per generation call while evaluating (bounds memory). Default 64."""
 
+    @model_validator(mode="after")
+    def _samples_differ(self) -> EvalSpec:
+        if self.temperature == 0 and self.n > 1:
+            raise ValueError(f"n: {self.n} at temperature 0 (greedy): the {self.n} completions of a prompt are all "
+                             "the same, so pass@n and mean@n say nothing more; set n: 1, or a temperature above 0")
+        return self
+
 
 class TrainerSpec(_Strict):
     """How long to train and where to write."""

@@ -333,3 +333,12 @@ def test_function_fields_on_a_reward_model_score_are_refused() -> None:
                                               r"score runs a reward model: leave them out"):
         ScoreNode(model="rm", inputs=["rollout"], params={"x": 1}, on_error="strict")
     ScoreNode(model="rm", inputs=["rollout"], on_error="zero")  # the default, as a whole dump writes it
+
+
+def test_several_greedy_completions_per_held_out_prompt_are_refused() -> None:
+    from flowrl.spec.schema import EvalSpec
+
+    with pytest.raises(ValidationError, match="n: 2 at temperature 0 \\(greedy\\): the 2 completions of a prompt are all "
+                                              "the same"):
+        EvalSpec(n=2)
+    assert EvalSpec(n=2, temperature=1.0).n == 2 and EvalSpec(n=1).temperature == 0
