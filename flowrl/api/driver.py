@@ -81,6 +81,7 @@ def snapshot_every_for(interval_s: float, step_s: float) -> int:
 
 class Watchers(Protocol):
     def step(self, record: StepRecord) -> None: ...
+    def evaluated(self, record: StepRecord) -> None: ...
     def event(self, event: RunEvent) -> None: ...
 
 
@@ -283,8 +284,8 @@ class Driver:
         values, timings = self.evaluator.run(self._session(), 0, self.watcher.event)
         if values:
             self.evaluations.append((0, values))
-            self.folder.append_metrics(StepRecord(0, self.graph.spec.trainer.steps, values,
-                                                  elapsed_s=time.perf_counter() - self.started))
+            self.watcher.evaluated(StepRecord(0, self.graph.spec.trainer.steps, values,
+                                              elapsed_s=time.perf_counter() - self.started))
         for timing in timings:
             self.folder.append_node(0, timing)
         return lc.Evaluated(0)

@@ -480,6 +480,20 @@ class _Watchers:
     def step(self, record: StepRecord) -> None:
         self.folder.append_metrics(record)
         self.last = record
+        self._to_loggers(record)
+        if self.prometheus is not None:
+            self.prometheus.on_step(record)
+        shown = record.step % self.log_every == 0 or record.step == record.num_steps
+        if self.observer is not None and shown:
+            self.observer.on_step(record)
+
+    def evaluated(self, record: StepRecord) -> None:
+        """The evaluation before training (step 0): its line of ``metrics.jsonl`` and the
+        trackers' step 0; no step was trained."""
+        self.folder.append_metrics(record)
+        self._to_loggers(record)
+
+    def _to_loggers(self, record: StepRecord) -> None:
         values = finite_metrics(record.metrics)
         for logger in list(self.loggers):
             try:
@@ -490,11 +504,6 @@ class _Watchers:
                 self.event(RunEvent("warning", f"trainer.loggers: {type(logger).__name__} stopped at step "
                                                f"{record.step} ({type(error).__name__}: {str(error)[:300]}); "
                                                "the run goes on without it", record.step))
-        if self.prometheus is not None:
-            self.prometheus.on_step(record)
-        shown = record.step % self.log_every == 0 or record.step == record.num_steps
-        if self.observer is not None and shown:
-            self.observer.on_step(record)
 
     def event(self, event: RunEvent) -> None:
         self.stopped = self.stopped or event.kind == "stopped"

@@ -289,3 +289,18 @@ def test_a_tracker_that_cannot_start_ends_the_ones_started_before_it(tmp_path: P
     assert experiment is not None
     (found,) = client.search_runs([experiment.experiment_id])
     assert found.info.status == "FAILED"
+
+
+def test_the_evaluation_before_training_reaches_the_trackers_as_step_0(tmp_path: Path) -> None:
+    from flowrl.api.outputs import RunFolder
+    from flowrl.api.run import _Watchers
+
+    watchers = _Watchers(RunFolder(tmp_path), None)
+    kept = Kept()
+    watchers.loggers = [kept]
+    watchers.evaluated(StepRecord(0, 2, {"val/reward/mean": 0.25}))
+    watchers.step(StepRecord(1, 2, {"critic/score/mean": 0.5}))
+    assert kept.steps == [0, 1]
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [0, 1] and lines[0]["val/reward/mean"] == 0.25
+    assert watchers.last is not None and watchers.last.step == 1  # step 0 trained nothing
