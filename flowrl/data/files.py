@@ -110,7 +110,7 @@ def _load_file(path: Path, source: str, split: str) -> Any:
             f"split '{split}': set the split to {SINGLE_SPLIT}, or give a folder or hub dataset "
             "that has that split"
         )
-    if path.stat().st_size == 0 or (builder != "parquet" and not path.read_bytes().strip()):
+    if _empty_file(path):
         example = ", e.g. one JSON object per line" if builder == "json" else ""
         raise DataError(f"data file {source} is empty; write one example per row{example}")
     if builder == "json":
@@ -121,6 +121,12 @@ def _load_file(path: Path, source: str, split: str) -> Any:
         return datasets.load_dataset(builder, data_files=str(path), split=SINGLE_SPLIT)
     except Exception as error:  # noqa: BLE001 - any reader failure is a problem with the file
         raise DataError(f"cannot read data file {source}: {_reason(error)}") from error
+
+
+def _empty_file(path: Path) -> bool:
+    """No rows: no bytes, or (a text format) only white space."""
+    return path.stat().st_size == 0 or (FILE_BUILDERS.get(path.suffix.lower()) != "parquet"
+                                        and not path.read_bytes().strip())
 
 
 def _load_folder(path: Path, source: str, split: str) -> Any:
@@ -147,6 +153,12 @@ def _load_folder(path: Path, source: str, split: str) -> Any:
             f"folder {source} holds neither a dataset written by save_to_disk nor data files "
             f"({', '.join(FILE_BUILDERS)})"
         )
+    empty = [item.name for item in files if _empty_file(item)]
+    if empty:
+        # datasets says only "StopIteration" or "corresponds to no data" for these
+        raise DataError(f"folder {source} has empty data file{'s' if len(empty) > 1 else ''} {', '.join(empty)} "
+                        f"(split '{split}' is read, and every file of the folder is loaded with it); write one "
+                        "example per row, or remove the file")
     try:
         loaded = datasets.load_dataset(str(path))
     except Exception as error:  # noqa: BLE001

@@ -341,6 +341,12 @@ def test_missing_empty_and_odd_sources(tmp_path: Path) -> None:
     (tmp_path / "d.txt").write_text("x")
     with pytest.raises(DataError, match=r"has suffix '\.txt'; expected one of \.parquet, \.jsonl, \.json, \.csv"):
         PromptSource("d.txt", 1, 0, base_dir=tmp_path)
+    # a folder with an empty split file: named, whichever split is read
+    (tmp_path / "splits").mkdir()
+    _write_jsonl(tmp_path / "splits" / "train.jsonl", [{"prompt": "p"}])
+    (tmp_path / "splits" / "test.jsonl").write_text("")
+    with pytest.raises(DataError, match=r"folder splits has empty data file test\.jsonl \(split 'train' is read"):
+        PromptSource("splits", 1, 0, base_dir=tmp_path)
 
 
 def test_batch_size_and_step_checks(tmp_path: Path) -> None:
