@@ -164,6 +164,11 @@ def check_columns(columns: list[str], answer_key: str, display_name: str, sectio
     """Refuse column names that would clash with the keywords rewards get from flowrl
     (``section``: the pipeline section whose ``answer_key`` applies)."""
     clashes = [name for name in columns if name in RESERVED_COLUMNS]
+    if answer_key != "answer" and answer_key not in columns and "answer" in columns:
+        raise DataError(
+            f"{display_name} has no column '{answer_key}' ({section}.answer_key; its columns: "
+            f"{', '.join(repr(c) for c in columns)}); set {section}.answer_key: answer, the column it has"
+        )
     if answer_key != "answer" and "answer" in columns:
         clashes.append("answer")
     if clashes:

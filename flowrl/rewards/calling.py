@@ -75,10 +75,13 @@ def signature_problem(fn: Callable[..., Any], offered: Iterable[str], params: di
             )
         if parameter.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY):
             if required and parameter.name not in names:
+                fix = ("set data.answer_key to the column that holds the reference answers, rename the "
+                       "argument or add the column") if parameter.name == "answer" else \
+                    "rename the argument or add the column"
                 return (
                     f"it needs the argument '{parameter.name}', which no call provides; it receives "
                     f"{', '.join(sorted(names))} (every dataset column by its name, the reference answer "
-                    "as 'answer', and the score node's params); rename the argument or add the column"
+                    f"as 'answer', and the score node's params); {fix}"
                 )
     if not takes_any:
         accepted = {p.name for p in parameters}

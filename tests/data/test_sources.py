@@ -413,3 +413,11 @@ def test_a_batch_larger_than_the_data_is_named(tmp_path: Path) -> None:
         "data.batch_size 10 is larger than the 4 prompts of d.jsonl: every step repeats prompts (2.5 epochs per "
         "step); lower data.batch_size or add prompts")
     assert PromptSource("builtin:digits", 400, 0, tmp_path).batch_warning() is None  # fresh prompts each step
+
+
+def test_an_answer_key_the_data_lacks_beside_an_answer_column_is_named(tmp_path: Path) -> None:
+    _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1=", "answer": "2"}])
+    with pytest.raises(DataError, match=r"d\.jsonl has no column 'solution' \(data\.answer_key; its columns: 'prompt', "
+                                        r"'answer'\); set data\.answer_key: answer"):
+        PromptSource("d.jsonl", 1, 0, base_dir=tmp_path, answer_key="solution")
+

@@ -118,6 +118,10 @@ def test_signature_problems() -> None:
     )
     old_style = signature_problem(lambda prompts, completions, answers, max_new_tokens: [], offered, {})
     assert old_style is not None and "needs the argument 'answers'" in old_style
+    # data whose answers are in another column: the fix names data.answer_key first
+    no_answer = signature_problem(lambda completions, answer, **kw: [], set(FLOWRL_KEYWORDS) | {"solution"}, {})
+    assert no_answer is not None and no_answer.endswith(
+        "; set data.answer_key to the column that holds the reference answers, rename the argument or add the column")
 
     def positional(completions: list[str], /) -> list[float]:
         return []
