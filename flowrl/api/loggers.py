@@ -59,12 +59,15 @@ def logger_problems(names: tuple[str, ...]) -> list[str]:
 
 
 def make_loggers(names: tuple[str, ...], folder: Path, run_name: str, config: dict[str, Any], config_text: str,
-                 ) -> list[Logger]:
+                 first_step: int = 0) -> list[Logger]:
+    """The trackers of ``names``; ``first_step``: the first step this process logs (a resumed
+    run's step after its checkpoint), from which TensorBoard hides what an earlier process of
+    the run logged, as ``metrics.jsonl`` drops those lines."""
     loggers: list[Logger] = []
     for name in names:
         try:
             if name == "tensorboard":
-                loggers.append(TensorBoardLogger(folder / "tensorboard", config_text))
+                loggers.append(TensorBoardLogger(folder / "tensorboard", config_text, first_step))
             elif name == "wandb":
                 loggers.append(WandbLogger(folder, run_name, config))
             elif name == "mlflow":
@@ -88,10 +91,12 @@ def close_quietly(logger: Logger, summary: dict[str, float], failed: bool) -> st
 
 
 class TensorBoardLogger:
-    def __init__(self, directory: Path, config_text: str) -> None:
+    def __init__(self, directory: Path, config_text: str, first_step: int = 0) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(directory))
+        # purge_step: events of this step and later left by an earlier process of the run
+        # (killed, interrupted, or started over) are hidden, so no step shows twice
+        self.writer = SummaryWriter(log_dir=str(directory), purge_step=first_step if directory.is_dir() else None)
         # Markdown code block: TensorBoard's text tab renders it as written.
         self.writer.add_text("config", "```\n" + config_text + "\n```", global_step=0)
 

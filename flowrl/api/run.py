@@ -157,7 +157,7 @@ def _run(pipeline: PipelineGraph | Pipeline, options: RunOptions, observer: Obse
     watcher = _Watchers(folder, observer, spec.trainer.log_every)
     failed = True
     try:
-        watcher.start_reporting(graph, config_text)
+        watcher.start_reporting(graph, config_text, start.step + 1 if start is not None else 0)
         if planned is not None and start is not None and spec.trainer.steps < planned:
             watcher.event(RunEvent("warning", f"trainer.steps is {spec.trainer.steps}, fewer than the {planned} steps the "
                                               f"run was started with: it ends at step {spec.trainer.steps} (resume it "
@@ -468,14 +468,14 @@ class _Watchers:
         self.stopped = False
         """A ``stopped`` event (why the run ended) was recorded."""
 
-    def start_reporting(self, graph: PipelineGraph, config_text: str) -> None:
+    def start_reporting(self, graph: PipelineGraph, config_text: str, first_step: int = 0) -> None:
         spec = graph.spec
         if spec.runtime.prometheus_port is not None:
             self.prometheus = PrometheusMetrics(spec.runtime.prometheus_port)
             self.event(RunEvent("status", f"Prometheus metrics: port {self.prometheus.port} of every interface of "
                                           f"this machine (http://127.0.0.1:{self.prometheus.port}/metrics here)", 0))
         self.loggers = make_loggers(spec.trainer.loggers, self.folder.path, spec.name,
-                                    spec.model_dump(mode="json"), config_text)
+                                    spec.model_dump(mode="json"), config_text, first_step)
 
     def step(self, record: StepRecord) -> None:
         self.folder.append_metrics(record)

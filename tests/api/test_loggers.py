@@ -304,3 +304,21 @@ def test_the_evaluation_before_training_reaches_the_trackers_as_step_0(tmp_path:
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [0, 1] and lines[0]["val/reward/mean"] == 0.25
     assert watchers.last is not None and watchers.last.step == 1  # step 0 trained nothing
+
+
+def test_tensorboard_hides_the_steps_a_resumed_run_runs_again(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from flowrl.api.loggers import TensorBoardLogger
+
+    first = TensorBoardLogger(tmp_path / "tensorboard", "config")
+    for step in (1, 2, 3):
+        first.step(step, {REWARD: float(step)})
+    first.close({})  # a run killed after step 3, resumed from its checkpoint of step 1
+    again = TensorBoardLogger(tmp_path / "tensorboard", "config", first_step=2)
+    for step in (2, 3, 4):
+        again.step(step, {REWARD: 10.0 * step})
+    again.close({})
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(event.step, event.value) for event in events.Scalars(REWARD)] == [(1, 1.0), (2, 20.0), (3, 30.0), (4, 40.0)]
