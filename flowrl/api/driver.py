@@ -82,6 +82,7 @@ def snapshot_every_for(interval_s: float, step_s: float) -> int:
 class Watchers(Protocol):
     def step(self, record: StepRecord) -> None: ...
     def evaluated(self, record: StepRecord) -> None: ...
+    def rewound(self, last_step: int) -> None: ...
     def event(self, event: RunEvent) -> None: ...
 
 
@@ -271,6 +272,8 @@ class Driver:
         else:
             self.kl.load_state_dict(self.initial_kl)
         dropped = self.folder.truncate_logs(back_to)
+        if dropped:
+            self.watcher.rewound(back_to)
         self.records[:] = [record for record in self.records if record.step <= back_to]
         if self.recovery is not None:
             self._recovered(back_to, what, dropped, time.perf_counter() - started)

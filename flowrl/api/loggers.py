@@ -96,9 +96,17 @@ class TensorBoardLogger:
 
         # purge_step: events of this step and later left by an earlier process of the run
         # (killed, interrupted, or started over) are hidden, so no step shows twice
+        self.directory = directory
         self.writer = SummaryWriter(log_dir=str(directory), purge_step=first_step if directory.is_dir() else None)
         # Markdown code block: TensorBoard's text tab renders it as written.
         self.writer.add_text("config", "```\n" + config_text + "\n```", global_step=0)
+
+    def purge_from(self, step: int) -> None:
+        """Hide the events of ``step`` and later logged so far: they are run again."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer.close()
+        self.writer = SummaryWriter(log_dir=str(self.directory), purge_step=step)
 
     def step(self, step: int, metrics: dict[str, float]) -> None:
         for key, value in metrics.items():

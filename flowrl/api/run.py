@@ -493,6 +493,14 @@ class _Watchers:
         self.folder.append_metrics(record)
         self._to_loggers(record)
 
+    def rewound(self, last_step: int) -> None:
+        """The steps after ``last_step`` run again (a recovery went back to a snapshot or a
+        checkpoint): the trackers that can hide what they logged of them do."""
+        for logger in self.loggers:
+            purge = getattr(logger, "purge_from", None)
+            if purge is not None:
+                purge(last_step + 1)
+
     def _to_loggers(self, record: StepRecord) -> None:
         values = finite_metrics(record.metrics)
         for logger in list(self.loggers):

@@ -318,7 +318,10 @@ def test_tensorboard_hides_the_steps_a_resumed_run_runs_again(tmp_path: Path) ->
     again = TensorBoardLogger(tmp_path / "tensorboard", "config", first_step=2)
     for step in (2, 3, 4):
         again.step(step, {REWARD: 10.0 * step})
+    again.purge_from(4)  # a fault in this process: back to the snapshot of step 3
+    again.step(4, {REWARD: 400.0})
     again.close({})
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
-    assert [(event.step, event.value) for event in events.Scalars(REWARD)] == [(1, 1.0), (2, 20.0), (3, 30.0), (4, 40.0)]
+    assert [(event.step, event.value) for event in events.Scalars(REWARD)] == [
+        (1, 1.0), (2, 20.0), (3, 30.0), (4, 400.0)]
