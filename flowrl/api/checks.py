@@ -14,7 +14,7 @@ from typing import Any
 from flowrl.api.data import eval_examples, eval_score_nodes, policy_formatter, training_source
 from flowrl.backends.cache import BUILTIN_PREFIX as MODEL_PREFIX
 from flowrl.backends.catalog import lookup_builtin
-from flowrl.backends.locations import hub_model_problem, saved_model_location
+from flowrl.backends.locations import hub_model_problem, saved_model_location, tokenizer_problem
 from flowrl.data import PromptExample, PromptSource
 from flowrl.data.files import missing_local_source
 from flowrl.data.source import BUILTIN_PREFIX, endless_task, is_endless_task
@@ -180,7 +180,10 @@ def model_issues(graph: PipelineGraph, base_dir: Path | None) -> list[Issue]:
                 lookup_builtin(model.path[len(MODEL_PREFIX):])
                 continue
             location = saved_model_location(model.path, base_dir)
-            problem = hub_model_problem(location, model.revision) if isinstance(location, str) else None
+            if isinstance(location, str):
+                problem = hub_model_problem(location, model.revision)
+            else:  # a policy's tokenizer renders and reads the prompts
+                problem = tokenizer_problem(location) if model.kind == "policy" else None
             if problem is not None:
                 issues.append((where, problem))
         except ModelLoadError as error:

@@ -76,3 +76,18 @@ def saved_model_location(path: str, base_dir: Path | None = None) -> Path | str:
         raise ModelLoadError(f"model directory {location} has no config.json; pass a directory written by "
                              "save_pretrained (config.json, weights and tokenizer files)")
     return location
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+"""Any of these in a model folder: a tokenizer was saved there."""
+
+
+def tokenizer_problem(location: Path) -> str | None:
+    """Why the policy model folder ``location`` has no tokenizer to load, or None. Without
+    one, transformers builds an empty tokenizer from config.json alone, and every prompt
+    would tokenize to nothing."""
+    if any((location / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    return (f"model directory {location} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...); save the "
+            "tokenizer beside the weights (tokenizer.save_pretrained(DIR))")
+

@@ -297,3 +297,24 @@ def test_a_hub_name_neither_cached_nor_downloadable_is_a_problem_of_its_path(mon
                               "local Hugging Face cache")
     with pytest.raises(ModelLoadError, match="nor in the local Hugging Face cache"):
         policy_tokenizer.load_tokenizer(MISSING_HUB_NAME)
+
+
+def test_a_policy_folder_without_tokenizer_files_is_a_problem_of_its_path(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    from flowrl.api.checks import model_issues
+    from flowrl.spec.loader import pipeline_from_dict
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(tiny_llama_dir / "config.json", bare / "config.json")  # the weights alone, as model.save_pretrained
+    graph = pipeline_from_dict({
+        "name": "p", "models": {"actor": {"path": str(bare)}},
+        "nodes": {"rollout": {"role": "generate", "model": "actor", "inputs": ["prompts"]},
+                  "reward": {"role": "score", "fn": "digits", "inputs": ["rollout"]},
+                  "adv": {"role": "advantage", "inputs": ["reward"]},
+                  "train": {"role": "update", "model": "actor", "inputs": ["rollout", "adv"]}},
+        "data": {"source": "builtin:digits"},
+    })
+    [(where, message)] = model_issues(graph, None)
+    assert where == "models.actor.path"
+    assert message == (f"model directory {bare} has no tokenizer files (tokenizer.json, tokenizer_config.json, ...); "
+                       "save the tokenizer beside the weights (tokenizer.save_pretrained(DIR))")
