@@ -146,8 +146,9 @@ class PromptFormatter:
         if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
             raise DataError(
                 f"the prompts are chat messages, but the tokenizer of {self.tokenizer_name} has no chat "
-                "template to render them with; give a model whose tokenizer_config.json has a "
-                "chat_template, or plain-text prompts"
+                "template to render them with; give a model whose tokenizer has one (chat_template.jinja, or "
+                "chat_template in tokenizer_config.json: tokenizer.chat_template = ...; tokenizer.save_pretrained(DIR)), "
+                "or plain-text prompts"
             )
         chat = [{"role": message["role"], "content": message["content"]} for message in messages]
         text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
