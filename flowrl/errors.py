@@ -58,7 +58,13 @@ class SpecError(FlowrlError):
 
 
 class DataError(FlowrlError):
-    """A dataset that cannot be read (file missing, bad line)."""
+    """A dataset that cannot be read (file missing, bad line). ``field``: the pipeline field
+    at fault when it is not the source itself (``data.prompt_key``), so that the message is
+    placed at that field's line, or at the command-line override that set it."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class ModelLoadError(FlowrlError):

@@ -146,7 +146,7 @@ def check_inputs(graph: PipelineGraph, base_dir: Path | None, locate: Locate | N
         try:
             source = training_source(graph, base_dir, formatter)
         except (DataError, ModelLoadError) as error:
-            issues.append(("data.source", str(error)))
+            issues.append((getattr(error, "field", None) or "data.source", str(error)))
             tokenizer_failed = isinstance(error, ModelLoadError)
         evaluation = graph.spec.eval
         endless = _endless_eval(graph)
@@ -158,7 +158,8 @@ def check_inputs(graph: PipelineGraph, base_dir: Path | None, locate: Locate | N
             try:
                 held_out = eval_examples(graph, base_dir, formatter)
             except (DataError, ModelLoadError) as error:
-                issues.append(("eval.source" if evaluation and evaluation.source else "eval.split", str(error)))
+                where = "eval.source" if evaluation and evaluation.source else "eval.split"
+                issues.append((getattr(error, "field", None) or where, str(error)))
         if source is not None:
             offered = offered_keywords(source)
     issues.extend(reward_issues(graph, base_dir, offered))

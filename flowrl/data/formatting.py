@@ -168,7 +168,8 @@ def check_columns(columns: list[str], answer_key: str, display_name: str, sectio
     if answer_key != "answer" and answer_key not in columns and "answer" in columns:
         raise DataError(
             f"{display_name} has no column '{answer_key}' ({section}.answer_key; its columns: "
-            f"{', '.join(repr(c) for c in columns)}); set {section}.answer_key: answer, the column it has"
+            f"{', '.join(repr(c) for c in columns)}); set {section}.answer_key: answer, the column it has",
+            field=f"{section}.answer_key",
         )
     if answer_key != "answer" and "answer" in columns:
         clashes.append("answer")

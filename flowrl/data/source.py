@@ -81,7 +81,7 @@ def read_examples(
     if prompt_key not in rows.column_names:
         raise DataError(
             f"{display} has no column '{prompt_key}' (columns: {', '.join(rows.column_names)}); "
-            f"set {section}.prompt_key to the column that holds the prompts"
+            f"set {section}.prompt_key to the column that holds the prompts", field=f"{section}.prompt_key"
         )
     examples, counts = formatter.examples(rows.to_list(), prompt_key, answer_key, display)
     if not examples:

@@ -65,6 +65,9 @@ def test_validate_accepts_every_shipped_pipeline() -> None:
          ("command line: models.actor.path=builtin:tiny-lama: unknown builtin model 'tiny-lama'",)),
         (("validate", "pipelines/grpo_tiny.yaml", "runtime.scheduler_address=localhost:abc"),
          ("runtime.scheduler_address=localhost:abc: expected a Dask scheduler address", "found 'localhost:abc'")),
+        # a data field set on the command line is the override's mistake
+        (("validate", "pipelines/grpo_arith.yaml", "data.prompt_key=question"),
+         ("command line: data.prompt_key=question: builtin:arith (split train) has no column 'question'",)),
         (("plan", "pipelines/grpo_tiny.yaml", "--scheduler", "localhost:abc"),
          ("--scheduler: expected a Dask scheduler address", "found 'localhost:abc'")),
         (("devices", "--devices", "devices/h200-8x.yaml", "--scheduler", "tcp://127.0.0.1:8786"),
