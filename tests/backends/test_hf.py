@@ -8,6 +8,7 @@ import shutil
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -277,21 +278,26 @@ def test_a_mistyped_local_path_is_not_taken_for_a_hub_name(tmp_path: Path) -> No
     assert resolve_any_model_path("someorg/my-model", tmp_path) == "someorg/my-model"  # no such folder: a hub name
 
 
-def test_a_hub_name_neither_cached_nor_downloadable_is_a_problem_of_its_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    from flowrl.api.checks import model_issues
-    from flowrl.backends import policy_tokenizer
+def _actor_pipeline(**actor: str) -> Any:
+    """A GRPO pipeline of one model with these fields."""
     from flowrl.spec.loader import pipeline_from_dict
 
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    graph = pipeline_from_dict({
-        "name": "p", "models": {"actor": {"path": MISSING_HUB_NAME, "revision": "v1.2"}},
+    return pipeline_from_dict({
+        "name": "p", "models": {"actor": actor},
         "nodes": {"rollout": {"role": "generate", "model": "actor", "inputs": ["prompts"]},
                   "reward": {"role": "score", "fn": "digits", "inputs": ["rollout"]},
                   "adv": {"role": "advantage", "inputs": ["reward"]},
                   "train": {"role": "update", "model": "actor", "inputs": ["rollout", "adv"]}},
         "data": {"source": "builtin:digits"},
     })
-    [(where, message)] = model_issues(graph, None)
+
+
+def test_a_hub_name_neither_cached_nor_downloadable_is_a_problem_of_its_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flowrl.api.checks import model_issues
+    from flowrl.backends import policy_tokenizer
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    [(where, message)] = model_issues(_actor_pipeline(path=MISSING_HUB_NAME, revision="v1.2"), None)
     assert where == "models.actor.path"
     assert message.startswith(f"model '{MISSING_HUB_NAME}' at revision 'v1.2' is not a local directory nor in the "
                               "local Hugging Face cache")
@@ -301,20 +307,11 @@ def test_a_hub_name_neither_cached_nor_downloadable_is_a_problem_of_its_path(mon
 
 def test_a_policy_folder_without_tokenizer_files_is_a_problem_of_its_path(tmp_path: Path, tiny_llama_dir: Path) -> None:
     from flowrl.api.checks import model_issues
-    from flowrl.spec.loader import pipeline_from_dict
 
     bare = tmp_path / "bare"
     bare.mkdir()
     shutil.copy(tiny_llama_dir / "config.json", bare / "config.json")  # the weights alone, as model.save_pretrained
-    graph = pipeline_from_dict({
-        "name": "p", "models": {"actor": {"path": str(bare)}},
-        "nodes": {"rollout": {"role": "generate", "model": "actor", "inputs": ["prompts"]},
-                  "reward": {"role": "score", "fn": "digits", "inputs": ["rollout"]},
-                  "adv": {"role": "advantage", "inputs": ["reward"]},
-                  "train": {"role": "update", "model": "actor", "inputs": ["rollout", "adv"]}},
-        "data": {"source": "builtin:digits"},
-    })
-    [(where, message)] = model_issues(graph, None)
+    [(where, message)] = model_issues(_actor_pipeline(path=str(bare)), None)
     assert where == "models.actor.path"
     assert message == (f"model directory {bare} has no tokenizer files (tokenizer.json, tokenizer_config.json, ...); "
                        "save the tokenizer beside the weights (tokenizer.save_pretrained(DIR))")
