@@ -135,9 +135,9 @@ def _run(pipeline: PipelineGraph | Pipeline, options: RunOptions, observer: Obse
     planned: int | None = None
     if resume:
         finished = finished_steps(folder.path)
-        forced = _check_unchanged(folder, config_text, force)
-        stored = folder.read_run_info().get("config")
-        planned = written_steps(stored) if isinstance(stored, str) else None
+        before = _started_with(folder)
+        forced = _check_unchanged(folder, before, config_text, force)
+        planned = written_steps(before) if before is not None else None
         if finished is not None and finished >= spec.trainer.steps:
             return RunResult(folder.path, already_finished=True)
         check_resume_start(folder.path, spec.trainer.steps)
@@ -238,12 +238,17 @@ def _formatted(counts: FormatCounts | None) -> str:
     return f" (of the split read, {', '.join(notes)})" if notes else ""
 
 
-def _check_unchanged(folder: RunFolder, config_text: str, force: bool) -> list[str]:
-    """The changes of the pipeline since the run started, as diff lines, when ``force`` lets
-    them through; a FlowrlError showing them otherwise. More steps, or the output folder
-    moved, are not changes: a run may be extended or its folder copied."""
+def _started_with(folder: RunFolder) -> str | None:
+    """The pipeline text the run in ``folder`` last (re)started with: as ``run.json`` keeps
+    it, else its ``config.yaml`` (None: no run there)."""
     stored = folder.read_run_info().get("config")
-    before = stored if isinstance(stored, str) else folder.read_config()
+    return stored if isinstance(stored, str) else folder.read_config()
+
+
+def _check_unchanged(folder: RunFolder, before: str | None, config_text: str, force: bool) -> list[str]:
+    """The changes of the pipeline since the run started (``before``), as diff lines, when
+    ``force`` lets them through; a FlowrlError showing them otherwise. More steps, or the
+    output folder moved, are not changes: a run may be extended or its folder copied."""
     if before is None or resumable_form(before) == resumable_form(config_text):
         return []
     changes = config_changes(before, config_text)
