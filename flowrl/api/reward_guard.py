@@ -57,8 +57,6 @@ class RewardFailureGuard:
                 )
 
     def _kept(self) -> str:
-        written = newest_written(self.checkpoints) if self.checkpoints is not None else None
-        if written is None:
+        if self.checkpoints is None or (written := newest_written(self.checkpoints)) is None:
             return ""
-        return (f"; its newest checkpoint is {written} (fix the function, then `flowrl resume "
-                f"{self.checkpoints.parent if self.checkpoints is not None else ''}`)")
+        return f"; its newest checkpoint is {written} (fix the function, then `flowrl resume {self.checkpoints.parent}`)"

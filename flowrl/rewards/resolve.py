@@ -3,9 +3,9 @@
 ``fn`` is a registry name (``digits``), ``module:function`` or ``path/file.py:function``. A
 module is looked up in two places only, in this order: a ``.py`` file in the pipeline's own
 folder (``base_dir``), then the installed packages; a file path is read as given when
-absolute, else from the pipeline's folder. While the pipeline's rewards are in use its folder
-is the last entry of ``sys.path`` (for the helper modules a reward module imports), so a file
-there cannot shadow an installed module.
+absolute, else from the pipeline's folder. That folder goes on ``sys.path`` after the entries
+the process had (for the helper modules a reward module imports; see ``_from_folder``), so a
+file there cannot shadow an installed module.
 
 Resolve on the process that calls the function (each Dask worker resolves the string itself):
 a function loaded from a file is not importable by name elsewhere, so it does not pickle.
