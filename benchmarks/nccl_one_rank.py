@@ -84,42 +84,38 @@ def measure(path: Path, repeats: int, prompt_tokens: int, device: str, min_sampl
     cuda = device == "cuda"
     times: dict[str, list[float]] = {"no_group": [], "one_rank_group": []}
     blocked: list[float] = []
+    def sample(variant: str, updates: int) -> tuple[float, float]:
+        """Seconds per update and seconds blocked in the group per update, over ``updates``
+        updates in a row."""
+        if cuda:
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        waited = 0.0
+        for _ in range(updates):
+            # one DataParallel per update, as a run makes one per call of the node
+            dp = DataParallel(group, (1.0,)) if variant == "one_rank_group" else None
+            update_policy(state, rollout, advantages, reference, node, seed=0, dp=dp)
+            waited += dp.blocked_s if dp is not None else 0.0
+        if cuda:
+            torch.cuda.synchronize()
+        return (time.perf_counter() - started) / updates, waited / updates
+
     inner = 1
     for round_ in range(repeats + 1):
         # the two variants take turns at going first, so that neither always follows the other
         order = list(times) if round_ % 2 == 0 else list(reversed(times))
         for variant in order:
-            if cuda:
-                torch.cuda.synchronize()
-            started = time.perf_counter()
-            waited = 0.0
-            for _ in range(inner):
-                # one DataParallel per update, as a run makes one per call of the node
-                dp = DataParallel(group, (1.0,)) if variant == "one_rank_group" else None
-                update_policy(state, rollout, advantages, reference, node, seed=0, dp=dp)
-                waited += dp.blocked_s if dp is not None else 0.0
-            if cuda:
-                torch.cuda.synchronize()
-            elapsed = (time.perf_counter() - started) / inner
+            elapsed, waited = sample(variant, inner)
             if round_ > 0:  # round 0 warms both up (compilation, the optimizer's state)
                 times[variant].append(elapsed)
                 if variant == "one_rank_group":
-                    blocked.append(waited / inner)
+                    blocked.append(waited)
         if round_ == 0:
             # A short update is timed over several in a row (one of a few ms is mostly noise),
             # as many as the faster variant takes about min_sample_s for, sized from one more
             # update of each after the warm-up (whose first one sets up kernels and NCCL).
-            settled = []
-            for variant in times:
-                if cuda:
-                    torch.cuda.synchronize()
-                started = time.perf_counter()
-                dp = DataParallel(group, (1.0,)) if variant == "one_rank_group" else None
-                update_policy(state, rollout, advantages, reference, node, seed=0, dp=dp)
-                if cuda:
-                    torch.cuda.synchronize()
-                settled.append(time.perf_counter() - started)
-            inner = max(1, math.ceil(min_sample_s / max(min(settled), 1e-6)))
+            settled = min(sample(variant, 1)[0] for variant in times)
+            inner = max(1, math.ceil(min_sample_s / max(settled, 1e-6)))
     medians = {variant: statistics.median(values) for variant, values in times.items()}
     # each round's own ratio: slow drifts of the machine cancel within a round
     per_round = [grouped / plain for grouped, plain in zip(times["one_rank_group"], times["no_group"])]
