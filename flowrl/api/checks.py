@@ -65,7 +65,7 @@ def eval_reward_issues(graph: PipelineGraph, base_dir: Path | None, offered: set
             continue  # reported at the score node
         params = dict(node.params)
         known = offered_training or set()
-        pairs = ((signature_problem(fn, offered, params), signature_problem(fn, known, params)),
+        pairs = ((signature_problem(fn, offered, params, "eval.answer_key"), signature_problem(fn, known, params)),
                  (params_clash(params, offered), params_clash(params, offered_training)))
         for problem, training in pairs:
             if problem is not None and (offered_training is None or training is None):

@@ -59,8 +59,11 @@ def _parameters(fn: Callable[..., Any]) -> list[inspect.Parameter] | None:
         return None
 
 
-def signature_problem(fn: Callable[..., Any], offered: Iterable[str], params: dict[str, Any]) -> str | None:
-    """Why ``fn`` cannot be called with the ``offered`` keywords plus ``params``, or None."""
+def signature_problem(fn: Callable[..., Any], offered: Iterable[str], params: dict[str, Any],
+                      answer_field: str = "data.answer_key") -> str | None:
+    """Why ``fn`` cannot be called with the ``offered`` keywords plus ``params``, or None.
+    ``answer_field``: the setting that names the reference answers' column of the data checked
+    (``eval.answer_key`` for the held-out prompts)."""
     parameters = _parameters(fn)
     if parameters is None:
         return None
@@ -75,7 +78,7 @@ def signature_problem(fn: Callable[..., Any], offered: Iterable[str], params: di
             )
         if parameter.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY):
             if required and parameter.name not in names:
-                fix = ("set data.answer_key to the column that holds the reference answers, rename the "
+                fix = (f"set {answer_field} to the column that holds the reference answers, rename the "
                        "argument or add the column") if parameter.name == "answer" else \
                     "rename the argument or add the column"
                 return (

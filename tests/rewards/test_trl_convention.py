@@ -186,6 +186,7 @@ def test_validate_checks_the_evaluation_s_reward_functions_on_its_own_columns(tm
     assert "Traceback" not in result.stderr
     assert (f"{path}:11: eval.source: the evaluation scores with 'my_rewards:ok' (score node 'reward'), which cannot "
             "be called on the held-out prompts: it needs the argument 'answer'") in " ".join(result.stderr.split())
+    assert "; set eval.answer_key to the column that holds the reference answers" in " ".join(result.stderr.split())
     (tmp_path / "held.jsonl").write_text("".join(f'{{"prompt": "h{i}=", "answer": "{i}"}}\n' for i in range(4)))
     result = subprocess.run([FLOWRL, "validate", str(path)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
