@@ -11,7 +11,9 @@ node's learning rate, micro-batches, KL term) runs on a rollout of the pipeline'
 random tokens, ``max_new_tokens`` completion tokens each, every token real), alternately
 without a group and as rank 0 of a one-rank NCCL group (``DeviceGroup``: the gradient
 buckets all-reduced over NCCL while the last backward runs, the numbers summed through it
-too). One warm-up update of each, then ``--repeats`` rounds of one sample of each, the two taking
+too). Each of the two trains its own copy of the actor, loaded alike: as in a run, the group's
+copy keeps its buckets from one update to the next, and the other never carries them (the
+peak memory holds both). One warm-up update of each, then ``--repeats`` rounds of one sample of each, the two taking
 turns at going first; a sample is as many updates in a row as take about ``--min-sample-s``
 (one for the 0.4B model; a few-millisecond update alone is mostly noise). ``--device cpu`` runs
 the same over gloo, to check the program on a machine without a GPU. Reported: seconds
@@ -73,9 +75,10 @@ def measure(path: Path, repeats: int, prompt_tokens: int, device: str, min_sampl
     spec = pipeline.spec
     name, node = next((n, node) for n, node in spec.nodes.items() if isinstance(node, UpdateNode))
     model = spec.models[node.model]
-    state = ModelState.load(node.model, model.path, dtype=model.dtype, device=device, seed=0,
-                            base_dir=path.parent, gradient_checkpointing=model.gradient_checkpointing)
-    vocab = int(state.module.get_input_embeddings().weight.shape[0])
+    states = {variant: ModelState.load(node.model, model.path, dtype=model.dtype, device=device, seed=0,
+                                       base_dir=path.parent, gradient_checkpointing=model.gradient_checkpointing)
+              for variant in ("no_group", "one_rank_group")}
+    vocab = int(states["no_group"].module.get_input_embeddings().weight.shape[0])
     rollout = rollout_of(pipeline, prompt_tokens, vocab, seed=0)
     rows = rollout.num_sequences
     advantages = torch.randn(rows, generator=torch.Generator().manual_seed(1))
@@ -94,7 +97,7 @@ def measure(path: Path, repeats: int, prompt_tokens: int, device: str, min_sampl
         for _ in range(updates):
             # one DataParallel per update, as a run makes one per call of the node
             dp = DataParallel(group, (1.0,)) if variant == "one_rank_group" else None
-            update_policy(state, rollout, advantages, reference, node, seed=0, dp=dp)
+            update_policy(states[variant], rollout, advantages, reference, node, seed=0, dp=dp)
             waited += dp.blocked_s if dp is not None else 0.0
         if cuda:
             torch.cuda.synchronize()

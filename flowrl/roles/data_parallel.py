@@ -16,13 +16,19 @@ tensor (:meth:`DataParallel.attach`, before the step's first backward): autograd
 the buckets and the all-reduce sums them in place, so the gradients are neither copied into
 the buckets nor back, nor held twice. A flag per parameter (set when autograd adds to it)
 travels too, so that a parameter no rank used keeps no gradient, as on one device.
+
+A module's buckets outlive the update (a run makes a :class:`DataParallel` per call of the
+node): their layout, flat tensors and hooks are made by the first data-parallel update and
+reused by the next ones, which only zero the flat tensors. Between updates the hooks do
+nothing; an update of the module without a group takes them off (:func:`release`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
+import weakref
+from dataclasses import dataclass
 from typing import Any, Iterator, Protocol
 
 import torch
@@ -55,6 +61,7 @@ class _Buckets:
 
     def __init__(self, params: list[torch.nn.Parameter], bucket_bytes: int) -> None:
         self.params = params
+        self.bucket_bytes = bucket_bytes
         self.buckets: list[list[int]] = []
         # One flat tensor per bucket, so one dtype and device per bucket: each kind of
         # parameter fills a bucket of its own kind (numbered as opened), and a model that
@@ -72,9 +79,13 @@ class _Buckets:
             self.buckets[number].append(index)
             sizes[number] += nbytes
         self.bucket_of = {index: number for number, bucket in enumerate(self.buckets) for index in bucket}
-        # one flat tensor per bucket while the gradients are views into them (attach); None otherwise
+        # one flat tensor per bucket, and each parameter's view into its bucket's (attach)
         self.flats: list[torch.Tensor] | None = None
+        self.views: list[torch.Tensor] = []
         self.hooks: list[Any] = []
+        # the update whose step is running (attach to the end of sum_gradients); the hooks
+        # do nothing while it is None
+        self.owner: DataParallel | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -87,23 +98,66 @@ class _Buckets:
 
     def attach(self) -> None:
         """Zeroed flat tensors, one per bucket, and every parameter's gradient a view into
-        its bucket's (replacing any gradient it had)."""
-        flats = []
-        for bucket in self.buckets:
-            first = self.params[bucket[0]]
-            flat = torch.zeros(sum(self.params[i].numel() for i in bucket), dtype=first.dtype, device=first.device)
-            offset = 0
-            for index in bucket:
-                param = self.params[index]
-                param.grad = flat[offset : offset + param.numel()].view_as(param)
-                offset += param.numel()
-            flats.append(flat)
-        self.flats = flats
+        its bucket's (replacing any other gradient it had). The flat tensors and views of an
+        earlier update are zeroed in place and kept."""
+        if self.flats is None:
+            self.flats, self.views = [], [torch.empty(0)] * len(self.params)
+            for bucket in self.buckets:
+                first = self.params[bucket[0]]
+                flat = torch.zeros(sum(self.params[i].numel() for i in bucket), dtype=first.dtype, device=first.device)
+                offset = 0
+                for index in bucket:
+                    param = self.params[index]
+                    self.views[index] = flat[offset : offset + param.numel()].view_as(param)
+                    offset += param.numel()
+                self.flats.append(flat)
+        else:
+            for flat in self.flats:
+                flat.zero_()
+        for param, view in zip(self.params, self.views):
+            # A gradient left as None (a parameter no rank used, a skipped step) or replaced
+            # (a step without the group) is pointed at its view again.
+            if param.grad is not view:
+                param.grad = view
 
-    def detach_hooks(self) -> None:
+    def hook_up(self) -> None:
+        """A hook on each parameter, once: it notes that autograd added to the parameter and,
+        in the last pass (:meth:`DataParallel.overlapping`), starts the buckets whose
+        gradients are then final."""
+        if self.hooks:
+            return
+
+        def added(index: int) -> Any:
+            def hook(param: torch.Tensor) -> None:
+                owner = self.owner
+                if owner is None:
+                    return
+                self.used[index] = True
+                if self.last_pass and not self.final[index]:
+                    self.final[index] = True
+                    self.remaining[self.bucket_of[index]] -= 1
+                    owner._start_ready(self, in_backward=True)
+            return hook
+
+        self.hooks = [param.register_post_accumulate_grad_hook(added(index)) for index, param in enumerate(self.params)]
+
+    def release(self) -> None:
+        """Hooks off the parameters; the flat tensors go with the gradients that view them."""
         for handle in self.hooks:
             handle.remove()
         self.hooks = []
+        self.flats, self.views, self.owner = None, [], None
+
+
+_KEPT: weakref.WeakKeyDictionary[torch.nn.Module, _Buckets] = weakref.WeakKeyDictionary()
+"""Each module's buckets, from one data-parallel update to the next (the module's lifetime)."""
+
+
+def release(module: torch.nn.Module) -> None:
+    """``module`` trains without a replicated group now: its buckets' hooks come off."""
+    buckets = _KEPT.pop(module, None)
+    if buckets is not None:
+        buckets.release()
 
 
 def weighted_rows(num_rows: int, index: int, shares: tuple[float, ...]) -> slice:
@@ -134,8 +188,6 @@ class DataParallel:
     mesh: Any = None
     """A ``DeviceMesh`` over the group: the model is then sharded over it (FSDP2,
     :mod:`flowrl.roles.sharded`) instead of whole on every rank with summed gradients."""
-    _buckets: dict[int, _Buckets] = field(default_factory=dict, repr=False)
-
 
     def _all_reduce(self, tensor: torch.Tensor) -> None:
         started = time.perf_counter()
@@ -154,10 +206,17 @@ class DataParallel:
         return weighted_rows(num_rows, self.rank, self.shares)
 
     def _buckets_of(self, module: torch.nn.Module) -> _Buckets:
-        if id(module) not in self._buckets:
-            params = [p for p in module.parameters() if p.requires_grad]
-            self._buckets[id(module)] = _Buckets(params, self.bucket_bytes)
-        return self._buckets[id(module)]
+        """The module's kept buckets, made again when its trained parameters or the bucket
+        size changed."""
+        params = [p for p in module.parameters() if p.requires_grad]
+        kept = _KEPT.get(module)
+        same = kept is not None and kept.bucket_bytes == self.bucket_bytes and len(kept.params) == len(params) \
+            and all(a is b for a, b in zip(kept.params, params))
+        if kept is not None and same:
+            return kept
+        release(module)
+        _KEPT[module] = buckets = _Buckets(params, self.bucket_bytes)
+        return buckets
 
     def attach(self, module: torch.nn.Module) -> None:
         """Before a step's first backward (after the optimizer's ``zero_grad``; see
@@ -171,30 +230,19 @@ class DataParallel:
         recomputes separately (reentrant activation checkpointing of shared weights) would
         get a second addition after its bucket started: no model flowrl loads does that."""
         buckets = self._buckets_of(module)
-        buckets.detach_hooks()
         buckets.reset()
         buckets.attach()
-
-        def added(index: int) -> Any:
-            def hook(param: torch.Tensor) -> None:
-                buckets.used[index] = True
-                if buckets.last_pass and not buckets.final[index]:
-                    buckets.final[index] = True
-                    buckets.remaining[buckets.bucket_of[index]] -= 1
-                    self._start_ready(buckets, in_backward=True)
-            return hook
-
-        buckets.hooks = [param.register_post_accumulate_grad_hook(added(index))
-                         for index, param in enumerate(buckets.params)]
+        buckets.hook_up()
+        buckets.owner = self
 
     @contextlib.contextmanager
     def attached(self, module: torch.nn.Module) -> Iterator[None]:
-        """:meth:`attach` for the block; its hooks come off at the end, an error included."""
+        """:meth:`attach` for the block; its hooks do nothing after it, an error included."""
         self.attach(module)
         try:
             yield
         finally:
-            self._buckets_of(module).detach_hooks()
+            self._buckets_of(module).owner = None
 
     def _start(self, buckets: _Buckets, number: int, in_backward: bool) -> None:
         """Start bucket ``number``'s all-reduce, in place on its flat tensor."""
@@ -229,9 +277,9 @@ class DataParallel:
         flags of the parameters autograd added to: a parameter no rank computed a gradient
         for keeps ``grad = None``, as on one device."""
         buckets = self._buckets_of(module)
-        if buckets.flats is None:
+        if buckets.owner is not self:
             raise RuntimeError("DataParallel.attach(module) must run before the step's first backward")
-        buckets.detach_hooks()
+        buckets.owner = None
         started = time.perf_counter()
         while len(buckets.started) < len(buckets.buckets):
             self._start(buckets, len(buckets.started), in_backward=False)
@@ -245,7 +293,6 @@ class DataParallel:
         for param, anywhere in zip(buckets.params, values[len(numbers):]):
             if anywhere == 0:
                 param.grad = None
-        buckets.flats = None  # the gradients keep them alive until the next zero_grad
         buckets.reset()
         return values[: len(numbers)]
 

@@ -25,7 +25,7 @@ from flowrl.algorithms.kl import kl_penalty
 from flowrl.algorithms.losses import aggregate, masked_mean, policy_loss, value_loss
 from flowrl.backends.transfer import to_device
 from flowrl.roles.batch import NodeOutput, Rollout
-from flowrl.roles.data_parallel import DataParallel, weighted_rows
+from flowrl.roles.data_parallel import DataParallel, release, weighted_rows
 from flowrl.roles.forward import completion_logprobs, completion_logprobs_and_entropy, micro_batches
 from flowrl.roles.sharded import clip_sharded_gradients, set_gradient_sync
 from flowrl.roles.state import ModelState
@@ -175,6 +175,8 @@ def run_update(
     :mod:`flowrl.roles.sharded`): every rank returns the same whole-batch metrics."""
     if dp is not None and dp.sharded and state.sharded is None:
         state.shard_training(dp.mesh)
+    if dp is None or dp.sharded:
+        release(state.module)  # a replicated group's buckets, if one trained it before
     optimizer = state.ensure_optimizer(node.lr, node.betas, node.weight_decay)
     for group in optimizer.param_groups:
         group["lr"] = node.lr
@@ -261,8 +263,13 @@ def _step(
     # parallel, the read comes after the last backward, before the last buckets start.)
     passes_numbers: list[torch.Tensor] = []
     passes_factors: list[list[float]] = []
-    optimizer.zero_grad(set_to_none=True)
     sharded = dp is not None and dp.sharded
+    # Replicated, the gradients are views into the all-reduce buckets while the passes run
+    # (the hooks that start the buckets do nothing after them, an error included); the
+    # buckets zero them, kept from the last step.
+    replicated = dp is not None and not sharded
+    if not replicated:
+        optimizer.zero_grad(set_to_none=True)
     sub = part if dp is None else part.select(torch.arange(mine.start, mine.stop))
     sub_rows = rows[mine]
     groups = micro_batches(sub, pass_tokens(node.micro_batch_tokens)) if mine.stop > mine.start else []
@@ -270,9 +277,6 @@ def _step(
     # collectives (the gather of each layer, the last backward's reduce-scatter) meet their
     # peers. A pass past this rank's own runs one row of the mini-batch with a zero loss.
     passes = _most_passes(part, node, dp) if sharded and dp is not None else len(groups)
-    # Replicated, the gradients are views into the all-reduce buckets while the passes run
-    # (the hooks that start the buckets come off at the end, an error included).
-    replicated = dp is not None and not sharded
     with dp.attached(state.module) if replicated and dp is not None else contextlib.nullcontext():
         for number in range(passes):
             last = number == passes - 1

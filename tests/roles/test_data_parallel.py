@@ -196,7 +196,46 @@ def test_gradients_are_views_into_one_flat_tensor_per_bucket() -> None:
             assert len(pointers) == 1  # one flat tensor holds the whole bucket
             storages.append(pointers.pop())
         assert len(set(storages)) == len(buckets.buckets) > 3
-        assert buckets.hooks == []  # the step's hooks are off the parameters again
+        assert buckets.owner is None  # between steps the hooks do nothing
+
+
+def test_a_module_s_buckets_serve_every_update_and_come_off_for_one_without_a_group() -> None:
+    """A run makes a DataParallel per call of the update node: the buckets' flat tensors and
+    hooks made by the first call serve the next ones. An update without the group takes the
+    hooks off, and a later group update makes them again; the weights stay those of one
+    device throughout."""
+    node = UpdateNode(model="actor", inputs=["rollout", "adv", "ref"], lr=1e-2, kl_coef=0.05, micro_batch_tokens=12)
+    alone, _ = _train_alone(node, updates=4)
+
+    def hook_count(state: ModelState) -> list[int]:
+        return [len(p._post_accumulate_grad_hooks or {}) for p in state.module.parameters()]
+
+    def train(state: ModelState, dp: DataParallel) -> list[dict[str, float]]:
+        rollout = _rollout(state)
+        reference = torch.randn(6, rollout.completion_ids.shape[1], generator=torch.Generator().manual_seed(1)) * 0.1 - 2.0
+        seen = []
+        for update in range(4):
+            call = None if update == 2 else DataParallel(dp.collective, dp.shares, bucket_bytes=dp.bucket_bytes)
+            update_policy(state, rollout, ADVANTAGES, reference, node, seed=0, dp=call)
+            if call is None:
+                seen.append({"hooks": hook_count(state)})
+                continue
+            buckets = call._buckets_of(state.module)
+            assert buckets.flats is not None
+            seen.append({"buckets": buckets, "flats": [flat.data_ptr() for flat in buckets.flats],
+                         "handles": list(buckets.hooks), "hooks": hook_count(state)})
+        return seen
+
+    for state, seen, _ in _ranks(lambda: model_state("actor", tiny_policy(0), 0), train, (1.0, 1.0)):
+        first, second, without, again = seen
+        assert second["buckets"] is first["buckets"] and second["flats"] == first["flats"]
+        assert all(a is b for a, b in zip(second["handles"], first["handles"]))
+        assert set(first["hooks"]) == set(second["hooks"]) == {1}  # one hook per parameter, not one per update
+        assert set(without["hooks"]) == {0}
+        assert again["buckets"] is not first["buckets"] and set(again["hooks"]) == {1}
+        for name, tensor in state.module.state_dict().items():
+            # four Adam steps carry the summation order's rounding further: 5e-5 at most here
+            torch.testing.assert_close(tensor, alone.module.state_dict()[name], rtol=1e-4, atol=1e-4, msg=name)
 
 
 def test_a_parameter_no_rank_used_keeps_no_gradient_and_weight_decay_leaves_it_alone() -> None:
