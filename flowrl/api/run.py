@@ -224,6 +224,8 @@ def _run_watched(graph: PipelineGraph, folder: RunFolder, watcher: "_Watchers", 
     else:
         cluster = (pending.take(*local) if pending is not None else None) or Cluster.start_local(*local)
     try:
+        if address:
+            cluster.claim(str(folder.path))
         return _train(graph, cluster, folder, source, watcher, base_dir, start, Evaluator(graph, held_out))
     finally:
         cluster.close()

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
+import time
 import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -200,6 +202,55 @@ class Cluster:
         return replace(merged, devices=devices, source=f"{len(self.slots)} Dask workers",
                        notes=(*merged.notes, *notes))
 
+    def claim(self, run: str) -> None:
+        """Mark a joined cluster as the cluster of run ``run`` (its output folder), in the
+        scheduler's metadata; refuse when another run that is still connected marked it. A
+        run plans as if the cluster were its own, so two would place their nodes on the same
+        workers without knowing of each other. A run that ended, cleanly or not, has left the
+        scheduler: its mark no longer counts."""
+        from distributed import Lock
+
+        lock = Lock(CLAIM_LOCK, scheduler_rpc=self.client.scheduler, loop=self.client.loop)
+        # Checked and marked under a scheduler lock, so that two runs starting together do
+        # not both find the cluster free; a lock that cannot be had is checked without it.
+        locked = lock.acquire(timeout=CLAIM_TIMEOUT_S)
+        try:
+            current = self.client.get_metadata(list(CLAIM_KEY), default=None)
+            if isinstance(current, dict) and current.get("client") != self.client.id \
+                    and self._still_connected(str(current.get("client"))):
+                since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(current.get("since", 0))))
+                raise ClusterError(
+                    f"another flowrl run is using the Dask cluster at {self.client.scheduler.address}: "
+                    f"{current.get('run')} (on {current.get('host')}, process {current.get('pid')}, since {since}). A run "
+                    "plans as if the cluster were its own, so two runs on one cluster would place their nodes on "
+                    "the same workers; give this run a scheduler and workers of its own, or start it when the "
+                    "other has finished")
+            self.client.set_metadata(list(CLAIM_KEY), {"client": self.client.id, "run": run, "host": socket.gethostname(),
+                                                       "pid": os.getpid(), "since": time.time()})
+        finally:
+            if locked:
+                lock.release()
+
+    def _still_connected(self, client: str) -> bool:
+        """Whether ``client`` is connected to the scheduler, given a few seconds to leave: a
+        run that has just ended may not have left yet."""
+        deadline = time.monotonic() + CLAIM_LEAVE_S
+        while client in self._connected_clients():
+            if time.monotonic() > deadline:
+                return True
+            time.sleep(0.2)
+        return False
+
+    def _connected_clients(self) -> set[str]:
+        """The ids of the clients connected to the scheduler; every id when the scheduler
+        runs no functions (``distributed.scheduler.pickle: false``): a mark then counts."""
+        try:
+            # a lambda travels by value: the scheduler need not have flowrl installed
+            return set(self.client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.clients)))
+        except Exception:  # noqa: BLE001 - a scheduler that refuses the call
+            current = self.client.get_metadata(list(CLAIM_KEY), default={})
+            return {str(current.get("client"))} if isinstance(current, dict) else set()
+
     @property
     def dashboard_link(self) -> str | None:
         return self.client.dashboard_link if self._local is not None and self._local.dashboard_link else None
@@ -296,6 +347,13 @@ class Cluster:
         self.client.close()
         if self._local is not None:
             self._local.close()
+
+
+CLAIM_KEY = ("flowrl", "run")
+"""Where in the scheduler's metadata a joined run marks the cluster as its own."""
+CLAIM_LOCK = "flowrl-claim"
+CLAIM_TIMEOUT_S = 10.0
+CLAIM_LEAVE_S = 3.0
 
 
 class _DropReconnectErrors(logging.Filter):

@@ -89,12 +89,25 @@ def test_run_joins_an_existing_scheduler(tmp_path: Path, dask_cluster: str, make
     with Client(dask_cluster, timeout=30) as client:
         client.wait_for_workers(2, timeout=60)
 
+    from flowrl.runtime.cluster import Cluster
+
     output = tmp_path / "out"
-    result = subprocess.run(
-        [str(BIN / "flowrl"), "run", str(_write(make_pipeline(output, steps=4), tmp_path)),
-         "--scheduler", dask_cluster, "--plain"],
-        capture_output=True, text=True, timeout=300,
-    )
+    command = [str(BIN / "flowrl"), "run", str(_write(make_pipeline(output, steps=4), tmp_path)),
+               "--scheduler", dask_cluster, "--plain"]
+    # Another run (here this test's own client) holds the cluster: the run is refused at once.
+    other = Cluster.join(dask_cluster)
+    try:
+        other.claim("/runs/other")
+        refused = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    finally:
+        other.close()
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert (f"another flowrl run is using the Dask cluster at {dask_cluster}: /runs/other (on "
+            in " ".join(refused.stderr.split()))
+    assert "give this run a scheduler and workers of its own" in " ".join(refused.stderr.split())
+    # That run has left: its mark no longer counts.
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"Dask scheduler {dask_cluster}: 2 workers (node-a, node-b)" in result.stdout
     plan = json.loads((output / "plan-0.json").read_text())
@@ -105,6 +118,11 @@ def test_run_joins_an_existing_scheduler(tmp_path: Path, dask_cluster: str, make
     steps = [json.loads(line)["step"] for line in (output / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
     assert (output / "final" / "model.safetensors").exists()
+    after = Cluster.join(dask_cluster)  # the finished run's mark does not count either
+    try:
+        after.claim("/runs/after")
+    finally:
+        after.close()
 
 
 def test_plan_and_devices_show_the_workers_of_a_running_scheduler(tmp_path: Path, dask_cluster: str,
