@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -315,3 +316,22 @@ def test_a_policy_folder_without_tokenizer_files_is_a_problem_of_its_path(tmp_pa
     assert where == "models.actor.path"
     assert message == (f"model directory {bare} has no tokenizer files (tokenizer.json, tokenizer_config.json, ...); "
                        "save the tokenizer beside the weights (tokenizer.save_pretrained(DIR))")
+
+
+def test_one_hub_probe_serves_the_checks_of_the_next_minute(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A command checks an uncached hub name several times (early check, preflight,
+    tokenizer); offline each probe could wait its whole timeout, so one answer serves them."""
+    asked: list[str] = []
+
+    class Unreachable:
+        def head(self, url: str, timeout: float) -> None:
+            asked.append(url)
+            raise ConnectionError("no network")
+
+    monkeypatch.setattr(hub, "get_session", Unreachable)
+    monkeypatch.setattr(hub, "_last_probe", None)
+    assert [hub.hub_reachable(5.0) for _ in range(3)] == [False, False, False]
+    assert len(asked) == 1
+    # an answer older than HUB_PROBE_REUSE_S is not given again: the hub is asked anew
+    monkeypatch.setattr(hub, "_last_probe", (time.monotonic() - hub.HUB_PROBE_REUSE_S - 1, True))
+    assert hub.hub_reachable(5.0) is False and len(asked) == 2
