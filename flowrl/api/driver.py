@@ -469,6 +469,14 @@ class Driver:
             return lc.Fault("hung", error.slots, detail)
         if isinstance(error, FlowrlError) or isinstance(instruction, lc.ShrinkPlan):
             return lc.Fault("error", (), detail)
+        if not self.cluster.connected() and self.cluster.reconnect_s > 0:
+            # Dask tries to reach a lost scheduler for its connect timeout before giving up:
+            # said now, not only when the run stops
+            step = self.machine.step
+            self.watcher.event(RunEvent(
+                "warning", f"step {step}: the connection to the Dask scheduler {self.graph.spec.runtime.scheduler_address} "
+                f"was lost; waiting up to {self.cluster.reconnect_s:.0f} s for it to come back before the run stops",
+                step))
         in_use = set(self.addresses) if self.session is None else set(self.session.hosts) | set(self.addresses)
         lost = self._lost(in_use, LOSS_NOTICE_S if _looks_lost(error) else 0.0)
         if lost:

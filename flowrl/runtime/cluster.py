@@ -67,6 +67,9 @@ class Cluster:
         self._added = 0
         self._reports = reports or {}
         """Cluster mode: what each worker (by slot name) found on its machine."""
+        self.reconnect_s = 0.0
+        """A joined cluster: how long the client tries to reach a scheduler it lost (its
+        connect timeout) before the run stops."""
 
     @classmethod
     def start_local(cls, num_slots: int, dashboard: bool = False, pin_cpus: bool = False) -> "Cluster":
@@ -161,7 +164,13 @@ class Cluster:
         except BaseException:
             client.close()
             raise
-        return cls(client, slots, None, reports)
+        cluster = cls(client, slots, None, reports)
+        cluster.reconnect_s = timeout_s
+        return cluster
+
+    def connected(self) -> bool:
+        """Whether the client's connection to the scheduler is up (not lost, not closed)."""
+        return str(self.client.status) == "running"
 
     def inventory(self) -> Inventory:
         """The devices behind the workers, each CPU slot named after the slot it is.

@@ -174,6 +174,9 @@ def test_a_lost_scheduler_stops_the_run_with_one_message(tmp_path: Path, make_pi
         rest, _ = process.communicate(timeout=240)
     assert process.returncode == 1, rest
     assert "the Dask scheduler cannot be reached" in rest and "flowrl resume" in rest, rest
+    # said when the connection went, not only after Dask's reconnect window (the join's 30 s)
+    waiting = f"the connection to the Dask scheduler {address} was lost; waiting up to 30 s for it to come back"
+    assert waiting in rest and rest.index(waiting) < rest.index("the Dask scheduler cannot be reached"), rest
     assert "Traceback" not in rest and "Failed to reconnect" not in rest, rest
 
 
