@@ -71,6 +71,9 @@ def parse_yaml(text: str, source_name: str) -> tuple[Any, LineMap, list[SpecIssu
             context = f" ({error.context}{started})"
         syntax = isinstance(error, (yaml.scanner.ScannerError, yaml.parser.ParserError))
         message = f"YAML {'syntax ' if syntax else ''}error: {problem}{context}"
+        hint = _syntax_hint(error, text.splitlines())
+        if hint:
+            message += f"; {hint}"
         raise SpecError([SpecIssue("", message, source_name, line)]) from None
     except yaml.YAMLError as error:
         raise SpecError([SpecIssue("", f"YAML error: {error}", source_name)]) from None
@@ -79,6 +82,41 @@ def parse_yaml(text: str, source_name: str) -> tuple[Any, LineMap, list[SpecIssu
     if root is not None:
         _walk(root, "", line_map, duplicates, source_name)
     return data, line_map, duplicates
+
+
+def _syntax_hint(error: yaml.MarkedYAMLError, lines: list[str]) -> str | None:
+    """What the usual causes of a YAML syntax error look like in plain words: a tab, a line
+    indented to no key's column, a value given twice."""
+    problem, mark = error.problem or "", error.problem_mark
+    if "'\\t'" in problem:
+        return "YAML indents with spaces only: replace the tabs on this line with spaces"
+    if mark is None or mark.line >= len(lines):
+        return None
+    line = lines[mark.line]
+    indent = len(line) - len(line.lstrip())
+    above = next((line for line in reversed(lines[: mark.line])
+                  if line.strip() and not line.lstrip().startswith("#")), None)
+    above_indent = len(above) - len(above.lstrip()) if above is not None else 0
+    if problem.startswith("expected <block end>") and error.context_mark is not None:
+        start = error.context_mark
+        return (f"this line is indented by {_spaces(indent)}, the line above it by {_spaces(above_indent)} and the "
+                f"mapping that starts at line {start.line + 1} by {_spaces(start.column)}: the keys of one mapping "
+                "start in one column")
+    if problem.startswith("mapping values are not allowed"):
+        if above is not None and indent > above_indent and ":" in above and above.split(":", 1)[1].split("#")[0].strip():
+            return (f"this line is indented under '{above.strip()}', which already has its value: give that key no "
+                    "value on its line, or indent this line like it")
+        return "a ': ' inside an unquoted value: put the value in quotes"
+    if problem == "expected ',' or '}', but got ':'":
+        start = error.context_mark
+        if start is not None and start.line != mark.line:
+            return f"the '{{' on line {start.line + 1} is not closed on its line: close it with '}}'"
+        return "a ':' inside an unquoted value of a {...} mapping: put the value in quotes"
+    return None
+
+
+def _spaces(count: int) -> str:
+    return f"{count} space{'' if count == 1 else 's'}"
 
 
 def _walk(

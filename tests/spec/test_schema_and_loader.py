@@ -130,8 +130,30 @@ def test_syntax_error_names_the_line() -> None:
     # line 3 opens `{path: ...` without closing it; YAML notices at the `:` on line 4
     assert problems(path) == [
         f"{path}:4: YAML syntax error: expected ',' or '}}', but got ':' "
-        "(while parsing a flow mapping started at line 3)"
+        "(while parsing a flow mapping started at line 3); the '{' on line 3 is not closed on its line: "
+        "close it with '}'"
     ]
+
+
+@pytest.mark.parametrize(("text", "line", "hint"), [
+    # a key one space too far in: its siblings are at 2
+    ("name: x\nmodels:\n  actor:\n    path: builtin:tiny-llama\n   reference:\n    path: builtin:tiny-llama\n", 5,
+     "this line is indented by 3 spaces, the line above it by 4 spaces and the mapping that starts at line 3 by 2 "
+     "spaces: the keys of one mapping start in one column"),
+    ("name: x\ntrainer:\nsteps: 3\n  output_dir: out\n", 4,
+     "this line is indented under 'steps: 3', which already has its value: give that key no value on its line, or "
+     "indent this line like it"),
+    ("name: x\nmodels:\n  actor:\n    path: builtin:tiny-llama\n\tdevice_group: g\n", 5,
+     "YAML indents with spaces only: replace the tabs on this line with spaces"),
+    ("name: x\nnotes: see: here\n", 2, "a ': ' inside an unquoted value: put the value in quotes"),
+    ("name: x\nnodes:\n  reward: {role: score, fn: a: b}\n", 3,
+     "a ':' inside an unquoted value of a {...} mapping: put the value in quotes"),
+])
+def test_a_syntax_error_says_what_usually_causes_it(tmp_path: Path, text: str, line: int, hint: str) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text(text)
+    (problem,) = problems(path)
+    assert problem.startswith(f"{path}:{line}: YAML syntax error: ") and problem.endswith(f"; {hint}"), problem
 
 
 @pytest.mark.parametrize(
