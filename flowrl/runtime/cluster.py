@@ -222,7 +222,10 @@ class Cluster:
         lock = Lock(CLAIM_LOCK, scheduler_rpc=self.client.scheduler, loop=self.client.loop)
         # Checked and marked under a scheduler lock, so that two runs starting together do
         # not both find the cluster free; a lock that cannot be had is checked without it.
-        locked = lock.acquire(timeout=CLAIM_TIMEOUT_S)
+        try:
+            locked = bool(lock.acquire(timeout=CLAIM_TIMEOUT_S))
+        except Exception:  # noqa: BLE001 - a scheduler without the lock extension
+            locked = False
         try:
             current = self.client.get_metadata(list(CLAIM_KEY), default=None)
             if isinstance(current, dict) and current.get("client") != self.client.id \
