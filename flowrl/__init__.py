@@ -16,6 +16,7 @@ _EXPORTS = {
     "PipelineGraph": "flowrl.graph",
     "load_pipeline": "flowrl.spec.loader",
     "run": "flowrl.api.run",
+    "validate": "flowrl.api.run",
     "RunResult": "flowrl.api.run",
     "FlowrlError": "flowrl.errors",
 }

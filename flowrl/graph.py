@@ -19,7 +19,7 @@ import networkx as nx
 
 from flowrl.errors import SpecError, SpecIssue
 from flowrl.spec.messages import Issue, did_you_mean
-from flowrl.spec.schema import SOURCE_NODE, AdvantageNode, GenerateNode, NodeBase, PipelineSpec, ScoreNode
+from flowrl.spec.schema import SOURCE_NODE, AdvantageNode, GenerateNode, NodeBase, PipelineSpec, ScoreNode, UpdateNode
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
@@ -265,6 +265,9 @@ class _Checker:
                 )
         if not any(isinstance(node, GenerateNode) for node in self.spec.nodes.values()):
             self.add("nodes", "a pipeline needs a generate node to produce rollouts")
+        elif not any(isinstance(node, UpdateNode) for node in self.spec.nodes.values()):
+            self.add("nodes", "a pipeline needs an update node: without one nothing is trained; add one (role: update) "
+                              "that trains the generating model on the rollout and its advantages")
 
 
 class _View:

@@ -294,6 +294,16 @@ def test_update_of_a_reward_model_is_refused() -> None:
     )
 
 
+def test_a_pipeline_without_an_update_node_is_refused() -> None:
+    # it would generate and score every step, train nothing and have no model to save
+    data = grpo()
+    del data["nodes"]["train"]
+    assert issues(data) == [
+        "nodes: a pipeline needs an update node: without one nothing is trained; add one (role: update) that trains "
+        "the generating model on the rollout and its advantages",
+    ]
+
+
 def test_pipeline_without_generate() -> None:
     data = grpo()
     data["nodes"] = {"adv": {"role": "advantage", "inputs": []}}

@@ -29,7 +29,9 @@ from flowrl.spec.schema import (
     SOURCE_NODE,
     DataSpec,
     DeviceGroupSpec,
+    EvalSpec,
     ModelSpec,
+    ProfilerSpec,
     PythonFunction,
     RuntimeSpec,
     SchedulerSpec,
@@ -71,6 +73,10 @@ class Pipeline:
         if name in self._models:
             raise SpecError([SpecIssue(f"models.{name}", f"a model named '{name}' already exists")])
         _check_fields(fields, ModelSpec, f"models.{name}")
+        given = fields.get("device_group")
+        if group is not None and given is not None and given != group:
+            raise SpecError([SpecIssue(f"models.{name}.device_group", f"two device groups given, group='{group}' and "
+                                                                      f"device_group='{given}': give one")])
         entry: dict[str, Any] = {"path": path, **fields}
         if group is not None:
             entry["device_group"] = group
@@ -98,6 +104,14 @@ class Pipeline:
         """Set trainer fields (``steps``, ``output_dir``, ``seed``, ...)."""
         self._set_section("trainer", fields)
 
+    def eval(self, **fields: Any) -> None:
+        """Set held-out evaluation fields (``source``, ``every_steps``, ``n``, ...)."""
+        self._set_section("eval", fields)
+
+    def profiler(self, **fields: Any) -> None:
+        """Set profiler fields (``ewma_window``, ...)."""
+        self._set_section("profiler", fields)
+
     def scheduler(self, **fields: Any) -> None:
         """Set scheduler fields (``policy``, ``every_steps``, ...)."""
         self._set_section("scheduler", fields)
@@ -117,6 +131,10 @@ class Pipeline:
         ``module:function``), or a Python function itself, which reaches the workers by value."""
         if isinstance(scorer, ModelRef):
             return self._node("score", name, inputs, {"model": str(scorer), **fields})
+        if isinstance(scorer, str) and scorer in self._models:
+            raise SpecError([SpecIssue("nodes", f"score('{scorer}', ...): a name is read as a reward function's, and "
+                                                f"'{scorer}' is a model of this pipeline: pass what p.model() returned "
+                                                "for it to score with the model")])
         if isinstance(scorer, str):
             return self._node("score", name, inputs, {"fn": scorer, **fields})
         if callable(scorer):
@@ -191,6 +209,10 @@ class Pipeline:
         elif name in self._nodes:
             raise SpecError([SpecIssue(f"nodes.{name}", f"a node named '{name}' already exists")])
         _check_fields(fields, NODE_CLASSES[role], f"nodes.{name}", role)
+        listed = [item for item in inputs if not isinstance(item, str)]
+        if listed:
+            raise SpecError([SpecIssue(f"nodes.{name}.inputs", f"inputs are passed one by one (p.{role}(..., roll, adv)), "
+                                                               f"not as {type(listed[0]).__name__} {listed[0]!r}")])
         self._note_group(fields.get("device_group"))
         self._nodes[name] = {"role": role, "inputs": [str(item) for item in inputs], **fields}
         return NodeRef(name)
@@ -204,7 +226,8 @@ class Pipeline:
         self._sections[section] = {**self._sections.get(section, {}), **fields}
 
 
-_SECTIONS = {"trainer": TrainerSpec, "scheduler": SchedulerSpec, "runtime": RuntimeSpec}
+_SECTIONS = {"trainer": TrainerSpec, "scheduler": SchedulerSpec, "runtime": RuntimeSpec, "eval": EvalSpec,
+             "profiler": ProfilerSpec}
 
 
 def _check_fields(fields: dict[str, Any], owner: Any, path: str, role: str | None = None) -> None:

@@ -23,7 +23,8 @@ from flowrl.api.recovery import FoundCheckpoint, config_changes, newest_checkpoi
 from flowrl.api.replanning import Replanner
 from flowrl.backends.cache import BUILTIN_PREFIX, built_builtin_dir
 from flowrl.api.data import evaluates_training_prompts, policy_formatter, read_eval, training_source
-from flowrl.api.checks import call_keywords, eval_reward_issues, model_issues, offered_keywords, reward_issues
+from flowrl.api.checks import (call_keywords, check_inputs, eval_reward_issues, model_issues, offered_keywords,
+                               reward_issues)
 from flowrl.api.evaluation import Evaluator
 from flowrl.data import PromptSource
 from flowrl.data.formatting import FormatCounts
@@ -78,6 +79,17 @@ class RunOptions:
     scheduler_address: str | None = None
     cpu_slots: int | None = None
     seed: int | None = None
+
+
+def validate(pipeline: PipelineGraph | Pipeline, base_dir: str | Path | None = None) -> PipelineGraph:
+    """What ``flowrl validate`` checks, from Python: the schema, names and graph (as
+    ``build()``), then the model paths, the data (and held-out data) and every reward
+    function against the data's columns. Returns the pipeline; raises ``SpecError`` listing
+    every problem. ``base_dir``: where relative paths are read from (default: the current
+    directory, as for ``run``)."""
+    graph = pipeline.build() if isinstance(pipeline, Pipeline) else pipeline
+    check_inputs(graph, Path(base_dir) if base_dir is not None else Path.cwd())
+    return graph
 
 
 def run(

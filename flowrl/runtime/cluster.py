@@ -9,6 +9,7 @@ nanny would otherwise kill a worker that merely holds a model.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import socket
@@ -556,6 +557,10 @@ def _natural_key(name: str) -> tuple[Any, ...]:
     return (head, int(tail) if tail else -1)
 
 
+START_WAIT_S = 120.0
+"""The longest an exiting interpreter waits for a discarded local cluster to finish starting."""
+
+
 class PendingCluster:
     """A local cluster that starts on a thread of its own (``Cluster.start_local``), so the
     worker processes start and import torch while the caller goes on: imports, the data,
@@ -600,8 +605,8 @@ class PendingCluster:
 
     def discard(self) -> None:
         """Close the cluster unless a run took it (that run closes it). A cluster still
-        starting is closed by its own thread once started (the process exits only after
-        that: Dask's exit handlers close what it started)."""
+        starting is closed by its own thread once started; an interpreter that exits first
+        waits for that thread (Dask's own exit handler fails on a cluster half started)."""
         with self._lock:
             if self._outcome is not None:
                 return
@@ -609,3 +614,6 @@ class PendingCluster:
             cluster = self._cluster
         if cluster is not None:
             cluster.close()
+        elif self._thread.is_alive():
+            # registered after Dask's handler, so run before it
+            atexit.register(self._thread.join, START_WAIT_S)

@@ -182,3 +182,52 @@ def test_to_yaml_names_a_module_level_function() -> None:
     roll = p.generate(actor, p.source("builtin:digits"))
     p.update(actor, roll, p.advantage("grpo", p.score(digit_match, roll)))
     assert "fn: flowrl.rewards.builtin:digit_match" in p.to_yaml()
+
+
+def test_eval_and_profiler_sections_and_mistakes_refused_at_the_call(tmp_path: Path) -> None:
+    p = Pipeline("sections")
+    actor = p.model("actor", path="builtin:tiny-llama")
+    rm = p.model("rm", path="builtin:tiny-rm", kind="reward")
+    roll = p.generate(actor, p.source("builtin:digits"))
+    scores = p.score("digits", roll)
+    p.eval(every_steps=5, n=2, temperature=1.0)
+    p.profiler(ewma_window=4)
+    # a model's name as a string would be read as a reward function's name
+    with pytest.raises(SpecError) as named:
+        p.score("rm", roll)
+    assert [str(issue) for issue in named.value.issues] == [
+        "nodes: score('rm', ...): a name is read as a reward function's, and 'rm' is a model of this pipeline: pass "
+        "what p.model() returned for it to score with the model"]
+    with pytest.raises(SpecError) as listed:
+        p.update(actor, [roll, p.advantage("grpo", scores, p.score(rm, roll))])  # type: ignore[arg-type]
+    assert str(listed.value.issues[0]) == (
+        "nodes.train.inputs: inputs are passed one by one (p.update(..., roll, adv)), not as list ['rollout', 'adv']")
+    with pytest.raises(SpecError, match="two device groups given, group='a' and device_group='b': give one"):
+        p.model("critic", path="builtin:tiny-llama", group="a", device_group="b")
+    p.update(actor, roll, "adv")
+    graph = p.build()
+    assert graph.spec.eval is not None and (graph.spec.eval.every_steps, graph.spec.eval.n) == (5, 2)
+    assert graph.spec.profiler.ewma_window == 4
+    with pytest.raises(SpecError, match="eval.evry_steps: unknown field 'evry_steps'"):
+        p.eval(evry_steps=3)
+
+
+def test_validate_checks_the_data_and_the_reward_functions_as_the_command_does(tmp_path: Path) -> None:
+    import flowrl as fr
+
+    (tmp_path / "data.jsonl").write_text("".join(f'{{"question": "q{i}=", "solution": "{i}"}}\n' for i in range(4)))
+    p = Pipeline("checked")
+    actor = p.model("actor", path="builtin:tiny-llama")
+    roll = p.generate(actor, p.source("data.jsonl", prompt_key="prompt"), n=2)
+    p.update(actor, roll, p.advantage("grpo", p.score("digits", roll)))
+    p.build()  # the structure is right: build() does not read the data
+    with pytest.raises(SpecError) as caught:
+        fr.validate(p, base_dir=tmp_path)
+    assert [str(issue) for issue in caught.value.issues] == [
+        "data.prompt_key: data.jsonl has no column 'prompt' (columns: question, solution); set data.prompt_key to "
+        "the column that holds the prompts"]
+    fixed = Pipeline("checked")
+    actor = fixed.model("actor", path="builtin:tiny-llama")
+    roll = fixed.generate(actor, fixed.source("data.jsonl", prompt_key="question"), n=2)
+    fixed.update(actor, roll, fixed.advantage("grpo", fixed.score("digits", roll)))
+    assert fr.validate(fixed, base_dir=tmp_path) == fixed.build()
