@@ -11,6 +11,7 @@ the step alone.
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -165,10 +166,15 @@ def check_columns(columns: list[str], answer_key: str, display_name: str, sectio
     """Refuse column names that would clash with the keywords rewards get from flowrl
     (``section``: the pipeline section whose ``answer_key`` applies)."""
     clashes = [name for name in columns if name in RESERVED_COLUMNS]
-    if answer_key != "answer" and answer_key not in columns and "answer" in columns:
+    if answer_key != "answer" and answer_key not in columns:
+        # a column named on purpose (the default 'answer' may be absent: not every task has one)
+        close = difflib.get_close_matches(answer_key, columns, n=1)
+        fix = (f"set {section}.answer_key: answer, the column it has" if "answer" in columns else
+               f"set {section}.answer_key to the column that holds the reference answers"
+               + (f" (did you mean '{close[0]}'?)" if close else "") + ", or leave it out when there are none")
         raise DataError(
             f"{display_name} has no column '{answer_key}' ({section}.answer_key; its columns: "
-            f"{', '.join(repr(c) for c in columns)}); set {section}.answer_key: answer, the column it has",
+            f"{', '.join(repr(c) for c in columns)}); {fix}",
             field=f"{section}.answer_key",
         )
     if answer_key != "answer" and "answer" in columns:

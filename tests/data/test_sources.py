@@ -421,3 +421,17 @@ def test_an_answer_key_the_data_lacks_beside_an_answer_column_is_named(tmp_path:
                                         r"'answer'\); set data\.answer_key: answer"):
         PromptSource("d.jsonl", 1, 0, base_dir=tmp_path, answer_key="solution")
 
+
+
+def test_an_answer_key_named_on_purpose_that_the_data_lacks_is_refused(tmp_path: Path) -> None:
+    # a typo'd answer_key would leave every reward without its reference answers, silently
+    # when no reward needs one; the default 'answer' may be absent (not every task has one)
+    _write_jsonl(tmp_path / "d.jsonl", [{"question": "1+1=", "solution": "2"}])
+    with pytest.raises(DataError) as caught:
+        PromptSource("d.jsonl", 1, 0, base_dir=tmp_path, prompt_key="question", answer_key="soluton")
+    assert str(caught.value) == (
+        "d.jsonl has no column 'soluton' (data.answer_key; its columns: 'question', 'solution'); set "
+        "data.answer_key to the column that holds the reference answers (did you mean 'solution'?), or leave it "
+        "out when there are none")
+    assert caught.value.field == "data.answer_key"
+    assert PromptSource("d.jsonl", 1, 0, base_dir=tmp_path, prompt_key="question").num_examples == 1
