@@ -259,13 +259,23 @@ def _started_with(folder: RunFolder) -> str | None:
     return stored if isinstance(stored, str) else folder.read_config()
 
 
+def _real_changes(changes: list[str]) -> list[str]:
+    """The diff lines less a ``trainer:`` line pair that differs only in what a resume may
+    change (more steps, a moved folder): those are not changes of the job."""
+    removed = [line for line in changes if line.startswith("-trainer:")]
+    added = [line for line in changes if line.startswith("+trainer:")]
+    if len(removed) == 1 and len(added) == 1 and resumable_form(removed[0][1:]) == resumable_form(added[0][1:]):
+        return [line for line in changes if line not in (removed[0], added[0])]
+    return changes
+
+
 def _check_unchanged(folder: RunFolder, before: str | None, config_text: str, force: bool) -> list[str]:
     """The changes of the pipeline since the run started (``before``), as diff lines, when
     ``force`` lets them through; a FlowrlError showing them otherwise. More steps, or the
     output folder moved, are not changes: a run may be extended or its folder copied."""
     if before is None or resumable_form(before) == resumable_form(config_text):
         return []
-    changes = config_changes(before, config_text)
+    changes = _real_changes(config_changes(before, config_text))
     if force:
         return changes
     shown = "\n".join(f"  {line}" for line in changes[:20])

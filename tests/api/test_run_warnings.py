@@ -127,3 +127,20 @@ def test_the_plain_log_says_where_a_run_stopped_and_leaves_why_to_the_error_prin
     log.on_event(RunEvent("stopped", "step 3: the Dask scheduler cannot be reached", 3))
     log.on_event(RunEvent("warning", "w", 3))
     assert stream.getvalue() == "[event] stopped at step 3 (the error follows)\n[event] warning: w\n"
+
+
+def test_the_changes_a_resume_refuses_leave_out_more_steps_and_a_moved_folder(tmp_path: Path) -> None:
+    from flowrl.api.outputs import RunFolder
+    from flowrl.api.run import _check_unchanged
+    from flowrl.spec.dump import to_yaml
+    from flowrl.spec.loader import load_pipeline
+
+    pipeline = load_pipeline(Path(__file__).resolve().parents[2] / "pipelines" / "grpo_tiny.yaml")
+    before = to_yaml(pipeline)
+    now = before.replace("trainer: {steps: 120, output_dir: outputs/grpo-tiny}",
+                         "trainer: {steps: 200, output_dir: /elsewhere/grpo-tiny}").replace("lr: 0.0005", "lr: 0.001")
+    assert now != before and "steps: 200" in now
+    changes = _check_unchanged(RunFolder(tmp_path), before, now, force=True)
+    assert [line[0] for line in changes] == ["-", "+"] and all("lr: 0.00" in line for line in changes), changes
+    # the steps alone are no change at all
+    assert _check_unchanged(RunFolder(tmp_path), before, before.replace("steps: 120", "steps: 200"), force=False) == []
