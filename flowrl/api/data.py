@@ -69,6 +69,7 @@ def read_eval(graph: PipelineGraph, base_dir: Path | None,
     examples, counts = read_examples(
         source, split, subset, base_dir, evaluation.prompt_key or spec.data.prompt_key,
         evaluation.answer_key or spec.data.answer_key, formatter, section="eval",
+        answer_key_named=evaluation.answer_key is not None,
     )
     return (examples[: evaluation.max_examples] if evaluation.max_examples else examples), counts
 

@@ -162,11 +162,13 @@ class PromptFormatter:
         return [list(ids) for ids in encoded]
 
 
-def check_columns(columns: list[str], answer_key: str, display_name: str, section: str = "data") -> None:
+def check_columns(columns: list[str], answer_key: str, display_name: str, section: str = "data",
+                  named: bool = True) -> None:
     """Refuse column names that would clash with the keywords rewards get from flowrl
-    (``section``: the pipeline section whose ``answer_key`` applies)."""
+    (``section``: the pipeline section whose ``answer_key`` applies), and an answer column
+    that ``section`` ``named`` itself and the data lacks."""
     clashes = [name for name in columns if name in RESERVED_COLUMNS]
-    if answer_key != "answer" and answer_key not in columns:
+    if answer_key != "answer" and answer_key not in columns and (named or "answer" in columns):
         # a column named on purpose (the default 'answer' may be absent: not every task has one)
         close = difflib.get_close_matches(answer_key, columns, n=1)
         fix = (f"set {section}.answer_key: answer, the column it has" if "answer" in columns else

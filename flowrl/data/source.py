@@ -65,9 +65,12 @@ def read_examples(
     answer_key: str = "answer",
     formatter: PromptFormatter | None = None,
     section: str = "data",
+    answer_key_named: bool = True,
 ) -> tuple[list[PromptExample], FormatCounts]:
     """Every usable example of ``split`` of a dataset source, in the data's order; messages
-    name the pipeline ``section`` whose ``prompt_key`` and ``answer_key`` were used."""
+    name the pipeline ``section`` whose ``prompt_key`` and ``answer_key`` were used.
+    ``answer_key_named``: the section named the answer column itself (not inherited from
+    ``data``), so a column it lacks is refused."""
     formatter = formatter or PromptFormatter()
     location = source
     if source.startswith(BUILTIN_PREFIX):
@@ -77,7 +80,7 @@ def read_examples(
         location = str(BUILTIN_DATASETS[name](None))
     rows = load_split(location, split, subset, base_dir)
     display = source if split == SINGLE_SPLIT and not has_splits(location, base_dir) else f"{source} (split {split})"
-    check_columns(list(rows.column_names), answer_key, display, section)
+    check_columns(list(rows.column_names), answer_key, display, section, answer_key_named)
     if prompt_key not in rows.column_names:
         raise DataError(
             f"{display} has no column '{prompt_key}' (columns: {', '.join(rows.column_names)}); "

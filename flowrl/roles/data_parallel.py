@@ -126,17 +126,22 @@ class _Buckets:
         gradients are then final."""
         if self.hooks:
             return
+        # The hooks reach the buckets weakly: a parameter's hooks are held on torch's side,
+        # where Python's collector cannot see a cycle through them, so a strong reference
+        # would keep the buckets, and through them the parameters, alive after the model.
+        reach = weakref.ref(self)
 
         def added(index: int) -> Any:
             def hook(param: torch.Tensor) -> None:
-                owner = self.owner
-                if owner is None:
+                buckets = reach()
+                owner = buckets.owner if buckets is not None else None
+                if buckets is None or owner is None:
                     return
-                self.used[index] = True
-                if self.last_pass and not self.final[index]:
-                    self.final[index] = True
-                    self.remaining[self.bucket_of[index]] -= 1
-                    owner._start_ready(self, in_backward=True)
+                buckets.used[index] = True
+                if buckets.last_pass and not buckets.final[index]:
+                    buckets.final[index] = True
+                    buckets.remaining[buckets.bucket_of[index]] -= 1
+                    owner._start_ready(buckets, in_backward=True)
             return hook
 
         self.hooks = [param.register_post_accumulate_grad_hook(added(index)) for index, param in enumerate(self.params)]
@@ -219,10 +224,10 @@ class DataParallel:
         return buckets
 
     def attach(self, module: torch.nn.Module) -> None:
-        """Before a step's first backward (after the optimizer's ``zero_grad``; see
-        :meth:`attached`): every gradient of ``module`` a zeroed view into its bucket, and a
-        hook on each parameter that notes that autograd added to it and, in the last pass
-        (:meth:`overlapping`), starts the buckets whose gradients are then final.
+        """Before a step's first backward (see :meth:`attached`): every gradient of
+        ``module`` a zeroed view into its bucket, and a hook on each parameter that notes
+        that autograd added to it and, in the last pass (:meth:`overlapping`), starts the
+        buckets whose gradients are then final.
 
         A parameter's gradient is final after autograd's first addition to it in the last
         pass's backward: autograd sums every use of a parameter in one graph (tied weights
@@ -237,12 +242,19 @@ class DataParallel:
 
     @contextlib.contextmanager
     def attached(self, module: torch.nn.Module) -> Iterator[None]:
-        """:meth:`attach` for the block; its hooks do nothing after it, an error included."""
+        """:meth:`attach` for the block; its hooks do nothing after it, an error included.
+        After an error the buckets are let go: all-reduces started before it may still be
+        writing into their flat tensors, which the next step must not zero and reuse."""
         self.attach(module)
         try:
             yield
+        except BaseException:
+            release(module)
+            raise
         finally:
-            self._buckets_of(module).owner = None
+            buckets = _KEPT.get(module)
+            if buckets is not None:
+                buckets.owner = None
 
     def _start(self, buckets: _Buckets, number: int, in_backward: bool) -> None:
         """Start bucket ``number``'s all-reduce, in place on its flat tensor."""

@@ -68,6 +68,7 @@ class Cluster:
         self._added = 0
         self._reports = reports or {}
         """Cluster mode: what each worker (by slot name) found on its machine."""
+        self._claimed = False
         self.reconnect_s = 0.0
         """A joined cluster: how long the client tries to reach a scheduler it lost (its
         connect timeout) before the run stops."""
@@ -240,6 +241,7 @@ class Cluster:
                     "other has finished")
             self.client.set_metadata(list(CLAIM_KEY), {"client": self.client.id, "run": run, "host": socket.gethostname(),
                                                        "pid": os.getpid(), "since": time.time()})
+            self._claimed = True
         finally:
             if locked:
                 lock.release()
@@ -255,14 +257,23 @@ class Cluster:
         return False
 
     def _connected_clients(self) -> set[str]:
-        """The ids of the clients connected to the scheduler; every id when the scheduler
-        runs no functions (``distributed.scheduler.pickle: false``): a mark then counts."""
+        """The ids of the clients connected to the scheduler; none when the scheduler runs
+        no functions (``distributed.scheduler.pickle: false``): a mark that cannot be told
+        live from stale refuses no run (a run clears its own when it closes)."""
         try:
             # a lambda travels by value: the scheduler need not have flowrl installed
             return set(self.client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.clients)))
         except Exception:  # noqa: BLE001 - a scheduler that refuses the call
-            current = self.client.get_metadata(list(CLAIM_KEY), default={})
-            return {str(current.get("client"))} if isinstance(current, dict) else set()
+            return set()
+
+    def _unclaim(self) -> None:
+        """Take this run's mark off the scheduler, if it is still this run's."""
+        try:
+            current = self.client.get_metadata(list(CLAIM_KEY), default=None)
+            if isinstance(current, dict) and current.get("client") == self.client.id:
+                self.client.set_metadata(list(CLAIM_KEY), None)
+        except Exception:  # noqa: BLE001 - a scheduler already gone keeps no mark to clear
+            pass
 
     @property
     def dashboard_link(self) -> str | None:
@@ -357,6 +368,8 @@ class Cluster:
     def close(self) -> None:
         # Quiet shutdown: a closing cluster logs connection noise that means nothing here.
         logging.getLogger("distributed").setLevel(logging.CRITICAL)
+        if self._claimed and self.connected():
+            self._unclaim()
         self.client.close()
         if self._local is not None:
             self._local.close()

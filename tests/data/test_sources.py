@@ -435,3 +435,14 @@ def test_an_answer_key_named_on_purpose_that_the_data_lacks_is_refused(tmp_path:
         "out when there are none")
     assert caught.value.field == "data.answer_key"
     assert PromptSource("d.jsonl", 1, 0, base_dir=tmp_path, prompt_key="question").num_examples == 1
+
+
+def test_held_out_data_that_inherits_the_answer_key_may_lack_the_column(tmp_path: Path) -> None:
+    from flowrl.data.source import read_examples
+
+    _write_jsonl(tmp_path / "held.jsonl", [{"prompt": "1+1="}])
+    examples, _ = read_examples("held.jsonl", "train", None, tmp_path, answer_key="solution", section="eval",
+                                answer_key_named=False)  # data.answer_key, not eval's own
+    assert len(examples) == 1
+    with pytest.raises(DataError, match=r"no column 'solution' \(eval\.answer_key"):
+        read_examples("held.jsonl", "train", None, tmp_path, answer_key="solution", section="eval")

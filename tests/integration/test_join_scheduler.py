@@ -118,7 +118,9 @@ def test_run_joins_an_existing_scheduler(tmp_path: Path, dask_cluster: str, make
     steps = [json.loads(line)["step"] for line in (output / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
     assert (output / "final" / "model.safetensors").exists()
-    after = Cluster.join(dask_cluster)  # the finished run's mark does not count either
+    with Client(dask_cluster, timeout=30) as client:  # the finished run took its mark off
+        assert client.get_metadata(["flowrl", "run"], default=None) is None
+    after = Cluster.join(dask_cluster)
     try:
         after.claim("/runs/after")
     finally:

@@ -261,3 +261,34 @@ def test_a_parameter_no_rank_used_keeps_no_gradient_and_weight_decay_leaves_it_a
         assert state.module.get_parameter("unused").grad is None
         for name, tensor in state.module.state_dict().items():
             torch.testing.assert_close(tensor, expected[name], rtol=1e-4, atol=2e-5, msg=name)
+
+
+def test_kept_buckets_let_the_model_go_and_an_error_lets_them_go() -> None:
+    import gc
+    import weakref
+
+    from flowrl.roles.data_parallel import _KEPT
+
+    group = DeviceGroup("127.0.0.1", free_port("127.0.0.1"), 0, 1, timeout_s=30)
+
+    def step(module: torch.nn.Module, fail: bool = False) -> None:
+        dp = DataParallel(group, (1.0,))
+        with dp.attached(module):
+            with dp.overlapping(module):
+                module(torch.randn(2, 4)).sum().backward()
+            if fail:
+                raise RuntimeError("a pass failed")
+            dp.sum_gradients(module, [1.0])
+
+    module = torch.nn.Linear(4, 4)
+    step(module)
+    assert module in _KEPT
+    with pytest.raises(RuntimeError, match="a pass failed"):
+        step(module, fail=True)
+    # all-reduces started before the error may still write into the old flat tensors
+    assert module not in _KEPT and all(not p._post_accumulate_grad_hooks for p in module.parameters())
+    step(module)
+    weight = weakref.ref(module.weight)
+    del module
+    gc.collect()
+    assert weight() is None  # the hooks do not keep the parameters (and their gradients) alive
