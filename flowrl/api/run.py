@@ -262,11 +262,18 @@ def _started_with(folder: RunFolder) -> str | None:
 def _real_changes(changes: list[str]) -> list[str]:
     """The diff lines less a ``trainer:`` line pair that differs only in what a resume may
     change (more steps, a moved folder): those are not changes of the job."""
-    removed = [line for line in changes if line.startswith("-trainer:")]
-    added = [line for line in changes if line.startswith("+trainer:")]
-    if len(removed) == 1 and len(added) == 1 and resumable_form(removed[0][1:]) == resumable_form(added[0][1:]):
-        return [line for line in changes if line not in (removed[0], added[0])]
+    pair = [line for line in changes if line.startswith(("-trainer:", "+trainer:"))]
+    removed = [line[1:] for line in pair if line.startswith("-")] or [""]
+    added = [line[1:] for line in pair if line.startswith("+")] or [""]
+    # a section written by one run and left out (all defaults) by the other counts as well
+    if len(removed) == 1 and len(added) == 1 and _trainer_form(removed[0]) == _trainer_form(added[0]):
+        return [line for line in changes if line not in pair]
     return changes
+
+
+def _trainer_form(line: str) -> Any:
+    form = resumable_form(line) if line else None
+    return form or None
 
 
 def _check_unchanged(folder: RunFolder, before: str | None, config_text: str, force: bool) -> list[str]:

@@ -108,6 +108,8 @@ def resumable_form(config_text: str) -> Any:
     if isinstance(trainer, dict):
         for name in RESUME_MAY_CHANGE:
             trainer.pop(name, None)
+        if not trainer:  # a trainer section of only those is the same as none
+            data.pop("trainer")
     return data
 
 

@@ -97,8 +97,12 @@ def _syntax_hint(error: yaml.MarkedYAMLError, lines: list[str]) -> str | None:
     above = next((line for line in reversed(lines[: mark.line])
                   if line.strip() and not line.lstrip().startswith("#")), None)
     above_indent = len(above) - len(above.lstrip()) if above is not None else 0
+    if line.lstrip().startswith("-") or (above is not None and above.lstrip().startswith("-")):
+        return None  # a list item's keys start after its "- ": the columns above say too little
     if problem.startswith("expected <block end>") and error.context_mark is not None:
         start = error.context_mark
+        if indent in (above_indent, start.column):
+            return None
         return (f"this line is indented by {_spaces(indent)}, the line above it by {_spaces(above_indent)} and the "
                 f"mapping that starts at line {start.line + 1} by {_spaces(start.column)}: the keys of one mapping "
                 "start in one column")

@@ -144,3 +144,12 @@ def test_the_changes_a_resume_refuses_leave_out_more_steps_and_a_moved_folder(tm
     assert [line[0] for line in changes] == ["-", "+"] and all("lr: 0.00" in line for line in changes), changes
     # the steps alone are no change at all
     assert _check_unchanged(RunFolder(tmp_path), before, before.replace("steps: 120", "steps: 200"), force=False) == []
+
+
+def test_a_trainer_section_of_only_steps_is_no_change_against_none() -> None:
+    from flowrl.api.run import _real_changes
+    from flowrl.spec.dump import resumable_form
+
+    assert resumable_form("name: x\ntrainer: {steps: 50}\n") == resumable_form("name: x\n")
+    assert _real_changes(["-trainer: {steps: 50}", "-  lr: 1", "+  lr: 2"]) == ["-  lr: 1", "+  lr: 2"]
+    assert _real_changes(["-trainer: {steps: 50, seed: 1}"]) == ["-trainer: {steps: 50, seed: 1}"]

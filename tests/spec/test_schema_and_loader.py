@@ -135,6 +135,18 @@ def test_syntax_error_names_the_line() -> None:
     ]
 
 
+@pytest.mark.parametrize("text", [
+    "name: x\nnodes:\n  train:\n    inputs:\n      - a\n    - b\n",  # a list item at its key's column
+    "name: x\na:\n  - x: 1\n   y: 2\n",  # a key of a list item's mapping, off its column
+    "name: x\nitems:\n  - name: a\n      role: b\n",
+])
+def test_a_syntax_error_in_a_list_gets_no_hint_that_could_mislead(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text(text)
+    (problem,) = problems(path)
+    assert "YAML syntax error" in problem and "; " not in problem.split("YAML syntax error: ", 1)[1], problem
+
+
 @pytest.mark.parametrize(("text", "line", "hint"), [
     # a key one space too far in: its siblings are at 2
     ("name: x\nmodels:\n  actor:\n    path: builtin:tiny-llama\n   reference:\n    path: builtin:tiny-llama\n", 5,
