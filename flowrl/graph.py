@@ -252,6 +252,14 @@ class _Checker:
         used_models = {node.model for node in self.spec.nodes.values()}
         for name in self.spec.models:
             if name not in used_models:
+                # a reward model named as a score node's function is read as a function's name
+                named = [node for node, spec in self.spec.nodes.items()
+                         if isinstance(spec, ScoreNode) and isinstance(spec.fn, str) and spec.fn.strip() == name]
+                if named:
+                    self.add(f"nodes.{named[0]}.fn", f"'{name}' is read as a reward function's name, and it is a "
+                                                     f"model of this pipeline: to score with the model, write "
+                                                     f"model: {name} instead of fn: {name}")
+                    continue
                 self.add(
                     f"models.{name}", f"no node uses model '{name}'; remove it or use it in a node"
                 )

@@ -294,6 +294,15 @@ def test_update_of_a_reward_model_is_refused() -> None:
     )
 
 
+def test_a_reward_model_named_as_a_function_says_to_write_model() -> None:
+    data = ppo()
+    data["nodes"]["reward"] = {"role": "score", "fn": "rm", "inputs": ["rollout"]}
+    assert issues(data) == [
+        "nodes.reward.fn: 'rm' is read as a reward function's name, and it is a model of this pipeline: to score "
+        "with the model, write model: rm instead of fn: rm",
+    ]
+
+
 def test_a_pipeline_without_an_update_node_is_refused() -> None:
     # it would generate and score every step, train nothing and have no model to save
     data = grpo()
