@@ -124,6 +124,10 @@ def run(
         return _run(pipeline, RunOptions(steps, str(output_dir) if output_dir is not None else None,
                                          scheduler_address, cpu_slots, seed),
                     observer, base_dir, resume, force, local_cluster, overwrite)
+    except FlowrlError as error:
+        # The message says what went wrong and what to do; flowrl's own frames would bury it
+        # under a dozen lines that mean nothing to the caller (a cause, if any, still shows).
+        raise error.with_traceback(None)
     finally:
         if local_cluster is not None:
             local_cluster.discard()  # a run that stopped before taking it

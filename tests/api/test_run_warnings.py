@@ -153,3 +153,18 @@ def test_a_trainer_section_of_only_steps_is_no_change_against_none() -> None:
     assert resumable_form("name: x\ntrainer: {steps: 50}\n") == resumable_form("name: x\n")
     assert _real_changes(["-trainer: {steps: 50}", "-  lr: 1", "+  lr: 2"]) == ["-  lr: 1", "+  lr: 2"]
     assert _real_changes(["-trainer: {steps: 50, seed: 1}"]) == ["-trainer: {steps: 50, seed: 1}"]
+
+
+def test_a_run_s_error_reaches_the_caller_without_flowrl_s_own_frames() -> None:
+    import traceback
+
+    import pytest
+
+    from flowrl.api.run import run
+    from flowrl.errors import FlowrlError
+
+    with pytest.raises(FlowrlError) as caught:
+        run(_pipeline("builtin:digits", {}), steps=0)
+    frames = [frame.filename for frame in traceback.extract_tb(caught.value.__traceback__)]
+    # this test's call and run()'s own re-raise: nothing of the dozen frames beneath
+    assert [Path(name).name for name in frames] == ["test_run_warnings.py", "run.py"], frames
