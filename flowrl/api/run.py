@@ -276,8 +276,8 @@ def _real_changes(changes: list[str]) -> list[str]:
 
 
 def _trainer_form(line: str) -> Any:
-    form = resumable_form(line) if line else None
-    return form or None
+    """A trainer line's resumable form; None for no line and for a section of only steps."""
+    return resumable_form(line) or None
 
 
 def _check_unchanged(folder: RunFolder, before: str | None, config_text: str, force: bool) -> list[str]:
