@@ -215,9 +215,8 @@ class DataParallel:
         size changed."""
         params = [p for p in module.parameters() if p.requires_grad]
         kept = _KEPT.get(module)
-        same = kept is not None and kept.bucket_bytes == self.bucket_bytes and len(kept.params) == len(params) \
-            and all(a is b for a, b in zip(kept.params, params))
-        if kept is not None and same:
+        if kept is not None and kept.bucket_bytes == self.bucket_bytes and len(kept.params) == len(params) \
+                and all(a is b for a, b in zip(kept.params, params)):
             return kept
         release(module)
         _KEPT[module] = buckets = _Buckets(params, self.bucket_bytes)
