@@ -94,8 +94,8 @@ def _syntax_hint(error: yaml.MarkedYAMLError, lines: list[str]) -> str | None:
         return None
     line = lines[mark.line]
     indent = len(line) - len(line.lstrip())
-    above = next((line for line in reversed(lines[: mark.line])
-                  if line.strip() and not line.lstrip().startswith("#")), None)
+    above = next((earlier for earlier in reversed(lines[: mark.line])
+                  if earlier.strip() and not earlier.lstrip().startswith("#")), None)
     above_indent = len(above) - len(above.lstrip()) if above is not None else 0
     if line.lstrip().startswith("-") or (above is not None and above.lstrip().startswith("-")):
         return None  # a list item's keys start after its "- ": the columns above say too little
