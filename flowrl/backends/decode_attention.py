@@ -14,14 +14,15 @@ of whole cached rows (every cached byte is read once, in contiguous runs) with a
 softmax. The first share's program also stores the new key and value and counts the new
 column from registers, so no program reads back what was written in the same step.
 
-A window longer than ``SPLIT_COLUMNS`` is cut into shares run side by side (at a batch of 256
-one program per (row, KV head) leaves most of the card's memory bandwidth unused), and a second
-small kernel merges the shares' partial softmax sums. Elsewhere (CPU, no Triton) the same
-arithmetic runs as plain torch operations.
+When a batch has too few (row, KV head) programs to keep every processor of the card busy (a
+small batch; at a batch of 256 there are enough), each window is cut into shares run side by
+side, and a second small kernel merges the shares' partial softmax sums. Elsewhere (CPU, no
+Triton) the same arithmetic runs as plain torch operations.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from typing import Any
 
@@ -30,13 +31,18 @@ import torch.nn.functional as F
 
 BLOCK_COLUMNS = 64
 """Cached columns one loop iteration of the kernel reads."""
-SPLIT_COLUMNS = 128
-"""Columns of the window one program walks at most (rounded up to whole blocks; see
-``MAX_SPLITS``). On an H100 at a batch of 256 (0.4B shape, windows up to 160 columns), the
-attention and merge kernels took at most 0.25 ms per decode step with 128 against 0.28 ms
-with 64 and 0.33 ms with 32: fewer, longer programs, and fewer windows that need the merge."""
+MIN_SHARE_COLUMNS = 128
+"""The fewest columns a share of a cut window is given (rounded up to whole blocks): on an
+H100 at a batch of 256 with windows up to 160 columns, shares of 128 took 0.25 ms per decode
+step against 0.28 ms with 64 and 0.33 ms with 32."""
 MAX_SPLITS = 16
 """The most shares a window is cut into: a longer window gives each share more columns."""
+FILL_PER_PROCESSOR = 2
+"""A window is cut only while the batch has fewer (row, KV head) programs than this many per
+processor of the card, into as many shares as reach it. An uncut window needs no merge kernel
+and no float32 partial sums: at a batch of 256 (512 programs on an H100's 132 processors) the
+attention of a decode step over the whole generation took 9.5 us per layer uncut against 12.3
+us in shares of 128 columns (``benchmarks/decode_attention.py``)."""
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -95,12 +101,27 @@ def _plain_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ke
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias[:, None, None, :], scale=scaling)
 
 
-def window_shares(window: int) -> tuple[int, int]:
-    """(shares, columns per share) for a window: shares of at most ``SPLIT_COLUMNS`` columns
-    in whole blocks, and no more than ``MAX_SPLITS`` of them."""
-    shares = min(MAX_SPLITS, max(1, -(-window // SPLIT_COLUMNS)))
+def window_shares(window: int, programs: int, processors: int) -> tuple[int, int]:
+    """(shares, columns per share) for a window attended by ``programs`` (row, KV head)
+    programs on a card of ``processors``: enough shares to give every processor
+    ``FILL_PER_PROCESSOR`` programs, each of at least ``MIN_SHARE_COLUMNS`` columns, no more
+    than ``MAX_SPLITS``, in whole blocks."""
+    wanted = -(-FILL_PER_PROCESSOR * processors // max(programs, 1))
+    shares = max(1, min(MAX_SPLITS, -(-window // MIN_SHARE_COLUMNS), wanted))
     per_share = -(-(-(-window // shares)) // BLOCK_COLUMNS) * BLOCK_COLUMNS
     return -(-window // per_share), per_share
+
+
+def processor_count(device: torch.device) -> int:
+    """The card's streaming multiprocessors (1 off CUDA: Triton's interpreter on a CPU)."""
+    if device.type != "cuda":
+        return 1
+    return _cuda_processors(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.cache
+def _cuda_processors(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
 
 
 def _triton_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
@@ -113,11 +134,11 @@ def _triton_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k
     qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
     out = torch.empty((batch, kv_heads, group, head_dim), dtype=qkv.dtype, device=qkv.device)
     valid = key_valid.view(torch.uint8) if key_valid.dtype == torch.bool else key_valid
-    shares, per_share = window_shares(window)
+    programs = batch * kv_heads
+    shares, per_share = window_shares(window, programs, processor_count(qkv.device))
     kernel, merge_kernel = _kernels()
     # tl.dot needs 16 rows at least.
     block_group = max(16, 1 << (group - 1).bit_length())
-    programs = batch * kv_heads
     # Partial results of each share (unused with one share: the kernel writes ``out``).
     best = torch.empty((programs, shares, block_group) if shares > 1 else (1,), dtype=torch.float32,
                        device=qkv.device)

@@ -123,9 +123,10 @@ import torch
 sys.path.insert(0, {root!r})
 from flowrl.backends import decode_attention as attention
 from tests.backends import test_decode_attention as case
+attention.MIN_SHARE_COLUMNS = 64
 for window in (20, 64, 150, 320):
-    for split in (64, 10 ** 6):
-        attention.SPLIT_COLUMNS = split
+    for fill in (10 ** 6, 0):  # as many shares of 64 columns as the window has; one share
+        attention.FILL_PER_PROCESSOR = fill
         inputs = case.step_inputs("cpu", torch.float32, window)
         untouched = inputs["keys"].clone()
         expected, new_keys, _ = case.by_hand(inputs)
@@ -138,7 +139,7 @@ for window in (20, 64, 150, 320):
         assert (inputs["keys"][:batch, :, column].double() - new_keys).abs().max() < 1e-5
         changed = (inputs["keys"] != untouched).any(dim=-1).nonzero()[:, 2].unique().tolist()
         assert changed == [column], changed
-        print(window, attention.window_shares(window))
+        print(window, attention.window_shares(window, case.KV_HEADS * batch, 1))
 """
 
 
@@ -162,9 +163,22 @@ def test_triton_kernel_in_the_interpreter_matches_by_hand_in_one_share_and_in_se
 
 def test_window_shares_cover_the_window_in_whole_blocks() -> None:
     for window in (1, 63, 64, 65, 150, 320, 1000, 1024, 5000):
-        shares, per_share = attention.window_shares(window)
-        assert per_share % attention.BLOCK_COLUMNS == 0
-        assert shares <= attention.MAX_SPLITS
-        assert (shares - 1) * per_share < window <= shares * per_share
-    assert attention.window_shares(320) == (3, 128)
-    assert attention.window_shares(5000) == (16, 320)
+        for programs in (1, 64, 512):
+            shares, per_share = attention.window_shares(window, programs, 132)
+            assert per_share % attention.BLOCK_COLUMNS == 0
+            assert shares <= attention.MAX_SPLITS
+            assert (shares - 1) * per_share < window <= shares * per_share
+    # one program: as many shares of at least 128 columns as the window holds, at most 16
+    assert attention.window_shares(320, 1, 132) == (3, 128)
+    assert attention.window_shares(5000, 1, 132) == (16, 320)
+
+
+def test_windows_are_cut_only_until_the_card_has_two_programs_per_processor() -> None:
+    # 132 processors want 264 programs: a batch of 256 rows x 2 KV heads has 512, uncut
+    assert attention.window_shares(288, 512, 132) == (1, 320)
+    # 256 programs: 2 shares reach 264; 128 programs (a batch of 64): 3 shares
+    assert attention.window_shares(288, 256, 132) == (2, 192)
+    assert attention.window_shares(288, 128, 132) == (3, 128)
+    # never shares under 128 columns, whatever the card wants
+    assert attention.window_shares(200, 8, 132) == (2, 128)
+    assert attention.window_shares(100, 8, 132) == (1, 128)
