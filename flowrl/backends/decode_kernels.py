@@ -59,7 +59,7 @@ def attention_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, column_ptr, valid_
     v = tl.load(qkv_ptr + row * qkv_stride + (heads + KV_HEADS + head) * HEAD_DIM + dims)
     column = tl.load(column_ptr)
     cache = row * stride_row + head * stride_head
-    mine = (dims < HEAD_DIM) & first
+    mine = dims + share * HEAD_DIM < HEAD_DIM  # every dimension, in the first share only
     tl.store(k_ptr + cache + column * stride_column + dims, rk, mask=mine)
     tl.store(v_ptr + cache + column * stride_column + dims, v, mask=mine)
 
@@ -72,8 +72,11 @@ def attention_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, column_ptr, valid_
     acc = tl.broadcast_to(v.to(tl.float32)[None, :], (BLOCK_GROUP, HEAD_DIM)) * tl.where(first, 1.0, 0.0)
     start = share * per_share
     stop = tl.minimum(start + per_share, window)
-    for block in tl.range(start, stop, BLOCK_COLUMNS):
-        columns = block + tl.arange(0, BLOCK_COLUMNS)
+    # Bounds from the launch's arguments alone (the same count for every share; a last
+    # share's columns past the window are masked): Triton's interpreter cannot take a loop
+    # bound computed from the program's id.
+    for block in tl.range(0, per_share, BLOCK_COLUMNS):
+        columns = start + block + tl.arange(0, BLOCK_COLUMNS)
         valid = tl.load(valid_ptr + row * valid_stride + columns, mask=columns < stop, other=0) != 0
         valid = valid & (columns != column)
         offsets = cache + columns[:, None] * stride_column + dims[None, :]

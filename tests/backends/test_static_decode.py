@@ -95,7 +95,9 @@ def test_sampled_tokens_and_logprobs_match_the_plain_loop() -> None:
     engine = StaticDecoder(model).generate(ids, mask, 20, generator=torch.Generator().manual_seed(5), **settings)
     plain = generate_tokens(model, ids, mask, 20, generator=torch.Generator().manual_seed(5), **settings)
     assert torch.equal(engine.completion_ids, plain.completion_ids)
-    torch.testing.assert_close(engine.sampled_logprobs, plain.sampled_logprobs, atol=1e-5, rtol=0)
+    # fp32 sums in another order (a static cache against a growing one): last bits differ,
+    # by up to 1.9e-5 on one machine's CPU
+    torch.testing.assert_close(engine.sampled_logprobs, plain.sampled_logprobs, atol=5e-5, rtol=0)
 
 
 def test_logprobs_are_those_of_a_full_forward() -> None:
