@@ -46,15 +46,15 @@ RULES = ("chosen", "one_share", "shares_of_128")
 @contextlib.contextmanager
 def rule(name: str) -> Iterator[None]:
     """The engine's own choice, or a fixed one through its constants."""
-    fill, least = attention.FILL_PER_PROCESSOR, attention.MIN_SHARE_COLUMNS
+    saved = attention.CUT_BELOW, attention.FILL_PER_PROCESSOR, attention.MIN_SHARE_COLUMNS
     if name == "one_share":
-        attention.FILL_PER_PROCESSOR = 0
+        attention.CUT_BELOW = 0
     elif name == "shares_of_128":
-        attention.FILL_PER_PROCESSOR, attention.MIN_SHARE_COLUMNS = 10 ** 6, 128
+        attention.CUT_BELOW, attention.FILL_PER_PROCESSOR, attention.MIN_SHARE_COLUMNS = 10 ** 6, 10 ** 6, 128
     try:
         yield
     finally:
-        attention.FILL_PER_PROCESSOR, attention.MIN_SHARE_COLUMNS = fill, least
+        attention.CUT_BELOW, attention.FILL_PER_PROCESSOR, attention.MIN_SHARE_COLUMNS = saved
 
 
 def windows(prompt: int, new_tokens: int) -> dict[int, int]:
@@ -170,7 +170,7 @@ def main() -> None:
         "machine": machine(), "flowrl_commit": commit, "flowrl_uncommitted_files": dirty,
         "device": torch.cuda.get_device_name(), "settings": {k: v for k, v in vars(args).items() if k != "output"},
         "constants": {"BLOCK_COLUMNS": attention.BLOCK_COLUMNS, "MIN_SHARE_COLUMNS": attention.MIN_SHARE_COLUMNS,
-                      "FILL_PER_PROCESSOR": attention.FILL_PER_PROCESSOR, "MAX_SPLITS": attention.MAX_SPLITS},
+                      "CUT_BELOW": attention.CUT_BELOW, "FILL_PER_PROCESSOR": attention.FILL_PER_PROCESSOR, "MAX_SPLITS": attention.MAX_SPLITS},
     }
     sections = {"kernel": section_kernel, "decode": section_decode}
     for name in args.sections.split(","):

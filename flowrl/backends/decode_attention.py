@@ -14,8 +14,8 @@ of whole cached rows (every cached byte is read once, in contiguous runs) with a
 softmax. The first share's program also stores the new key and value and counts the new
 column from registers, so no program reads back what was written in the same step.
 
-When a batch has too few (row, KV head) programs to keep every processor of the card busy (a
-small batch; at a batch of 256 there are enough), each window is cut into shares run side by
+When a batch has too few (row, KV head) programs to keep the card's processors busy (a small
+batch; at a batch of 64 there are enough), each window is cut into shares run side by
 side, and a second small kernel merges the shares' partial softmax sums. Elsewhere (CPU, no
 Triton) the same arithmetic runs as plain torch operations.
 """
@@ -37,12 +37,16 @@ H100 at a batch of 256 with windows up to 160 columns, shares of 128 took 0.25 m
 step against 0.28 ms with 64 and 0.33 ms with 32."""
 MAX_SPLITS = 16
 """The most shares a window is cut into: a longer window gives each share more columns."""
-FILL_PER_PROCESSOR = 2
+CUT_BELOW = 0.5
 """A window is cut only while the batch has fewer (row, KV head) programs than this many per
-processor of the card, into as many shares as reach it. An uncut window needs no merge kernel
-and no float32 partial sums: at a batch of 256 (512 programs on an H100's 132 processors) the
-attention of a decode step over the whole generation took 9.5 us per layer uncut against 12.3
-us in shares of 128 columns (``benchmarks/decode_attention.py``)."""
+processor of the card. An uncut window needs no merge kernel and no float32 partial sums. On an
+H100 (132 processors), over the decode steps of a 32 + 256-token generation, the attention of a
+layer took 6.1, 7.2 and 9.0 us uncut at batches of 64, 128 and 256 (128 to 512 programs)
+against 6.3, 7.7 and 12.8 us in shares of 128 columns (``benchmarks/decode_attention.py``,
+``benchmarks/results/decode_attention_h100.json``)."""
+FILL_PER_PROCESSOR = 2
+"""A window that is cut is cut into as many shares as give every processor this many programs
+(within ``MIN_SHARE_COLUMNS`` and ``MAX_SPLITS``)."""
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -103,11 +107,14 @@ def _plain_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ke
 
 def window_shares(window: int, programs: int, processors: int) -> tuple[int, int]:
     """(shares, columns per share) for a window attended by ``programs`` (row, KV head)
-    programs on a card of ``processors``: enough shares to give every processor
-    ``FILL_PER_PROCESSOR`` programs, each of at least ``MIN_SHARE_COLUMNS`` columns, no more
-    than ``MAX_SPLITS``, in whole blocks."""
-    wanted = -(-FILL_PER_PROCESSOR * processors // max(programs, 1))
-    shares = max(1, min(MAX_SPLITS, -(-window // MIN_SHARE_COLUMNS), wanted))
+    programs on a card of ``processors``: one share unless the programs are too few
+    (``CUT_BELOW``); then enough shares to give every processor ``FILL_PER_PROCESSOR``
+    programs, each of at least ``MIN_SHARE_COLUMNS`` columns, no more than ``MAX_SPLITS``. The
+    shares are whole blocks."""
+    shares = 1
+    if programs < CUT_BELOW * processors:
+        wanted = -(-FILL_PER_PROCESSOR * processors // max(programs, 1))
+        shares = max(1, min(MAX_SPLITS, -(-window // MIN_SHARE_COLUMNS), wanted))
     per_share = -(-(-(-window // shares)) // BLOCK_COLUMNS) * BLOCK_COLUMNS
     return -(-window // per_share), per_share
 
