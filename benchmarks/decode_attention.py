@@ -169,8 +169,8 @@ def main() -> None:
     report: dict[str, Any] = {
         "machine": machine(), "flowrl_commit": commit, "flowrl_uncommitted_files": dirty,
         "device": torch.cuda.get_device_name(), "settings": {k: v for k, v in vars(args).items() if k != "output"},
-        "constants": {"BLOCK_COLUMNS": attention.BLOCK_COLUMNS, "MIN_SHARE_COLUMNS": attention.MIN_SHARE_COLUMNS,
-                      "CUT_BELOW": attention.CUT_BELOW, "FILL_PER_PROCESSOR": attention.FILL_PER_PROCESSOR, "MAX_SPLITS": attention.MAX_SPLITS},
+        "constants": {name: getattr(attention, name) for name in (
+            "BLOCK_COLUMNS", "MIN_SHARE_COLUMNS", "CUT_BELOW", "FILL_PER_PROCESSOR", "MAX_SPLITS")},
     }
     sections = {"kernel": section_kernel, "decode": section_decode}
     for name in args.sections.split(","):
