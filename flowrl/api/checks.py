@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from flowrl.api.data import eval_examples, eval_score_nodes, policy_formatter, training_source
+from flowrl.api.model_fit import model_fit_issues
 from flowrl.backends.cache import BUILTIN_PREFIX as MODEL_PREFIX
 from flowrl.backends.catalog import lookup_builtin
 from flowrl.backends.locations import hub_model_problem, saved_model_location, tokenizer_problem
@@ -172,7 +173,8 @@ def check_inputs(graph: PipelineGraph, base_dir: Path | None, locate: Locate | N
 def model_issues(graph: PipelineGraph, base_dir: Path | None) -> list[Issue]:
     """A (path, message) per model whose path names nothing loadable here: an unknown builtin
     name, a missing folder, a folder without config.json, a hub name neither in the local cache
-    nor downloadable."""
+    nor downloadable; when every path names something, the lengths past a model's positions
+    and the models that cannot read the policy's token ids (``flowrl.api.model_fit``)."""
     issues: list[Issue] = []
     for name, model in graph.spec.models.items():
         where = f"models.{name}.path"
@@ -189,6 +191,8 @@ def model_issues(graph: PipelineGraph, base_dir: Path | None) -> list[Issue]:
                 issues.append((where, problem))
         except ModelLoadError as error:
             issues.append((where, str(error)))
+    if not issues:  # each model's path names something: do they fit the sequences and each other?
+        issues.extend(model_fit_issues(graph, base_dir))
     return issues
 
 

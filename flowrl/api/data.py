@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from flowrl.api.model_fit import prompt_room
 from flowrl.data import PromptExample, PromptFormatter, PromptSource, eval_split, read_examples
 from flowrl.data.formatting import FormatCounts
 from flowrl.graph import PipelineGraph
@@ -39,12 +40,16 @@ class _LazyTokenizer:
 
 
 def policy_formatter(graph: PipelineGraph, base_dir: Path | None) -> PromptFormatter:
-    """Renders chats and applies ``data.max_prompt_tokens`` with the policy's tokenizer."""
+    """Renders chats and applies ``data.max_prompt_tokens`` with the policy's tokenizer; without
+    it, a prompt longer than the models' positions leave room for is an error
+    (``flowrl.api.model_fit``)."""
     data = graph.spec.data
     tokenizer = _LazyTokenizer(graph, base_dir)
+    room = prompt_room(graph, base_dir) if data.max_prompt_tokens is None else None
     return PromptFormatter(
         tokenizer=tokenizer, tokenizer_name=f"model '{tokenizer.model_name}'",
         max_prompt_tokens=data.max_prompt_tokens, overlong=data.overlong_prompts,
+        room=room.tokens if room is not None else None, room_why=room.why if room is not None else "",
     )
 
 

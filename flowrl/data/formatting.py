@@ -44,6 +44,10 @@ class PromptFormatter:
         tokenizer_name: how to name the tokenizer's model in errors.
         max_prompt_tokens: longest prompt in tokens; None for no limit.
         overlong: what a longer prompt does (see module docstring).
+        room: without ``max_prompt_tokens``, the longest prompt the models' positions leave
+            room for beside the longest completion (a longer one is an error whatever
+            ``overlong`` says); None where unknown.
+        room_why: the numbers behind ``room``, for its error.
     """
 
     def __init__(
@@ -52,13 +56,17 @@ class PromptFormatter:
         tokenizer_name: str = "the policy",
         max_prompt_tokens: int | None = None,
         overlong: OverlongPolicy = "error",
+        room: int | None = None,
+        room_why: str = "",
     ) -> None:
-        if max_prompt_tokens is not None and tokenizer is None:
-            raise ValueError("max_prompt_tokens needs the policy's tokenizer")
+        if (max_prompt_tokens is not None or room is not None) and tokenizer is None:
+            raise ValueError("max_prompt_tokens and room need the policy's tokenizer")
         self._tokenizer = tokenizer
         self.tokenizer_name = tokenizer_name
         self.max_prompt_tokens = max_prompt_tokens
         self.overlong = overlong
+        self.room = None if max_prompt_tokens is not None else room
+        self.room_why = room_why
 
     @property
     def tokenizer(self) -> Any | None:
@@ -88,8 +96,12 @@ class PromptFormatter:
         examples: list[PromptExample] = []
         truncated = skipped = 0
         too_long: list[str] = []
+        no_room: list[str] = []
         for (number, row, chat), text, ids in zip(kept_rows, texts, lengths):
             prompt_ids: tuple[int, ...] | None = None
+            if self.room is not None and ids is not None and len(ids) > self.room:
+                no_room.append(f"{display_name}: row {number}: {len(ids)} tokens")
+                continue
             limit = self.max_prompt_tokens
             if limit is not None and ids is not None and len(ids) > limit:
                 if self.overlong == "error":
@@ -121,6 +133,13 @@ class PromptFormatter:
                 too_long, display_name,
                 f"longer than data.max_prompt_tokens = {self.max_prompt_tokens} tokens of the tokenizer of "
                 f"{self.tokenizer_name}; raise max_prompt_tokens, or set data.overlong_prompts to truncate_left or skip",
+            )
+        if no_room:
+            _raise_if(
+                no_room, display_name,
+                f"longer than the {self.room} tokens (of the tokenizer of {self.tokenizer_name}) a prompt has room "
+                f"for: {self.room_why}; set data.max_prompt_tokens to {self.room} or less with "
+                "data.overlong_prompts: truncate_left or skip, or ask for fewer new tokens",
             )
         counts = FormatCounts(len(rows), sum(chat for _, _, chat in kept_rows), truncated, skipped)
         return examples, counts
@@ -156,7 +175,7 @@ class PromptFormatter:
         return str(text)
 
     def _lengths(self, texts: list[str]) -> list[list[int] | None]:
-        if self.max_prompt_tokens is None or self.tokenizer is None or not texts:
+        if (self.max_prompt_tokens is None and self.room is None) or self.tokenizer is None or not texts:
             return [None] * len(texts)
         encoded = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
         return [list(ids) for ids in encoded]

@@ -1,0 +1,182 @@
+"""Whether the pipeline's models fit its sequences and each other's token ids, from their
+configs and tokenizers (``flowrl.backends.model_facts``), before any worker loads them.
+
+- Lengths: a completion of ``max_new_tokens`` after a prompt must fit the positions of every
+  model that reads it (the policy generating it, the reference, the critic, a reward model).
+  A ``max_new_tokens`` that leaves no room, or a ``data.max_prompt_tokens`` that with it goes
+  past the positions, is refused by validation; without ``data.max_prompt_tokens`` every prompt
+  is measured against the room that is left (:func:`prompt_room`) and a longer one stops the
+  run before step 1, as vLLM refuses a sequence past a model's length.
+- Token ids: every model reads the ids the policy samples, so each needs an embedding row for
+  every id of the policy's vocabulary and, where both folders hold a tokenizer, the same id
+  for each of the policy's tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from flowrl.backends.locations import TOKENIZER_FILES, resolve_model_path
+from flowrl.backends.model_facts import ModelFacts, model_facts
+from flowrl.errors import ModelLoadError
+from flowrl.graph import PipelineGraph
+from flowrl.spec.messages import Issue
+from flowrl.spec.schema import GenerateNode
+
+
+@dataclass(frozen=True)
+class PromptRoom:
+    """The longest prompt the models' positions leave room for beside the longest completion."""
+
+    tokens: int
+    why: str
+    """The numbers behind it, for messages."""
+
+
+def policy_name(graph: PipelineGraph) -> str | None:
+    """The model of the first generate node (whose tokenizer makes the rollout's ids)."""
+    generates = graph.nodes_of(GenerateNode)
+    model = graph.spec.nodes[generates[0]].model if generates else None
+    return str(model) if model else None
+
+
+def _facts(graph: PipelineGraph, base_dir: Path | None) -> dict[str, ModelFacts]:
+    found: dict[str, ModelFacts] = {}
+    for name, model in graph.spec.models.items():
+        try:
+            facts = model_facts(model.path, base_dir, getattr(model, "revision", None))
+        except ModelLoadError:  # a path that names nothing: model_issues says so
+            continue
+        if facts is not None:
+            found[name] = facts
+    return found
+
+
+def _completions(graph: PipelineGraph) -> list[tuple[int, str]]:
+    """(tokens, field) of every completion length a generation asks for."""
+    asked = [(int(getattr(graph.spec.nodes[node], "max_new_tokens")), f"nodes.{node}.max_new_tokens")
+             for node in graph.nodes_of(GenerateNode)]
+    evaluation = graph.spec.eval
+    if evaluation is not None and evaluation.max_new_tokens is not None:
+        asked.append((evaluation.max_new_tokens, "eval.max_new_tokens"))
+    return asked
+
+
+def _shortest(facts: dict[str, ModelFacts]) -> tuple[int, str, ModelFacts] | None:
+    limits = [(item.positions, name, item) for name, item in facts.items() if item.positions is not None]
+    return min(limits) if limits else None
+
+
+def prompt_room(graph: PipelineGraph, base_dir: Path | None) -> PromptRoom | None:
+    """The room left for a prompt; None where no model says how long a sequence may be, or no
+    room is left at all (validation refuses that)."""
+    shortest = _shortest(_facts(graph, base_dir))
+    asked = _completions(graph)
+    if shortest is None or not asked:
+        return None
+    positions, name, facts = shortest
+    new_tokens, field = max(asked)
+    if new_tokens >= positions:
+        return None
+    return PromptRoom(positions - new_tokens, f"model '{name}' takes at most {positions} tokens per sequence "
+                                              f"({facts.source}), and {field} is {new_tokens}")
+
+
+def model_fit_issues(graph: PipelineGraph, base_dir: Path | None) -> list[Issue]:
+    """(field, message) for lengths past the models' positions and models that cannot read
+    the policy's token ids."""
+    facts = _facts(graph, base_dir)
+    return _length_issues(graph, facts) + _vocabulary_issues(graph, base_dir, facts)
+
+
+def _length_issues(graph: PipelineGraph, facts: dict[str, ModelFacts]) -> list[Issue]:
+    shortest = _shortest(facts)
+    if shortest is None:
+        return []
+    positions, name, item = shortest
+    limit = f"model '{name}' takes at most {positions} tokens per sequence, prompt and completion ({item.source})"
+    issues: list[Issue] = []
+    asked = _completions(graph)
+    for new_tokens, field in asked:
+        if new_tokens >= positions:
+            issues.append((field, f"{new_tokens} new tokens leave no room for a prompt: {limit}; "
+                                  f"lower it below {positions}"))
+    fitting = [(new_tokens, field) for new_tokens, field in asked if new_tokens < positions]
+    most = graph.spec.data.max_prompt_tokens
+    if most is not None and fitting:
+        new_tokens, field = max(fitting)
+        if most + new_tokens > positions:
+            issues.append(("data.max_prompt_tokens",
+                           f"{most} prompt tokens and {field} = {new_tokens} make {most + new_tokens}, more than "
+                           f"the {positions} tokens per sequence model '{name}' takes ({item.source}); lower "
+                           f"data.max_prompt_tokens to {positions - new_tokens} or less"))
+    return issues
+
+
+def _vocabulary_issues(graph: PipelineGraph, base_dir: Path | None, facts: dict[str, ModelFacts]) -> list[Issue]:
+    policy = policy_name(graph)
+    if policy is None or policy not in graph.spec.models:
+        return []
+    issues: list[Issue] = []
+    sampled = facts[policy].vocabulary if policy in facts else None
+    others = [name for name in graph.spec.models if name != policy]
+    for name in others:
+        rows = facts[name].vocabulary if name in facts else None
+        if sampled is not None and rows is not None and rows < sampled:
+            issues.append((f"models.{name}.path",
+                           f"model '{name}' has {rows} token ids ({facts[name].source}), but the policy "
+                           f"'{policy}' samples from {sampled}: every model of a pipeline reads the policy's "
+                           "token ids, so it needs the policy's tokenizer; give a model trained with it"))
+    if issues:
+        return issues
+    for name in others:
+        problem = _tokenizer_mismatch(graph, base_dir, policy, name)
+        if problem is not None:
+            issues.append((f"models.{name}.path", problem))
+    return issues
+
+
+def _local_tokenizer(graph: PipelineGraph, base_dir: Path | None, name: str) -> Path | None:
+    """The model's folder when it is a local one holding tokenizer files."""
+    path = graph.spec.models[name].path
+    if path.startswith("builtin:"):
+        return None  # every builtin model uses the same character tokenizer
+    try:
+        location = resolve_model_path(path, base_dir)
+    except ModelLoadError:
+        return None
+    if isinstance(location, Path) and any((location / file).is_file() for file in TOKENIZER_FILES):
+        return location
+    return None
+
+
+def _tokenizer_mismatch(graph: PipelineGraph, base_dir: Path | None, policy: str, name: str) -> str | None:
+    """Where both are local folders with tokenizers: the policy's tokens that ``name``'s
+    tokenizer gives another id (or none)."""
+    mine, theirs = _local_tokenizer(graph, base_dir, policy), _local_tokenizer(graph, base_dir, name)
+    if mine is None or theirs is None or mine.resolve() == theirs.resolve():
+        return None
+    policy_vocabulary, other_vocabulary = _vocabulary(mine), _vocabulary(theirs)
+    if policy_vocabulary is None or other_vocabulary is None:
+        return None
+    differ = [(token, index) for token, index in policy_vocabulary.items() if other_vocabulary.get(token) != index]
+    if not differ:
+        return None
+    token, index = min(differ, key=lambda pair: pair[1])
+    other = other_vocabulary.get(token)
+    return (f"the tokenizer of model '{name}' ({theirs}) is not the policy's: {len(differ)} of the "
+            f"{len(policy_vocabulary)} tokens of '{policy}' have another id there (token {token!r} is {index} "
+            f"for '{policy}', {'absent' if other is None else other} for '{name}'); every model of a pipeline "
+            "reads the policy's token ids, so give a model trained with the policy's tokenizer")
+
+
+def _vocabulary(location: Path) -> dict[str, int] | None:
+    from flowrl.backends.policy_tokenizer import load_tokenizer
+
+    try:
+        tokenizer: Any = load_tokenizer(str(location))
+    except ModelLoadError:
+        return None
+    return dict(tokenizer.get_vocab())

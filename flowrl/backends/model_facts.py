@@ -1,0 +1,76 @@
+"""What a model's config.json says about the sequences it can take, read without loading the
+model (no torch): the positions a sequence may span and the token ids its embedding has rows
+for. Validation compares them with the pipeline's lengths and with the policy's."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from flowrl.backends.cache import BUILTIN_PREFIX
+from flowrl.backends.catalog import lookup_builtin
+from flowrl.backends.locations import resolve_model_path
+
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+"""Where configs keep the longest sequence (Llama and most; GPT-2; others), first found wins."""
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    positions: int | None
+    """Longest sequence (prompt + completion) in tokens; None when the config does not say."""
+    vocabulary: int | None
+    """Rows of the input embedding (``vocab_size``); None when the config does not say."""
+    source: str
+    """Where the numbers come from, for messages: ``its config.json`` or a builtin's shape."""
+
+
+def model_facts(path: str, base_dir: Path | None = None, revision: str | None = None) -> ModelFacts | None:
+    """The facts of the model at ``path`` (builtin name, local folder, or hub name in the local
+    cache); None where no config can be read here."""
+    if path.startswith(BUILTIN_PREFIX):
+        shape = lookup_builtin(path[len(BUILTIN_PREFIX):])
+        return ModelFacts(shape.max_position_embeddings, shape.vocabulary, "its builtin shape")
+    location = resolve_model_path(path, base_dir)
+    config_file = _config_file(location, revision)
+    if config_file is None:
+        return None
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    # a multimodal config keeps the language model's numbers in text_config
+    nested = config.get("text_config")
+    text: dict[str, Any] = nested if isinstance(nested, dict) else config
+    return ModelFacts(_positions(text), _number(text.get("vocab_size")), "its config.json")
+
+
+def _config_file(location: Path | str, revision: str | None) -> Path | None:
+    if isinstance(location, Path):
+        found = location / "config.json"
+        return found if found.is_file() else None
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(location, "config.json", revision=revision)
+    return Path(cached) if isinstance(cached, str) else None
+
+
+def _positions(config: dict[str, Any]) -> int | None:
+    positions = next((value for key in POSITION_KEYS if (value := _number(config.get(key))) is not None), None)
+    scaling = config.get("rope_scaling")
+    factor = _number(scaling.get("factor")) if isinstance(scaling, dict) else None
+    # a scaled rotary embedding (YaRN, dynamic, linear) reaches past the trained positions; on
+    # the side of allowing, as long as the config's own number may or may not include it
+    if positions is not None and factor is not None and factor > 1:
+        return positions * factor
+    return positions
+
+
+def _number(value: object) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        return None
+    return int(value)

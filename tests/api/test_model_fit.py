@@ -1,0 +1,116 @@
+"""Lengths past a model's positions and models that cannot read the policy's token ids are
+refused before any worker loads a model (flowrl.api.model_fit)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flowrl.api.model_fit import model_fit_issues, prompt_room
+from flowrl.spec.loader import pipeline_from_dict
+
+
+def _pipeline(actor: str = "builtin:tiny-llama", reference: str = "builtin:tiny-llama", new_tokens: int = 16,
+              data: dict[str, Any] | None = None, evaluation: dict[str, Any] | None = None) -> Any:
+    spec: dict[str, Any] = {
+        "name": "p",
+        "models": {"actor": {"path": actor}, "reference": {"path": reference}},
+        "nodes": {
+            "rollout": {"role": "generate", "model": "actor", "inputs": ["prompts"], "n": 2,
+                        "max_new_tokens": new_tokens},
+            "reward": {"role": "score", "fn": "digits", "inputs": ["rollout"]},
+            "ref": {"role": "reference_logprob", "model": "reference", "inputs": ["rollout"]},
+            "adv": {"role": "advantage", "inputs": ["reward"]},
+            "train": {"role": "update", "model": "actor", "inputs": ["rollout", "adv", "ref"], "kl_coef": 0.1},
+        },
+        "data": {"source": "builtin:digits", **(data or {})},
+    }
+    if evaluation is not None:
+        spec["eval"] = {"every_steps": 5, **evaluation}
+    return pipeline_from_dict(spec)
+
+
+def _folder(root: Path, name: str, config: dict[str, Any], tokenizer: Any = None) -> str:
+    folder = root / name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def test_a_completion_that_fills_the_positions_leaves_no_room_for_a_prompt() -> None:
+    # builtin:tiny-llama takes 256 positions
+    assert model_fit_issues(_pipeline(new_tokens=255), None) == []
+    [(field, message)] = model_fit_issues(_pipeline(new_tokens=256), None)
+    assert field == "nodes.rollout.max_new_tokens"
+    assert "256 new tokens leave no room for a prompt" in message and "at most 256 tokens" in message
+    [(field, _)] = model_fit_issues(_pipeline(evaluation={"max_new_tokens": 300}), None)
+    assert field == "eval.max_new_tokens"
+
+
+def test_a_prompt_limit_that_with_the_completion_passes_the_positions_is_refused() -> None:
+    assert model_fit_issues(_pipeline(new_tokens=200, data={"max_prompt_tokens": 56}), None) == []
+    [(field, message)] = model_fit_issues(_pipeline(new_tokens=200, data={"max_prompt_tokens": 57}), None)
+    assert field == "data.max_prompt_tokens"
+    assert "make 257, more than the 256 tokens" in message and "to 56 or less" in message
+
+
+def test_the_shortest_model_and_the_longest_completion_set_the_room(tmp_path: Path) -> None:
+    short = _folder(tmp_path, "short", {"vocab_size": 83, "n_positions": 40})  # GPT-2's key
+    room = prompt_room(_pipeline(reference=short, evaluation={"max_new_tokens": 24}), None)
+    assert room is not None and room.tokens == 40 - 24
+    assert "model 'reference' takes at most 40 tokens" in room.why and "eval.max_new_tokens is 24" in room.why
+    # a scaled rotary embedding reaches past the config's positions
+    scaled = _folder(tmp_path, "scaled", {"vocab_size": 83, "max_position_embeddings": 40,
+                                          "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    room = prompt_room(_pipeline(reference=scaled), None)
+    assert room is not None and room.tokens == 40 * 4 - 16 and "at most 160 tokens" in room.why
+
+
+def test_a_prompt_longer_than_the_room_stops_the_run_before_step_1(tmp_path: Path) -> None:
+    from flowrl.api.data import policy_formatter, training_source
+    from flowrl.errors import DataError
+
+    (tmp_path / "train.jsonl").write_text(json.dumps({"prompt": "1+1="}) + "\n" + json.dumps({"prompt": "9" * 241}) + "\n")
+    graph = _pipeline(data={"source": "train.jsonl"})
+    with pytest.raises(DataError) as caught:
+        training_source(graph, tmp_path, policy_formatter(graph, tmp_path))
+    message = str(caught.value)
+    assert "row 2: 241 tokens" in message and "row 1" not in message
+    assert "longer than the 240 tokens" in message and "set data.max_prompt_tokens to 240 or less" in message
+    # with a limit of its own, the prompt limit applies as the data section says
+    graph = _pipeline(data={"source": "train.jsonl", "max_prompt_tokens": 100, "overlong_prompts": "skip"})
+    source = training_source(graph, tmp_path, policy_formatter(graph, tmp_path))
+    assert [example.prompt for example in source.examples] == ["1+1="]
+
+
+def test_a_model_with_fewer_token_ids_than_the_policy_samples_is_refused() -> None:
+    [(field, message)] = model_fit_issues(_pipeline(actor="builtin:qwen2-0.4b", reference="builtin:tiny-llama"), None)
+    assert field == "models.reference.path"
+    assert "has 83 token ids" in message and "samples from 32000" in message
+    # more rows than the policy samples from: every sampled id has one
+    assert model_fit_issues(_pipeline(actor="builtin:tiny-llama", reference="builtin:qwen2-0.4b"), None) == []
+
+
+def test_a_tokenizer_that_gives_the_policy_tokens_other_ids_is_refused(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    def tokenizer(order: str) -> PreTrainedTokenizerFast:
+        backend = Tokenizer(models.WordLevel(vocab={token: index for index, token in enumerate(order)},
+                                             unk_token="u"))
+        backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+        return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="u", pad_token="p", eos_token="e")
+
+    config = {"vocab_size": 6, "max_position_embeddings": 64}
+    actor = _folder(tmp_path, "actor", config, tokenizer("upeabc"))
+    same = _folder(tmp_path, "same", config, tokenizer("upeabc"))
+    swapped = _folder(tmp_path, "swapped", config, tokenizer("upecba"))
+    assert model_fit_issues(_pipeline(actor=actor, reference=same), None) == []
+    [(field, message)] = model_fit_issues(_pipeline(actor=actor, reference=swapped), None)
+    assert field == "models.reference.path"
+    assert "2 of the 6 tokens of 'actor' have another id there (token 'a' is 3 for 'actor', 5 for 'reference')" in message
