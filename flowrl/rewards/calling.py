@@ -9,6 +9,8 @@ arguments, can never be called: :func:`signature_problem` says so at ``flowrl va
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -95,10 +97,29 @@ def signature_problem(fn: Callable[..., Any], offered: Iterable[str], params: di
 
 
 def call_reward(fn: Callable[..., Any], inputs: RewardInputs, params: dict[str, Any]) -> Any:
-    """``fn`` called on the batch with the keywords it takes."""
+    """``fn`` called on the batch with the keywords it takes; an ``async def`` function's
+    result awaited (as TRL awaits one)."""
     keywords = {**inputs.keywords(), **params}
     parameters = _parameters(fn)
     if parameters is not None and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
         accepted = {p.name for p in parameters if p.kind is not inspect.Parameter.POSITIONAL_ONLY}
         keywords = {name: value for name, value in keywords.items() if name in accepted}
-    return fn(**keywords)
+    return _awaited(fn(**keywords))
+
+
+def _awaited(result: Any) -> Any:
+    """``result`` itself, or what it gives when awaited: in an event loop of its own, on this
+    thread, or on a thread of its own where this one already runs a loop (one cannot wait
+    on another inside it)."""
+    if not inspect.isawaitable(result):
+        return result
+
+    async def wait() -> Any:
+        return await result
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(wait())
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, wait()).result()

@@ -107,6 +107,27 @@ def test_a_function_without_kwargs_gets_only_what_it_names() -> None:
     assert _scores(plain, _rollout(["4", "5"], {"answer": ["4", "4"], "extra": [0, 0]}))[0] == [1.0, 0.0]
 
 
+async def async_length(completions: list[str], **kwargs: Any) -> list[float]:
+    """TRL awaits an ``async def`` reward function (one that would call a remote judge)."""
+    import asyncio
+
+    await asyncio.sleep(0)
+    return [float(len(completion)) for completion in completions]
+
+
+def test_an_async_function_is_awaited() -> None:
+    import asyncio
+
+    rollout = _rollout(["abc", "d"], {})
+    assert _scores(async_length, rollout) == ([3.0, 1.0], 0.0, 0.0)
+
+    async def inside_a_running_loop() -> tuple[list[float], float, float]:
+        return _scores(async_length, rollout)
+
+    # a caller that already runs an event loop on this thread: awaited on a thread of its own
+    assert asyncio.run(inside_a_running_loop()) == ([3.0, 1.0], 0.0, 0.0)
+
+
 def test_signature_problems() -> None:
     offered = set(FLOWRL_KEYWORDS) | {"answer", "level"}
     assert signature_problem(reward_len, offered, {}) is None
