@@ -100,7 +100,7 @@ def run(
     cpu_slots: int | None = None,
     seed: int | None = None,
     observer: Observer | None = None,
-    base_dir: Path | None = None,
+    base_dir: str | Path | None = None,
     resume: bool = False,
     force: bool = False,
     local_cluster: PendingCluster | None = None,
@@ -119,11 +119,15 @@ def run(
     ``local_cluster``: a local cluster already starting (``flowrl run`` starts it before it
     imports the rest of flowrl); taken when it has the run's slots, closed otherwise. Without
     one, the local cluster starts as soon as the pipeline is checked.
+
+    ``base_dir``: where relative paths (models, data, reward modules) are read from; default:
+    the current directory, as for :func:`validate`.
     """
     try:
         return _run(pipeline, RunOptions(steps, str(output_dir) if output_dir is not None else None,
                                          scheduler_address, cpu_slots, seed),
-                    observer, base_dir, resume, force, local_cluster, overwrite)
+                    observer, Path(base_dir) if base_dir is not None else Path.cwd(), resume, force,
+                    local_cluster, overwrite)
     except FlowrlError as error:
         # The message says what went wrong and what to do; flowrl's own frames would bury it
         # under a dozen lines that mean nothing to the caller (a cause, if any, still shows).

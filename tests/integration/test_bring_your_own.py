@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from flowrl.api.builder import Pipeline
-from flowrl.api.run import run
+from flowrl.api.run import run, validate
 from flowrl.backends.builtin import builtin_model_dir
 from flowrl.spec.loader import load_pipeline
 
@@ -122,3 +122,22 @@ def test_chat_prompts_a_local_model_folder_and_a_reward_function_by_value(tmp_pa
     # the level-0 chat's 2 samples (of 8) got None: not applicable, not failures
     assert [record.metrics["reward/num_none"] for record in result.records] == [2.0, 2.0]
     assert [record.metrics["reward/num_failed"] for record in result.records] == [0.0, 0.0]
+
+
+def test_from_python_a_reward_module_named_by_string_is_read_from_the_working_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No pipeline file and no base_dir: data, models and reward modules are read from the
+    working directory, by validate and by run alike."""
+    (tmp_path / "cwd_rewards.py").write_text(
+        "def length(completions, **kwargs):\n    return [float(len(c)) for c in completions]\n")
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"{i}+{i}="}) + "\n" for i in range(4)))
+    monkeypatch.chdir(tmp_path)
+    p = Pipeline("cwd")
+    actor = p.model("actor", path="builtin:tiny-llama")
+    rollout = p.generate(actor, p.source("prompts.jsonl", batch_size=2), n=2, max_new_tokens=4)
+    p.update(actor, rollout, p.advantage("grpo", p.score("cwd_rewards:length", rollout)))
+    p.trainer(steps=1, output_dir="out", seed=0)
+    validate(p)
+    result = run(p)
+    assert result.records[-1].metrics["reward/num_failed"] == 0.0
+    assert result.records[-1].metrics["critic/score/mean"] > 0  # completions of 1 to 4 characters
