@@ -4,6 +4,12 @@ A reward function that raises on every sample scores 0 everywhere, and GRPO then
 nothing for as long as the run lasts. The guard warns the first step a score node's function
 fails (and again when the error changes), and stops the run, with the function's first
 error, once every sample of ``trainer.max_failed_reward_steps`` steps in a row failed.
+
+A function that returns None (does not apply) for every sample of a step is warned about
+the first time. When it is the pipeline's only reward function, every sample of
+``max_failed_reward_steps`` steps in a row failed or without a score stops the run too: the
+scores are all 0 and training has no signal. Beside other functions it may rightly not
+apply to a whole batch (a task the batch does not hold), and only the warning is given.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ class RewardFailureGuard:
         self.streaks = {name: 0 for name in self.functions}
         self.first_errors: dict[str, str] = {}
         self._warned: dict[str, str] = {}
+        self._warned_none: set[str] = set()
         self.checkpoints = checkpoints
 
     def check(self, step: int, reports: dict[str, Any], on_event: Callable[[RunEvent], None]) -> None:
@@ -42,18 +49,27 @@ class RewardFailureGuard:
             if share > 0 and message and self._warned.get(name) != message.split(" (prompt")[0]:
                 self._warned[name] = message.split(" (prompt")[0]
                 on_event(RunEvent("warning", f"score node '{name}': {share:.0%} of samples failed: {message}", step))
-            if share >= 1.0:
+            none = float(report.metrics.get("reward/none_share", 0.0))
+            if none >= 1.0 and name not in self._warned_none:
+                self._warned_none.add(name)
+                on_event(RunEvent("warning", f"score node '{name}': the reward function '{function}' returned None "
+                                             "(does not apply) for every sample of this step, which all score 0 from "
+                                             "it; if it should apply, make it return a number per completion", step))
+            alone = len(self.functions) == 1
+            if share >= 1.0 or (alone and share + none >= 1.0):
                 if self.streaks[name] == 0 and message:
                     self.first_errors[name] = message
                 self.streaks[name] += 1
             else:
                 self.streaks[name] = 0
             if self.streaks[name] >= self.limit:
-                signal = "its reward gave training no signal" if len(self.functions) > 1 else "training had no signal"
+                signal = "training had no signal" if alone else "its reward gave training no signal"
+                what = "failed on every sample" if share >= 1.0 else "failed or returned None on every sample"
+                first = self.first_errors.get(name, "it returned None for every sample" if share < 1.0 else "unknown")
                 raise RewardError(
-                    f"the reward function '{function}' of score node '{name}' failed on every sample for "
+                    f"the reward function '{function}' of score node '{name}' {what} for "
                     f"{self.limit} steps in a row (trainer.max_failed_reward_steps), so {signal}; the run "
-                    f"stopped at step {step}{self._kept()}. First error: {self.first_errors.get(name, 'unknown')}"
+                    f"stopped at step {step}{self._kept()}. First error: {first}"
                 )
 
     def _kept(self) -> str:

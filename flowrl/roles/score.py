@@ -59,4 +59,5 @@ def score_metrics(scores: Scores, with_failures: bool) -> dict[str, float]:
         metrics["reward/num_failed"] = float(scores.num_failed)
         metrics["reward/failed_share"] = scores.num_failed / max(1, int(tensor.numel()))
         metrics["reward/num_none"] = float(scores.num_none)
+        metrics["reward/none_share"] = scores.num_none / max(1, int(tensor.numel()))
     return metrics

@@ -9,6 +9,7 @@ import pytest
 
 from flowrl.api.reward_guard import RewardFailureGuard
 from flowrl.errors import RewardError
+from flowrl.records import RunEvent
 from flowrl.spec.loader import pipeline_from_dict
 
 
@@ -43,3 +44,26 @@ def test_a_failing_function_beside_a_working_one_is_said_to_give_no_signal_itsel
     alone.check(1, {"shape": _report(1.0)}, events.append)
     with pytest.raises(RewardError, match="so training had no signal; the run stopped at step 2. First error: boom"):
         alone.check(2, {"shape": _report(1.0)}, events.append)
+
+
+def _none(none_share: float) -> SimpleNamespace:
+    return SimpleNamespace(metrics={"reward/failed_share": 0.0, "reward/none_share": none_share}, messages=[])
+
+
+def test_a_function_that_applies_to_no_sample_is_warned_about_and_alone_stops_the_run() -> None:
+    events: list[RunEvent] = []
+    alone = RewardFailureGuard(_graph({"judge": "digits"}))  # type: ignore[arg-type]
+    alone.check(1, {"judge": _none(1.0)}, events.append)
+    assert [event.kind for event in events] == ["warning"]
+    assert "returned None (does not apply) for every sample of this step" in events[0].message
+    alone.check(2, {"judge": _none(0.5)}, events.append)  # some samples scored: the streak starts again
+    alone.check(3, {"judge": _none(1.0)}, events.append)
+    assert len(events) == 1  # warned once
+    with pytest.raises(RewardError, match="failed or returned None on every sample for 2 steps in a row .* so "
+                                          "training had no signal.*First error: it returned None for every sample"):
+        alone.check(4, {"judge": _none(1.0)}, events.append)
+    # beside another function it may rightly apply to no sample of a batch: a warning only
+    both = RewardFailureGuard(_graph({"judge": "digits", "math": "digits"}))  # type: ignore[arg-type]
+    for step in range(1, 6):
+        both.check(step, {"judge": _none(1.0), "math": _none(0.0)}, events.append)
+    assert len(events) == 2

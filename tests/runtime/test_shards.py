@@ -33,7 +33,7 @@ def test_joined_scores_and_their_metrics_are_the_whole_batch_ones() -> None:
     scores, metrics = registry.role("score").join(parts, None, ScoreNode(fn="digits", inputs=["rollout"]))
     assert scores.values.tolist() == [0.5, 1.0, 0.0] and scores.num_failed == 1
     assert metrics == {"critic/score/mean": 0.5, "critic/score/max": 1.0, "critic/score/min": 0.0, "reward/num_failed": 1.0,
-                       "reward/failed_share": 1 / 3, "reward/num_none": 0.0}
+                       "reward/failed_share": 1 / 3, "reward/num_none": 0.0, "reward/none_share": 0.0}
     with pytest.raises(ValueError, match="not split by rows"):
         registry.role("update").join([], None, UpdateNode(model="actor"))
 
