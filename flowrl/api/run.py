@@ -153,7 +153,9 @@ def _run(pipeline: PipelineGraph | Pipeline, options: RunOptions, observer: Obse
     earlier_run = folder.read_config() is not None
     forced: list[str] = []
     planned: int | None = None
+    data_before: dict[str, Any] | None = None
     if resume:
+        data_before = folder.read_run_info().get("data")
         finished = finished_steps(folder.path)
         before = _started_with(folder)
         forced = _check_unchanged(folder, before, config_text, force)
@@ -185,7 +187,9 @@ def _run(pipeline: PipelineGraph | Pipeline, options: RunOptions, observer: Obse
         if forced:
             watcher.event(RunEvent("warning", "resumed with a pipeline that differs from the one the run started with "
                                               f"(--force; - before, + now): {'; '.join(forced)}", 0, {"changes": forced}))
-        result = _run_watched(graph, folder, watcher, base_dir, resume and earlier_run, start, local_cluster)
+        resumed_data = data_before if start is not None else None  # the data of the steps resumed after
+        result = _run_watched(graph, folder, watcher, base_dir, resume and earlier_run, start, local_cluster,
+                              _DataCheck(resumed_data, force))
         failed = False
         return result
     except BaseException as error:
@@ -200,8 +204,31 @@ def _run(pipeline: PipelineGraph | Pipeline, options: RunOptions, observer: Obse
             local_cluster.discard()  # closed here unless the run took it (it closes it then)
 
 
+@dataclass(frozen=True)
+class _DataCheck:
+    """The rows the resumed run's steps were drawn from (``PromptSource.fingerprint``; None:
+    not a resume from a checkpoint, or not recorded), and whether ``--force`` lets new ones in."""
+
+    before: dict[str, Any] | None = None
+    force: bool = False
+
+    def check(self, now: dict[str, Any] | None, folder: RunFolder, watcher: "_Watchers") -> None:
+        before = self.before
+        if not isinstance(before, dict) or now is None or before == now:
+            return
+        what = (f"the training data differs from the data the run in {folder.path} was trained on so far "
+                f"({before.get('rows')} rows then, {now.get('rows')} now" +
+                (", the same number of rows with other contents)" if before.get("rows") == now.get("rows") else ")"))
+        if not self.force:
+            raise FlowrlError(f"{what}: the resumed steps would draw other batches than an uninterrupted run; "
+                              "restore the data, resume with --force (run(..., force=True)) to go on with the new "
+                              "data, or give another output_dir to start afresh")
+        watcher.event(RunEvent("warning", f"{what}; resumed with it (--force)", 0))
+
+
 def _run_watched(graph: PipelineGraph, folder: RunFolder, watcher: "_Watchers", base_dir: Path | None,
-                 resume: bool, start: FoundCheckpoint | None, pending: PendingCluster | None = None) -> RunResult:
+                 resume: bool, start: FoundCheckpoint | None, pending: PendingCluster | None = None,
+                 data_check: _DataCheck = _DataCheck()) -> RunResult:
     spec = graph.spec
     if resume:  # a run to resume was there (a first start with --resume starts quietly)
         for line in start.skipped if start is not None else ():
@@ -212,6 +239,9 @@ def _run_watched(graph: PipelineGraph, folder: RunFolder, watcher: "_Watchers", 
 
     formatter = policy_formatter(graph, base_dir or Path.cwd())
     source = training_source(graph, base_dir or Path.cwd(), formatter)
+    fingerprint = source.fingerprint()
+    data_check.check(fingerprint, folder, watcher)
+    folder.write_run_info({**folder.read_run_info(), "data": fingerprint})
     held_out, held_out_counts = read_eval(graph, base_dir or Path.cwd(), formatter)
     preflight(graph, base_dir, offered_keywords(source), call_keywords(held_out) if held_out else None)
     reward_functions = {(node.fn_name or "").strip() for node in spec.nodes.values() if isinstance(node, ScoreNode)}

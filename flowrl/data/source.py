@@ -14,6 +14,8 @@ task draws fresh random prompts for every step instead.
 from __future__ import annotations
 
 import difflib
+import hashlib
+import json
 import random
 from collections.abc import Collection
 from pathlib import Path
@@ -181,6 +183,19 @@ class PromptSource:
     def num_examples(self) -> int | None:
         """Examples in the dataset, or None for a built-in task (endless)."""
         return None if self.task is not None else len(self.examples)
+
+    def fingerprint(self) -> dict[str, Any] | None:
+        """The rows read, as a count and a SHA-256 of each example's prompt, answer and
+        columns in order: a resumed run sees the batches an uninterrupted one would only
+        while these are the same. None for a built-in task (its prompts are made per step)."""
+        if self.task is not None:
+            return None
+        digest = hashlib.sha256()
+        for example in self.examples:
+            row = [example.prompt, example.answer, example.columns]
+            digest.update(json.dumps(row, sort_keys=True, ensure_ascii=False, default=str).encode())
+            digest.update(b"\n")
+        return {"rows": len(self.examples), "sha256": digest.hexdigest()}
 
     def epoch_of(self, step: int) -> int:
         """Epoch that the first example of ``step``'s batch belongs to (0 for built-ins)."""
