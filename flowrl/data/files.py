@@ -30,6 +30,10 @@ FILE_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv
 SINGLE_SPLIT = "train"
 """The split name of a single data file (as ``datasets`` names it)."""
 
+SPLIT_FIELD = "split"
+"""``DataError.field`` of a split that is not there, relative to the pipeline section that
+named it (``read_examples`` makes it ``data.split`` or ``eval.split``)."""
+
 
 def _quiet() -> None:
     # "Generating train split" bars from every load clutter the run's log.
@@ -91,7 +95,7 @@ def load_split(source: str, split: str, subset: str | None, base_dir: Path | Non
 def _wrong_split(source: str, split: str, known: list[str]) -> DataError:
     return DataError(
         f"{source} has no split '{split}'; its splits are: {', '.join(known)} "
-        "(set data.split or eval.split)"
+        "(set data.split or eval.split)", field=SPLIT_FIELD
     )
 
 
@@ -108,7 +112,7 @@ def _load_file(path: Path, source: str, split: str) -> Any:
         raise DataError(
             f"{source} is a single data file, which is the split '{SINGLE_SPLIT}'; asked for "
             f"split '{split}': set the split to {SINGLE_SPLIT}, or give a folder or hub dataset "
-            "that has that split"
+            "that has that split", field=SPLIT_FIELD
         )
     if _empty_file(path):
         example = ", e.g. one JSON object per line" if builder == "json" else ""
@@ -144,7 +148,7 @@ def _load_folder(path: Path, source: str, split: str) -> Any:
         if split != SINGLE_SPLIT:
             raise DataError(
                 f"{source} holds a single saved Dataset, which is the split '{SINGLE_SPLIT}'; "
-                f"asked for '{split}': set the split to {SINGLE_SPLIT}, or save a DatasetDict"
+                f"asked for '{split}': set the split to {SINGLE_SPLIT}, or save a DatasetDict", field=SPLIT_FIELD
             )
         return loaded
     files = [item for item in sorted(path.iterdir()) if item.suffix.lower() in FILE_BUILDERS]
@@ -188,7 +192,8 @@ def _load_hub(name: str, split: str, subset: str | None) -> Any:
                 "set data.source to it"
             ) from cached_error
         if isinstance(cached_error, ValueError) and "split" in str(cached_error).lower():
-            raise DataError(f"dataset '{name}': {_reason(cached_error)} (set data.split)") from cached_error
+            raise DataError(f"dataset '{name}': {_reason(cached_error)} (set data.split)",
+                            field=SPLIT_FIELD) from cached_error
         raise DataError(f"cannot load dataset '{name}': {_reason(cached_error)}") from cached_error
 
 

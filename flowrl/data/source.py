@@ -23,7 +23,7 @@ from typing import Any
 
 from flowrl.data.builtin import BUILTIN_DATASETS, BUILTIN_TASKS, BuiltinTask
 from flowrl.data.examples import PromptExample
-from flowrl.data.files import SINGLE_SPLIT, has_splits, load_split
+from flowrl.data.files import SINGLE_SPLIT, SPLIT_FIELD, has_splits, load_split
 from flowrl.data.formatting import FormatCounts, PromptFormatter, check_columns
 from flowrl.errors import DataError
 
@@ -80,7 +80,12 @@ def read_examples(
         if name in BUILTIN_TASKS:
             raise DataError(endless_task(source))
         location = str(BUILTIN_DATASETS[name](None))
-    rows = load_split(location, split, subset, base_dir)
+    try:
+        rows = load_split(location, split, subset, base_dir)
+    except DataError as error:
+        if error.field == SPLIT_FIELD:
+            error.field = f"{section}.split"
+        raise
     display = source if split == SINGLE_SPLIT and not has_splits(location, base_dir) else f"{source} (split {split})"
     check_columns(list(rows.column_names), answer_key, display, section, answer_key_named)
     if prompt_key not in rows.column_names:

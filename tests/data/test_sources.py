@@ -135,8 +135,9 @@ def test_save_to_disk_folders_and_splits(tmp_path: Path) -> None:
 
 def test_a_single_file_is_the_train_split(tmp_path: Path) -> None:
     _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a"}])
-    with pytest.raises(DataError, match=r"d\.jsonl is a single data file, which is the split 'train'; asked for split 'test'"):
+    with pytest.raises(DataError, match=r"d\.jsonl is a single data file, which is the split 'train'; asked for split 'test'") as caught:
         PromptSource("d.jsonl", 1, 0, tmp_path, split="test")
+    assert caught.value.field == "data.split"  # placed at the split's line, not the source's
 
 
 def test_hub_names_without_network_say_what_to_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
