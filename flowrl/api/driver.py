@@ -135,7 +135,7 @@ class Driver:
         """Seconds of steps between snapshots when ``snapshot_every`` is left to the run."""
         self.pending_snapshot: tuple[PendingSnapshot, dict[str, Any], int] | None = None
         """A snapshot on its way to the driver, with the KL state and step it belongs to."""
-        self.nonfinite = NonFiniteGuard(graph.spec.trainer.max_nonfinite_updates)
+        self.nonfinite = NonFiniteGuard(graph.spec.trainer.max_nonfinite_updates, folder.checkpoints)
         self.rewards = RewardFailureGuard(graph, folder.checkpoints)
         self.recovery: Recovery | None = None
         self.started = time.perf_counter()

@@ -83,6 +83,18 @@ def newest_written(checkpoints: Path) -> Path | None:
     return next((path for _, path in reversed(checkpoint_dirs(checkpoints)) if (path / TRAINER_STATE).is_file()), None)
 
 
+def resume_note(checkpoints: Path | None, fix: str) -> str:
+    """What a run stopped by a guard leaves to resume from: its newest checkpoint and the
+    command (after ``fix``), or that none was written."""
+    if checkpoints is None:
+        return ""
+    written = newest_written(checkpoints)
+    if written is None:
+        return ("; no checkpoint was written (trainer.checkpoint_every sets how often one is), so a rerun starts "
+                "from step 1")
+    return f"; its newest checkpoint is {written} ({fix}, then `flowrl resume {checkpoints.parent}`)"
+
+
 def newest_checkpoint(checkpoints: Path) -> FoundCheckpoint | None:
     """The newest complete and intact checkpoint under ``checkpoints`` (None if there is none)."""
     skipped: list[str] = []

@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from flowrl.api.recovery import newest_written
+from flowrl.api.recovery import resume_note
 from flowrl.errors import RewardError
 from flowrl.graph import PipelineGraph
 from flowrl.records import RunEvent
@@ -73,6 +73,4 @@ class RewardFailureGuard:
                 )
 
     def _kept(self) -> str:
-        if self.checkpoints is None or (written := newest_written(self.checkpoints)) is None:
-            return ""
-        return f"; its newest checkpoint is {written} (fix the function, then `flowrl resume {self.checkpoints.parent}`)"
+        return resume_note(self.checkpoints, "fix the function")

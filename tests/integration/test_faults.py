@@ -253,7 +253,7 @@ def test_nan_updates_are_skipped_then_the_run_stops(tmp_path: Path) -> None:
     """A learning rate of 1e30 sends the weights to infinity in one step: every later loss
     is NaN, those updates are skipped, and the second in a row stops the run."""
     pipeline = tiny_grpo(tmp_path / "out", steps=10, lr=1e30, max_nonfinite_updates=2)
-    with pytest.raises(FlowrlError, match="2 updates in a row had a NaN or infinite loss"):
+    with pytest.raises(FlowrlError, match="2 steps in a row skipped an update for a NaN or infinite loss"):
         run(pipeline)
     warnings = [e["step"] for e in _events(tmp_path / "out") if e["kind"] == "warning"]
     assert len(warnings) == 2 and warnings[1] == warnings[0] + 1
