@@ -123,6 +123,12 @@ def run(
     ``base_dir``: where relative paths (models, data, reward modules) are read from; default:
     the current directory, as for :func:`validate`.
     """
+    if _importing_main_in_a_worker():
+        # A worker process started by spawn or forkserver runs the main script again; a call
+        # of run() at its top level would start a cluster from inside that start-up, and fail
+        # deep in multiprocessing. One line here; the run in the main process says what to do.
+        raise SystemExit("flowrl.run was called while a worker process imported the main script: put that call "
+                         "under `if __name__ == \"__main__\":`")
     try:
         return _run(pipeline, RunOptions(steps, str(output_dir) if output_dir is not None else None,
                                          scheduler_address, cpu_slots, seed),
@@ -135,6 +141,14 @@ def run(
     finally:
         if local_cluster is not None:
             local_cluster.discard()  # a run that stopped before taking it
+
+
+def _importing_main_in_a_worker() -> bool:
+    """Whether this process is a spawned (or forkserver) child still importing the main script
+    (multiprocessing marks the process while it prepares it)."""
+    import multiprocessing
+
+    return bool(getattr(multiprocessing.current_process(), "_inheriting", False))
 
 
 def _run(pipeline: PipelineGraph | Pipeline, options: RunOptions, observer: Observer | None,

@@ -108,10 +108,10 @@ class Cluster:
             client = Client(local, direct_to_workers=True)
         except Exception as error:  # any start-up failure is an environment problem
             raise ClusterError(
-                f"cannot start a local Dask cluster of {len(specs)} workers: {error}. Worker processes "
+                f"cannot start a local Dask cluster of {len(specs)} workers: {str(error).rstrip('.')}. Worker processes "
                 "import the main script again: when a script calls flowrl.run, put that call under "
                 "`if __name__ == \"__main__\":`."
-            ) from error
+            ) from None  # the message holds the cause; Dask's start-up frames would bury it
         client.register_plugin(TorchSerializerPlugin())
         slots = []
         for slot in _slots(client, prefix=None):

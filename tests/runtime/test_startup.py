@@ -204,3 +204,30 @@ def test_the_workers_registered_come_from_the_scheduler_not_the_client_s_cached_
         assert cluster.alive() == {"cpu-0", "cpu-1"}
     finally:
         cluster.close()
+
+
+_UNGUARDED = """
+import flowrl as fr
+print("imported")
+p = fr.Pipeline("unguarded")
+actor = p.model("actor", path="builtin:tiny-llama")
+rollout = p.generate(actor, p.source("builtin:digits", batch_size=2), n=2, max_new_tokens=4)
+p.update(actor, rollout, p.advantage("grpo", p.score("digits", rollout)))
+p.trainer(steps=1, output_dir="out")
+fr.run(p)
+"""
+
+
+@pytest.mark.integration
+def test_a_script_that_runs_without_the_main_guard_gets_one_short_error(tmp_path: Path) -> None:
+    """Worker processes import the main script again: their import of it stops quietly at
+    fr.run, and the script's own call fails with what to do, not with multiprocessing's
+    start-up tracebacks from every worker."""
+    script = tmp_path / "train.py"
+    script.write_text(_UNGUARDED)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=180)
+    said = done.stdout + done.stderr
+    assert done.returncode == 1
+    assert 'put that call under `if __name__ == "__main__":`' in said
+    assert "bootstrapping phase" not in said and said.count("Traceback") == 1
+    assert len(done.stderr.splitlines()) < 12, done.stderr
