@@ -40,5 +40,5 @@ class NonFiniteGuard:
             raise FlowrlError(
                 f"step {record.step}: {self.in_a_row} steps in a row skipped an update for a NaN or infinite loss or "
                 f"gradient (trainer.max_nonfinite_updates; this step: {which} update); the run stopped"
-                f"{resume_note(self.checkpoints, 'lower the learning rate or check the reward scale')}"
+                f"{resume_note(self.checkpoints, 'lower the learning rate or check the reward scale', True)}"
             )

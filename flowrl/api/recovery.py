@@ -83,16 +83,18 @@ def newest_written(checkpoints: Path) -> Path | None:
     return next((path for _, path in reversed(checkpoint_dirs(checkpoints)) if (path / TRAINER_STATE).is_file()), None)
 
 
-def resume_note(checkpoints: Path | None, fix: str) -> str:
+def resume_note(checkpoints: Path | None, fix: str, changes_pipeline: bool = False) -> str:
     """What a run stopped by a guard leaves to resume from: its newest checkpoint and the
-    command (after ``fix``), or that none was written."""
+    command (after ``fix``; ``changes_pipeline``: a fix in the pipeline, which a resume
+    takes only with --force), or that none was written."""
     if checkpoints is None:
         return ""
     written = newest_written(checkpoints)
     if written is None:
         return ("; no checkpoint was written (trainer.checkpoint_every sets how often one is), so a rerun starts "
                 "from step 1")
-    return f"; its newest checkpoint is {written} ({fix}, then `flowrl resume {checkpoints.parent}`)"
+    force = " --force" if changes_pipeline else ""
+    return f"; its newest checkpoint is {written} ({fix}, then `flowrl resume {checkpoints.parent}{force}`)"
 
 
 def newest_checkpoint(checkpoints: Path) -> FoundCheckpoint | None:

@@ -6,10 +6,11 @@ fails (and again when the error changes), and stops the run, with the function's
 error, once every sample of ``trainer.max_failed_reward_steps`` steps in a row failed.
 
 A function that returns None (does not apply) for every sample of a step is warned about
-the first time. When it is the pipeline's only reward function, every sample of
+the first time. When its score node is the pipeline's only one, every sample of
 ``max_failed_reward_steps`` steps in a row failed or without a score stops the run too: the
-scores are all 0 and training has no signal. Beside other functions it may rightly not
-apply to a whole batch (a task the batch does not hold), and only the warning is given.
+scores are all 0 and training has no signal. Beside other score nodes (functions or reward
+models) it may rightly not apply to a whole batch (a task the batch does not hold), and only
+the warning is given.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ class RewardFailureGuard:
             for name, node in graph.spec.nodes.items()
             if isinstance(node, ScoreNode) and node.fn is not None
         }
+        # a reward model's score node gives signal too: a function is alone only without one
+        self.alone = sum(isinstance(node, ScoreNode) for node in graph.spec.nodes.values()) == 1
         self.streaks = {name: 0 for name in self.functions}
         self.first_errors: dict[str, str] = {}
         self._warned: dict[str, str] = {}
@@ -55,7 +58,7 @@ class RewardFailureGuard:
                 on_event(RunEvent("warning", f"score node '{name}': the reward function '{function}' returned None "
                                              "(does not apply) for every sample of this step, which all score 0 from "
                                              "it; if it should apply, make it return a number per completion", step))
-            alone = len(self.functions) == 1
+            alone = self.alone
             if share >= 1.0 or (alone and share + none >= 1.0):
                 if self.streaks[name] == 0 and message:
                     self.first_errors[name] = message

@@ -183,7 +183,11 @@ def _run(pipeline: PipelineGraph | Pipeline, options: RunOptions, observer: Obse
     folder.write_config(config_text)
     # the pipeline as the run (re)started, for the next resume to compare with (config.yaml
     # itself may be edited before `flowrl resume`)
-    folder.write_run_info({"base_dir": str(base_dir or Path.cwd()), "finished_steps": None, "config": config_text})
+    # the data fingerprint of the steps trained so far stays until this run has read and
+    # checked its own data: a resume refused for changed data, or stopped before the check,
+    # must not let the next one through unchecked
+    folder.write_run_info({"base_dir": str(base_dir or Path.cwd()), "finished_steps": None, "config": config_text,
+                           "data": data_before if start is not None else None})
     if start is None:
         folder.reset_logs()
     if local_cluster is None and not spec.runtime.scheduler_address:

@@ -10,8 +10,9 @@ arguments, can never be called: :func:`signature_problem` says so at ``flowrl va
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import inspect
+import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -108,18 +109,30 @@ def call_reward(fn: Callable[..., Any], inputs: RewardInputs, params: dict[str, 
 
 
 def _awaited(result: Any) -> Any:
-    """``result`` itself, or what it gives when awaited: in an event loop of its own, on this
-    thread, or on a thread of its own where this one already runs a loop (one cannot wait
-    on another inside it)."""
+    """``result`` itself, or what it gives when awaited, on this process's reward event loop."""
     if not inspect.isawaitable(result):
         return result
 
     async def wait() -> Any:
         return await result
 
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(wait())
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, wait()).result()
+    return asyncio.run_coroutine_threadsafe(wait(), _reward_loop()).result()
+
+
+_LOOP: tuple[int, asyncio.AbstractEventLoop] | None = None
+"""(process id, loop): a forked worker inherits the object but not the thread that runs it."""
+_LOOP_LOCK = threading.Lock()
+
+
+def _reward_loop() -> asyncio.AbstractEventLoop:
+    """One event loop for the process's reward calls, run by a daemon thread and kept from
+    call to call (as TRL keeps one): what a reward module makes once and reuses across calls
+    (a client, a semaphore that rate-limits a judge) stays bound to the same loop. Its own
+    thread also serves a caller that already runs a loop of its own."""
+    global _LOOP
+    with _LOOP_LOCK:
+        if _LOOP is None or _LOOP[0] != os.getpid() or _LOOP[1].is_closed():
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="flowrl-reward-loop", daemon=True).start()
+            _LOOP = (os.getpid(), loop)
+        return _LOOP[1]

@@ -44,4 +44,5 @@ def test_the_stop_names_the_newest_checkpoint_or_says_none_was_written(tmp_path:
     with pytest.raises(FlowrlError) as caught:
         guard.check(StepRecord(3, 10, {"actor/nonfinite_skipped": 1.0}), _Events())
     assert f"its newest checkpoint is {checkpoints / 'step-2'} (lower the learning rate" in str(caught.value)
-    assert f"then `flowrl resume {tmp_path / 'run'}`" in str(caught.value)
+    # the fix changes the pipeline, which a resume takes with --force
+    assert f"then `flowrl resume {tmp_path / 'run'} --force`" in str(caught.value)

@@ -62,8 +62,16 @@ def test_a_function_that_applies_to_no_sample_is_warned_about_and_alone_stops_th
     with pytest.raises(RewardError, match="failed or returned None on every sample for 2 steps in a row .* so "
                                           "training had no signal.*First error: it returned None for every sample"):
         alone.check(4, {"judge": _none(1.0)}, events.append)
+    # beside a reward model's score node too: it gives signal
+    spec = _graph({"judge": "digits"}).spec.model_dump(mode="json", exclude_unset=True)  # type: ignore[attr-defined]
+    spec["models"]["rm"] = {"path": "builtin:tiny-rm", "kind": "reward"}
+    spec["nodes"]["rm_score"] = {"role": "score", "model": "rm", "inputs": ["rollout"]}
+    spec["nodes"]["adv"]["inputs"] = ["judge", "rm_score"]
+    with_model = RewardFailureGuard(pipeline_from_dict(spec))
+    for step in range(1, 6):
+        with_model.check(step, {"judge": _none(1.0)}, events.append)
     # beside another function it may rightly apply to no sample of a batch: a warning only
     both = RewardFailureGuard(_graph({"judge": "digits", "math": "digits"}))  # type: ignore[arg-type]
     for step in range(1, 6):
         both.check(step, {"judge": _none(1.0), "math": _none(0.0)}, events.append)
-    assert len(events) == 2
+    assert len(events) == 3

@@ -89,12 +89,13 @@ def test_resume_after_kill_with_a_datasets_source_and_evaluation_is_exact(tmp_pa
     # other rows in the file: the steps to come would draw other batches; refused, nothing trained
     datasets.Dataset.from_dict({"prompt": [f"{'abcdef'[i]}q=" for i in range(6)], "level": list(range(6))}).to_parquet(
         str(tmp_path / "train.parquet"))
-    changed = subprocess.run(_cli("run", str(pipeline_file), "--plain", "--resume", "trainer.steps=9"),
-                             capture_output=True, text=True)
-    assert changed.returncode == 2, changed.stderr
-    said = changed.stdout + changed.stderr
-    assert "the training data differs from the data the run in" in said and "(10 rows then, 6 now)" in said
-    assert "Traceback" not in said
+    for _ in range(2):  # refused again: a refusal keeps the fingerprint of the steps trained
+        changed = subprocess.run(_cli("run", str(pipeline_file), "--plain", "--resume", "trainer.steps=9"),
+                                 capture_output=True, text=True)
+        assert changed.returncode == 2, changed.stderr
+        said = changed.stdout + changed.stderr
+        assert "the training data differs from the data the run in" in said and "(10 rows then, 6 now)" in said
+        assert "Traceback" not in said
     assert [line["step"] for line in _lines(killed, "metrics.jsonl")] == list(range(0, 8))
 
 

@@ -115,6 +115,18 @@ async def async_length(completions: list[str], **kwargs: Any) -> list[float]:
     return [float(len(completion)) for completion in completions]
 
 
+_LOOPS: list[Any] = []
+
+
+async def judge_on_one_loop(completions: list[str], **kwargs: Any) -> list[float]:
+    """A judge that keeps what it made on its first call (a client, a rate-limiting
+    semaphore): usable only on the event loop it was made on."""
+    import asyncio
+
+    _LOOPS.append(asyncio.get_running_loop())
+    return [1.0] * len(completions)
+
+
 def test_an_async_function_is_awaited() -> None:
     import asyncio
 
@@ -124,8 +136,12 @@ def test_an_async_function_is_awaited() -> None:
     async def inside_a_running_loop() -> tuple[list[float], float, float]:
         return _scores(async_length, rollout)
 
-    # a caller that already runs an event loop on this thread: awaited on a thread of its own
+    # a caller that already runs an event loop on this thread: awaited on the reward loop's thread
     assert asyncio.run(inside_a_running_loop()) == ([3.0, 1.0], 0.0, 0.0)
+    # every call runs on the same loop, as TRL's: what a judge keeps from one call works in the next
+    for _ in range(3):
+        assert _scores(judge_on_one_loop, rollout)[0] == [1.0, 1.0]
+    assert len(_LOOPS) == 3 and len(set(map(id, _LOOPS))) == 1
 
 
 def test_signature_problems() -> None:
