@@ -163,6 +163,8 @@ def check_inputs(graph: PipelineGraph, base_dir: Path | None, locate: Locate | N
                 issues.append((getattr(error, "field", None) or where, str(error)))
         if source is not None:
             offered = offered_keywords(source)
+    if not any(path.startswith("models.") for path, _ in issues):
+        issues.extend(model_fit_issues(graph, base_dir))  # beside the data's problems, not instead
     issues.extend(reward_issues(graph, base_dir, offered))
     if held_out:
         issues.extend(eval_reward_issues(graph, base_dir, call_keywords(held_out), offered))
@@ -173,8 +175,7 @@ def check_inputs(graph: PipelineGraph, base_dir: Path | None, locate: Locate | N
 def model_issues(graph: PipelineGraph, base_dir: Path | None) -> list[Issue]:
     """A (path, message) per model whose path names nothing loadable here: an unknown builtin
     name, a missing folder, a folder without config.json, a hub name neither in the local cache
-    nor downloadable; when every path names something, the lengths past a model's positions
-    and the models that cannot read the policy's token ids (``flowrl.api.model_fit``)."""
+    nor downloadable."""
     issues: list[Issue] = []
     for name, model in graph.spec.models.items():
         where = f"models.{name}.path"
@@ -191,9 +192,14 @@ def model_issues(graph: PipelineGraph, base_dir: Path | None) -> list[Issue]:
                 issues.append((where, problem))
         except ModelLoadError as error:
             issues.append((where, str(error)))
-    if not issues:  # each model's path names something: do they fit the sequences and each other?
-        issues.extend(model_fit_issues(graph, base_dir))
     return issues
+
+
+def model_problems(graph: PipelineGraph, base_dir: Path | None) -> list[Issue]:
+    """:func:`model_issues`; when every path names something, whether the models fit the
+    sequences and each other's token ids (``flowrl.api.model_fit``)."""
+    issues = model_issues(graph, base_dir)
+    return issues or model_fit_issues(graph, base_dir)
 
 
 def raise_early_issues(graph: PipelineGraph, base_dir: Path | None, locate: Locate | None = None) -> None:
@@ -201,7 +207,7 @@ def raise_early_issues(graph: PipelineGraph, base_dir: Path | None, locate: Loca
     reward functions that cannot be loaded, local data files that are not there. SpecError
     listing them, placed by ``locate`` when given (a run checks the rest, with the data, as
     it starts)."""
-    issues = model_issues(graph, base_dir) + reward_issues(graph, base_dir, None)
+    issues = model_problems(graph, base_dir) + reward_issues(graph, base_dir, None)
     sources = [("data.source", graph.spec.data.source)]
     if graph.spec.eval is not None and graph.spec.eval.source:
         sources.append(("eval.source", graph.spec.eval.source))

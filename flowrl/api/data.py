@@ -71,6 +71,9 @@ def read_eval(graph: PipelineGraph, base_dir: Path | None,
     if evaluation is None:
         return [], None
     source, split, subset = _eval_data(graph, base_dir)
+    if spec.data.max_prompt_tokens is None and formatter.room is not None:
+        room = prompt_room(graph, base_dir, evaluation=True)
+        formatter = formatter.with_room(room.tokens if room else None, room.why if room else "")
     examples, counts = read_examples(
         source, split, subset, base_dir, evaluation.prompt_key or spec.data.prompt_key,
         evaluation.answer_key or spec.data.answer_key, formatter, section="eval",

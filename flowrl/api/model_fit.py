@@ -54,14 +54,19 @@ def _facts(graph: PipelineGraph, base_dir: Path | None) -> dict[str, ModelFacts]
     return found
 
 
-def _completions(graph: PipelineGraph) -> list[tuple[int, str]]:
-    """(tokens, field) of every completion length a generation asks for."""
-    asked = [(int(getattr(graph.spec.nodes[node], "max_new_tokens")), f"nodes.{node}.max_new_tokens")
-             for node in graph.nodes_of(GenerateNode)]
+def _training_completions(graph: PipelineGraph) -> list[tuple[int, str]]:
+    """(tokens, field) of every generate node's completion length."""
+    return [(int(getattr(graph.spec.nodes[node], "max_new_tokens")), f"nodes.{node}.max_new_tokens")
+            for node in graph.nodes_of(GenerateNode)]
+
+
+def _eval_completion(graph: PipelineGraph) -> tuple[int, str] | None:
+    """(tokens, field) of the evaluation's own completion length; None: it has none (it
+    generates as the generate node does) or there is no evaluation."""
     evaluation = graph.spec.eval
-    if evaluation is not None and evaluation.max_new_tokens is not None:
-        asked.append((evaluation.max_new_tokens, "eval.max_new_tokens"))
-    return asked
+    if evaluation is None or evaluation.max_new_tokens is None:
+        return None
+    return evaluation.max_new_tokens, "eval.max_new_tokens"
 
 
 def _shortest(facts: dict[str, ModelFacts]) -> tuple[int, str, ModelFacts] | None:
@@ -69,19 +74,27 @@ def _shortest(facts: dict[str, ModelFacts]) -> tuple[int, str, ModelFacts] | Non
     return min(limits) if limits else None
 
 
-def prompt_room(graph: PipelineGraph, base_dir: Path | None) -> PromptRoom | None:
-    """The room left for a prompt; None where no model says how long a sequence may be, or no
-    room is left at all (validation refuses that)."""
-    shortest = _shortest(_facts(graph, base_dir))
-    asked = _completions(graph)
+def prompt_room(graph: PipelineGraph, base_dir: Path | None, evaluation: bool = False) -> PromptRoom | None:
+    """The room left for a training prompt (every model reads its sequences), or with
+    ``evaluation`` for a held-out one (only the policy generates and reads those); None where
+    no model says how long a sequence may be, or no room is left at all (validation refuses
+    that)."""
+    facts = _facts(graph, base_dir)
+    policy = policy_name(graph)
+    asked = _training_completions(graph)
+    if evaluation:
+        facts = {name: item for name, item in facts.items() if name == policy}
+        own = _eval_completion(graph)
+        asked = [own] if own is not None else asked
+    shortest = _shortest(facts)
     if shortest is None or not asked:
         return None
-    positions, name, facts = shortest
+    positions, name, item = shortest
     new_tokens, field = max(asked)
     if new_tokens >= positions:
         return None
     return PromptRoom(positions - new_tokens, f"model '{name}' takes at most {positions} tokens per sequence "
-                                              f"({facts.source}), and {field} is {new_tokens}")
+                                              f"({item.source}), and {field} is {new_tokens}")
 
 
 def model_fit_issues(graph: PipelineGraph, base_dir: Path | None) -> list[Issue]:
@@ -92,26 +105,31 @@ def model_fit_issues(graph: PipelineGraph, base_dir: Path | None) -> list[Issue]
 
 
 def _length_issues(graph: PipelineGraph, facts: dict[str, ModelFacts]) -> list[Issue]:
-    shortest = _shortest(facts)
-    if shortest is None:
-        return []
-    positions, name, item = shortest
-    limit = f"model '{name}' takes at most {positions} tokens per sequence, prompt and completion ({item.source})"
     issues: list[Issue] = []
-    asked = _completions(graph)
-    for new_tokens, field in asked:
-        if new_tokens >= positions:
-            issues.append((field, f"{new_tokens} new tokens leave no room for a prompt: {limit}; "
-                                  f"lower it below {positions}"))
-    fitting = [(new_tokens, field) for new_tokens, field in asked if new_tokens < positions]
-    most = graph.spec.data.max_prompt_tokens
-    if most is not None and fitting:
-        new_tokens, field = max(fitting)
-        if most + new_tokens > positions:
-            issues.append(("data.max_prompt_tokens",
-                           f"{most} prompt tokens and {field} = {new_tokens} make {most + new_tokens}, more than "
-                           f"the {positions} tokens per sequence model '{name}' takes ({item.source}); lower "
-                           f"data.max_prompt_tokens to {positions - new_tokens} or less"))
+    policy = policy_name(graph)
+    # training sequences are read by every model; held-out ones only by the policy
+    checks = [(_shortest(facts), _training_completions(graph))]
+    own = _eval_completion(graph)
+    if own is not None:
+        checks.append((_shortest({name: item for name, item in facts.items() if name == policy}), [own]))
+    for shortest, asked in checks:
+        if shortest is None:
+            continue
+        positions, name, item = shortest
+        limit = f"model '{name}' takes at most {positions} tokens per sequence, prompt and completion ({item.source})"
+        for new_tokens, field in asked:
+            if new_tokens >= positions:
+                issues.append((field, f"{new_tokens} new tokens leave no room for a prompt: {limit}; "
+                                      f"lower it below {positions}"))
+        fitting = [(new_tokens, field) for new_tokens, field in asked if new_tokens < positions]
+        most = graph.spec.data.max_prompt_tokens
+        if most is not None and fitting:
+            new_tokens, field = max(fitting)
+            if most + new_tokens > positions:
+                issues.append(("data.max_prompt_tokens",
+                               f"{most} prompt tokens and {field} = {new_tokens} make {most + new_tokens}, more "
+                               f"than the {positions} tokens per sequence model '{name}' takes ({item.source}); "
+                               f"lower data.max_prompt_tokens to {positions - new_tokens} or less"))
     return issues
 
 
@@ -120,15 +138,20 @@ def _vocabulary_issues(graph: PipelineGraph, base_dir: Path | None, facts: dict[
     if policy is None or policy not in graph.spec.models:
         return []
     issues: list[Issue] = []
-    sampled = facts[policy].vocabulary if policy in facts else None
+    # the policy's tokenizer's size, not its embedding's: embeddings are often padded past the
+    # tokenizer (Qwen2.5's sizes differ between models of one tokenizer)
+    tokens = _tokenizer_size(graph, base_dir, policy)
+    described = "the tokenizer of" if tokens is not None else "the embedding of"
+    if tokens is None and policy in facts:
+        tokens = facts[policy].vocabulary
     others = [name for name in graph.spec.models if name != policy]
     for name in others:
         rows = facts[name].vocabulary if name in facts else None
-        if sampled is not None and rows is not None and rows < sampled:
+        if tokens is not None and rows is not None and rows < tokens:
             issues.append((f"models.{name}.path",
-                           f"model '{name}' has {rows} token ids ({facts[name].source}), but the policy "
-                           f"'{policy}' samples from {sampled}: every model of a pipeline reads the policy's "
-                           "token ids, so it needs the policy's tokenizer; give a model trained with it"))
+                           f"model '{name}' has {rows} token ids ({facts[name].source}), but {described} the "
+                           f"policy '{policy}' has {tokens}: every model of a pipeline reads the policy's token "
+                           "ids, so it needs the policy's tokenizer; give a model trained with it"))
     if issues:
         return issues
     for name in others:
@@ -172,11 +195,27 @@ def _tokenizer_mismatch(graph: PipelineGraph, base_dir: Path | None, policy: str
             "reads the policy's token ids, so give a model trained with the policy's tokenizer")
 
 
+def _tokenizer_size(graph: PipelineGraph, base_dir: Path | None, name: str) -> int | None:
+    """Tokens of model ``name``'s tokenizer (a builtin's: its shape's vocabulary); None where
+    it cannot be loaded here."""
+    model = graph.spec.models[name]
+    if model.path.startswith("builtin:"):
+        return None  # its embedding is its tokenizer's size (model_facts)
+    tokenizer = _load(model.path, base_dir, getattr(model, "revision", None), getattr(model, "trust_remote_code", False))
+    return len(tokenizer) if tokenizer is not None else None
+
+
 def _vocabulary(location: Path) -> dict[str, int] | None:
+    tokenizer = _load(str(location), None, None, False)
+    return dict(tokenizer.get_vocab()) if tokenizer is not None else None
+
+
+def _load(path: str, base_dir: Path | None, revision: str | None, trust_remote_code: bool) -> Any:
+    """A tokenizer, or None where it cannot be loaded here (this check then says nothing: the
+    run's own loading reports a tokenizer that is broken)."""
     from flowrl.backends.policy_tokenizer import load_tokenizer
 
     try:
-        tokenizer: Any = load_tokenizer(str(location))
-    except ModelLoadError:
+        return load_tokenizer(path, base_dir, revision, trust_remote_code)
+    except Exception:  # noqa: BLE001 - any tokenizer that fails to load: not this check's to report
         return None
-    return dict(tokenizer.get_vocab())

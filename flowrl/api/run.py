@@ -23,7 +23,7 @@ from flowrl.api.recovery import FoundCheckpoint, config_changes, newest_checkpoi
 from flowrl.api.replanning import Replanner
 from flowrl.backends.cache import BUILTIN_PREFIX, built_builtin_dir
 from flowrl.api.data import evaluates_training_prompts, policy_formatter, read_eval, training_source
-from flowrl.api.checks import (call_keywords, check_inputs, eval_reward_issues, model_issues, offered_keywords,
+from flowrl.api.checks import (call_keywords, check_inputs, eval_reward_issues, model_problems, offered_keywords,
                                reward_issues)
 from flowrl.api.evaluation import Evaluator
 from flowrl.data import PromptSource
@@ -481,7 +481,7 @@ def preflight(graph: PipelineGraph, base_dir: Path | None, offered: set[str] | N
     Resolving a builtin model also builds it once, so that workers never race to build
     the same cache directory.
     """
-    issues = model_issues(graph, base_dir) + reward_issues(graph, base_dir, offered)
+    issues = model_problems(graph, base_dir) + reward_issues(graph, base_dir, offered)
     if offered_eval is not None:
         issues += eval_reward_issues(graph, base_dir, offered_eval, offered)
     if issues:

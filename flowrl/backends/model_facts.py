@@ -61,13 +61,26 @@ def _config_file(location: Path | str, revision: str | None) -> Path | None:
 
 def _positions(config: dict[str, Any]) -> int | None:
     positions = next((value for key in POSITION_KEYS if (value := _number(config.get(key))) is not None), None)
-    scaling = config.get("rope_scaling")
-    factor = _number(scaling.get("factor")) if isinstance(scaling, dict) else None
-    # a scaled rotary embedding (YaRN, dynamic, linear) reaches past the trained positions; on
-    # the side of allowing, as long as the config's own number may or may not include it
+    # A scaled rotary embedding (YaRN, dynamic, linear) reaches past the trained positions:
+    # ``rope_scaling`` before transformers 5, ``rope_parameters`` since. On the side of
+    # allowing, since the config's own number may or may not include the factor already.
+    factors = [_factor(config.get(key)) for key in ("rope_scaling", "rope_parameters")]
+    factor = max((value for value in factors if value is not None), default=None)
     if positions is not None and factor is not None and factor > 1:
-        return positions * factor
+        return int(positions * factor)
     return positions
+
+
+def _factor(scaling: object) -> float | None:
+    """The scaling factor of a rope_scaling / rope_parameters entry (a dict, or one dict per
+    attention kind); None without one."""
+    if not isinstance(scaling, dict):
+        return None
+    value = scaling.get("factor")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    nested = [_factor(item) for item in scaling.values() if isinstance(item, dict)]
+    return max((item for item in nested if item is not None), default=None)
 
 
 def _number(value: object) -> int | None:

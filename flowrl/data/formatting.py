@@ -11,6 +11,8 @@ the step alone.
 
 from __future__ import annotations
 
+import copy
+
 import difflib
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -33,6 +35,10 @@ class FormatCounts:
     num_chat: int = 0
     num_truncated: int = 0
     num_skipped: int = 0
+
+
+TOKENIZE_CHUNK = 4096
+"""Prompts tokenized per call when lengths are measured."""
 
 
 class PromptFormatter:
@@ -68,6 +74,14 @@ class PromptFormatter:
         self.room = None if max_prompt_tokens is not None else room
         self.room_why = room_why
 
+    def with_room(self, room: int | None, why: str = "") -> "PromptFormatter":
+        """This formatter with another room (held-out prompts: the evaluation's own
+        completion length and the policy's positions); ``max_prompt_tokens`` still wins."""
+        other = copy.copy(self)
+        other.room = None if self.max_prompt_tokens is not None else room
+        other.room_why = why
+        return other
+
     @property
     def tokenizer(self) -> Any | None:
         if callable(self._tokenizer) and not hasattr(self._tokenizer, "apply_chat_template"):
@@ -97,15 +111,15 @@ class PromptFormatter:
         truncated = skipped = 0
         too_long: list[str] = []
         no_room: list[str] = []
-        for (number, row, chat), text, ids in zip(kept_rows, texts, lengths):
+        for (number, row, chat), text, (length, ids) in zip(kept_rows, texts, lengths):
             prompt_ids: tuple[int, ...] | None = None
-            if self.room is not None and ids is not None and len(ids) > self.room:
-                no_room.append(f"{display_name}: row {number}: {len(ids)} tokens")
+            if self.room is not None and length > self.room:
+                no_room.append(f"{display_name}: row {number}: {length} tokens")
                 continue
             limit = self.max_prompt_tokens
-            if limit is not None and ids is not None and len(ids) > limit:
+            if limit is not None and ids is not None and length > limit:
                 if self.overlong == "error":
-                    too_long.append(f"{display_name}: row {number}: {len(ids)} tokens")
+                    too_long.append(f"{display_name}: row {number}: {length} tokens")
                     continue
                 if self.overlong == "skip":
                     skipped += 1
@@ -174,11 +188,18 @@ class PromptFormatter:
         text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
         return str(text)
 
-    def _lengths(self, texts: list[str]) -> list[list[int] | None]:
+    def _lengths(self, texts: list[str]) -> list[tuple[int, list[int] | None]]:
+        """Each text's length in tokens and, where ``max_prompt_tokens`` may cut it, its ids;
+        (0, None) where no limit applies. Tokenized in chunks, and against the room alone no
+        ids are kept, so that a large dataset is never held as ids in full."""
         if (self.max_prompt_tokens is None and self.room is None) or self.tokenizer is None or not texts:
-            return [None] * len(texts)
-        encoded = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
-        return [list(ids) for ids in encoded]
+            return [(0, None)] * len(texts)
+        cut = self.max_prompt_tokens is not None
+        measured: list[tuple[int, list[int] | None]] = []
+        for start in range(0, len(texts), TOKENIZE_CHUNK):
+            encoded = self.tokenizer(texts[start:start + TOKENIZE_CHUNK], add_special_tokens=False)["input_ids"]
+            measured.extend((len(row), list(row) if cut else None) for row in encoded)
+        return measured
 
 
 def check_columns(columns: list[str], answer_key: str, display_name: str, section: str = "data",

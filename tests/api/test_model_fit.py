@@ -42,7 +42,7 @@ def _folder(root: Path, name: str, config: dict[str, Any], tokenizer: Any = None
     return str(folder)
 
 
-def test_a_completion_that_fills_the_positions_leaves_no_room_for_a_prompt() -> None:
+def test_a_completion_that_fills_the_positions_leaves_no_room_for_a_prompt(tmp_path: Path) -> None:
     # builtin:tiny-llama takes 256 positions
     assert model_fit_issues(_pipeline(new_tokens=255), None) == []
     [(field, message)] = model_fit_issues(_pipeline(new_tokens=256), None)
@@ -50,6 +50,9 @@ def test_a_completion_that_fills_the_positions_leaves_no_room_for_a_prompt() -> 
     assert "256 new tokens leave no room for a prompt" in message and "at most 256 tokens" in message
     [(field, _)] = model_fit_issues(_pipeline(evaluation={"max_new_tokens": 300}), None)
     assert field == "eval.max_new_tokens"
+    # held-out sequences are the policy's alone: a shorter reference does not bound them
+    short = _folder(tmp_path, "short", {"vocab_size": 83, "n_positions": 40})
+    assert model_fit_issues(_pipeline(reference=short, evaluation={"max_new_tokens": 200}), None) == []
 
 
 def test_a_prompt_limit_that_with_the_completion_passes_the_positions_is_refused() -> None:
@@ -61,26 +64,31 @@ def test_a_prompt_limit_that_with_the_completion_passes_the_positions_is_refused
 
 def test_the_shortest_model_and_the_longest_completion_set_the_room(tmp_path: Path) -> None:
     short = _folder(tmp_path, "short", {"vocab_size": 83, "n_positions": 40})  # GPT-2's key
-    room = prompt_room(_pipeline(reference=short, evaluation={"max_new_tokens": 24}), None)
-    assert room is not None and room.tokens == 40 - 24
-    assert "model 'reference' takes at most 40 tokens" in room.why and "eval.max_new_tokens is 24" in room.why
-    # a scaled rotary embedding reaches past the config's positions
-    scaled = _folder(tmp_path, "scaled", {"vocab_size": 83, "max_position_embeddings": 40,
-                                          "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
-    room = prompt_room(_pipeline(reference=scaled), None)
-    assert room is not None and room.tokens == 40 * 4 - 16 and "at most 160 tokens" in room.why
+    pipeline = _pipeline(reference=short, new_tokens=16, evaluation={"max_new_tokens": 24})
+    room = prompt_room(pipeline, None)
+    assert room is not None and room.tokens == 40 - 16
+    assert "model 'reference' takes at most 40 tokens" in room.why and "nodes.rollout.max_new_tokens is 16" in room.why
+    # held-out prompts: the policy's 256 positions and the evaluation's own 24 new tokens
+    room = prompt_room(pipeline, None, evaluation=True)
+    assert room is not None and room.tokens == 256 - 24 and "eval.max_new_tokens is 24" in room.why
+    # a scaled rotary embedding reaches past the config's positions, as transformers 4 and 5 write it
+    for key in ("rope_scaling", "rope_parameters"):
+        scaled = _folder(tmp_path, f"scaled-{key}", {"vocab_size": 83, "max_position_embeddings": 40,
+                                                     key: {"rope_type": "yarn", "factor": 2.5}})
+        room = prompt_room(_pipeline(reference=scaled), None)
+        assert room is not None and room.tokens == 100 - 16 and "at most 100 tokens" in room.why
 
 
 def test_a_prompt_longer_than_the_room_stops_the_run_before_step_1(tmp_path: Path) -> None:
     from flowrl.api.data import policy_formatter, training_source
     from flowrl.errors import DataError
 
-    (tmp_path / "train.jsonl").write_text(json.dumps({"prompt": "1+1="}) + "\n" + json.dumps({"prompt": "9" * 241}) + "\n")
+    (tmp_path / "train.jsonl").write_text(json.dumps({"prompt": "1+1="}) + "\n" + json.dumps({"prompt": "9" * 300}) + "\n")
     graph = _pipeline(data={"source": "train.jsonl"})
     with pytest.raises(DataError) as caught:
         training_source(graph, tmp_path, policy_formatter(graph, tmp_path))
     message = str(caught.value)
-    assert "row 2: 241 tokens" in message and "row 1" not in message
+    assert "row 2: 300 tokens" in message and "row 1" not in message
     assert "longer than the 240 tokens" in message and "set data.max_prompt_tokens to 240 or less" in message
     # with a limit of its own, the prompt limit applies as the data section says
     graph = _pipeline(data={"source": "train.jsonl", "max_prompt_tokens": 100, "overlong_prompts": "skip"})
@@ -88,24 +96,34 @@ def test_a_prompt_longer_than_the_room_stops_the_run_before_step_1(tmp_path: Pat
     assert [example.prompt for example in source.examples] == ["1+1="]
 
 
-def test_a_model_with_fewer_token_ids_than_the_policy_samples_is_refused() -> None:
+def test_a_model_with_fewer_token_ids_than_the_policy_has_tokens_is_refused(tmp_path: Path) -> None:
     [(field, message)] = model_fit_issues(_pipeline(actor="builtin:qwen2-0.4b", reference="builtin:tiny-llama"), None)
     assert field == "models.reference.path"
-    assert "has 83 token ids" in message and "samples from 32000" in message
-    # more rows than the policy samples from: every sampled id has one
+    assert "has 83 token ids" in message and "the embedding of the policy 'actor' has 32000" in message
+    # more rows than the policy has tokens: every id it samples has one
     assert model_fit_issues(_pipeline(actor="builtin:tiny-llama", reference="builtin:qwen2-0.4b"), None) == []
+    # an embedding padded past the tokenizer (Qwen2.5 7B's 152064 rows, 3B's 151936, one
+    # tokenizer): the policy's tokenizer counts, not its embedding
+    tokenizer = _tokenizer("upeabc")
+    padded = _folder(tmp_path, "padded", {"vocab_size": 64, "max_position_embeddings": 64}, tokenizer)
+    smaller = _folder(tmp_path, "smaller", {"vocab_size": 8, "max_position_embeddings": 64}, tokenizer)
+    assert model_fit_issues(_pipeline(actor=padded, reference=smaller), None) == []
+    tight = _folder(tmp_path, "tight", {"vocab_size": 5, "max_position_embeddings": 64})
+    [(field, message)] = model_fit_issues(_pipeline(actor=padded, reference=tight), None)
+    assert "has 5 token ids" in message and "the tokenizer of the policy 'actor' has 6" in message
 
 
-def test_a_tokenizer_that_gives_the_policy_tokens_other_ids_is_refused(tmp_path: Path) -> None:
+def _tokenizer(order: str) -> Any:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    def tokenizer(order: str) -> PreTrainedTokenizerFast:
-        backend = Tokenizer(models.WordLevel(vocab={token: index for index, token in enumerate(order)},
-                                             unk_token="u"))
-        backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-        return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="u", pad_token="p", eos_token="e")
+    backend = Tokenizer(models.WordLevel(vocab={token: index for index, token in enumerate(order)}, unk_token="u"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="u", pad_token="p", eos_token="e")
 
+
+def test_a_tokenizer_that_gives_the_policy_tokens_other_ids_is_refused(tmp_path: Path) -> None:
+    tokenizer = _tokenizer
     config = {"vocab_size": 6, "max_position_embeddings": 64}
     actor = _folder(tmp_path, "actor", config, tokenizer("upeabc"))
     same = _folder(tmp_path, "same", config, tokenizer("upeabc"))
