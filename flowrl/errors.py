@@ -123,4 +123,12 @@ def error_chain(error: BaseException) -> Iterator[BaseException]:
 
 
 class RunInterrupted(KeyboardInterrupt):
-    """Ctrl-C stopped a run; the message says where, what was kept and how to go on."""
+    """Ctrl-C (or SIGTERM, SIGHUP) stopped a run; the message says where, what was kept and
+    how to go on. ``exit_code``: 128 + the signal's number, as a shell reports a process
+    ended by it (130 for Ctrl-C)."""
+
+    def __init__(self, message: str, signal_name: str = "SIGINT") -> None:
+        super().__init__(message)
+        import signal
+
+        self.exit_code = 128 + int(getattr(signal, signal_name, signal.SIGINT))

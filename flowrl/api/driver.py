@@ -155,6 +155,7 @@ class Driver:
     # ---- the loop ---------------------------------------------------------------------
 
     def run(self) -> None:
+        self._interrupt_signal = "SIGINT"
         with _InterruptFlag() as interrupt:
             self._loop(interrupt)
 
@@ -167,7 +168,7 @@ class Driver:
                 with interrupt.armed():
                     event = self.carry_out(instruction)
             except KeyboardInterrupt:
-                event = lc.Interrupted()
+                event = lc.Interrupted(interrupt.signal)
             except Exception as failure:  # noqa: BLE001 - every failure becomes an event
                 error, failed_at = failure, instruction
                 event = lc.Failed(self.fault_of(failure, instruction))
@@ -176,9 +177,10 @@ class Driver:
             if interrupt.raised:
                 # Ctrl-C came, even if the KeyboardInterrupt it raised was swallowed on the
                 # way (C code that clears Python errors): the run stops all the same.
-                event = lc.Interrupted()
+                event = lc.Interrupted(interrupt.signal)
             instruction = self.machine.handle(event)
         if isinstance(instruction, lc.Stop):
+            self._interrupt_signal = interrupt.signal
             self._stop(instruction, error, failed_at)
 
     def close(self) -> None:
@@ -531,7 +533,7 @@ class Driver:
             else:
                 kept = (f"no checkpoint was written yet (trainer.checkpoint_every: {every}"
                         f"{', none at all' if every == 0 else ''}), so a resume would start over at step 1")
-            raise RunInterrupted(f"{stop.message}; {kept}")
+            raise RunInterrupted(f"{stop.message}; {kept}", self._interrupt_signal)
         if stop.reason == "error" and error is not None:
             if isinstance(failed_at, lc.Checkpoint) and not isinstance(error, FlowrlError):
                 raise CheckpointError(
@@ -573,18 +575,25 @@ def _looks_lost(error: BaseException) -> bool:
     return False
 
 
+STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
+"""Signals that stop a run as Ctrl-C does: a batch system's preemption or a job's end
+(SIGTERM) and a closed terminal (SIGHUP) say where the run stopped and how to resume too."""
+
+
 class _InterruptFlag:
-    """SIGINT is remembered, so that the loop stops at the next instruction, and while an
-    instruction is carried out (:meth:`armed`) it also raises KeyboardInterrupt, as Python's
-    own handler does, to cut a long wait short. Between instructions it raises nothing: a
-    KeyboardInterrupt there would escape the loop's handling (the run would end without saying
-    where). Only the main thread may set signal handlers; elsewhere (a run started from a
-    thread) nothing changes."""
+    """A stop signal (``STOP_SIGNALS``) is remembered, so that the loop stops at the next
+    instruction, and while an instruction is carried out (:meth:`armed`) it also raises
+    KeyboardInterrupt, as Python's own handler does for SIGINT, to cut a long wait short.
+    Between instructions it raises nothing: a KeyboardInterrupt there would escape the loop's
+    handling (the run would end without saying where). Only the main thread may set signal
+    handlers; elsewhere (a run started from a thread) nothing changes."""
 
     def __init__(self) -> None:
         self.raised = False
+        self.signal = "SIGINT"
+        """The name of the signal that came (SIGINT until one came)."""
         self._armed = False
-        self._previous: Any = None
+        self._previous: dict[int, Any] = {}
 
     @contextlib.contextmanager
     def armed(self) -> Iterator[None]:
@@ -595,16 +604,24 @@ class _InterruptFlag:
             self._armed = False
 
     def __enter__(self) -> _InterruptFlag:
-        # A process started with Ctrl-C ignored (a background job of a script) keeps ignoring it.
-        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for name in STOP_SIGNALS:
+            number = getattr(signal, name, None)
+            # A process started with a signal ignored (Ctrl-C in a script's background job,
+            # SIGHUP under nohup) keeps ignoring it.
+            if number is not None and signal.getsignal(number) is not signal.SIG_IGN:
+                self._previous[number] = signal.signal(number, self._handle)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+        for number, previous in self._previous.items():
+            signal.signal(number, previous)
+        self._previous = {}
 
     def _handle(self, signum: int, frame: Any) -> None:
+        if not self.raised:
+            self.signal = signal.Signals(signum).name
         self.raised = True
         if self._armed:
             raise KeyboardInterrupt

@@ -64,7 +64,7 @@ def _friendly(function: F) -> F:
             return None
         except KeyboardInterrupt as interrupt:
             _console(stderr=True, highlight=False).print(str(interrupt) or "interrupted", markup=False, soft_wrap=True)
-            raise typer.Exit(code=130) from None
+            raise typer.Exit(code=getattr(interrupt, "exit_code", 130)) from None
 
     return wrapper  # type: ignore[return-value]
 

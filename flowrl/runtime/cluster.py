@@ -142,13 +142,7 @@ class Cluster:
             security = Security(tls_ca_file=tls.get("ca_file"), tls_client_cert=tls.get("cert"),
                                 tls_client_key=tls.get("key"), require_encryption=True)
         _quiet_reconnect_errors()
-        try:
-            client = Client(address, direct_to_workers=True, timeout=timeout_s, security=security)
-        except (OSError, TimeoutError) as error:
-            raise ClusterError(
-                f"cannot reach the Dask scheduler at {address}: {error}. "
-                "Check the address (tcp://HOST:PORT) and that `dask scheduler` is running there."
-            ) from error
+        client = _connect(address, timeout_s, security)
         try:
             client.wait_for_workers(1, timeout=timeout_s)
         except TimeoutError as error:
@@ -394,6 +388,43 @@ def _quiet_reconnect_errors() -> None:
     logger = logging.getLogger("distributed.client")
     if not any(isinstance(f, _DropReconnectErrors) for f in logger.filters):
         logger.addFilter(_DropReconnectErrors())
+
+
+CONNECT_GRACE_S = 10.0
+"""Time past the join's own timeout that a connection may take before it is given up: Dask's
+client enforces its timeout on reaching the address, not on a service there that accepts the
+connection and never answers."""
+
+
+def _connect(address: str, timeout_s: float, security: Any) -> Client:
+    """A client of the scheduler at ``address``, or a ClusterError: when nothing answers there,
+    when what answers is not a Dask scheduler, or when no answer comes in time. The client is
+    made on a daemon thread, so a connection that never completes is left behind, not waited on."""
+    outcome: dict[str, Any] = {}
+
+    def connect() -> None:
+        try:
+            outcome["client"] = Client(address, direct_to_workers=True, timeout=timeout_s, security=security)
+        except BaseException as error:  # noqa: BLE001 - handed to the caller, whatever it is
+            outcome["error"] = error
+
+    thread = threading.Thread(target=connect, name="flowrl-join", daemon=True)
+    thread.start()
+    thread.join(timeout_s + CONNECT_GRACE_S)
+    check = "Check the address (tcp://HOST:PORT) and that `dask scheduler` is running there."
+    if thread.is_alive():
+        raise ClusterError(f"the service at {address} accepted the connection but gave no Dask scheduler's answer "
+                           f"in {timeout_s + CONNECT_GRACE_S:.0f} s. {check}")
+    error = outcome.get("error")
+    if isinstance(error, (OSError, TimeoutError)):
+        raise ClusterError(f"cannot reach the Dask scheduler at {address}: {error}. {check}") from None
+    if isinstance(error, KeyboardInterrupt):
+        raise error
+    if error is not None:
+        raise ClusterError(f"what answers at {address} is not a Dask scheduler ({type(error).__name__}: "
+                           f"{str(error)[:200]}). {check}") from None
+    client: Client = outcome["client"]
+    return client
 
 
 def join_for(runtime: RuntimeSpec, address: str, base_dir: Path, timeout_s: float = 30.0) -> Cluster:

@@ -56,3 +56,25 @@ def test_sigint_outside_the_block_is_python_s_again() -> None:
         pass
     with pytest.raises(KeyboardInterrupt):
         os.kill(os.getpid(), signal.SIGINT)
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGHUP"])
+def test_sigterm_and_sighup_stop_the_run_as_ctrl_c_does_and_are_named(name: str) -> None:
+    """A batch system's preemption (SIGTERM) or a closed terminal (SIGHUP) ended the process
+    at once, saying nothing; now the run stops where it is and says how to resume."""
+    number = getattr(signal, name)
+    before = signal.getsignal(number)
+    with _InterruptFlag() as flag:
+        with pytest.raises(KeyboardInterrupt):
+            with flag.armed():
+                os.kill(os.getpid(), number)
+        os.kill(os.getpid(), signal.SIGINT)  # a second signal: the first one names the stop
+        assert flag.raised and flag.signal == name
+    assert signal.getsignal(number) is before
+
+
+def test_an_interrupted_run_exits_as_a_shell_reports_the_signal() -> None:
+    from flowrl.errors import RunInterrupted
+
+    assert RunInterrupted("stopped").exit_code == 130
+    assert RunInterrupted("stopped", "SIGTERM").exit_code == 143
