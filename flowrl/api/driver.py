@@ -535,11 +535,15 @@ class Driver:
                         f"{', none at all' if every == 0 else ''}), so a resume would start over at step 1")
             raise RunInterrupted(f"{stop.message}; {kept}", self._interrupt_signal)
         if stop.reason == "error" and error is not None:
-            if isinstance(failed_at, lc.Checkpoint) and not isinstance(error, FlowrlError):
-                raise CheckpointError(
-                    f"cannot write checkpoint step-{failed_at.step} to {self.folder.checkpoints}: {error}; "
-                    "the previous checkpoint is intact (free disk space or fix the folder, then resume)"
-                ) from error
+            if isinstance(failed_at, (lc.Checkpoint, lc.SaveFinal)) and not isinstance(error, FlowrlError):
+                what = (f"checkpoint step-{failed_at.step} to {self.folder.checkpoints}"
+                        if isinstance(failed_at, lc.Checkpoint) else f"the final model to {self.folder.path / 'final'}")
+                written = newest_written(self.folder.checkpoints)
+                kept = (f"the checkpoint before it, {written}, is intact (free disk space or fix the folder, then "
+                        f"`flowrl resume {self.folder.path}`)" if written is not None else
+                        "no checkpoint was written before it (trainer.checkpoint_every sets how often one is), so "
+                        "the steps trained are lost; free disk space or fix the folder and run again")
+                raise CheckpointError(f"cannot write {what}: {type(error).__name__}: {error}; {kept}") from error
             raise error
         found = newest_checkpoint(self.folder.checkpoints)
         kept = f"the newest intact checkpoint is {found.path}" if found is not None else "no checkpoint was written yet"

@@ -294,3 +294,16 @@ def test_resume_restores_the_sampling_rng_of_a_generator_on_another_worker(tmp_p
     actual = load_file(str(stopped / "final" / "model.safetensors"))
     for key in expected:
         torch.testing.assert_close(actual[key], expected[key], rtol=0, atol=1e-6)
+
+
+def test_a_final_model_that_cannot_be_written_is_a_clear_error_that_says_what_was_kept(tmp_path: Path) -> None:
+    """A full disk or a broken folder at the final save: what failed, and that without a
+    checkpoint the steps are lost (a traceback from safetensors before)."""
+    from flowrl.errors import CheckpointError
+
+    output = tmp_path / "out"
+    output.mkdir()
+    (output / "final").write_text("a file where the final model's folder goes")
+    with pytest.raises(CheckpointError, match=r"cannot write the final model to .*final: NotADirectoryError.*"
+                                              r"no checkpoint was written before it"):
+        run(tiny_grpo(output, steps=1))
