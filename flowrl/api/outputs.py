@@ -256,8 +256,15 @@ class RunFolder:
             shutil.rmtree(path, ignore_errors=True)
 
     def _append(self, name: str, line: dict[str, Any]) -> None:
-        with open(self.path / name, "a") as handle:
-            handle.write(json.dumps(line) + "\n")
+        try:
+            with open(self.path / name, "a") as handle:
+                handle.write(json.dumps(line) + "\n")
+        except OSError as error:  # a full disk, a folder made read-only under the run
+            raise FlowrlError(
+                f"cannot write {name} in {self.path}: {error.strerror or error}; free disk space or fix the "
+                f"folder, then resume (`flowrl resume {self.path}`: the checkpoints written are kept, and a "
+                "half-written line is dropped)"
+            ) from None
 
 
 def _measured(records: list[StepRecord]) -> dict[str, Any]:

@@ -78,3 +78,15 @@ def test_config_changes_are_listed_as_a_diff() -> None:
     now = "name: a\ntrainer:\n  steps: 20\n  seed: 0\n"
     assert config_changes(before, now) == ["-  steps: 10", "+  steps: 20"]
     assert config_changes(before, before) == []
+
+
+def test_a_log_line_that_cannot_be_written_is_a_clear_error(tmp_path: Path) -> None:
+    """A full disk or a folder made read-only under the run: what could not be written and
+    how to go on, not an OSError's traceback."""
+    from flowrl.errors import FlowrlError
+    from flowrl.records import RunEvent
+
+    folder = RunFolder(tmp_path / "run")
+    (folder.path / "events.jsonl").mkdir(parents=True)  # appending to it fails as a full disk would
+    with pytest.raises(FlowrlError, match=r"cannot write events.jsonl in .*run: Is a directory; free disk space"):
+        folder.append_event(RunEvent("warning", "w", 1))
