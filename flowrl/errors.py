@@ -84,11 +84,13 @@ class ClusterError(FlowrlError):
 
 
 class NodeTimeout(ClusterError):
-    """A node ran past ``runtime.node_timeout_s``: its worker counts as hung."""
+    """A node ran past ``runtime.node_timeout_s``: its worker counts as hung. ``node``: the
+    node whose call it was, where one call is known."""
 
-    def __init__(self, message: str, slots: tuple[str, ...]) -> None:
+    def __init__(self, message: str, slots: tuple[str, ...], node: str | None = None) -> None:
         super().__init__(message)
         self.slots = slots
+        self.node = node
 
 
 class WorkerLost(ClusterError):

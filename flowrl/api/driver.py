@@ -30,17 +30,18 @@ from flowrl.api.evaluation import Evaluator
 from flowrl.api.faults import NonFiniteGuard
 from flowrl.api.metrics import step_metrics
 from flowrl.api.outputs import RunFolder
-from flowrl.api.recovery import FoundCheckpoint, newest_checkpoint, newest_written
+from flowrl.api.recovery import FoundCheckpoint, newest_checkpoint, newest_written, resume_note
 from flowrl.api.replanning import Replanner
 from flowrl.api.reward_guard import RewardFailureGuard
 from flowrl.data import PromptSource
-from flowrl.errors import (CheckpointError, FlowrlError, NodeTimeout, PlacementError, RunInterrupted, RunStopped,
-                           WorkerLost, error_chain)
+from flowrl.errors import (CheckpointError, FlowrlError, NodeTimeout, PlacementError, RewardError, RunInterrupted,
+                           RunStopped, WorkerLost, error_chain)
 from flowrl.graph import PipelineGraph
 from flowrl.records import RunEvent, StepRecord
 from flowrl.runtime.cluster import Cluster
 from flowrl.runtime.session import PendingSnapshot, Session
 from flowrl.runtime.waiting import lost_slots
+from flowrl.spec.schema import ScoreNode
 
 LOSS_NOTICE_S = 15.0
 """Longest wait for the scheduler to see a worker loss that the driver already saw."""
@@ -170,6 +171,7 @@ class Driver:
             except KeyboardInterrupt:
                 event = lc.Interrupted(interrupt.signal)
             except Exception as failure:  # noqa: BLE001 - every failure becomes an event
+                failure = self._hung_reward(failure)
                 error, failed_at = failure, instruction
                 event = lc.Failed(self.fault_of(failure, instruction))
                 if event.fault.kind != "error":
@@ -485,6 +487,26 @@ class Driver:
             return lc.Fault("lost", tuple(lost), detail)
         return lc.Fault("error", (), detail)
 
+    def _hung_reward(self, error: Exception) -> Exception:
+        """A reward function's call past ``runtime.node_timeout_s`` on workers that still answer
+        is the function hanging (a call that never returns, a remote judge that never replies),
+        not a worker fault: a RewardError that stops the run, where retrying on a new worker
+        would hang again. Any other error as it is."""
+        if not isinstance(error, NodeTimeout) or error.node is None:
+            return error
+        spec = self.graph.spec.nodes.get(error.node)
+        if not isinstance(spec, ScoreNode) or spec.fn is None:
+            return error
+        addresses = [self.addresses[slot] for slot in error.slots if slot in self.addresses]
+        if not addresses or not _all_answer(self.cluster, addresses):
+            return error  # hung or lost, as it was: a new worker takes over
+        timeout = self.graph.spec.runtime.node_timeout_s
+        return RewardError(
+            f"the reward function '{spec.fn_name}' of score node '{error.node}' did not return within {timeout:.0f} s "
+            f"(runtime.node_timeout_s) while its worker answers: the function hangs, and a new worker would wait on "
+            f"it as long; the run stopped at step {self.machine.step}"
+            f"{resume_note(self.folder.checkpoints, 'fix the function, or give it more time')}")
+
     def _lost(self, in_use: set[str], wait_s: float) -> list[str]:
         deadline = time.monotonic() + wait_s
         while True:
@@ -568,6 +590,32 @@ class Driver:
         if self.session is None:
             raise lc.LifecycleError("no session: Build comes first")
         return self.session
+
+
+ANSWER_S = 5.0
+"""Seconds a worker has to answer the driver's question whether it is there at all."""
+
+
+def _answer() -> bool:
+    """Run on a worker: that it runs at all is the answer."""
+    return True
+
+
+def _all_answer(cluster: Cluster, addresses: list[str]) -> bool:
+    """Whether every worker at ``addresses`` runs a function within ``ANSWER_S`` (asked on a
+    daemon thread: a worker that never answers leaves the question behind, not the run)."""
+    answers: dict[str, Any] = {}
+
+    def ask() -> None:
+        try:
+            answers.update(cluster.client.run(_answer, workers=addresses))
+        except Exception:  # noqa: BLE001 - no answer is the answer
+            pass
+
+    thread = threading.Thread(target=ask, name="flowrl-answer", daemon=True)
+    thread.start()
+    thread.join(ANSWER_S)
+    return not thread.is_alive() and all(answers.get(address) is True for address in addresses)
 
 
 def _looks_lost(error: BaseException) -> bool:

@@ -110,7 +110,7 @@ class StepExecutor:
         return NodeTimeout(
             f"node '{node}' on {', '.join(slots)} did not finish within "
             f"{self.node_timeout_s:.0f} s (runtime.node_timeout_s)",
-            slots,
+            slots, node,
         )
 
     def _call(self, step: int, node: str, prompts: Sequence[Any], kl_coef: float, slot: str) -> NodeCall:

@@ -307,3 +307,21 @@ def test_a_final_model_that_cannot_be_written_is_a_clear_error_that_says_what_wa
     with pytest.raises(CheckpointError, match=r"cannot write the final model to .*final: NotADirectoryError.*"
                                               r"no checkpoint was written before it"):
         run(tiny_grpo(output, steps=1))
+
+
+def test_a_reward_function_that_never_returns_stops_the_run_naming_it(tmp_path: Path) -> None:
+    """Past runtime.node_timeout_s with its worker still answering, the function hangs: the
+    run stops at once (a RewardError, exit 2), where treating the worker as hung would retry
+    on a new worker that waits as long, four times over."""
+    from flowrl.errors import RewardError
+
+    (tmp_path / "hang_rewards.py").write_text(
+        "import time\n\ndef forever(completions, **kwargs):\n    time.sleep(3600)\n")
+    pipeline = tiny_grpo(tmp_path / "out", steps=3, reward="hang_rewards:forever",
+                         runtime={"node_timeout_s": 4})
+    started = time.monotonic()
+    with pytest.raises(RewardError, match=r"the reward function 'hang_rewards:forever' of score node '.+' did not "
+                                          r"return within 4 s \(runtime.node_timeout_s\) while its worker answers"):
+        run(pipeline, base_dir=tmp_path)
+    assert time.monotonic() - started < 60
+    assert not any(e["kind"] == "fault" for e in _events(tmp_path / "out"))
