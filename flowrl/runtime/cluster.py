@@ -13,6 +13,7 @@ import atexit
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 import warnings
@@ -108,9 +109,7 @@ class Cluster:
             client = Client(local, direct_to_workers=True)
         except Exception as error:  # any start-up failure is an environment problem
             raise ClusterError(
-                f"cannot start a local Dask cluster of {len(specs)} workers: {str(error).rstrip('.')}. Worker processes "
-                "import the main script again: when a script calls flowrl.run, put that call under "
-                "`if __name__ == \"__main__\":`."
+                f"cannot start a local Dask cluster of {len(specs)} workers: {str(error).rstrip('.')}.{_script_hint()}"
             ) from None  # the message holds the cause; Dask's start-up frames would bury it
         client.register_plugin(TorchSerializerPlugin())
         slots = []
@@ -388,6 +387,16 @@ def _quiet_reconnect_errors() -> None:
     logger = logging.getLogger("distributed.client")
     if not any(isinstance(f, _DropReconnectErrors) for f in logger.filters):
         logger.addFilter(_DropReconnectErrors())
+
+
+def _script_hint() -> str:
+    """For a user's script (not flowrl's own command): the usual cause of workers that fail
+    to start."""
+    script = getattr(sys.modules.get("__main__"), "__file__", None)
+    if script is None or Path(script).name == "flowrl" or Path(script).parent == Path(__file__).parents[1] / "cli":
+        return ""
+    return (" Worker processes import the main script again: when a script calls flowrl.run, put that call "
+            "under `if __name__ == \"__main__\":`.")
 
 
 CONNECT_GRACE_S = 10.0

@@ -123,9 +123,11 @@ import torch
 sys.path.insert(0, {root!r})
 from flowrl.backends import decode_attention as attention
 from tests.backends import test_decode_attention as case
-attention.MIN_SHARE_COLUMNS = 64
-for window in (20, 64, 150, 320):
-    for fill in (10 ** 6, 0):  # as many shares of 64 columns as the window has; one share
+# as many shares of 64 columns as the window has, then one share; last, shares of 128 columns
+# whose last one ends in a block past the window (every column of it masked)
+for least, window in [(64, 20), (64, 64), (64, 150), (64, 320), (128, 260)]:
+    attention.MIN_SHARE_COLUMNS = least
+    for fill in (10 ** 6, 0):
         attention.CUT_BELOW = attention.FILL_PER_PROCESSOR = fill
         inputs = case.step_inputs("cpu", torch.float32, window)
         untouched = inputs["keys"].clone()
@@ -166,9 +168,9 @@ def test_triton_kernel_in_the_interpreter_matches_by_hand_in_one_share_and_in_se
         # Some Triton versions' interpreters (with numpy 2) hand a kernel's integer arguments
         # over as 1-element arrays, which a loop bound cannot take; the compiled kernel can.
         pytest.skip(f"this Triton's interpreter cannot run the kernel's loop: {result.stdout[12:200]}")
-    assert result.stdout.split("\n")[:8] == [
+    assert result.stdout.split("\n")[:10] == [
         "20 (1, 64)", "20 (1, 64)", "64 (1, 64)", "64 (1, 64)",
-        "150 (3, 64)", "150 (1, 192)", "320 (5, 64)", "320 (1, 320)"]
+        "150 (3, 64)", "150 (1, 192)", "320 (5, 64)", "320 (1, 320)", "260 (3, 128)", "260 (1, 320)"]
 
 
 def test_window_shares_cover_the_window_in_whole_blocks() -> None:
