@@ -157,6 +157,7 @@ class Driver:
 
     def run(self) -> None:
         self._interrupt_signal = "SIGINT"
+        self._reward_hangs: dict[str, int] = {}
         with _InterruptFlag() as interrupt:
             self._loop(interrupt)
 
@@ -202,7 +203,9 @@ class Driver:
             self.replanner.before_step(instruction.step)
             return lc.Replanned(instruction.step)
         if isinstance(instruction, lc.RunStep):
-            return self._run_step(instruction.step)
+            done = self._run_step(instruction.step)
+            self._reward_hangs.clear()  # a step went through: a later hang is a first one again
+            return done
         if isinstance(instruction, lc.Checkpoint):
             return self._checkpoint(instruction.step)
         if isinstance(instruction, lc.SaveFinal):
@@ -490,8 +493,9 @@ class Driver:
     def _hung_reward(self, error: Exception) -> Exception:
         """A reward function's call past ``runtime.node_timeout_s`` on workers that still answer
         is the function hanging (a call that never returns, a remote judge that never replies),
-        not a worker fault: a RewardError that stops the run, where retrying on a new worker
-        would hang again. Any other error as it is."""
+        not a worker fault. The first time, the step runs again on a new worker as for a hung
+        one (a judge may have stalled once); the second time in a row, a RewardError stops the
+        run, where more retries would each hang as long. Any other error as it is."""
         if not isinstance(error, NodeTimeout) or error.node is None:
             return error
         spec = self.graph.spec.nodes.get(error.node)
@@ -500,11 +504,14 @@ class Driver:
         addresses = [self.addresses[slot] for slot in error.slots if slot in self.addresses]
         if not addresses or not _all_answer(self.cluster, addresses):
             return error  # hung or lost, as it was: a new worker takes over
+        hangs = self._reward_hangs[error.node] = self._reward_hangs.get(error.node, 0) + 1
+        if hangs < 2:
+            return error
         timeout = self.graph.spec.runtime.node_timeout_s
         return RewardError(
             f"the reward function '{spec.fn_name}' of score node '{error.node}' did not return within {timeout:.0f} s "
-            f"(runtime.node_timeout_s) while its worker answers: the function hangs, and a new worker would wait on "
-            f"it as long; the run stopped at step {self.machine.step}"
+            f"(runtime.node_timeout_s), twice in a row, while its worker answers: the function hangs, and a new "
+            f"worker waited on it as long; the run stopped at step {self.machine.step}"
             f"{resume_note(self.folder.checkpoints, 'fix the function, or give it more time')}")
 
     def _lost(self, in_use: set[str], wait_s: float) -> list[str]:

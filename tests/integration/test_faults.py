@@ -311,8 +311,9 @@ def test_a_final_model_that_cannot_be_written_is_a_clear_error_that_says_what_wa
 
 def test_a_reward_function_that_never_returns_stops_the_run_naming_it(tmp_path: Path) -> None:
     """Past runtime.node_timeout_s with its worker still answering, the function hangs: the
-    run stops at once (a RewardError, exit 2), where treating the worker as hung would retry
-    on a new worker that waits as long, four times over."""
+    step runs again on a new worker once (a judge may stall once: the test above), and the
+    second hang in a row stops the run (a RewardError, exit 2), where more recoveries would
+    each wait as long."""
     from flowrl.errors import RewardError
 
     (tmp_path / "hang_rewards.py").write_text(
@@ -321,7 +322,7 @@ def test_a_reward_function_that_never_returns_stops_the_run_naming_it(tmp_path: 
                          runtime={"node_timeout_s": 4})
     started = time.monotonic()
     with pytest.raises(RewardError, match=r"the reward function 'hang_rewards:forever' of score node '.+' did not "
-                                          r"return within 4 s \(runtime.node_timeout_s\) while its worker answers"):
+                                          r"return within 4 s \(runtime.node_timeout_s\), twice in a row, while its worker answers"):
         run(pipeline, base_dir=tmp_path)
-    assert time.monotonic() - started < 60
-    assert not any(e["kind"] == "fault" for e in _events(tmp_path / "out"))
+    assert time.monotonic() - started < 90
+    assert sum(e["kind"] == "fault" for e in _events(tmp_path / "out")) == 1
