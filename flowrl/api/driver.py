@@ -127,6 +127,10 @@ class Driver:
         self.evaluations = evaluations
         self.session: Session | None = None
         self.addresses: dict[str, str] = {}
+        self._interrupt_signal = "SIGINT"
+        """The signal that stopped the loop (``_InterruptFlag.signal``), for its message."""
+        self._reward_hangs: dict[str, int] = {}
+        """Score node -> its reward function's hangs since a step last went through."""
         """Slot -> worker address the current session was built on."""
         self.snapshot: dict[str, Any] | None = None
         """The newest snapshot that arrived whole (a recovery restores it), of step ``snapshot_step``."""
@@ -156,8 +160,6 @@ class Driver:
     # ---- the loop ---------------------------------------------------------------------
 
     def run(self) -> None:
-        self._interrupt_signal = "SIGINT"
-        self._reward_hangs: dict[str, int] = {}
         with _InterruptFlag() as interrupt:
             self._loop(interrupt)
 
