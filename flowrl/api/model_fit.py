@@ -123,7 +123,7 @@ def _length_issues(graph: PipelineGraph, facts: dict[str, ModelFacts]) -> list[I
                                       f"lower it below {positions}"))
         fitting = [(new_tokens, field) for new_tokens, field in asked if new_tokens < positions]
         most = graph.spec.data.max_prompt_tokens
-        if most is not None and fitting:
+        if most is not None and fitting and not any(field == "data.max_prompt_tokens" for field, _ in issues):
             new_tokens, field = max(fitting)
             if most + new_tokens > positions:
                 issues.append(("data.max_prompt_tokens",
