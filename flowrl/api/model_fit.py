@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flowrl.backends.cache import BUILTIN_PREFIX
 from flowrl.backends.locations import TOKENIZER_FILES, resolve_model_path
 from flowrl.backends.model_facts import ModelFacts, model_facts
 from flowrl.errors import ModelLoadError
@@ -140,7 +141,8 @@ def _vocabulary_issues(graph: PipelineGraph, base_dir: Path | None, facts: dict[
     issues: list[Issue] = []
     # the policy's tokenizer's size, not its embedding's: embeddings are often padded past the
     # tokenizer (Qwen2.5's sizes differ between models of one tokenizer)
-    tokens = _tokenizer_size(graph, base_dir, policy)
+    policy_tokenizer = _model_tokenizer(graph, base_dir, policy)  # loaded once for both checks
+    tokens = len(policy_tokenizer) if policy_tokenizer is not None else None
     described = "the tokenizer of" if tokens is not None else "the embedding of"
     if tokens is None and policy in facts:
         tokens = facts[policy].vocabulary
@@ -152,10 +154,11 @@ def _vocabulary_issues(graph: PipelineGraph, base_dir: Path | None, facts: dict[
                            f"model '{name}' has {rows} token ids ({facts[name].source}), but {described} the "
                            f"policy '{policy}' has {tokens}: every model of a pipeline reads the policy's token "
                            "ids, so it needs the policy's tokenizer; give a model trained with it"))
-    if issues:
+    if issues or policy_tokenizer is None:
         return issues
+    policy_vocabulary = dict(policy_tokenizer.get_vocab())
     for name in others:
-        problem = _tokenizer_mismatch(graph, base_dir, policy, name)
+        problem = _tokenizer_mismatch(graph, base_dir, policy, name, policy_vocabulary)
         if problem is not None:
             issues.append((f"models.{name}.path", problem))
     return issues
@@ -164,7 +167,7 @@ def _vocabulary_issues(graph: PipelineGraph, base_dir: Path | None, facts: dict[
 def _local_tokenizer(graph: PipelineGraph, base_dir: Path | None, name: str) -> Path | None:
     """The model's folder when it is a local one holding tokenizer files."""
     path = graph.spec.models[name].path
-    if path.startswith("builtin:"):
+    if path.startswith(BUILTIN_PREFIX):
         return None  # every builtin model uses the same character tokenizer
     try:
         location = resolve_model_path(path, base_dir)
@@ -175,39 +178,35 @@ def _local_tokenizer(graph: PipelineGraph, base_dir: Path | None, name: str) -> 
     return None
 
 
-def _tokenizer_mismatch(graph: PipelineGraph, base_dir: Path | None, policy: str, name: str) -> str | None:
-    """Where both are local folders with tokenizers: the policy's tokens that ``name``'s
-    tokenizer gives another id (or none)."""
+def _tokenizer_mismatch(graph: PipelineGraph, base_dir: Path | None, policy: str, name: str,
+                        policy_vocabulary: dict[str, int]) -> str | None:
+    """Where both are local folders with tokenizers: the policy's tokens (``policy_vocabulary``)
+    that ``name``'s tokenizer gives another id (or none)."""
     mine, theirs = _local_tokenizer(graph, base_dir, policy), _local_tokenizer(graph, base_dir, name)
     if mine is None or theirs is None or mine.resolve() == theirs.resolve():
         return None
-    policy_vocabulary, other_vocabulary = _vocabulary(mine), _vocabulary(theirs)
-    if policy_vocabulary is None or other_vocabulary is None:
+    other = _load(str(theirs), None, None, False)
+    if other is None:
         return None
+    other_vocabulary = dict(other.get_vocab())
     differ = [(token, index) for token, index in policy_vocabulary.items() if other_vocabulary.get(token) != index]
     if not differ:
         return None
     token, index = min(differ, key=lambda pair: pair[1])
-    other = other_vocabulary.get(token)
+    their_index = other_vocabulary.get(token)
     return (f"the tokenizer of model '{name}' ({theirs}) is not the policy's: {len(differ)} of the "
             f"{len(policy_vocabulary)} tokens of '{policy}' have another id there (token {token!r} is {index} "
-            f"for '{policy}', {'absent' if other is None else other} for '{name}'); every model of a pipeline "
+            f"for '{policy}', {'absent' if their_index is None else their_index} for '{name}'); every model of a pipeline "
             "reads the policy's token ids, so give a model trained with the policy's tokenizer")
 
 
-def _tokenizer_size(graph: PipelineGraph, base_dir: Path | None, name: str) -> int | None:
-    """Tokens of model ``name``'s tokenizer (a builtin's: its shape's vocabulary); None where
-    it cannot be loaded here."""
+def _model_tokenizer(graph: PipelineGraph, base_dir: Path | None, name: str) -> Any:
+    """Model ``name``'s tokenizer; None for a builtin model (its embedding is its tokenizer's
+    size: ``model_facts``) or where it cannot be loaded here."""
     model = graph.spec.models[name]
-    if model.path.startswith("builtin:"):
-        return None  # its embedding is its tokenizer's size (model_facts)
-    tokenizer = _load(model.path, base_dir, getattr(model, "revision", None), getattr(model, "trust_remote_code", False))
-    return len(tokenizer) if tokenizer is not None else None
-
-
-def _vocabulary(location: Path) -> dict[str, int] | None:
-    tokenizer = _load(str(location), None, None, False)
-    return dict(tokenizer.get_vocab()) if tokenizer is not None else None
+    if model.path.startswith(BUILTIN_PREFIX):
+        return None
+    return _load(model.path, base_dir, getattr(model, "revision", None), getattr(model, "trust_remote_code", False))
 
 
 def _load(path: str, base_dir: Path | None, revision: str | None, trust_remote_code: bool) -> Any:
