@@ -38,7 +38,7 @@ from flowrl.errors import (CheckpointError, FlowrlError, NodeTimeout, PlacementE
                            RunStopped, WorkerLost, error_chain)
 from flowrl.graph import PipelineGraph
 from flowrl.records import RunEvent, StepRecord
-from flowrl.runtime.cluster import Cluster
+from flowrl.runtime.cluster import Cluster, call_within
 from flowrl.runtime.session import PendingSnapshot, Session
 from flowrl.runtime.waiting import lost_slots
 from flowrl.spec.schema import ScoreNode
@@ -611,20 +611,11 @@ def _answer() -> bool:
 
 
 def _all_answer(cluster: Cluster, addresses: list[str]) -> bool:
-    """Whether every worker at ``addresses`` runs a function within ``ANSWER_S`` (asked on a
-    daemon thread: a worker that never answers leaves the question behind, not the run)."""
-    answers: dict[str, Any] = {}
-
-    def ask() -> None:
-        try:
-            answers.update(cluster.client.run(_answer, workers=addresses))
-        except Exception:  # noqa: BLE001 - no answer is the answer
-            pass
-
-    thread = threading.Thread(target=ask, name="flowrl-answer", daemon=True)
-    thread.start()
-    thread.join(ANSWER_S)
-    return not thread.is_alive() and all(answers.get(address) is True for address in addresses)
+    """Whether every worker at ``addresses`` runs a function within ``ANSWER_S`` (a worker that
+    never answers leaves the question behind, not the run)."""
+    outcome = call_within(lambda: cluster.client.run(_answer, workers=addresses), ANSWER_S, "flowrl-answer")
+    answers = outcome.result if outcome.finished and outcome.error is None else {}
+    return all(answers.get(address) is True for address in addresses)
 
 
 def _looks_lost(error: BaseException) -> bool:

@@ -19,7 +19,7 @@ import time
 import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import dask
 from distributed import Client, Nanny, Scheduler, SpecCluster
@@ -405,26 +405,45 @@ client enforces its timeout on reaching the address, not on a service there that
 connection and never answers."""
 
 
+@dataclass
+class Within:
+    """What a call run by :func:`call_within` came to: ``finished`` in time, and then its
+    ``result`` or the ``error`` it raised."""
+
+    finished: bool = False
+    result: Any = None
+    error: BaseException | None = None
+
+
+def call_within(function: Callable[[], Any], seconds: float, name: str) -> Within:
+    """``function()`` on a daemon thread, waited on for ``seconds`` at most: a call that never
+    returns (a service that never answers, a worker that is stopped) is left behind, not
+    waited on, and never keeps the process from exiting."""
+    outcome = Within()
+
+    def call() -> None:
+        try:
+            outcome.result = function()
+        except BaseException as error:  # noqa: BLE001 - handed to the caller, whatever it is
+            outcome.error = error
+        outcome.finished = True
+
+    thread = threading.Thread(target=call, name=name, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return outcome
+
+
 def _connect(address: str, timeout_s: float, security: Any) -> Client:
     """A client of the scheduler at ``address``, or a ClusterError: when nothing answers there,
-    when what answers is not a Dask scheduler, or when no answer comes in time. The client is
-    made on a daemon thread, so a connection that never completes is left behind, not waited on."""
-    outcome: dict[str, Any] = {}
-
-    def connect() -> None:
-        try:
-            outcome["client"] = Client(address, direct_to_workers=True, timeout=timeout_s, security=security)
-        except BaseException as error:  # noqa: BLE001 - handed to the caller, whatever it is
-            outcome["error"] = error
-
-    thread = threading.Thread(target=connect, name="flowrl-join", daemon=True)
-    thread.start()
-    thread.join(timeout_s + CONNECT_GRACE_S)
+    when what answers is not a Dask scheduler, or when no answer comes in time."""
+    outcome = call_within(lambda: Client(address, direct_to_workers=True, timeout=timeout_s, security=security),
+                          timeout_s + CONNECT_GRACE_S, "flowrl-join")
     check = "Check the address (tcp://HOST:PORT) and that `dask scheduler` is running there."
-    if thread.is_alive():
+    if not outcome.finished:
         raise ClusterError(f"the service at {address} accepted the connection but gave no Dask scheduler's answer "
                            f"in {timeout_s + CONNECT_GRACE_S:.0f} s. {check}")
-    error = outcome.get("error")
+    error = outcome.error
     if isinstance(error, (OSError, TimeoutError)):
         raise ClusterError(f"cannot reach the Dask scheduler at {address}: {error}. {check}") from None
     if isinstance(error, KeyboardInterrupt):
@@ -432,7 +451,7 @@ def _connect(address: str, timeout_s: float, security: Any) -> Client:
     if error is not None:
         raise ClusterError(f"what answers at {address} is not a Dask scheduler ({type(error).__name__}: "
                            f"{str(error)[:200]}). {check}") from None
-    client: Client = outcome["client"]
+    client: Client = outcome.result
     return client
 
 
