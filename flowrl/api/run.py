@@ -181,13 +181,13 @@ def _run(pipeline: PipelineGraph | Pipeline, options: RunOptions, observer: Obse
     else:
         _fresh_start(folder, overwrite)
     folder.write_config(config_text)
+    resumed_data = data_before if start is not None else None  # the data of the steps resumed after
     # the pipeline as the run (re)started, for the next resume to compare with (config.yaml
-    # itself may be edited before `flowrl resume`)
-    # the data fingerprint of the steps trained so far stays until this run has read and
-    # checked its own data: a resume refused for changed data, or stopped before the check,
-    # must not let the next one through unchecked
+    # itself may be edited before `flowrl resume`); the data fingerprint of the steps trained
+    # so far stays until this run has read and checked its own data: a resume refused for
+    # changed data, or stopped before the check, must not let the next one through unchecked
     folder.write_run_info({"base_dir": str(base_dir or Path.cwd()), "finished_steps": None, "config": config_text,
-                           "data": data_before if start is not None else None})
+                           "data": resumed_data})
     if start is None:
         folder.reset_logs()
     if local_cluster is None and not spec.runtime.scheduler_address:
@@ -205,7 +205,6 @@ def _run(pipeline: PipelineGraph | Pipeline, options: RunOptions, observer: Obse
         if forced:
             watcher.event(RunEvent("warning", "resumed with a pipeline that differs from the one the run started with "
                                               f"(--force; - before, + now): {'; '.join(forced)}", 0, {"changes": forced}))
-        resumed_data = data_before if start is not None else None  # the data of the steps resumed after
         result = _run_watched(graph, folder, watcher, base_dir, resume and earlier_run, start, local_cluster,
                               _DataCheck(resumed_data, force))
         failed = False
