@@ -53,6 +53,22 @@ a multiple of this many: early steps read a fraction of the cache, at one captur
 window. Without (a CPU), it attends over exactly the columns written."""
 
 
+DEFAULT_GATE_UP_SPLITS = 1
+DEFAULT_DOWN_SPLITS = 1
+"""Parts of the inner dimension of the gate/up and down projections of a decode step on a GPU
+(``_split_product``)."""
+
+
+def _splits(asked: int | None, inner: int, default: int, graphs: bool) -> int:
+    """The parts a decode-step product's inner dimension of ``inner`` is cut into: as asked,
+    else ``default`` with graphs (a GPU; on a CPU a product is not short of parallel work),
+    else 1. A count that does not divide ``inner`` (or below 1) is refused."""
+    splits = asked if asked is not None else (default if graphs and inner % default == 0 else 1)
+    if splits < 1 or inner % splits:
+        raise ValueError(f"a product's inner dimension of {inner} cannot be cut into {splits} equal parts")
+    return splits
+
+
 def unsupported_reason(model: Any) -> str | None:
     """None when the engine can run ``model``; else a sentence saying why not."""
     config = getattr(model, "config", None)
@@ -126,14 +142,42 @@ def _decode_qkv(x: torch.Tensor, pending: torch.Tensor, attn_norm: torch.Tensor,
 def _decode_attention_out(
     x: torch.Tensor, attended: torch.Tensor, o_weight: torch.Tensor,
     mlp_norm: torch.Tensor, mlp_eps: float, gate_up_weight: torch.Tensor, down_weight: torch.Tensor,
+    gate_up_splits: int = 1, down_splits: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's second half: output projection and residual, then the MLP (``gate_up_weight``
     stacks the gate and up projections). Returns the residual stream and the MLP's output,
     which the next layer's first half (or the tail) adds: the addition then fuses into the
-    norm that reads it instead of being a kernel of its own."""
+    norm that reads it instead of being a kernel of its own.
+
+    ``*_splits`` > 1 cut a product's inner dimension into that many parts (:func:`_split_product`);
+    with ``down_splits`` > 1 the MLP's output is its [splits, B, hidden] partial sums, which the
+    addition in the next half sums."""
     x = _residual(x, F.linear(attended.reshape(x.shape[0], -1), o_weight))
-    gate, up = F.linear(_rms_norm_weights(x, mlp_norm, mlp_eps), gate_up_weight).chunk(2, dim=-1)
-    return x, F.linear(F.silu(gate) * up, down_weight)
+    normed = _rms_norm_weights(x, mlp_norm, mlp_eps)
+    if gate_up_splits > 1:
+        gate, up = _split_product(normed, gate_up_weight, gate_up_splits).float().sum(0).chunk(2, dim=-1)
+        gated = (F.silu(gate) * up).to(x.dtype)
+    else:
+        gate, up = F.linear(normed, gate_up_weight).chunk(2, dim=-1)
+        gated = F.silu(gate) * up
+    if down_splits > 1:
+        return x, _split_product(gated, down_weight, down_splits)
+    return x, F.linear(gated, down_weight)
+
+
+def _split_product(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
+    """``x @ weight.T`` for [B, K] ``x`` and [N, K] ``weight`` as ``splits`` partial products
+    over slices of K, [splits, B, N], one batched matrix product over strided views (no copy).
+
+    A decode step's products have few rows (one per sequence): where K is long against N (the
+    MLP's down projection), one product gives too few output tiles to keep the processors busy
+    and each tile walks all of K; cut into slices, the tiles multiply and each walks a slice.
+    The partial sums are added where their consumer reads them (a fused element-wise kernel)."""
+    rows, inner = x.shape
+    part = inner // splits
+    left = x.view(rows, splits, part).transpose(0, 1)
+    right = weight.view(weight.shape[0], splits, part).permute(1, 2, 0)
+    return torch.bmm(left, right)
 
 
 def _residual(x: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
@@ -144,6 +188,8 @@ def _residual(x: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
     Compiled, that norm reads the float32 sum (inductor keeps a kernel's intermediates in
     float32; only what it stores is rounded), so the last bits of a compiled step may differ
     from the eager one's, as the compiled norms' did before."""
+    if update.dim() == x.dim() + 1:  # partial sums of a split product (``_split_product``)
+        return (x.float() + update.float().sum(0)).to(x.dtype)
     return (x.float() + update.float()).to(x.dtype)
 
 
@@ -199,7 +245,7 @@ class _Buffers:
 
     def __init__(self, batch: int, columns: int, new_tokens: int, layers: int, kv_heads: int,
                  head_dim: int, hidden_size: int, vocab_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, down_splits: int = 1) -> None:
         def full(shape: tuple[int, ...], value: Any, kind: torch.dtype) -> torch.Tensor:
             return torch.full(shape, value, dtype=kind, device=device)
 
@@ -217,8 +263,10 @@ class _Buffers:
         self.completion_mask = full((batch, new_tokens), 0, torch.long)
         self.logprobs = full((batch, new_tokens), 0.0, torch.float32)
         self.temperature = full((1,), 1.0, torch.float32)
-        self.zeros = full((batch, hidden_size), 0, dtype)
-        """What the first layer's half adds to the embeddings."""
+        self.zeros = full((down_splits, batch, hidden_size) if down_splits > 1 else (batch, hidden_size), 0, dtype)
+        """What the first layer's half adds to the embeddings: shaped as the later layers' MLP
+        outputs (partial sums of a split down projection), so that one compiled version of the
+        first half serves every layer."""
         self.noise = full((batch, vocab_size), 1.0, torch.float32)
         """Exp(1) draws for sampling, refilled every step from the generator."""
 
@@ -243,7 +291,8 @@ class StaticDecoder:
     """
 
     def __init__(self, model: Any, use_graphs: bool | None = None, compile_layers: bool = True,
-                 fixed_shapes: bool | None = None) -> None:
+                 fixed_shapes: bool | None = None, gate_up_splits: int | None = None,
+                 down_splits: int | None = None) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the static decoder cannot run this model: {reason}")
@@ -274,6 +323,9 @@ class StaticDecoder:
         self.dtype = self.embed.weight.dtype
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         self.fixed_shapes = self.use_graphs if fixed_shapes is None else fixed_shapes
+        hidden, intermediate = int(self.embed.weight.shape[1]), int(self.layers[0].down.weight.shape[1])
+        self.gate_up_splits = _splits(gate_up_splits, hidden, DEFAULT_GATE_UP_SPLITS, self.use_graphs)
+        self.down_splits = _splits(down_splits, intermediate, DEFAULT_DOWN_SPLITS, self.use_graphs)
         """Round prompt widths and attention windows up so that few shapes (few captured graphs)
         serve every call; without graphs the columns rounded up would only cost arithmetic: on
         2 CPU cores the plain widths made builtin:small-llama's 32 x 32 tokens 16 % faster."""
@@ -387,7 +439,8 @@ class StaticDecoder:
         cos = self._cos.index_select(0, positions)
         sin = self._sin.index_select(0, positions)
         x = self.embed.weight.index_select(0, b.tokens[:batch])
-        pending = b.zeros[:batch]  # the MLP output the next half adds to x: none before the first layer
+        # the MLP output the next half adds to x: none before the first layer
+        pending = b.zeros[:, :batch] if self.down_splits > 1 else b.zeros[:batch]
         for index, (layer, stacked) in enumerate(zip(self.layers, self._stacked)):
             keys, values = b.keys[index, :batch], b.values[index, :batch]
             x, qkv = self._attention_in(
@@ -398,7 +451,7 @@ class StaticDecoder:
                                         key_valid, self.scaling)
             x, pending = self._attention_out(
                 x, attended, layer.o.weight, layer.mlp_norm.weight, _number(layer.mlp_norm.variance_epsilon),
-                stacked.gate_up_weight, layer.down.weight,
+                stacked.gate_up_weight, layer.down.weight, self.gate_up_splits, self.down_splits,
             )
         self._sample_into(x, batch, sampling, generator, pending=pending)
         b.positions[:batch] += 1
@@ -461,7 +514,7 @@ class StaticDecoder:
                  columns, new_tokens)
         self._buffers = _Buffers(shape[0], columns, new_tokens, len(self.layers), self.num_kv_heads,
                                  self.head_dim, int(self.embed.weight.shape[1]), int(self.lm_head.weight.shape[0]),
-                                 self.dtype, self.device)
+                                 self.dtype, self.device, self.down_splits)
         self._rope_tables(columns)
         self._shape = shape
 

@@ -67,6 +67,30 @@ def test_greedy_equals_transformers_generate(kind: str) -> None:
     assert bool(out.completion_mask.all())
 
 
+@pytest.mark.parametrize(("gate_up_splits", "down_splits"), [(2, 1), (1, 4), (4, 2)])
+def test_split_products_decode_as_whole_ones(gate_up_splits: int, down_splits: int) -> None:
+    """The MLP's products cut along their inner dimension (partial sums added where they are
+    read) give transformers' greedy tokens and the unsplit engine's log-probabilities."""
+    model = build("qwen2")
+    ids, mask = left_padded([5, 2, 7, 3], seed=7)
+    expected = hf_greedy(model, ids, mask, 16, eos=VOCAB_SIZE + 5)
+    settings = dict(eos_token_id=VOCAB_SIZE + 5, pad_token_id=PAD_ID, temperature=0.8)
+    split = StaticDecoder(model, gate_up_splits=gate_up_splits, down_splits=down_splits)
+    assert (split.gate_up_splits, split.down_splits) == (gate_up_splits, down_splits)
+    out = split.generate(ids, mask, 16, greedy=True, **settings)
+    assert torch.equal(out.completion_ids, expected)
+    sampled = split.generate(ids, mask, 16, generator=torch.Generator().manual_seed(3), **settings)
+    whole = StaticDecoder(model).generate(ids, mask, 16, generator=torch.Generator().manual_seed(3), **settings)
+    assert torch.equal(sampled.completion_ids, whole.completion_ids)
+    torch.testing.assert_close(sampled.sampled_logprobs, whole.sampled_logprobs, atol=5e-5, rtol=0)
+
+
+def test_splits_that_do_not_divide_the_inner_dimension_are_refused() -> None:
+    with pytest.raises(ValueError, match="inner dimension of 128 cannot be cut into 3"):
+        StaticDecoder(build("llama"), down_splits=3)
+    assert StaticDecoder(build("llama")).down_splits == 1  # no graphs (a CPU): whole products
+
+
 def test_rows_that_stop_early_match_generate_and_are_compacted() -> None:
     """40 rows, eos frequent: rows stop at many different steps and the live batch shrinks."""
     model = build("llama")
@@ -144,15 +168,17 @@ def test_unsupported_models_are_named() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("splits", [(1, 1), (2, 4)])
 @pytest.mark.parametrize("compile_layers", [False, True])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_greedy_matches_generate_on_gpu(kind: str, compile_layers: bool) -> None:
-    """On CUDA the decode step replays a captured graph; fp32 so argmax ties cannot flip."""
+def test_greedy_matches_generate_on_gpu(kind: str, compile_layers: bool, splits: tuple[int, int]) -> None:
+    """On CUDA the decode step replays a captured graph; fp32 so argmax ties cannot flip.
+    ``splits``: the gate/up and down products whole, and cut along their inner dimension."""
     torch.backends.cuda.matmul.allow_tf32 = False
     model = build(kind, "cuda")
     ids, mask = left_padded([1 + (row * 5) % 8 for row in range(40)], seed=6, device="cuda")
     eos = frequent_token(model, ids, mask)
-    decoder = StaticDecoder(model, compile_layers=compile_layers)
+    decoder = StaticDecoder(model, compile_layers=compile_layers, gate_up_splits=splits[0], down_splits=splits[1])
     assert decoder.use_graphs
     expected = hf_greedy(model, ids, mask, 40, eos=eos)
     for _ in range(2):  # the second call replays graphs captured by the first
