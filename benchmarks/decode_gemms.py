@@ -2,6 +2,7 @@
 
     python benchmarks/decode_gemms.py --output benchmarks/results/decode_gemms_h200.json
     python benchmarks/decode_gemms.py --sections products --batches 256
+    python benchmarks/decode_gemms.py --sections splits --repeats 5 --output benchmarks/results/decode_splits_h100.json
 
 At batch 256 the layers' four matrix products (q/k/v stacked, attention output, gate/up
 stacked, down) are about half of a 0.4B model's decode step (``gpu_profile.py``'s kernel
@@ -16,6 +17,11 @@ table). Two sections, each writing what it measured:
   decode step over 128 new tokens, prefill included) with the engine's compiled halves built
   by default, with cuBLASLt preferred, and with ``max-autotune-no-cudagraphs``; the default is
   measured again last, so that drift over the run shows.
+- ``splits``: the products cut along their inner dimension into 2, 4 and 8 partial sums
+  (``static_decode._split_product``, one batched product over strided slices) against whole,
+  alone as above (at the 0.4B shape and the 1.5B one: hidden 1536, MLP 8960); and the whole
+  decode step with the down projection whole and in the engine's default parts, interleaved
+  ``--repeats`` times per batch size.
 
 Needs a CUDA device. Writes JSON with the commit measured; never asserts.
 """
@@ -41,10 +47,11 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import decode as decode_bench  # noqa: E402
 from vs_trl import machine  # noqa: E402
 
-from flowrl.backends.static_decode import decoder_for  # noqa: E402
+from flowrl.backends.static_decode import DEFAULT_DOWN_SPLITS, StaticDecoder, _split_product, decoder_for  # noqa: E402
 
 PRODUCTS = {"qkv": (896, 896 + 2 * 2 * 64), "o": (896, 896), "gate_up": (896, 2 * 4864), "down": (4864, 896)}
 """Each product's (in, out) features at the shape of ``decode.py``'s model."""
+SPLIT_PRODUCTS = {**PRODUCTS, "gate_up_1.5b": (1536, 2 * 8960), "down_1.5b": (8960, 1536)}
 STEP_VARIANTS = (("default", None, "cublas"), ("cublaslt", None, "cublaslt"),
                  ("max_autotune", "max-autotune-no-cudagraphs", "cublas"), ("default_again", None, "cublas"))
 
@@ -144,6 +151,50 @@ def step_variant(mode: str | None, library: str, batches: list[int], args: argpa
     return results
 
 
+def section_splits(batches: list[int], args: argparse.Namespace) -> dict[str, Any]:
+    """Products in 1, 2, 4 and 8 parts alone; the decode step with the down projection whole
+    and in the default parts, interleaved."""
+    products: dict[str, Any] = {}
+    for batch in batches:
+        for name, (features_in, features_out) in SPLIT_PRODUCTS.items():
+            x = torch.randn(batch, features_in, device="cuda", dtype=torch.bfloat16)
+            weight = torch.randn(features_out, features_in, device="cuda", dtype=torch.bfloat16) * 0.02
+            row: dict[str, Any] = {"1": graph_us(lambda: F.linear(x, weight))}
+            exact = x.float() @ weight.float().T
+            row["1_max_error"] = (F.linear(x, weight).float() - exact).abs().max().item()
+            for splits in (2, 4, 8):
+                row[str(splits)] = graph_us(functools.partial(_split_product, x, weight, splits))
+                row[f"{splits}_max_error"] = (_split_product(x, weight, splits).float().sum(0) - exact).abs().max().item()
+            products[f"{name}_batch{batch}"] = row
+            print(name, batch, {key: round(value, 3) for key, value in row.items()}, flush=True)
+    model = decode_bench.build_model(args.layers, "cuda")
+    variants = {"down_whole": 1, f"down_in_{DEFAULT_DOWN_SPLITS}": DEFAULT_DOWN_SPLITS}
+    decoders = {name: StaticDecoder(model, down_splits=splits) for name, splits in variants.items()}
+    generator = torch.Generator(device="cuda")
+    steps: dict[str, Any] = {}
+    for batch in batches:
+        ids = torch.randint(1, decode_bench.VOCAB - 1, (batch, args.prompt_tokens), device="cuda")
+        mask = torch.ones_like(ids)
+        runs: dict[str, list[float]] = {name: [] for name in decoders}
+        for round_index in range(args.repeats + 1):  # round 0 compiles and captures: not counted
+            for name, decoder in decoders.items():
+                torch.cuda.synchronize()
+                started = time.perf_counter()
+                decoder.generate(ids, mask, max_new_tokens=args.new_tokens, eos_token_id=decode_bench.EOS,
+                                 pad_token_id=0, generator=generator.manual_seed(0))
+                torch.cuda.synchronize()
+                if round_index:
+                    runs[name].append((time.perf_counter() - started) / args.new_tokens * 1e3)
+        whole, split = runs.values()
+        ratios = [b / a for a, b in zip(whole, split)]
+        steps[str(batch)] = {**{name: {"ms_per_decode_step": statistics.median(times), "all": times}
+                                for name, times in runs.items()},
+                             "split_over_whole": {"median": statistics.median(ratios), "min": min(ratios),
+                                                  "max": max(ratios), "per_round": ratios}}
+        print("step", batch, steps[str(batch)], flush=True)
+    return {"products_us": products, "steps": steps}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sections", default="products,steps")
@@ -177,6 +228,8 @@ def main() -> None:
             except Exception as error:  # noqa: BLE001 - reported, the next variant still runs
                 report["steps"][name] = f"{type(error).__name__}: {str(error)[:300]}"
             write()
+    if "splits" in sections:
+        report["splits"] = section_splits(batches, args)
     write()
     print(f"written: {args.output}")
 

@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from flowrl.backends.generation import generate_tokens
-from flowrl.backends.static_decode import StaticDecoder, decoder_for, unsupported_reason
+from flowrl.backends.static_decode import StaticDecoder, _splits, decoder_for, unsupported_reason
 
 PAD_ID = 0
 VOCAB_SIZE = 40
@@ -89,6 +89,9 @@ def test_splits_that_do_not_divide_the_inner_dimension_are_refused() -> None:
     with pytest.raises(ValueError, match="inner dimension of 128 cannot be cut into 3"):
         StaticDecoder(build("llama"), down_splits=3)
     assert StaticDecoder(build("llama")).down_splits == 1  # no graphs (a CPU): whole products
+    # with graphs: the default parts, else the largest half of it that divides the dimension
+    assert [_splits(None, inner, 4, graphs=True) for inner in (4864, 8960, 6, 7)] == [4, 4, 2, 1]
+    assert _splits(None, 4864, 4, graphs=False) == 1
 
 
 def test_rows_that_stop_early_match_generate_and_are_compacted() -> None:
