@@ -137,7 +137,7 @@ def check_inputs(graph: PipelineGraph, base_dir: Path | None, locate: Locate | N
     """Check the model paths, load the data (and held-out data) and check every reward
     function against it; SpecError listing every problem, each placed by ``locate`` (a line
     of the pipeline file, or the override that set it) when given."""
-    issues: list[Issue] = model_issues(graph, base_dir)
+    issues: list[Issue] = model_issues(graph, base_dir) + task_field_issues(graph)
     offered: set[str] | None = None
     held_out: list[Any] = []
     if not issues:  # the data is read with the policy's tokenizer
@@ -207,7 +207,7 @@ def raise_early_issues(graph: PipelineGraph, base_dir: Path | None, locate: Loca
     reward functions that cannot be loaded, local data files that are not there. SpecError
     listing them, placed by ``locate`` when given (a run checks the rest, with the data, as
     it starts)."""
-    issues = model_problems(graph, base_dir) + reward_issues(graph, base_dir, None)
+    issues = model_problems(graph, base_dir) + reward_issues(graph, base_dir, None) + task_field_issues(graph)
     sources = [("data.source", graph.spec.data.source)]
     if graph.spec.eval is not None and graph.spec.eval.source:
         sources.append(("eval.source", graph.spec.eval.source))
@@ -220,6 +220,25 @@ def raise_early_issues(graph: PipelineGraph, base_dir: Path | None, locate: Loca
         issues.append(endless)
     if issues:
         raise SpecError(_located(issues, locate))
+
+
+TASK_IGNORES = {
+    "split": "splits", "subset": "configurations", "prompt_key": "prompt column",
+    "answer_key": "answer column", "shuffle": "order to shuffle",
+}
+"""The data fields a built-in task of random prompts has no use for -> what it has none of."""
+
+
+def task_field_issues(graph: PipelineGraph) -> list[Issue]:
+    """A data field set to other than its default where ``data.source`` is a built-in task
+    of random prompts, which reads none of them (the run would ignore them)."""
+    data = graph.spec.data
+    if not is_endless_task(data.source):
+        return []
+    changed = data.changed_fields()
+    return [(f"data.{field}", f"{data.source} makes a new random prompt per row and has no {lacks}, so "
+             f"data.{field} would be ignored; remove it, or name a data file or dataset as data.source")
+            for field, lacks in TASK_IGNORES.items() if field in changed]
 
 
 def _endless_eval(graph: PipelineGraph) -> Issue | None:

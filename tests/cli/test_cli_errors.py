@@ -60,6 +60,11 @@ def test_validate_accepts_every_shipped_pipeline() -> None:
         (("run", "pipelines/grpo_tiny.yaml", "eval.every_steps=5"),
          ("command line: eval.every_steps=5: eval.source: builtin:digits is a task of endless random prompts",
           "give eval.source a dataset of held-out prompts")),
+        # a built-in task of random prompts reads no data columns, split or order: refused, not ignored
+        (("run", "pipelines/grpo_tiny.yaml", "data.prompt_key=question", "data.shuffle=false"),
+         ("command line: data.prompt_key=question: builtin:digits makes a new random prompt "
+          "per row and has no prompt column, so data.prompt_key would be ignored",
+          "data.shuffle=false: builtin:digits makes a new random prompt per row and has no order to shuffle")),
         # a model path from an override is the override's mistake, not the file's
         (("validate", "pipelines/grpo_tiny.yaml", "models.actor.path=builtin:tiny-lama"),
          ("command line: models.actor.path=builtin:tiny-lama: unknown builtin model 'tiny-lama'",)),
