@@ -25,11 +25,13 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError
+
 
 from flowrl.errors import SpecError, SpecIssue
 from flowrl.spec.lines import LineMap, line_of, read_yaml_file
 from flowrl.spec.messages import did_you_mean, issues_from_validation, show
+from flowrl.spec.strict import StrictModel
 
 ARCHITECTURES: tuple[str, ...] = (
     "pascal",
@@ -43,11 +45,7 @@ ARCHITECTURES: tuple[str, ...] = (
 """Known GPU architectures, oldest first (the GPU type table uses these)."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
-
-
-class GpuEntry(_Strict):
+class GpuEntry(StrictModel):
     """One or more identical GPUs of a host."""
 
     type: str
@@ -67,7 +65,7 @@ class GpuEntry(_Strict):
     """Memory bandwidth in GB/s; overrides the table. Default None (from the table)."""
 
 
-class CpuEntry(_Strict):
+class CpuEntry(StrictModel):
     """The host's CPUs and memory, and how many CPU device slots it offers."""
 
     cores: int = Field(ge=1)
@@ -78,7 +76,7 @@ class CpuEntry(_Strict):
     """CPU device slots (one worker process each) that CPU device groups can use. Default 1."""
 
 
-class HostEntry(_Strict):
+class HostEntry(StrictModel):
     """One machine."""
 
     cpus: CpuEntry
@@ -89,7 +87,7 @@ class HostEntry(_Strict):
     """All GPUs of this host reach each other over NVLink (NVSwitch). Default false."""
 
 
-class InventoryFileSpec(_Strict):
+class InventoryFileSpec(StrictModel):
     """A whole inventory file."""
 
     name: str = Field(min_length=1)

@@ -118,7 +118,9 @@ def _issue(loc: Sequence[Any], detail: Any) -> Issue:
         "tuple_type": "a list",
     }
     if kind in simple:
-        return path, f"expected {simple[kind]}, {found}"
+        # YAML 1.1 reads yes/no/on/off as booleans: the file may not say "true" at all
+        hint = " (a boolean; YAML reads yes, no, on and off as booleans too)" if isinstance(value, bool) else ""
+        return path, f"expected {simple[kind]}, {found}{hint}"
     if kind == "string_pattern_mismatch":
         return path, f"expected a size such as 500MB, 5GB or 2GiB, {found}"
     if kind == "string_too_short":

@@ -25,18 +25,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError
+
 
 from flowrl.errors import SpecError, SpecIssue
 from flowrl.spec.lines import LineMap, line_of, read_yaml_file
 from flowrl.spec.messages import did_you_mean, issues_from_validation, show
+from flowrl.spec.strict import StrictModel
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
-
-
-class ThrottleEvent(_Strict):
+class ThrottleEvent(StrictModel):
     """A device runs slower (or faster) from ``step`` on: thermal or power throttling,
     a noisy neighbour."""
 
@@ -50,7 +48,7 @@ class ThrottleEvent(_Strict):
     long. Required."""
 
 
-class LostEvent(_Strict):
+class LostEvent(StrictModel):
     """A device disappears (its worker dies) before ``step`` runs."""
 
     kind: Literal["lost"]
@@ -60,7 +58,7 @@ class LostEvent(_Strict):
     """Device id in the inventory. Required."""
 
 
-class AddedEvent(_Strict):
+class AddedEvent(StrictModel):
     """A new GPU joins the cluster before ``step`` runs."""
 
     kind: Literal["added"]
@@ -83,7 +81,7 @@ EVENT_CLASSES: dict[str, type[BaseModel]] = {
 """Event kind -> its schema class."""
 
 
-class ScenarioFileSpec(_Strict):
+class ScenarioFileSpec(StrictModel):
     """A whole scenario file."""
 
     name: str = Field(min_length=1)

@@ -24,21 +24,13 @@ from pydantic import (
     model_validator,
 )
 
+from flowrl.spec.strict import StrictModel
+
 SOURCE_NODE = "prompts"
 """The name of the data source's output; node inputs use it to read prompts."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
-
-    def changed_fields(self) -> set[str]:
-        """Fields whose value is not their default (a default written out changes nothing:
-        ``PipelineGraph.to_dict`` writes every field)."""
-        return {name for name, field in type(self).model_fields.items()
-                if not field.is_required() and getattr(self, name) != field.get_default(call_default_factory=True)}
-
-
-class ModelSpec(_Strict):
+class ModelSpec(StrictModel):
     """One model that nodes run: a policy, a value model (critic) or a reward model."""
 
     path: str
@@ -71,7 +63,7 @@ class ModelSpec(_Strict):
     architecture transformers lacks). Only for code you trust. Default false."""
 
 
-class DeviceGroupSpec(_Strict):
+class DeviceGroupSpec(StrictModel):
     """A logical device group: what a set of nodes needs, not which card it gets."""
 
     type: Literal["cpu", "gpu"] = "cpu"
@@ -229,7 +221,7 @@ class NodeView(Protocol):
         ...
 
 
-class _NodeBase(_Strict):
+class _NodeBase(StrictModel):
     """What every node has. The class variables below say what the role is, for every layer
     (no torch here); how a role runs on a worker is ``flowrl.roles.registry``."""
 
@@ -569,7 +561,8 @@ class UpdateNode(_NodeBase):
     """Clip the gradient's global norm to this; 0 turns clipping off. Default 1.0."""
     weight_decay: float = Field(default=0.0, ge=0)
     """AdamW decoupled weight decay. Default 0.0."""
-    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (
+    betas: Annotated[tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]],
+                     Field(strict=False)] = (  # a YAML list stands for the pair
         0.9,
         0.999,
     )
@@ -664,7 +657,7 @@ SHARD_SIZE_PATTERN = r"^[1-9][0-9]*(KB|MB|GB|KiB|MiB|GiB)$"
 """A file size as transformers' ``max_shard_size`` takes it: ``500MB``, ``5GB``, ``2GiB``."""
 
 
-class DataSpec(_Strict):
+class DataSpec(StrictModel):
     """Where prompts come from; its output is the node input ``prompts``."""
 
     source: str
@@ -698,7 +691,7 @@ class DataSpec(_Strict):
     dataset). Default error."""
 
 
-class EvalSpec(_Strict):
+class EvalSpec(StrictModel):
     """Held-out evaluation: generate for held-out prompts and score the completions,
     before training (``at_start``), every ``every_steps`` steps and after the last step.
     Results go to ``val/<score node>/mean`` (and ``pass@n``, ``mean@n`` with ``n`` > 1)."""
@@ -744,7 +737,7 @@ class EvalSpec(_Strict):
         return self
 
 
-class TrainerSpec(_Strict):
+class TrainerSpec(StrictModel):
     """How long to train and where to write."""
 
     steps: int = Field(default=100, ge=1)
@@ -773,7 +766,7 @@ class TrainerSpec(_Strict):
     """Largest weights file of a checkpoint or ``final/``; bigger models are split into
     several files with a ``model.safetensors.index.json``. Default 5GB."""
     loggers: Annotated[tuple[Literal["jsonl", "tensorboard", "wandb", "mlflow"], ...],
-                       AfterValidator(_each_once)] = ("jsonl",)
+                       AfterValidator(_each_once), Field(strict=False)] = ("jsonl",)  # a list stands for it
     """Where every step's metrics, the resolved pipeline and the run's summary go besides
     ``metrics.jsonl`` (always written): ``tensorboard`` (``OUTPUT_DIR/tensorboard``),
     ``wandb`` (``OUTPUT_DIR/wandb``, offline without an API key), ``mlflow``
@@ -781,7 +774,7 @@ class TrainerSpec(_Strict):
     flowrl extra of the same name). Default [jsonl]."""
 
 
-class SchedulerSpec(_Strict):
+class SchedulerSpec(StrictModel):
     """When the placement is reconsidered while running."""
 
     policy: Literal["static", "dynamic"] = "static"
@@ -801,7 +794,7 @@ class SchedulerSpec(_Strict):
     """Most models one re-plan may move (a lost device ignores it). Default 4."""
 
 
-class RuntimeSpec(_Strict):
+class RuntimeSpec(StrictModel):
     """The Dask cluster the run uses."""
 
     cpu_slots: int = Field(default=2, ge=1)
@@ -863,7 +856,7 @@ class RuntimeSpec(_Strict):
     Default false: every worker may use every core."""
 
 
-class ProfilerSpec(_Strict):
+class ProfilerSpec(StrictModel):
     """How node calls and devices are measured while running."""
 
     ewma_window: int = Field(default=10, ge=1)
@@ -872,7 +865,7 @@ class ProfilerSpec(_Strict):
     """Seconds between two samples of a device's utilisation and memory. Default 0.5."""
 
 
-class PipelineSpec(_Strict):
+class PipelineSpec(StrictModel):
     """A whole pipeline: models, device groups, one iteration's nodes, data and run settings."""
 
     name: str = Field(min_length=1)

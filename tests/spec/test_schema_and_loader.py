@@ -234,6 +234,25 @@ def test_wrong_types(tmp_path: Path) -> None:
     ]
 
 
+def test_values_of_another_type_are_refused_not_converted(tmp_path: Path) -> None:
+    """YAML's yes is true, which lax validation took as 1.0; a quoted number or a float count
+    would have become a number or an integer. A list still stands for a pair, an int for a float."""
+    text = GOOD.replace("inputs: [rollout, adv]}", "inputs: [rollout, adv], lr: yes, betas: [0.8, 0.9]}").replace(
+        "inputs: [prompts]}", "inputs: [prompts], n: '4', temperature: 1}").replace(
+        "inputs: [reward]}", "inputs: [reward], scale_by_std: 0}")
+    path = tmp_path / "pipeline.yaml"
+    assert problems(write(tmp_path, text + "trainer: {steps: 10.0}\n")) == [
+        f"{path}:7: nodes.rollout.n: expected an integer, found '4'",
+        f"{path}:9: nodes.adv.scale_by_std: expected true or false, found 0",
+        f"{path}:10: nodes.train.lr: expected a number, found true (a boolean; YAML reads yes, no, on and off "
+        "as booleans too)",
+        f"{path}:12: trainer.steps: expected an integer, found 10.0",
+    ]
+    spec = load_pipeline(write(tmp_path, text.replace("lr: yes", "lr: 1").replace("n: '4'", "n: 4")
+                               .replace("scale_by_std: 0", "scale_by_std: false"))).spec
+    assert spec.nodes["train"].lr == 1.0 and spec.nodes["train"].betas == (0.8, 0.9)
+
+
 def test_score_needs_exactly_one_of_fn_and_model() -> None:
     with pytest.raises(ValidationError, match="needs 'fn'"):
         PipelineSpec.model_validate(
