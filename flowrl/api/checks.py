@@ -16,6 +16,7 @@ from flowrl.api.model_fit import model_fit_issues
 from flowrl.backends.cache import BUILTIN_PREFIX as MODEL_PREFIX
 from flowrl.backends.catalog import lookup_builtin
 from flowrl.backends.locations import hub_model_problem, saved_model_location, tokenizer_problem
+from flowrl.backends.model_facts import kind_problem, model_facts
 from flowrl.data import PromptExample, PromptSource
 from flowrl.data.files import missing_local_source
 from flowrl.data.source import BUILTIN_PREFIX, endless_task, is_endless_task
@@ -188,6 +189,10 @@ def model_issues(graph: PipelineGraph, base_dir: Path | None) -> list[Issue]:
                 problem = hub_model_problem(location, model.revision)
             else:  # a policy's tokenizer renders and reads the prompts
                 problem = tokenizer_problem(location) if model.kind == "policy" else None
+            if problem is None:  # what the checkpoint is, against its kind
+                facts = model_facts(model.path, base_dir, model.revision)
+                wrong = kind_problem(facts, model.kind) if facts is not None else None
+                problem = f"{model.path} {wrong}" if wrong else None
             if problem is not None:
                 issues.append((where, problem))
         except ModelLoadError as error:

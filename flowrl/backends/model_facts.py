@@ -1,6 +1,7 @@
-"""What a model's config.json says about the sequences it can take, read without loading the
-model (no torch): the positions a sequence may span and the token ids its embedding has rows
-for. Validation compares them with the pipeline's lengths and with the policy's."""
+"""What a model's config.json says about the sequences it can take and what it is, read
+without loading the model (no torch): the positions a sequence may span, the token ids its
+embedding has rows for, its architecture. Validation compares them with the pipeline's lengths,
+with the policy's, and with the model's ``kind``."""
 
 from __future__ import annotations
 
@@ -12,6 +13,11 @@ from typing import Any
 from flowrl.backends.cache import BUILTIN_PREFIX
 from flowrl.backends.catalog import lookup_builtin
 from flowrl.backends.locations import resolve_model_path
+
+SCALAR_MARKER = "scalar_head.json"
+"""Beside a value or reward model that flowrl saved: its trained scalar head's format."""
+CLASSIFIER_SUFFIXES = ("ForSequenceClassification", "ForTokenClassification")
+"""Architectures whose head scores a sequence (or each token) instead of predicting tokens."""
 
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 """Where configs keep the longest sequence (Llama and most; GPT-2; others), first found wins."""
@@ -25,6 +31,12 @@ class ModelFacts:
     """Rows of the input embedding (``vocab_size``); None when the config does not say."""
     source: str
     """Where the numbers come from, for messages: ``its config.json`` or a builtin's shape."""
+    architectures: tuple[str, ...] = ()
+    """The config's ``architectures`` (the class the weights were saved from)."""
+    labels: int | None = None
+    """A classifier's outputs per position (``id2label``'s size, else ``num_labels``)."""
+    scalar_head: bool = False
+    """A scalar head flowrl saved lies beside it (:data:`SCALAR_MARKER`)."""
 
 
 def model_facts(path: str, base_dir: Path | None = None, revision: str | None = None) -> ModelFacts | None:
@@ -46,7 +58,46 @@ def model_facts(path: str, base_dir: Path | None = None, revision: str | None = 
     # a multimodal config keeps the language model's numbers in text_config
     nested = config.get("text_config")
     text: dict[str, Any] = nested if isinstance(nested, dict) else config
-    return ModelFacts(_positions(text), _number(text.get("vocab_size")), "its config.json")
+    architectures = config.get("architectures")
+    labels = config.get("id2label")
+    return ModelFacts(
+        _positions(text), _number(text.get("vocab_size")), "its config.json",
+        tuple(name for name in architectures if isinstance(name, str)) if isinstance(architectures, list) else (),
+        len(labels) if isinstance(labels, dict) else _number(config.get("num_labels")),
+        (config_file.parent / SCALAR_MARKER).is_file(),
+    )
+
+
+def kind_problem(facts: ModelFacts, kind: str) -> str | None:
+    """Why a model of these facts cannot serve as ``kind`` (policy, reward), or None: a
+    classifier as a policy (its language-model head would start random), a reward model
+    without one trained score. A critic (value) may start from any backbone."""
+    classifier = next((name for name in facts.architectures if name.endswith(CLASSIFIER_SUFFIXES)), None)
+    if kind == "policy" and (classifier or facts.scalar_head):
+        what = f"a {classifier}" if classifier else f"a scalar-head model ({SCALAR_MARKER})"
+        return (f"holds {what}, a model that scores sequences: as a policy it has no trained language-model "
+                "head (transformers would start one at random); give a causal language model (...ForCausalLM), "
+                "or kind: reward for this one")
+    if kind == "reward":
+        return reward_head_problem(facts.architectures, facts.labels, facts.scalar_head)
+    return None
+
+
+def reward_head_problem(architectures: tuple[str, ...] | list[str], labels: int | None, scalar_head: bool) -> str | None:
+    """Why a checkpoint has no one trained score to serve as a reward model, or None."""
+    if scalar_head:
+        return None
+    classifier = next((name for name in architectures if name.endswith(CLASSIFIER_SUFFIXES)), None)
+    labels = 2 if labels is None else labels  # transformers' default, left out of config.json
+    if classifier is not None and labels == 1:
+        return None
+    if classifier is not None:
+        return (f"holds a {classifier} with {labels} labels: a reward model gives one score per completion; "
+                "give a classifier with one label (num_labels=1) or a reward model flowrl saved")
+    what = f"a {architectures[0]}" if architectures else "a model"
+    return (f"holds {what} with no trained score head (no {SCALAR_MARKER}, not a ...ForSequenceClassification or "
+            "...ForTokenClassification with one label): as a reward model it would give every completion the "
+            "same score; give a trained reward model (or builtin:tiny-rm to try the pipeline)")
 
 
 def _config_file(location: Path | str, revision: str | None) -> Path | None:

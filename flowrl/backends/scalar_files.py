@@ -44,13 +44,14 @@ from transformers.models.auto.modeling_auto import (
 )
 
 from flowrl.backends.builtin import quiet_progress_bars
+from flowrl.backends.model_facts import SCALAR_MARKER
 from flowrl.backends.weight_files import DEFAULT_MAX_SHARD_SIZE, read_weights, write_weights
 from flowrl.errors import ModelLoadError
 
 if TYPE_CHECKING:
     from flowrl.backends.value_model import ScalarHeadModel
 
-MARKER_FILE = "scalar_head.json"
+MARKER_FILE = SCALAR_MARKER
 """Marks a directory as a scalar-head model flowrl wrote and records what trained the head."""
 MARKER_FORMAT = "flowrl-scalar-head"
 MARKER_VERSION = 2

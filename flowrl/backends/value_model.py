@@ -42,6 +42,7 @@ from transformers.utils import logging as hf_logging
 from flowrl.backends.builtin import quiet_progress_bars
 from flowrl.backends.hf import TORCH_DTYPES, DtypeName, HubOptions, load_error, resolve_model_path, set_padding
 from flowrl.backends.locations import saved_model_location
+from flowrl.backends.model_facts import reward_head_problem
 from flowrl.backends.scalar_files import (
     MARKER_FILE,
     SCORE,
@@ -159,12 +160,9 @@ def load_scalar_model(
                 model = _from_classifier(classifier, source, torch_dtype, path, kind, kwargs)
             else:
                 if kind == "reward":
-                    raise ModelLoadError(
-                        f"model '{path}' has no trained scalar head (no {MARKER_FILE}, not a "
-                        "...ForSequenceClassification or ...ForTokenClassification checkpoint with "
-                        "one label), so as a reward model it would score everything 0; use "
-                        "builtin:tiny-rm, a trained reward model directory, or give it kind: value"
-                    )
+                    architectures = list(getattr(config, "architectures", None) or [])
+                    problem = reward_head_problem(architectures, getattr(config, "num_labels", None), False)
+                    raise ModelLoadError(f"model '{path}' {problem}")
                 model = ScalarHeadModel(_load_backbone(source, torch_dtype, path, kwargs))
     except (OSError, ValueError, KeyError) as error:
         hint = (

@@ -47,13 +47,13 @@ from flowrl.ui.format import (
     sparkline,
 )
 from flowrl.ui.progress import (
-    RESPONSE_LENGTH_KEY,
-    FAILED_SHARE_KEY,
     NUM_FAILED_KEY,
+    RESPONSE_LENGTH_KEY,
     REWARD_KEY,
     STEP_TIME_KEY,
     THROUGHPUT_KEY,
     EtaEstimator,
+    failed_shares,
 )
 
 REFRESHES_PER_S = 4.0
@@ -182,11 +182,14 @@ class LiveView:
             parts.append(f"eval@{self._validation_step} " + "  ".join(
                 f"{key} {format_number(value, 3)}" for key, value in self._validation.items()))
         summary = Text("   ".join(parts))
-        failed = metrics.get(FAILED_SHARE_KEY, 0.0)
-        if failed > 0:
+        shares = failed_shares(metrics)
+        if None in shares:
             count = metrics.get(NUM_FAILED_KEY)
             samples = f"{count:.0f} samples, " if count is not None else ""
-            summary.append(f"   reward failed: {samples}{failed:.0%}", style="bold red")
+            summary.append(f"   reward failed: {samples}{shares[None]:.0%}", style="bold red")
+        for node, share in shares.items():
+            if node is not None:
+                summary.append(f"   {node} failed: {share:.0%}", style="bold red")
         return summary
 
     @staticmethod

@@ -26,12 +26,12 @@ from flowrl.ui.format import (
     format_tokens_per_s,
 )
 from flowrl.ui.progress import (
-    FAILED_SHARE_KEY,
     RESPONSE_LENGTH_KEY,
     REWARD_KEY,
     STEP_TIME_KEY,
     THROUGHPUT_KEY,
     EtaEstimator,
+    failed_shares,
 )
 
 
@@ -41,8 +41,8 @@ def format_step_line(record: StepRecord, eta_s: float | None) -> str:
     parts = [f"step {record.step}/{record.num_steps}"]
     if REWARD_KEY in metrics:
         parts.append(f"reward {format_number(metrics[REWARD_KEY], 2)}")
-    if metrics.get(FAILED_SHARE_KEY, 0.0) > 0:
-        parts.append(f"failed {metrics[FAILED_SHARE_KEY]:.0%}")
+    for node, share in failed_shares(metrics).items():
+        parts.append(f"failed {share:.0%}" if node is None else f"{node} failed {share:.0%}")
     validation = [(key, value) for key, value in metrics.items() if key.startswith("val/") and key.endswith("/mean")
                   and not key.startswith("val/response_length")]
     if validation:

@@ -14,6 +14,20 @@ REWARD_KEY = "critic/score/mean"
 FAILED_SHARE_KEY = "reward/failed_share"
 NUM_FAILED_KEY = "reward/num_failed"
 """Share of samples whose reward function failed (scored 0)."""
+
+
+def failed_shares(metrics: dict[str, float]) -> dict[str | None, float]:
+    """The share of samples whose reward function failed, per score node where the step had
+    several (``reward/<node>/failed_share``: a node failing on every sample beside a working
+    one shows as 100 %, not as their mean), else for the step (key None); only shares above 0."""
+    per_node = {key.split("/")[1]: value for key, value in metrics.items()
+                if key.startswith("reward/") and key.endswith("/failed_share") and key.count("/") == 2}
+    if per_node:
+        return {name: share for name, share in per_node.items() if share > 0}
+    share = metrics.get(FAILED_SHARE_KEY, 0.0)
+    return {None: share} if share > 0 else {}
+
+
 RESPONSE_LENGTH_KEY = "response_length/mean"
 """Mean completion length in tokens."""
 STEP_TIME_KEY = "timing_s/step"

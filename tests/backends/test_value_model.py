@@ -78,7 +78,7 @@ def test_save_and_load_round_trip(causal_lm_dir: Path, tmp_path: Path) -> None:
 
 
 def test_reward_model_without_a_trained_head_is_refused(causal_lm_dir: Path) -> None:
-    with pytest.raises(ModelLoadError, match="no trained scalar head"):
+    with pytest.raises(ModelLoadError, match="no trained score head"):
         load_scalar_model(str(causal_lm_dir), kind="reward")
 
 

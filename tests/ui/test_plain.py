@@ -76,3 +76,14 @@ def test_a_node_split_over_devices_shows_its_fastest_to_slowest_part(clock: Fake
                                NodeTiming("adv", "advantage", "cpu:0", wall_s=0.001, compute_s=0.0008,
                                           wait_s=0.0, tokens_in=0, tokens_out=0)])
     assert format_step_line(record, None) == "step 1/2 | train 30-38ms adv 0.8ms | eta -"
+
+
+def test_with_several_score_nodes_the_failures_are_given_per_node() -> None:
+    """A node failing on every sample beside a working one: 100 % by its name, not their 50 % mean."""
+    metrics = {"reward/failed_share": 0.5, "reward/num_failed": 8.0, "reward/boom/failed_share": 1.0,
+               "reward/boom/num_failed": 8.0, "reward/digits/failed_share": 0.0, "reward/digits/mean": 0.2}
+    line = format_step_line(StepRecord(step=3, num_steps=9, metrics=metrics, elapsed_s=1.0, nodes=[]), None)
+    assert "| boom failed 100% |" in line and "digits failed" not in line and "| failed 50%" not in line
+    alone = format_step_line(StepRecord(step=3, num_steps=9, metrics={"reward/failed_share": 0.25},
+                                        elapsed_s=1.0, nodes=[]), None)
+    assert "| failed 25% |" in alone
