@@ -22,4 +22,6 @@ def test_readme_python_example_runs(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "name: grpo-digits" in result.stdout
+    # fr.run prints a line per step and per event, as flowrl run --plain does
+    assert "step 2/2 | reward" in result.stdout and "[event] placement:" in result.stdout
     assert (tmp_path / "outputs" / "api-run" / "final" / "model.safetensors").exists()
