@@ -40,7 +40,7 @@ from flowrl.planner.micro_batches import resolve_micro_batches, resolved_json
 from flowrl.planner.placement import node_group, plan_from_compiled, splittable
 from flowrl.records import RunEvent, StepRecord
 from flowrl.rewards import REWARD_FUNCTIONS
-from flowrl.runtime.cluster import Cluster, PendingCluster, join_for
+from flowrl.runtime.cluster import Cluster, PendingCluster, join_for, main_without_a_missing_file
 from flowrl.scheduler import make_policy, settings_from_spec
 from flowrl.scheduler.calibration import calibrated_prediction
 from flowrl.spec.dump import resumable_form, to_yaml, written_steps
@@ -130,10 +130,11 @@ def run(
         raise SystemExit("flowrl.run was called while a worker process imported the main script: put that call "
                          "under `if __name__ == \"__main__\":`")
     try:
-        return _run(pipeline, RunOptions(steps, str(output_dir) if output_dir is not None else None,
-                                         scheduler_address, cpu_slots, seed),
-                    observer, Path(base_dir) if base_dir is not None else Path.cwd(), resume, force,
-                    local_cluster, overwrite)
+        with main_without_a_missing_file():
+            return _run(pipeline, RunOptions(steps, str(output_dir) if output_dir is not None else None,
+                                             scheduler_address, cpu_slots, seed),
+                        observer, Path(base_dir) if base_dir is not None else Path.cwd(), resume, force,
+                        local_cluster, overwrite)
     except FlowrlError as error:
         # The message says what went wrong and what to do; flowrl's own frames would bury it
         # under a dozen lines that mean nothing to the caller (a cause, if any, still shows).

@@ -10,6 +10,7 @@ nanny would otherwise kill a worker that merely holds a model.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import socket
@@ -19,7 +20,7 @@ import time
 import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import dask
 from distributed import Client, Nanny, Scheduler, SpecCluster
@@ -387,6 +388,24 @@ def _quiet_reconnect_errors() -> None:
     logger = logging.getLogger("distributed.client")
     if not any(isinstance(f, _DropReconnectErrors) for f in logger.filters):
         logger.addFilter(_DropReconnectErrors())
+
+
+@contextlib.contextmanager
+def main_without_a_missing_file() -> Iterator[None]:
+    """Inside this block, a main module whose ``__file__`` names no file (a script read from
+    stdin: ``python - < script.py`` sets ``<stdin>``) has no ``__file__``: worker processes
+    started by spawn would otherwise run that "file" again and fail to start. Without it they
+    start as for ``python -c`` or a notebook."""
+    main = sys.modules.get("__main__")
+    script = getattr(main, "__file__", None)
+    if main is None or not isinstance(script, str) or Path(script).is_file():
+        yield
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = script
 
 
 def _script_hint() -> str:

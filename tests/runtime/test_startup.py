@@ -231,3 +231,14 @@ def test_a_script_that_runs_without_the_main_guard_gets_one_short_error(tmp_path
     assert 'put that call under `if __name__ == "__main__":`' in said
     assert "bootstrapping phase" not in said and said.count("Traceback") == 1
     assert len(done.stderr.splitlines()) < 12, done.stderr
+
+
+@pytest.mark.integration
+def test_a_script_read_from_stdin_runs(tmp_path: Path) -> None:
+    """``python - < train.py``: the main module's file is ``<stdin>``, which spawned workers
+    cannot run again; they start as for ``python -c``."""
+    guarded = _UNGUARDED.replace("fr.run(p)", 'if __name__ == "__main__":\n    print("steps", len(fr.run(p).records))')
+    done = subprocess.run([sys.executable, "-"], input=guarded, capture_output=True, text=True, cwd=tmp_path,
+                          timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "steps 1" in done.stdout and "Traceback" not in done.stderr
