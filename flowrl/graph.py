@@ -227,23 +227,19 @@ class _Checker:
         return graph
 
     def _check_eval(self) -> None:
-        """Evaluation applies reward functions: named ones must be score nodes with ``fn``."""
+        """Evaluation scores with score nodes (reward functions or reward models): named ones
+        must be score nodes."""
         evaluation = getattr(self.spec, "eval", None)
-        if evaluation is None or "eval" in self.broken:
+        if evaluation is None or "eval" in self.broken or evaluation.scores is None:
             return
-        with_fn = [name for name, node in self.spec.nodes.items() if isinstance(node, ScoreNode) and node.fn is not None]
-        if evaluation.scores is None:
-            if not with_fn and "nodes" not in self.broken:
-                self.add("eval", "evaluation scores completions with reward functions, and no score node has 'fn'; "
-                         "add a score node with fn (it may have weight: 0 to leave training unchanged)")
-            return
+        scorers = [name for name, node in self.spec.nodes.items() if isinstance(node, ScoreNode)]
         for position, name in enumerate(evaluation.scores):
-            if name in with_fn or "nodes" in self.broken or f"nodes.{name}" in self.broken:
+            if name in scorers or "nodes" in self.broken or f"nodes.{name}" in self.broken:
                 continue
             if name in self.spec.nodes:
-                self.add(f"eval.scores.{position}", f"'{name}' is not a score node with a reward function (fn)")
+                self.add(f"eval.scores.{position}", f"'{name}' is not a score node")
             else:
-                hint = did_you_mean(name, with_fn) or (f"; score nodes with fn: {', '.join(with_fn)}" if with_fn else "")
+                hint = did_you_mean(name, scorers) or (f"; score nodes: {', '.join(scorers)}" if scorers else "")
                 self.add(f"eval.scores.{position}", f"no score node '{name}'{hint}")
 
     def _check_unused(self) -> None:

@@ -101,10 +101,10 @@ def _eval_data(graph: PipelineGraph, base_dir: Path | None) -> tuple[str, str, s
 
 
 def eval_score_nodes(spec: PipelineSpec) -> dict[str, ScoreNode]:
-    """The score nodes an evaluation scores with: ``eval.scores``, else every one that runs a
-    reward function."""
+    """The score nodes an evaluation scores with: ``eval.scores``, else every one (a reward
+    function's or a reward model's)."""
     score_nodes = {name: item for name, item in spec.nodes.items() if isinstance(item, ScoreNode)}
     if spec.eval is None:
         return {}
-    wanted = spec.eval.scores or [name for name, item in score_nodes.items() if item.fn is not None]
+    wanted = spec.eval.scores or list(score_nodes)
     return {name: score_nodes[name] for name in wanted}

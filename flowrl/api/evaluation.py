@@ -1,6 +1,8 @@
 """When and how the driver evaluates: before training, every ``eval.every_steps`` and at the end.
 
-The evaluation runs on the policy's generation worker (``Session.evaluate``); its metrics
+The evaluation runs on the policy's generation worker (``Session.evaluate``), which applies
+the reward functions; a score node's reward model scores the completions on its own worker
+afterwards (``Session.score_held_out``), fetching them from the generation worker. Its metrics
 join the step's line in ``metrics.jsonl`` (step 0 gets a line of its own), its timing goes
 to ``profile.jsonl`` as the node ``eval``, and one ``eval`` event puts the numbers in the
 live view and the plain log.
@@ -34,14 +36,18 @@ class Evaluator:
         self.model = str(node.model)
         self.generate = node
         self.scorers: tuple[tuple[str, Any, dict[str, Any]], ...] = ()
+        self.reward_models: tuple[str, ...] = ()
+        """Score nodes whose reward model scores the held-out completions."""
         if self.spec is not None:
-            self.scorers = tuple((name, item.fn, dict(item.params)) for name, item in eval_score_nodes(spec).items())
+            nodes = eval_score_nodes(spec)
+            self.scorers = tuple((name, item.fn, dict(item.params)) for name, item in nodes.items() if item.fn is not None)
+            self.reward_models = tuple(name for name, item in nodes.items() if item.model is not None)
         self.seed = spec.trainer.seed + EVAL_SEED_OFFSET
         self.timeout_s = spec.runtime.node_timeout_s
 
     @property
     def enabled(self) -> bool:
-        return self.spec is not None and bool(self.examples) and bool(self.scorers)
+        return self.spec is not None and bool(self.examples) and bool(self.scorers or self.reward_models)
 
     def due(self, step: int) -> bool:
         """Whether to evaluate after ``step`` (0: before the first update)."""
@@ -68,13 +74,18 @@ class Evaluator:
         """Evaluate now; (metrics, the timing of each worker's part). A failure is a warning,
         not the end of the run: a lost worker is noticed and recovered by the next step."""
         started = time.perf_counter()
-        call = EvalCall(step, self.model, self.examples, self.settings(), self.scorers)
+        call = EvalCall(step, self.model, self.examples, self.settings(), self.scorers, keep=bool(self.reward_models))
         try:
             reports = session.evaluate(call, self.timeout_s)
+            scored = (session.score_held_out(step, self.reward_models, call.settings.n, len(self.examples),
+                                             self.timeout_s) if self.reward_models else [])
         except Exception as error:  # noqa: BLE001 - evaluation never stops training
             on_event(RunEvent("warning", f"evaluation after step {step} failed: {type(error).__name__}: {error}", step))
             return {}, []
         metrics = merge_parts([report.metrics for report in reports])
+        for report in scored:  # each over every held-out completion already
+            metrics.update(report.metrics)
+        reports = [*reports, *scored]
         timings = [
             NodeTiming("eval", "eval", r.device, r.wall_s, r.compute_s, r.wait_s, r.tokens_in, r.tokens_out,
                        rate_of_output=True)

@@ -4,11 +4,12 @@ Runs on a worker that holds the policy (the generate node's), between two steps.
 draws from its own generator, seeded by the evaluation's seed, so evaluating never moves
 the training run's sampling stream: a run with evaluation trains exactly like one without.
 
-For each score node ``s``::
+A score node with a reward model scores on the worker that holds that model
+(:func:`score_held_out`, from the completions this one keeps). For each score node ``s``::
 
     val/<s>/mean        mean score over every completion (mean@n when n > 1)
     val/<s>/pass@<n>    share of prompts with at least one completion scoring above 0 (n > 1)
-    val/<s>/num_failed  samples the function failed on
+    val/<s>/num_failed  samples the function failed on (0 for a reward model)
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from flowrl.rewards import score_safely
 from flowrl.roles.batch import NodeOutput
 from flowrl.roles.generate import run_generate
+from flowrl.roles.reward_model import run_reward_model
 from flowrl.roles.score import reward_inputs
 from flowrl.records import EvalSettings
 from flowrl.roles.state import ModelState
@@ -49,9 +51,12 @@ class _Sampling:
 
 
 def run_evaluation(
-    state: ModelState, examples: Sequence[Any], settings: EvalSettings, scorers: Sequence[EvalScorer]
+    state: ModelState, examples: Sequence[Any], settings: EvalSettings, scorers: Sequence[EvalScorer],
+    keep: bool = False,
 ) -> NodeOutput:
-    """Every scorer's metrics over ``examples`` (see the module docstring)."""
+    """Every scorer's metrics over ``examples`` (see the module docstring); with ``keep`` its
+    value is the list of rollouts generated (one per chunk), for reward models to score
+    (:func:`score_held_out`)."""
     greedy = settings.temperature == 0
     sampling = _Sampling(
         settings.n, settings.max_new_tokens, 1.0 if greedy else settings.temperature,
@@ -63,6 +68,7 @@ def run_evaluation(
     failed = {scorer.node: 0 for scorer in scorers}
     errors: list[str] = []
     lengths: list[float] = []
+    rollouts: list[Any] = []
     tokens_in = tokens_out = 0
     for start in range(0, len(examples), settings.batch_size):
         chunk = examples[start:start + settings.batch_size]
@@ -70,6 +76,8 @@ def run_evaluation(
         tokens_in += rollout.num_prompt_tokens
         tokens_out += rollout.num_completion_tokens
         lengths.extend(rollout.completion_mask.sum(dim=1).float().tolist())
+        if keep:
+            rollouts.append(rollout)
         inputs = reward_inputs(rollout)
         for scorer in scorers:
             result = score_safely(scorer.fn, inputs, scorer.params, on_error="zero", name=scorer.name)
@@ -84,7 +92,23 @@ def run_evaluation(
     for node, values in scores.items():
         metrics.update(_score_metrics(node, values, settings.n))
         metrics[f"val/{node}/num_failed"] = float(failed[node])
-    return NodeOutput(value=None, metrics=metrics, tokens_in=tokens_in, tokens_out=tokens_out, messages=tuple(errors))
+    return NodeOutput(value=rollouts if keep else None, metrics=metrics, tokens_in=tokens_in, tokens_out=tokens_out,
+                      messages=tuple(errors))
+
+
+def score_held_out(state: ModelState, node: str, rollouts: Sequence[Any], n: int,
+                   micro_batch_tokens: int | None) -> NodeOutput:
+    """A reward model's ``val/<node>/*`` over an evaluation's completions (``rollouts`` in
+    prompt order), as a reward function's (its weight not applied)."""
+    values: list[float] = []
+    tokens_in = 0
+    for rollout in rollouts:
+        scores = run_reward_model(state, rollout, 1.0, micro_batch_tokens)
+        values.extend(scores.value.values.tolist())
+        tokens_in += scores.tokens_in
+    metrics = _score_metrics(node, values, n)
+    metrics[f"val/{node}/num_failed"] = 0.0
+    return NodeOutput(value=None, metrics=metrics, tokens_in=tokens_in)
 
 
 def _score_metrics(node: str, values: list[float], n: int) -> dict[str, float]:

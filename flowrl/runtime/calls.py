@@ -66,7 +66,30 @@ class EvalCall:
     settings: Any
     """``flowrl.records.EvalSettings``."""
     scorers: tuple[tuple[str, Any, dict[str, Any]], ...]
-    """(score node, its ``fn`` spec, its params) for every score node applied."""
+    """(score node, its ``fn`` spec, its params) for every reward function applied."""
+    keep: bool = False
+    """Keep the completions in the host's store (under :data:`EVAL_KEY`) for reward models
+    on other hosts to score (:class:`HeldOutScoreCall`)."""
+
+
+EVAL_KEY = "eval"
+"""The store key's node part of an evaluation's kept completions (``store_key(step, EVAL_KEY)``:
+dropped with the step's other outputs)."""
+
+
+@dataclass(frozen=True)
+class HeldOutScoreCall:
+    """Score an evaluation's kept completions with a reward model, on the host that holds it."""
+
+    step: int
+    node: str
+    """The score node whose reward model scores (its weight is not applied)."""
+    model: str
+    micro_batch_tokens: int | None
+    sources: tuple[Any | None, ...]
+    """The hosts that generated the completions, in prompt order (None: this host)."""
+    n: int
+    """Completions per prompt (consecutive)."""
 
 
 @dataclass(frozen=True)

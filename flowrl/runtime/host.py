@@ -33,7 +33,7 @@ from flowrl.roles.batch import NodeOutput, Rollout
 from flowrl.roles.data_parallel import DataParallel, weighted_rows
 from flowrl.roles.shards import shard_of
 from flowrl.runtime.collective import DeviceGroup, free_port, weights_group
-from flowrl.runtime.calls import EvalCall, NodeCall, NodeReport, key_step, store_key
+from flowrl.runtime.calls import EVAL_KEY, EvalCall, HeldOutScoreCall, NodeCall, NodeReport, key_step, store_key
 from flowrl.runtime.packing import Packed, pack
 from flowrl.runtime.serialization import register
 
@@ -298,15 +298,52 @@ class RoleHost:
 
         def work() -> tuple[NodeOutput, float]:
             started = time.perf_counter()
-            output = run_evaluation(self.models[call.model], call.examples, call.settings, scorers)
+            output = run_evaluation(self.models[call.model], call.examples, call.settings, scorers, call.keep)
             return output, time.perf_counter() - started
 
-        output, compute_s = await asyncio.get_running_loop().run_in_executor(self._compute, work)
+        key = store_key(call.step, EVAL_KEY)
+        try:
+            output, compute_s = await asyncio.get_running_loop().run_in_executor(self._compute, work)
+        except BaseException as error:
+            if call.keep:  # reward models waiting for the completions must not wait forever
+                self.store[key] = _Failed(f"{type(error).__name__}: {error}")
+                self._event(key).set()
+            raise
+        if call.keep:
+            self.store[key] = output.value
+            self._event(key).set()
         return NodeReport(
             node="eval", role="eval", device=self.device_name, key=f"{call.step}:eval",
             wall_s=time.perf_counter() - arrived, compute_s=compute_s, wait_s=0.0,
             tokens_in=output.tokens_in, tokens_out=output.tokens_out, metrics=output.metrics,
             messages=output.messages,
+        )
+
+    async def score_held_out(self, call: HeldOutScoreCall) -> NodeReport:
+        """Score an evaluation's completions, kept on the hosts that generated them, with this
+        host's reward model (on the compute thread, between two steps)."""
+        from flowrl.roles.evaluate import score_held_out
+
+        arrived = time.perf_counter()
+        key = store_key(call.step, EVAL_KEY)
+        rollouts: list[Any] = []
+        for source in call.sources:
+            part = await (self._stored(key) if source is None else source.fetch(key))
+            if isinstance(part, _Failed):
+                raise UpstreamFailed(f"the evaluation's completions could not be generated ({part.message})")
+            rollouts.extend(part)
+        waited_s = time.perf_counter() - arrived
+
+        def work() -> tuple[NodeOutput, float]:
+            started = time.perf_counter()
+            output = score_held_out(self.models[call.model], call.node, rollouts, call.n, call.micro_batch_tokens)
+            return output, time.perf_counter() - started
+
+        output, compute_s = await asyncio.get_running_loop().run_in_executor(self._compute, work)
+        return NodeReport(
+            node="eval", role="eval", device=self.device_name, key=f"{key}:{call.node}",
+            wall_s=time.perf_counter() - arrived, compute_s=compute_s, wait_s=waited_s,
+            tokens_in=output.tokens_in, tokens_out=0, metrics=output.metrics,
         )
 
     async def _join(self, call: NodeCall, own: NodeOutput, rollout: Any) -> NodeOutput:

@@ -18,7 +18,7 @@ from flowrl.errors import ClusterError
 from flowrl.graph import PipelineGraph
 from flowrl.planner.placement import Plan
 from flowrl.records import DeviceSample
-from flowrl.runtime.calls import EvalCall, NodeReport
+from flowrl.runtime.calls import EvalCall, HeldOutScoreCall, NodeReport
 from flowrl.runtime.cluster import Cluster, WorkerSlot, registered_workers
 from flowrl.runtime.collective import weights_group
 from flowrl.runtime.executor import StepExecutor
@@ -27,7 +27,7 @@ from flowrl.runtime.host import RoleHost
 from flowrl.runtime.migration import Transfer, plan_transfers, stream_offset
 from flowrl.runtime.packing import unpack
 from flowrl.runtime.waiting import gather
-from flowrl.spec.schema import GenerateNode, UpdateNode
+from flowrl.spec.schema import GenerateNode, ScoreNode, UpdateNode, pass_tokens
 
 
 @dataclass(frozen=True)
@@ -233,6 +233,25 @@ class Session:
         parts = [call.examples[rows] for rows in _even_parts(len(call.examples), len(slots))]
         futures = [(slot, self.hosts[slot].evaluate(replace(call, examples=part))) for slot, part in zip(slots, parts) if part]
         return self.gather(futures, timeout_s, "evaluation")
+
+    def score_held_out(self, step: int, nodes: Sequence[str], n: int, num_examples: int,
+                       timeout_s: float) -> list[NodeReport]:
+        """Score the completions that :meth:`evaluate` (with ``keep``) left on the generate
+        node's workers with the reward models of score ``nodes``, each on the worker that
+        holds it (it fetches them from their workers, in prompt order); one report per node."""
+        generate = self.pipeline.nodes_of(GenerateNode)[0]
+        slots = self.plan.slots_of(generate)
+        # the workers that got a share of the prompts in :meth:`evaluate`
+        sources = [slot for slot, rows in zip(slots, _even_parts(num_examples, len(slots))) if rows.stop > rows.start]
+        futures = []
+        for node in nodes:
+            spec = self.pipeline.spec.nodes[node]
+            assert isinstance(spec, ScoreNode) and spec.model is not None
+            slot = self.plan.slots_of(node)[0]
+            call = HeldOutScoreCall(step, node, spec.model, pass_tokens(spec.micro_batch_tokens),
+                                    tuple(None if source == slot else self.hosts[source] for source in sources), n)
+            futures.append((slot, self.hosts[slot].score_held_out(call)))
+        return self.gather(futures, timeout_s, "evaluation's reward models")
 
     def apply_plan(self, plan: Plan) -> MigrationResult:
         """Move roles to ``plan``'s slots: every host that gains a model pulls its state

@@ -724,8 +724,8 @@ class EvalSpec(StrictModel):
     max_examples: Annotated[int, Field(ge=1)] | None = None
     """Evaluate on the first this many prompts of the split; None: all. Default None."""
     scores: list[str] | None = None
-    """Score nodes (reward functions) to apply; None: every score node with ``fn``.
-    Default None."""
+    """Score nodes to apply (a reward function, or a reward model on its own worker, to the
+    held-out completions); None: every score node. Default None."""
     batch_size: int = Field(default=64, ge=1)
     """Prompts per generation call while evaluating (bounds memory). Default 64."""
 

@@ -89,3 +89,26 @@ def test_sharded_checkpoints_resume_to_the_weights_of_an_uninterrupted_run(tmp_p
         state = model.state_dict()
         for key, value in read_weights(resumed / folder).items():
             assert torch.equal(state[key], value), f"{folder}: {key}"
+
+
+def test_the_evaluation_scores_held_out_completions_with_the_reward_model(tmp_path: Path) -> None:
+    """A score node's reward model scores the held-out completions on its own worker: the same
+    numbers whether it sits on the generation worker or fetches them from another."""
+    held_out = tmp_path / "held.jsonl"
+    held_out.write_text("".join(json.dumps({"prompt": f"{word}="}) + "\n"
+                                for word in ("abcdefgh", "qwertyui", "zxcvbnml", "poiuytre", "lkjhgfds")))
+    scores = {}
+    for name, slots, separate in (("together", 2, False), ("apart", 4, True)):
+        data = yaml.safe_load((ROOT / "pipelines" / "ppo_tiny.yaml").read_text())
+        data["eval"] = {"source": str(held_out), "every_steps": 2, "n": 2, "temperature": 1.0}
+        if separate:  # the reward model's group and the actor's on slots of their own
+            data["devices"]["reward_group"]["exclusive"] = data["devices"]["actor_group"]["exclusive"] = True
+        result = run(pipeline_from_dict(data), steps=2, output_dir=tmp_path / name, cpu_slots=slots)
+        slots_of = json.loads((tmp_path / name / "plan-0.json").read_text())["runtime"]["node_slots"]
+        assert (slots_of["reward"] != slots_of["rollout"]) is separate
+        assert [step for step, _ in result.evaluations] == [0, 2]
+        scores[name] = [metrics["val/reward/mean"] for _, metrics in result.evaluations]
+        assert all(set(metrics) >= {"val/reward/mean", "val/reward/pass@2", "val/reward/num_failed"}
+                   for _, metrics in result.evaluations)
+    assert scores["together"] == scores["apart"]
+    assert len(set(scores["together"])) == 2  # after two updates the policy's completions score otherwise
