@@ -6,6 +6,8 @@ exits 130. A traceback is printed only for a bug in flowrl itself.
 
 from __future__ import annotations
 
+import difflib
+
 import functools
 import importlib.metadata
 import json
@@ -177,6 +179,11 @@ def resume(
     from flowrl.spec.loader import issue_locator, load_pipeline
 
     config = output_dir / "config.yaml"
+    if not output_dir.is_dir():
+        beside = [entry.name for entry in output_dir.parent.iterdir() if entry.is_dir()] if output_dir.parent.is_dir() else []
+        close = difflib.get_close_matches(output_dir.name, beside, n=1, cutoff=0.6)
+        hint = f" (did you mean {output_dir.parent / close[0]}?)" if close else ""
+        raise FlowrlError(f"{output_dir}: no such folder{hint}; give the output folder of a flowrl run")
     if not config.is_file():
         raise FlowrlError(f"{output_dir} holds no config.yaml: it is not the output folder of a flowrl run")
     graph = load_pipeline(config)

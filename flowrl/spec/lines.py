@@ -8,6 +8,8 @@ to the last one.
 
 from __future__ import annotations
 
+import difflib
+
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +34,7 @@ def read_yaml_file(
         if file.is_dir():
             what = f"is a directory, not {_article(kind)} {kind} file"
         else:
-            what = "no such file; check the path"
+            what = f"no such file{_nearest_file(file)}; check the path"
         raise error([SpecIssue("", what, source)])
     try:
         text = file.read_text(encoding="utf-8")
@@ -42,6 +44,16 @@ def read_yaml_file(
         return parse_yaml(text, source)
     except SpecError as failure:
         raise error(failure.issues) from None
+
+
+def _nearest_file(file: Path) -> str:
+    """`` (did you mean 'x'?)`` for the file beside ``file`` whose name is closest, or ''."""
+    try:
+        names = [entry.name for entry in file.parent.iterdir() if entry.is_file()]
+    except OSError:
+        return ""
+    matches = difflib.get_close_matches(file.name, names, n=1, cutoff=0.75)
+    return f" (did you mean '{file.parent / matches[0] if str(file.parent) != '.' else matches[0]}'?)" if matches else ""
 
 
 def _article(word: str) -> str:

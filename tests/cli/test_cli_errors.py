@@ -65,6 +65,11 @@ def test_validate_accepts_every_shipped_pipeline() -> None:
          ("command line: data.prompt_key=question: builtin:digits makes a new random prompt "
           "per row and has no prompt column, so data.prompt_key would be ignored",
           "data.shuffle=false: builtin:digits makes a new random prompt per row and has no order to shuffle")),
+        # a mistyped file or folder name: the one beside it that is meant
+        (("validate", "pipelines/grpo_tiny.yml"),
+         ("pipelines/grpo_tiny.yml: no such file (did you mean 'pipelines/grpo_tiny.yaml'?)",)),
+        (("resume", "pipelines/nowhere/run"), ("pipelines/nowhere/run: no such folder; give the output folder",)),
+        (("resume", "benchmark"), ("benchmark: no such folder (did you mean benchmarks?)",)),
         # a model path from an override is the override's mistake, not the file's
         (("validate", "pipelines/grpo_tiny.yaml", "models.actor.path=builtin:tiny-lama"),
          ("command line: models.actor.path=builtin:tiny-lama: unknown builtin model 'tiny-lama'",)),
