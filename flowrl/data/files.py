@@ -163,6 +163,9 @@ def _load_folder(path: Path, source: str, split: str) -> Any:
         raise DataError(f"folder {source} has empty data file{'s' if len(empty) > 1 else ''} {', '.join(empty)} "
                         f"(split '{split}' is read, and every file of the folder is loaded with it); write one "
                         "example per row, or remove the file")
+    for item in files:  # a bad line named by its file and line (see _load_file)
+        if FILE_BUILDERS[item.suffix.lower()] == "json":
+            check_json_lines(item, f"{source}/{item.name}")
     try:
         loaded = datasets.load_dataset(str(path))
     except Exception as error:  # noqa: BLE001

@@ -293,6 +293,18 @@ def test_relative_and_absolute_paths(tmp_path: Path) -> None:
     assert _prompts(relative.next_batch(0)) == _prompts(absolute.next_batch(0)) == ["x"]
 
 
+def test_a_bad_line_in_a_folder_of_split_files_is_named_by_file_and_line(tmp_path: Path) -> None:
+    """datasets said only "JSON parse error: Column(/answer) changed from string to number"."""
+    (tmp_path / "data").mkdir()
+    _write_jsonl(tmp_path / "data" / "train.jsonl", [{"prompt": "a", "answer": "1"}])
+    (tmp_path / "data" / "test.jsonl").write_text('{"prompt": "b", "answer": "2"}\n{"prompt": "c", "answer": 3\n')
+    with pytest.raises(DataError) as caught:
+        PromptSource("data", 1, 0, base_dir=tmp_path, split="train")
+    lines = str(caught.value).splitlines()
+    assert lines[0].startswith("1 bad line in data/test.jsonl (one JSON object per line")
+    assert lines[1].startswith("  data/test.jsonl:2: expected a JSON object, found invalid JSON")
+
+
 def test_every_bad_line_and_row_is_reported(tmp_path: Path) -> None:
     (tmp_path / "data.jsonl").write_text(
         "\n".join(['{"prompt": "fine"}', '{"prompt": "unterminated', "[1, 2]"])
