@@ -213,7 +213,8 @@ def changed(edit: Any) -> dict[str, Any]:
         ),
         (
             lambda d: d["models"]["reference"].update(kind="reward"),
-            ["nodes.ref.model: reference_logprob needs a policy model; 'reference' is kind reward"],
+            ["nodes.ref.model: reference_logprob needs a policy model; 'reference' is kind reward "
+             "(set models.reference.kind: policy if it is one)"],
         ),
         (
             lambda d: d["nodes"]["ref"].update(model="referense"),
@@ -277,11 +278,22 @@ def test_ppo_rules() -> None:
     data["nodes"]["values"]["model"] = "actor"
     data["nodes"]["reward"]["model"] = "critic"
     assert issues(data) == [
-        "nodes.reward.model: score needs a reward model; 'critic' is kind value",
-        "nodes.values.model: value needs a value model; 'actor' is kind policy",
+        "nodes.reward.model: score needs a reward model; 'critic' is kind value (set models.critic.kind: reward if it is one)",
+        "nodes.values.model: value needs a value model; 'actor' is kind policy (set models.actor.kind: value if it is one)",
         "nodes.adv.inputs: advantage needs values (gae): add a value node to inputs",
         "nodes.train_critic.inputs: update needs a rollout: add a generate node to inputs",
         "models.rm: no node uses model 'rm'; remove it or use it in a node",
+    ]
+
+
+def test_a_critic_without_kind_value_is_told_to_set_it() -> None:
+    data = ppo()
+    del data["models"]["critic"]["kind"]
+    data["nodes"]["train_critic"]["inputs"] = ["rollout", "adv", "values"]
+    assert issues(data) == [
+        "nodes.values.model: value needs a value model; 'critic' is kind policy (set models.critic.kind: value if it is one)",
+        "nodes.train_critic.model: update trains 'critic', which value node 'values' reads as a critic, but 'critic' "
+        "is kind policy: set models.critic.kind: value",
     ]
 
 

@@ -274,7 +274,8 @@ class _NodeBase(StrictModel):
     def _need_kind(self, view: NodeView, wanted: str) -> None:
         if view.model_kind is not None and view.model_kind != wanted:
             view.add(f"nodes.{view.name}.model",
-                     f"{self.role_name()} needs a {wanted} model; '{self.model}' is kind {view.model_kind}")
+                     f"{self.role_name()} needs a {wanted} model; '{self.model}' is kind {view.model_kind} "
+                     f"(set models.{self.model}.kind: {wanted} if it is one)")
 
 
 class GenerateNode(_NodeBase):
@@ -607,6 +608,12 @@ class UpdateNode(_NodeBase):
                              f"'{field}' is read by updates of {UPDATE_FIELDS[field]} models only, and '{self.model}' "
                              f"is a {kind} model; remove it")
         if kind != "policy":
+            return
+        critic_of = next((name for name in view.inputs_of(ValueNode)
+                          if getattr(view.node(name), "model", None) == self.model), None)
+        if critic_of is not None:  # a critic whose model lacks kind: value
+            view.add(f"{path}.model", f"update trains '{self.model}', which value node '{critic_of}' reads as a critic, "
+                                      f"but '{self.model}' is kind policy: set models.{self.model}.kind: value")
             return
         for rollout in rollouts:
             source = view.node(rollout)

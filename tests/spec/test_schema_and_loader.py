@@ -101,7 +101,8 @@ def test_graph_mistakes_are_all_reported_in_file_order() -> None:
     expected = [
         f"{f}:5: models.spare: no node uses model 'spare'; remove it or use it in a node",
         f"{f}:7: devices.gpus: no model or node uses device group 'gpus'; remove it",
-        f"{f}:9: nodes.rollout.model: generate needs a policy model; 'critic' is kind value",
+        f"{f}:9: nodes.rollout.model: generate needs a policy model; 'critic' is kind value "
+        "(set models.critic.kind: policy if it is one)",
         f"{f}:10: nodes.reward.inputs: cycle reward -> late -> reward; one iteration must flow "
         "one way",
         f"{f}:12: nodes.loop.inputs: 'loop' reads its own output; drop 'loop' from inputs",
