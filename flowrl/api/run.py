@@ -63,6 +63,8 @@ class RunResult:
     records: list[StepRecord] = field(default_factory=list)
     already_finished: bool = False
     """``resume`` found a run that had finished every step: nothing was trained."""
+    finished_steps: int = 0
+    """With ``already_finished``: the steps that run had finished (at least those asked for)."""
     evaluations: list[tuple[int, dict[str, float]]] = field(default_factory=list)
     """(step, ``val/*`` metrics) of every evaluation; step 0 is before training."""
 
@@ -176,7 +178,7 @@ def _run(pipeline: PipelineGraph | Pipeline, options: RunOptions, observer: Obse
         forced = _check_unchanged(folder, before, config_text, force)
         planned = written_steps(before) if before is not None else None
         if finished is not None and finished >= spec.trainer.steps:
-            return RunResult(folder.path, already_finished=True)
+            return RunResult(folder.path, already_finished=True, finished_steps=finished)
         check_resume_start(folder.path, spec.trainer.steps)
         start = newest_checkpoint(folder.checkpoints)
     else:

@@ -250,7 +250,11 @@ def _train(graph: Any, base_dir: Path, plain: bool, resume: bool, force: bool, o
         if pending is not None:
             pending.discard()
     if result.already_finished:
-        console.print(f"the run in {result.output_dir} already finished all {num_steps} steps; nothing to resume")
+        done = result.finished_steps
+        console.print(f"the run in {result.output_dir} already finished all {num_steps} steps; nothing to resume"
+                      if done <= num_steps else
+                      f"the run in {result.output_dir} already finished {done} steps, more than the {num_steps} asked "
+                      "for; nothing to resume")
         return
     summary = _reward_summary(result.records)
     if summary:

@@ -206,6 +206,8 @@ def test_resume_after_kill_9_of_the_driver_ends_with_the_weights_of_an_uninterru
     # resuming a finished run says so and trains nothing
     again = subprocess.run(_cli("resume", str(killed), "--plain"), capture_output=True, text=True)
     assert again.returncode == 0 and "already finished all 8 steps" in again.stdout
+    fewer = subprocess.run(_cli("resume", str(killed), "--plain", "--steps", "5"), capture_output=True, text=True)
+    assert fewer.returncode == 0 and "already finished 8 steps, more than the 5 asked for" in fewer.stdout
 
     # a changed pipeline is refused with what changed, exit code 2
     data = yaml.safe_load(pipeline_file.read_text())
