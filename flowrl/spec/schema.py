@@ -739,7 +739,7 @@ class EvalSpec(StrictModel):
     @model_validator(mode="after")
     def _samples_differ(self) -> EvalSpec:
         if self.temperature == 0 and self.n > 1:
-            raise ValueError(f"n: {self.n} at temperature 0 (greedy): the {self.n} completions of a prompt are all "
+            raise ValueError(f"at temperature 0 (greedy) the {self.n} completions per prompt of n: {self.n} are all "
                              "the same, so pass@n and mean@n say nothing more; set n: 1, or a temperature above 0")
         return self
 

@@ -392,7 +392,7 @@ def test_function_fields_on_a_reward_model_score_are_refused() -> None:
 def test_several_greedy_completions_per_held_out_prompt_are_refused() -> None:
     from flowrl.spec.schema import EvalSpec
 
-    with pytest.raises(ValidationError, match="n: 2 at temperature 0 \\(greedy\\): the 2 completions of a prompt are all "
-                                              "the same"):
+    with pytest.raises(ValidationError, match="at temperature 0 \\(greedy\\) the 2 completions per prompt of n: 2 are "
+                                              "all the same"):
         EvalSpec(n=2)
     assert EvalSpec(n=2, temperature=1.0).n == 2 and EvalSpec(n=1).temperature == 0
