@@ -10,6 +10,7 @@ arguments, can never be called: :func:`signature_problem` says so at ``flowrl va
 from __future__ import annotations
 
 import asyncio
+import difflib
 import inspect
 import os
 import threading
@@ -89,11 +90,15 @@ def signature_problem(fn: Callable[..., Any], offered: Iterable[str], params: di
                     f"{', '.join(sorted(names))} (every dataset column by its name, the reference answer "
                     f"as 'answer', and the score node's params); {fix}"
                 )
-    if not takes_any:
-        accepted = {p.name for p in parameters}
-        unused = sorted(set(params) - accepted)
-        if unused:
-            return f"the score node's params {', '.join(unused)} are not arguments of it (and it takes no **kwargs)"
+    accepted = {p.name for p in parameters if p.kind is not inspect.Parameter.VAR_KEYWORD}
+    unused = sorted(set(params) - accepted)
+    if unused and not takes_any:
+        return f"the score node's params {', '.join(unused)} are not arguments of it (and it takes no **kwargs)"
+    for name in unused:  # through **kwargs, a misspelling of a named argument would go unread
+        close = difflib.get_close_matches(name, sorted(accepted - set(params)), n=1, cutoff=0.75)
+        if close:
+            return (f"the score node's param '{name}' is not an argument of it (did you mean '{close[0]}'?); "
+                    f"it would reach the function only through **kwargs")
     return None
 
 

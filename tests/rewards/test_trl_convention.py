@@ -165,6 +165,12 @@ def test_signature_problems() -> None:
 
     assert "positional-only" in str(signature_problem(positional, offered, {}))
     assert "params bonus are not arguments" in str(signature_problem(lambda completions: [], offered, {"bonus": 1}))
+    # through **kwargs a misspelt argument would go unread; a param of another name is the function's own business
+    scaled = lambda completions, scale=1.0, **kw: []  # noqa: E731
+    assert signature_problem(scaled, offered, {"scael": 2}) == (
+        "the score node's param 'scael' is not an argument of it (did you mean 'scale'?); it would reach the "
+        "function only through **kwargs")
+    assert signature_problem(scaled, offered, {"scale": 2, "bonus": 1}) is None
 
 
 def _pipeline(folder: Path, reward_source: str, fn: str, **trainer: Any) -> Path:
