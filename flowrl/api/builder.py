@@ -201,10 +201,15 @@ class Pipeline:
         self, role: str, name: str | None, inputs: tuple[str, ...], fields: dict[str, Any]
     ) -> NodeRef:
         if name is None:
-            name = NODE_CLASSES[role].default_name
+            default = NODE_CLASSES[role].default_name
+            # a second node of a role is named by its model where that differs from the first's
+            # (train_critic beside train)
+            model = fields.get("model")
+            by_model = isinstance(model, str) and self._nodes.get(default, {}).get("model") not in (None, str(model))
+            name = f"{default}_{model}" if default in self._nodes and by_model else default
             suffix = 2
             while name in self._nodes:
-                name = f"{NODE_CLASSES[role].default_name}_{suffix}"
+                name = f"{default}_{suffix}"
                 suffix += 1
         elif name in self._nodes:
             raise SpecError([SpecIssue(f"nodes.{name}", f"a node named '{name}' already exists")])

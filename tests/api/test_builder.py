@@ -60,11 +60,15 @@ def test_handles_and_default_names() -> None:
     second = p.generate(actor, prompts, n=2)
     named = p.generate(actor, prompts, name="greedy", temperature=0.1)
     assert (first, second, named) == ("rollout", "rollout_2", "greedy")
+    critic = p.model("critic", path="builtin:tiny-llama", kind="value")
+    assert p.value(critic, first) == "values"
     scores = p.score("digits", first, second)
     assert scores == "reward"
     adv = p.advantage("grpo", scores)
     train = p.update(actor, first, adv)
     assert (adv, train) == ("adv", "train")
+    # a second update of another model is named by it; a second of the same model by number
+    assert (p.update(critic, first, adv), p.update(actor, second, adv)) == ("train_critic", "train_2")
     spec = p.to_dict()
     assert spec["nodes"]["greedy"] == {
         "role": "generate",
