@@ -326,8 +326,8 @@ def plan(
 def simulate(
     pipeline_file: Path = typer.Argument(..., help="Pipeline YAML file."),
     overrides: Optional[list[str]] = _overrides_argument(),
-    devices_file: Path = typer.Option(
-        ..., "--devices", help="Inventory file (devices/*.yaml) of the cluster to simulate."
+    devices_file: Optional[Path] = typer.Option(
+        None, "--devices", help="Inventory file (devices/*.yaml) of the cluster to simulate; default: this machine."
     ),
     steps: int = typer.Option(200, min=1, help="Steps to simulate."),
     scenario: Optional[str] = typer.Option(

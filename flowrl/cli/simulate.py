@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from flowrl.devices.files import load_inventory
+from flowrl.devices.inventory import detect_local
 from flowrl.errors import FlowrlError
 from flowrl.scheduler.events import Decision
 from flowrl.scheduler.policy import settings_from_spec
@@ -31,7 +32,7 @@ POLICIES = ("static", "dynamic", "both")
 
 def simulate_command(
     pipeline: Path,
-    devices_file: Path,
+    devices_file: Path | None,
     steps: int,
     scenario: str | None,
     policy: str,
@@ -47,7 +48,9 @@ def simulate_command(
     if steps < 1:
         raise FlowrlError(f"--steps {steps}: simulate at least 1 step")
     graph = load_pipeline(pipeline, overrides)
-    inventory = load_inventory(devices_file)
+    inventory = load_inventory(devices_file) if devices_file is not None else detect_local(
+        num_cpu_slots=graph.spec.runtime.cpu_slots)
+    devices = str(devices_file) if devices_file is not None else "this machine"
     chosen = load_scenario(scenario or "steady", inventory)
     names = ["static", "dynamic"] if policy == "both" else [policy]
     settings = settings_from_spec(graph.spec.scheduler, restart_s=None)
@@ -57,7 +60,7 @@ def simulate_command(
     if as_json:
         data = {
             "pipeline": graph.name,
-            "devices": str(devices_file),
+            "devices": devices,
             "steps": steps,
             "seed": used_seed,
             "scenario": {"name": chosen.name, "source": chosen.source, "noise": chosen.noise,
@@ -67,7 +70,7 @@ def simulate_command(
         console.print(json.dumps(_finite(data), indent=2), markup=False, highlight=False,
                       soft_wrap=True)
     else:
-        print_comparison(graph.name, str(devices_file), chosen, used_seed, steps, results, console)
+        print_comparison(graph.name, devices, chosen, used_seed, steps, results, console)
     return results
 
 

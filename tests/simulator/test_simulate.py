@@ -108,6 +108,13 @@ def test_simulate_command_json_is_valid_json() -> None:
     assert data["policies"]["static"]["summary"]["num_failures"] == 11
 
 
+def test_without_an_inventory_file_this_machine_is_simulated() -> None:
+    console = Console(record=True, width=200)
+    simulate_command(ROOT / "pipelines" / "grpo_tiny.yaml", None, 10, None, "static", 0, True, console)
+    data = json.loads(console.export_text())
+    assert data["devices"] == "this machine" and data["policies"]["static"]["summary"]["num_failures"] == 0
+
+
 def test_unknown_scenario_is_a_user_error_naming_the_known_ones() -> None:
     with pytest.raises(FlowrlError, match=r"did you mean 'throttle'\?.*steady"):
         simulate_command(PIPELINE, DEVICES, 10, "throtle", "both", None, False, Console())
