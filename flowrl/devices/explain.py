@@ -110,8 +110,7 @@ def explain_together(
     return (
         f"{_and(groups)} together need {plural(total, kind)} ({each}), but only "
         f"{len(fitting)} fit them: {listed}{more}; lower a count, relax min_memory_gb or arch "
-        "so more devices fit, give their models one device group (the models of a group share its devices), "
-        "or match against a larger inventory"
+        "so more devices fit, let them share devices (no exclusive: true), or match against a larger inventory"
     )
 
 

@@ -86,9 +86,23 @@ def match_groups(
     """Match every group to devices of ``inventory``; never raises for a user mistake.
 
     ``shared`` lists sets of groups the pipeline allows on the same devices; no other
-    two groups share a GPU. Unsatisfied groups are in ``Match.unsatisfied``.
+    two groups share a GPU. Without it, where the GPUs are too few for every GPU group to
+    have its own, groups that are not ``exclusive`` share them (as CPU groups share slots),
+    the fewest sharings first: one GPU serves a PPO pipeline's four models, and the planner
+    then checks that their memory fits. Unsatisfied groups are in ``Match.unsatisfied``.
     """
-    return _Matcher(groups, inventory, shared).run()
+    match = _Matcher(groups, inventory, shared).run()
+    if match.ok or shared:
+        return match
+    sharing = [name for name, spec in groups.items() if spec.type == "gpu" and not spec.exclusive
+               and spec.device_ids is None]
+    pairs = [frozenset(pair) for pair in itertools.combinations(sharing, 2)]
+    if not pairs:
+        return match
+    matcher = _Matcher(groups, inventory, pairs)
+    matcher.why_shared = "too few GPUs for one each; exclusive: true keeps a group's devices to itself"
+    shared_match = matcher.run()
+    return shared_match if shared_match.ok else match
 
 
 class _Matcher:
@@ -105,6 +119,8 @@ class _Matcher:
         self.reasons: dict[str, str] = {}
         self.unsatisfied: dict[str, str] = {}
         self.devices = {device.id: device for device in inventory.devices}
+        self.why_shared = "the pipeline allows it"
+        """Why groups in one bundle share devices, for their reasons."""
 
     def run(self) -> Match:
         for name, spec in self.groups.items():
@@ -294,7 +310,7 @@ class _Matcher:
             parts.append(f"preferred {' > '.join(spec.preferred_arch)}: got {got}{fell}")
         if len(bundle) > 1:
             others = [other for other in bundle if other != name]
-            parts.append(f"shares devices with {', '.join(others)} (the pipeline allows it)")
+            parts.append(f"shares devices with {', '.join(others)} ({self.why_shared})")
         return "; ".join(parts)
 
     def _result(self) -> Match:

@@ -138,17 +138,17 @@ def test_arch_filter_failure_suggests_the_architectures_to_add() -> None:
 
 
 def test_groups_that_fit_alone_but_not_together_are_named_together() -> None:
-    groups = {
-        "a": gpu(count=2, min_memory_gb=40),
-        "b": gpu(count=2, min_memory_gb=40),
+    groups = {  # exclusive: not shared where the devices are too few
+        "a": gpu(count=2, min_memory_gb=40, exclusive=True),
+        "b": gpu(count=2, min_memory_gb=40, exclusive=True),
         "c": gpu(count=1),
     }
     match = match_groups(groups, MIXED)
     message = (
         "a and b together need 4 gpus (a: 2 gpus with >= 40 GB; b: 2 gpus with >= 40 GB), "
         "but only 3 fit them: gpu-0 A100-40GB, gpu-1 A100-40GB, gpu-3 H100-80GB; lower a "
-        "count, relax min_memory_gb or arch so more devices fit, give their models one device group "
-        "(the models of a group share its devices), or match against a larger inventory"
+        "count, relax min_memory_gb or arch so more devices fit, let them share devices (no exclusive: true), "
+        "or match against a larger inventory"
     )
     assert match.unsatisfied == {"a": message, "b": message}
     assert match.assignment["c"] == ["gpu-3"]  # c is not to blame and still gets a card
@@ -245,3 +245,21 @@ def test_a_thousand_devices_are_matched() -> None:
     # (its first choice) and 8 A100-80GB for the rest of its 256
     names = [inventory.by_id(i).name for i in match.assignment["actor"]]  # type: ignore[union-attr]
     assert (names.count("H100-80GB"), names.count("A100-80GB")) == (248, 8)
+
+
+def test_too_few_gpus_for_one_each_are_shared_by_groups_that_are_not_exclusive() -> None:
+    """One GPU, a PPO pipeline's three GPU groups: they share it (the planner then checks
+    their memory); an exclusive group keeps its device to itself and so cannot be matched."""
+    one_gpu = load_inventory(ROOT / "devices" / "h100-1x.yaml")
+    groups = {"actor": gpu(), "critic": gpu(), "reward": gpu()}
+    match = match_groups(groups, one_gpu)
+    assert match.ok and match.assignment == {"actor": ["gpu-0"], "critic": ["gpu-0"], "reward": ["gpu-0"]}
+    assert match.shared_with["actor"] == ["critic", "reward"]
+    assert "shares devices with critic, reward (too few GPUs for one each" in match.reasons["actor"]
+    # two GPUs for three groups: the fewest sharings (two groups on one card, one alone)
+    two = replace(MIXED, devices=[d for d in MIXED.devices if d.id in ("gpu-0", "gpu-1") or d.kind == "cpu"])
+    spread = match_groups(groups, two)
+    assert spread.ok and sorted(len(ids) for ids in spread.assignment.values()) == [1, 1, 1]
+    assert sorted(len(others) for others in spread.shared_with.values()) == [0, 1, 1]
+    alone = match_groups({**groups, "reward": gpu(exclusive=True)}, one_gpu)
+    assert not alone.ok and set(alone.unsatisfied) == {"actor", "critic"}
