@@ -141,7 +141,9 @@ def _helpers(folder: str) -> list[tuple[str, str]]:
     """(name, file) of the helper modules of the pipeline in ``folder`` imported now."""
     before = _IMPORTED_BEFORE[folder]
     found = []
-    for name, module in list(sys.modules.items()):
+    # copy() is one step under the GIL; iterating the live dict (even into a list) fails when
+    # another thread imports meanwhile (a reward function still running on its thread)
+    for name, module in sys.modules.copy().items():
         if name in before or name.startswith(_UNIQUE_PREFIX):
             continue
         path = getattr(module, "__file__", None)
