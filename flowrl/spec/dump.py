@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 from pydantic import BaseModel
 
+from flowrl.spec.lines import ValueDumper, ValueLoader
 from flowrl.spec.schema import PipelineSpec, TrainerSpec
 
 if TYPE_CHECKING:
@@ -83,7 +84,8 @@ def _scalar(value: Any) -> str:
     if isinstance(value, str):
         plain = value
         try:
-            if yaml.safe_load(f"{{k: {plain}}}") == {"k": value} and plain.strip() == plain:
+            # read back as a pipeline file is read (``1e-5`` is a number there)
+            if _load(f"{{k: {plain}}}") == {"k": value} and plain.strip() == plain:
                 return plain
         except yaml.YAMLError:
             pass
@@ -92,7 +94,7 @@ def _scalar(value: Any) -> str:
 
 
 def _dump_one(value: Any) -> str:
-    text: str = yaml.safe_dump([value], default_flow_style=True, width=1 << 30)
+    text: str = yaml.dump([value], Dumper=ValueDumper, default_flow_style=True, width=1 << 30)
     return text.strip()[1:-1]
 
 
@@ -103,7 +105,7 @@ RESUME_MAY_CHANGE = ("steps", "output_dir")
 def resumable_form(config_text: str) -> Any:
     """A written pipeline as data, less what a resume may change (``RESUME_MAY_CHANGE``):
     two runs' texts with equal forms are the same job."""
-    data = yaml.safe_load(config_text)
+    data = _load(config_text)
     trainer = data.get("trainer") if isinstance(data, dict) else None
     if isinstance(trainer, dict):
         for name in RESUME_MAY_CHANGE:
@@ -115,7 +117,11 @@ def resumable_form(config_text: str) -> Any:
 
 def written_steps(config_text: str) -> int:
     """``trainer.steps`` of a written pipeline (which leaves out a default value)."""
-    data = yaml.safe_load(config_text)
+    data = _load(config_text)
     trainer = data.get("trainer") if isinstance(data, dict) else None
     steps = trainer.get("steps") if isinstance(trainer, dict) else None
     return steps if isinstance(steps, int) else int(TrainerSpec.model_fields["steps"].default)
+
+
+def _load(text: str) -> Any:
+    return yaml.load(text, Loader=ValueLoader)  # noqa: S506 - a SafeLoader subclass

@@ -9,6 +9,7 @@ to the last one.
 from __future__ import annotations
 
 import difflib
+import re
 
 from pathlib import Path
 from typing import Any
@@ -60,14 +61,34 @@ def _article(word: str) -> str:
     return "an" if word[:1] in "aeiou" else "a"
 
 
+class ValueLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that also reads ``1e-5``, ``3E8`` and ``1.0e5`` as numbers.
+
+    YAML 1.1 (PyYAML) wants a dot and a signed exponent (``1.0e-5``) and leaves the rest as
+    text; in a file as on a command line, everyone means the number (``lr: 1e-6``).
+    """
+
+
+class ValueDumper(yaml.SafeDumper):
+    """``yaml.SafeDumper`` that quotes a string :class:`ValueLoader` would read as a number."""
+
+
+for _reader in (ValueLoader, ValueDumper):
+    _reader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$"),
+        list("-+.0123456789"),
+    )
+
+
 def parse_yaml(text: str, source_name: str) -> tuple[Any, LineMap, list[SpecIssue]]:
     """Parse ``text``; return the data, the line map and duplicate-key issues.
 
     A syntax error raises ``SpecError`` with the line where YAML gave up.
     """
     try:
-        data = yaml.safe_load(text)
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.load(text, Loader=ValueLoader)  # noqa: S506 - a SafeLoader subclass
+        root = yaml.compose(text, Loader=ValueLoader)
     except yaml.MarkedYAMLError as error:
         mark = error.problem_mark or error.context_mark
         line = mark.line + 1 if mark is not None else None

@@ -13,7 +13,6 @@ except that ``1e-5`` is a number, as the user means it, not the text YAML 1.1 ma
 from __future__ import annotations
 
 import copy
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +20,7 @@ from typing import Any
 import yaml
 
 from flowrl.errors import SpecError, SpecIssue
-from flowrl.spec.lines import LineMap
+from flowrl.spec.lines import LineMap, ValueLoader
 from flowrl.spec.messages import did_you_mean, show
 
 COMMAND_LINE = "command line"
@@ -47,24 +46,9 @@ class Override:
         return ".".join(self.path)
 
 
-class _ValueLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that also reads ``1e-5``, ``3E8`` and ``1.0e5`` as numbers.
-
-    YAML 1.1 (PyYAML) wants a dot and a signed exponent (``1.0e-5``) and leaves the rest as
-    text; on a command line everyone means the number.
-    """
-
-
-_ValueLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$"),
-    list("-+.0123456789"),
-)
-
-
 def parse_value(text: str) -> Any:
     """``text`` read as one YAML value; an empty text is null. Raises ``yaml.YAMLError``."""
-    return yaml.load(text, Loader=_ValueLoader)  # noqa: S506 - a SafeLoader subclass
+    return yaml.load(text, Loader=ValueLoader)  # noqa: S506 - a SafeLoader subclass
 
 
 def parse_override(text: str) -> Override:

@@ -252,6 +252,9 @@ def test_values_of_another_type_are_refused_not_converted(tmp_path: Path) -> Non
     spec = load_pipeline(write(tmp_path, text.replace("lr: yes", "lr: 1").replace("n: '4'", "n: 4")
                                .replace("scale_by_std: 0", "scale_by_std: false"))).spec
     assert spec.nodes["train"].lr == 1.0 and spec.nodes["train"].betas == (0.8, 0.9)
+    # YAML 1.1 leaves 1e-5 (no dot) a string; a pipeline file reads it as the number meant
+    spec = load_pipeline(write(tmp_path, GOOD.replace("inputs: [rollout, adv]}", "inputs: [rollout, adv], lr: 1e-5}"))).spec
+    assert spec.nodes["train"].lr == 1e-5
 
 
 def test_score_needs_exactly_one_of_fn_and_model() -> None:
