@@ -189,7 +189,7 @@ def _split_product(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.
     rows, inner = x.shape
     part = inner // splits
     left = x.view(rows, splits, part).transpose(0, 1)
-    right = weight.view(weight.shape[0], splits, part).permute(1, 2, 0)
+    right = weight.reshape(weight.shape[0], splits, part).permute(1, 2, 0)  # a view of a contiguous weight
     return torch.bmm(left, right)
 
 
@@ -276,12 +276,21 @@ class _Buffers:
         self.completion_mask = full((batch, new_tokens), 0, torch.long)
         self.logprobs = full((batch, new_tokens), 0.0, torch.float32)
         self.temperature = full((1,), 1.0, torch.float32)
-        self.zeros = full((down_splits, batch, hidden_size) if down_splits > 1 else (batch, hidden_size), 0, dtype)
-        """What the first layer's half adds to the embeddings: shaped as the later layers' MLP
-        outputs (partial sums of a split down projection), so that one compiled version of the
-        first half serves every layer."""
+        self.zeros = full((down_splits * batch * hidden_size,), 0, dtype)
+        """What the first layer's half adds to the embeddings (:meth:`first_pending`)."""
         self.noise = full((batch, vocab_size), 1.0, torch.float32)
         """Exp(1) draws for sampling, refilled every step from the generator."""
+        self.down_splits, self.hidden_size = down_splits, hidden_size
+
+    def first_pending(self, batch: int) -> torch.Tensor:
+        """Zeros shaped as the later layers' MLP outputs for ``batch`` rows ([splits, batch,
+        hidden] partial sums of a split down projection, else [batch, hidden]) and, like them,
+        contiguous: the compiled first half is specialised on strides, and a strided slice of a
+        larger buffer would compile it once more for every batch size."""
+        size = self.down_splits * batch * self.hidden_size
+        if self.down_splits > 1:
+            return self.zeros[:size].view(self.down_splits, batch, self.hidden_size)
+        return self.zeros[:size].view(batch, self.hidden_size)
 
 
 @dataclass(frozen=True)
@@ -336,12 +345,12 @@ class StaticDecoder:
         self.dtype = self.embed.weight.dtype
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         self.fixed_shapes = self.use_graphs if fixed_shapes is None else fixed_shapes
-        hidden, intermediate = int(self.embed.weight.shape[1]), int(self.layers[0].down.weight.shape[1])
-        self.gate_up_splits = _splits(gate_up_splits, hidden, DEFAULT_GATE_UP_SPLITS, self.use_graphs)
-        self.down_splits = _splits(down_splits, intermediate, DEFAULT_DOWN_SPLITS, self.use_graphs)
         """Round prompt widths and attention windows up so that few shapes (few captured graphs)
         serve every call; without graphs the columns rounded up would only cost arithmetic: on
         2 CPU cores the plain widths made builtin:small-llama's 32 x 32 tokens 16 % faster."""
+        hidden, intermediate = int(self.embed.weight.shape[1]), int(self.layers[0].down.weight.shape[1])
+        self.gate_up_splits = _splits(gate_up_splits, hidden, DEFAULT_GATE_UP_SPLITS, self.use_graphs)
+        self.down_splits = _splits(down_splits, intermediate, DEFAULT_DOWN_SPLITS, self.use_graphs)
         self._check_every = FINISHED_CHECK_EVERY if self.use_graphs else 1
         """Without graphs, asking whether every row finished costs no device sync."""
         self._window_step = ATTENTION_WINDOW if self.fixed_shapes else 1
@@ -453,7 +462,7 @@ class StaticDecoder:
         sin = self._sin.index_select(0, positions)
         x = self.embed.weight.index_select(0, b.tokens[:batch])
         # the MLP output the next half adds to x: none before the first layer
-        pending = b.zeros[:, :batch] if self.down_splits > 1 else b.zeros[:batch]
+        pending = b.first_pending(batch)
         for index, (layer, stacked) in enumerate(zip(self.layers, self._stacked)):
             keys, values = b.keys[index, :batch], b.values[index, :batch]
             x, qkv = self._attention_in(

@@ -85,6 +85,19 @@ def test_split_products_decode_as_whole_ones(gate_up_splits: int, down_splits: i
     torch.testing.assert_close(sampled.sampled_logprobs, whole.sampled_logprobs, atol=5e-5, rtol=0)
 
 
+def test_the_first_layers_zeros_are_contiguous_for_every_batch_size() -> None:
+    """Compiled halves are specialised on strides: the first layer's input must be laid out as
+    the later layers' (contiguous), whatever the live batch, or each batch compiles twice."""
+    from flowrl.backends.static_decode import _Buffers
+
+    for splits in (1, 4):
+        buffers = _Buffers(40, 16, 8, 2, 2, 16, 64, VOCAB_SIZE, torch.float32, torch.device("cpu"), splits)
+        for batch in (40, 32, 16, 8):
+            zeros = buffers.first_pending(batch)
+            assert zeros.is_contiguous() and not zeros.any()
+            assert zeros.shape == ((splits, batch, 64) if splits > 1 else (batch, 64))
+
+
 def test_splits_that_do_not_divide_the_inner_dimension_are_refused() -> None:
     with pytest.raises(ValueError, match="inner dimension of 128 cannot be cut into 3"):
         StaticDecoder(build("llama"), down_splits=3)
@@ -94,13 +107,15 @@ def test_splits_that_do_not_divide_the_inner_dimension_are_refused() -> None:
     assert _splits(None, 4864, 4, graphs=False) == 1
 
 
-def test_rows_that_stop_early_match_generate_and_are_compacted() -> None:
-    """40 rows, eos frequent: rows stop at many different steps and the live batch shrinks."""
+@pytest.mark.parametrize("down_splits", [1, 4])
+def test_rows_that_stop_early_match_generate_and_are_compacted(down_splits: int) -> None:
+    """40 rows, eos frequent: rows stop at many different steps and the live batch shrinks
+    (with the down projection whole and in four partial sums)."""
     model = build("llama")
     ids, mask = left_padded([1 + (row * 7) % 9 for row in range(40)], seed=2)
     eos = frequent_token(model, ids, mask)
     expected = hf_greedy(model, ids, mask, 48, eos=eos)
-    decoder = StaticDecoder(model)
+    decoder = StaticDecoder(model, down_splits=down_splits)
     shrunk: list[int] = []
     original = decoder._compact
     decoder._compact = lambda *args: shrunk.append(args[1]) or original(*args)  # type: ignore[method-assign]
