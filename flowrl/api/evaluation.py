@@ -85,11 +85,13 @@ class Evaluator:
         metrics = merge_parts([report.metrics for report in reports])
         for report in scored:  # each over every held-out completion already
             metrics.update(report.metrics)
+        generated = len(reports)
         reports = [*reports, *scored]
+        # generation's rate counts the tokens it made; a reward model's, the tokens it read
         timings = [
             NodeTiming("eval", "eval", r.device, r.wall_s, r.compute_s, r.wait_s, r.tokens_in, r.tokens_out,
-                       rate_of_output=True)
-            for r in reports
+                       rate_of_output=index < generated)
+            for index, r in enumerate(reports)
         ]
         on_event(RunEvent("eval", self.describe(step, metrics, time.perf_counter() - started), step, {"metrics": metrics}))
         for message in [message for report in reports for message in report.messages][:1]:

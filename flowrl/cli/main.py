@@ -179,6 +179,8 @@ def resume(
     from flowrl.spec.loader import issue_locator, load_pipeline
 
     config = output_dir / "config.yaml"
+    if output_dir.is_file():
+        raise FlowrlError(f"{output_dir} is a file; give the output folder of a flowrl run (its output_dir)")
     if not output_dir.is_dir():
         beside = [entry.name for entry in output_dir.parent.iterdir() if entry.is_dir()] if output_dir.parent.is_dir() else []
         close = difflib.get_close_matches(output_dir.name, beside, n=1, cutoff=0.6)

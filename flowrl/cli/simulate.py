@@ -18,8 +18,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from flowrl.devices.files import load_inventory
-from flowrl.devices.inventory import detect_local
+from flowrl.cli.devices import inventory_for
 from flowrl.errors import FlowrlError
 from flowrl.scheduler.events import Decision
 from flowrl.scheduler.policy import settings_from_spec
@@ -48,9 +47,10 @@ def simulate_command(
     if steps < 1:
         raise FlowrlError(f"--steps {steps}: simulate at least 1 step")
     graph = load_pipeline(pipeline, overrides)
-    inventory = load_inventory(devices_file) if devices_file is not None else detect_local(
-        num_cpu_slots=graph.spec.runtime.cpu_slots)
-    devices = str(devices_file) if devices_file is not None else "this machine"
+    # as flowrl plan: the file; else the pipeline's runtime.scheduler_address's workers; else this machine
+    inventory = inventory_for(graph.spec.runtime, devices_file, None, pipeline.resolve().parent)
+    devices = (str(devices_file) if devices_file is not None else
+               graph.spec.runtime.scheduler_address or "this machine")
     chosen = load_scenario(scenario or "steady", inventory)
     names = ["static", "dynamic"] if policy == "both" else [policy]
     settings = settings_from_spec(graph.spec.scheduler, restart_s=None)

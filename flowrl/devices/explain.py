@@ -102,15 +102,18 @@ def explain_together(
     total: int,
     fitting: Sequence[Device],
     kind: str,
+    exclusive: Sequence[str] = (),
 ) -> str:
-    """Why ``groups`` fail together although each would fit alone."""
+    """Why ``groups`` fail together although each would fit alone; ``exclusive``: those of
+    them that keep their devices to themselves (else sharing could help)."""
     each = "; ".join(f"{group}: {needs[group]}" for group in groups)
+    share = f"let {_and(list(exclusive))} share devices (drop exclusive: true), " if exclusive else ""
     listed = ", ".join(device.label for device in fitting[:8])
     more = ", ..." if len(fitting) > 8 else ""
     return (
         f"{_and(groups)} together need {plural(total, kind)} ({each}), but only "
         f"{len(fitting)} fit them: {listed}{more}; lower a count, relax min_memory_gb or arch "
-        "so more devices fit, let them share devices (no exclusive: true), or match against a larger inventory"
+        f"so more devices fit, {share}or match against a larger inventory"
     )
 
 

@@ -233,7 +233,8 @@ class _Matcher:
             }
             total = sum(self.groups[n].effective_count for n in outcome.demands)
             fitting = [self.devices[i] for i in outcome.devices]
-            message = explain_together(outcome.demands, needs, total, fitting, kind)
+            exclusive = [n for n in outcome.demands if self.groups[n].exclusive]
+            message = explain_together(outcome.demands, needs, total, fitting, kind, exclusive)
             for name in outcome.demands:
                 self.unsatisfied[name] = message
             candidates = [n for n in candidates if n not in outcome.demands]

@@ -95,7 +95,9 @@ def signature_problem(fn: Callable[..., Any], offered: Iterable[str], params: di
     if unused and not takes_any:
         return f"the score node's params {', '.join(unused)} are not arguments of it (and it takes no **kwargs)"
     for name in unused:  # through **kwargs, a misspelling of a named argument would go unread
-        close = difflib.get_close_matches(name, sorted(accepted - set(params)), n=1, cutoff=0.75)
+        # (a name that extends another, answers beside answer, is taken as meant)
+        close = [match for match in difflib.get_close_matches(name, sorted(accepted - set(params)), n=1, cutoff=0.75)
+                 if not (match.startswith(name) or name.startswith(match))]
         if close:
             return (f"the score node's param '{name}' is not an argument of it (did you mean '{close[0]}'?); "
                     f"it would reach the function only through **kwargs")

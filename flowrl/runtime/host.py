@@ -298,7 +298,9 @@ class RoleHost:
 
         def work() -> tuple[NodeOutput, float]:
             started = time.perf_counter()
-            output = run_evaluation(self.models[call.model], call.examples, call.settings, scorers, call.keep)
+            state = self.models[call.model]
+            with state.paged_in():  # an offloaded model's weights are on the device only now
+                output = run_evaluation(state, call.examples, call.settings, scorers, call.keep)
             return output, time.perf_counter() - started
 
         key = store_key(call.step, EVAL_KEY)
@@ -336,7 +338,9 @@ class RoleHost:
 
         def work() -> tuple[NodeOutput, float]:
             started = time.perf_counter()
-            output = score_held_out(self.models[call.model], call.node, rollouts, call.n, call.micro_batch_tokens)
+            state = self.models[call.model]
+            with state.paged_in():  # an offloaded reward model's weights are on the device only now
+                output = score_held_out(state, call.node, rollouts, call.n, call.micro_batch_tokens)
             return output, time.perf_counter() - started
 
         output, compute_s = await asyncio.get_running_loop().run_in_executor(self._compute, work)
@@ -437,8 +441,11 @@ class RoleHost:
         """A peer's request for an output: a rollout whose texts still decode leaves once
         they are done (waited for here, so that pickling it never blocks this event loop)."""
         value = await self._stored(key)
-        texts = value.texts_pending() if isinstance(value, Rollout) else None
-        if texts is not None:
+        # an evaluation keeps a list of rollouts (one per chunk of prompts)
+        for rollout in value if isinstance(value, list) else [value]:
+            texts = rollout.texts_pending() if isinstance(rollout, Rollout) else None
+            if texts is None:
+                continue
             try:
                 await asyncio.wrap_future(texts)
             except Exception as error:  # noqa: BLE001 - the producer's failure, told as such

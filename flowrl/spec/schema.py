@@ -133,8 +133,8 @@ Output = Literal["rollout", "per_sequence", "per_token", "none"]
 """What a node's output holds per completion: the sequences themselves, one number, one number
 per completion token, or nothing (metrics only)."""
 
-_WHOLE_NUMBER = TypeAdapter(int)
-"""pydantic's own reading of an integer field (4096, 4096.0, "4096"), as other fields get."""
+_WHOLE_NUMBER = TypeAdapter(int, config=ConfigDict(strict=True))
+"""An integer field's reading, as other fields get it: an int, never a float or a text."""
 
 
 def _check_pass_tokens(value: Any) -> Any:

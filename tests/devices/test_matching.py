@@ -147,7 +147,7 @@ def test_groups_that_fit_alone_but_not_together_are_named_together() -> None:
     message = (
         "a and b together need 4 gpus (a: 2 gpus with >= 40 GB; b: 2 gpus with >= 40 GB), "
         "but only 3 fit them: gpu-0 A100-40GB, gpu-1 A100-40GB, gpu-3 H100-80GB; lower a "
-        "count, relax min_memory_gb or arch so more devices fit, let them share devices (no exclusive: true), "
+        "count, relax min_memory_gb or arch so more devices fit, let a and b share devices (drop exclusive: true), "
         "or match against a larger inventory"
     )
     assert match.unsatisfied == {"a": message, "b": message}

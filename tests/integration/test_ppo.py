@@ -110,5 +110,6 @@ def test_the_evaluation_scores_held_out_completions_with_the_reward_model(tmp_pa
         scores[name] = [metrics["val/reward/mean"] for _, metrics in result.evaluations]
         assert all(set(metrics) >= {"val/reward/mean", "val/reward/pass@2", "val/reward/num_failed"}
                    for _, metrics in result.evaluations)
-    assert scores["together"] == scores["apart"]
+    # the reward model's threads differ between the layouts: fp32 sums may differ in the last bits
+    assert scores["together"] == pytest.approx(scores["apart"], rel=1e-5)
     assert len(set(scores["together"])) == 2  # after two updates the policy's completions score otherwise

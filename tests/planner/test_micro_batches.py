@@ -108,9 +108,11 @@ def test_auto_in_a_file_and_a_wrong_word() -> None:
             "1 problem in the pipeline:\n  command line: "
             f"nodes.train.micro_batch_tokens={wrong}: expected a positive whole number of tokens per pass, "
             f"auto or null, found {shown}")
-    # whole numbers read as other integer fields read them
+    # read as other integer fields read them: an int, not a float or a quoted number
+    assert load_pipeline(GPU_JOB, ["nodes.train.micro_batch_tokens=4096"]).spec.nodes["train"].micro_batch_tokens == 4096
     for given in ("4096.0", "'4096'"):
-        assert load_pipeline(GPU_JOB, [f"nodes.train.micro_batch_tokens={given}"]).spec.nodes["train"].micro_batch_tokens == 4096
+        with pytest.raises(SpecError, match="expected a positive whole number of tokens per pass"):
+            load_pipeline(GPU_JOB, [f"nodes.train.micro_batch_tokens={given}"])
     # a node call never sees auto: the planner resolves it before the run
     with pytest.raises(ValueError, match="resolves it before a run"):
         pass_tokens("auto")

@@ -171,6 +171,7 @@ def test_signature_problems() -> None:
         "the score node's param 'scael' is not an argument of it (did you mean 'scale'?); it would reach the "
         "function only through **kwargs")
     assert signature_problem(scaled, offered, {"scale": 2, "bonus": 1}) is None
+    assert signature_problem(scaled, offered, {"scales": [1, 2]}) is None  # extends a name: meant so
 
 
 def _pipeline(folder: Path, reward_source: str, fn: str, **trainer: Any) -> Path:
