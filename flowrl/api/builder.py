@@ -16,7 +16,7 @@ node does not have is refused at once, by the call that gives it.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any, Callable
 
 from flowrl.errors import SpecError, SpecIssue
@@ -180,7 +180,7 @@ class Pipeline:
         if self._data is not None:
             data["data"] = dict(self._data)
         data.update({section: dict(fields) for section, fields in self._sections.items()})
-        return data
+        return _plain(data)
 
     def build(self) -> PipelineGraph:
         """Validate and return the immutable pipeline; raises ``SpecError`` listing all problems."""
@@ -229,6 +229,21 @@ class Pipeline:
     def _set_section(self, section: str, fields: dict[str, Any]) -> None:
         _check_fields(fields, _SECTIONS[section], section)
         self._sections[section] = {**self._sections.get(section, {}), **fields}
+
+
+def _plain(value: Any, key: str = "") -> Any:
+    """Python values as a YAML file would give them, which validation takes strictly: a tuple
+    is a list, a ``Path`` a string, a numpy scalar its number. A score node's ``params`` go to
+    the reward function as given."""
+    if isinstance(value, dict):
+        return value if key == "params" else {name: _plain(item, str(name)) for name, item in value.items()}
+    if isinstance(value, (tuple, list)):
+        return [_plain(item) for item in value]
+    if isinstance(value, PurePath):
+        return str(value)
+    if type(value).__module__ == "numpy" and callable(getattr(value, "item", None)):
+        return value.item()
+    return value
 
 
 _SECTIONS = {"trainer": TrainerSpec, "scheduler": SchedulerSpec, "runtime": RuntimeSpec, "eval": EvalSpec,

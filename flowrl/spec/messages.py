@@ -42,9 +42,12 @@ def show(value: Any) -> str:
         return f"'{value}'"
     if isinstance(value, dict):
         return "a mapping"
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, list):
         return "a list"
-    return str(value)
+    if type(value) in (int, float):
+        return str(value)
+    # from Python, not a file: a tuple, a Path, a numpy number... named by its type
+    return f"{value} (a Python {type(value).__name__})"
 
 
 def issues_from_validation(error: ValidationError, within: Sequence[str] = ()) -> list[Issue]:

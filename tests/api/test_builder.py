@@ -235,3 +235,21 @@ def test_validate_checks_the_data_and_the_reward_functions_as_the_command_does(t
     roll = fixed.generate(actor, fixed.source("data.jsonl", prompt_key="question"), n=2)
     fixed.update(actor, roll, fixed.advantage("grpo", fixed.score("digits", roll)))
     assert fr.validate(fixed, base_dir=tmp_path) == fixed.build()
+
+
+def test_python_values_are_taken_as_a_file_would_give_them() -> None:
+    """Validation is strict (no conversions); from Python a tuple is a list, a Path a string and
+    a numpy number its number. A score node's params reach the function as given."""
+    import numpy as np
+
+    p = Pipeline("python-values")
+    actor = p.model("actor", path="builtin:tiny-llama", group="g")
+    p.devices("g", type="cpu", device_ids=(0,))
+    rollout = p.generate(actor, p.source("builtin:digits", batch_size=np.int64(4)), n=np.int64(2))
+    scores = p.score("digits", rollout, params={"bounds": (1, 2)})
+    p.update(actor, rollout, p.advantage("grpo", scores), betas=(0.8, 0.9))
+    p.trainer(output_dir=Path("out") / "run", loggers=("jsonl",))
+    spec = p.build().spec
+    assert spec.devices["g"].device_ids == [0] and spec.data.batch_size == 4 and spec.nodes["rollout"].n == 2
+    assert spec.trainer.output_dir == str(Path("out") / "run") and spec.trainer.loggers == ("jsonl",)
+    assert spec.nodes["reward"].params == {"bounds": (1, 2)}
