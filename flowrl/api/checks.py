@@ -11,7 +11,7 @@ import inspect
 from pathlib import Path
 from typing import Any
 
-from flowrl.api.data import eval_examples, eval_score_nodes, policy_formatter, training_source
+from flowrl.api.data import eval_examples, policy_formatter, training_source
 from flowrl.api.model_fit import model_fit_issues
 from flowrl.backends.cache import BUILTIN_PREFIX as MODEL_PREFIX
 from flowrl.backends.catalog import lookup_builtin
@@ -25,7 +25,7 @@ from flowrl.graph import PipelineGraph
 from flowrl.rewards import FLOWRL_KEYWORDS, REWARD_FUNCTIONS, resolve_reward, signature_problem
 from flowrl.spec.loader import Locate
 from flowrl.spec.messages import Issue
-from flowrl.spec.schema import ScoreNode
+from flowrl.spec.schema import ScoreNode, eval_score_nodes
 
 BUILTIN_REWARDS_MODULE = "flowrl.rewards.builtin"
 """Where flowrl's own reward functions live (the registry also holds the user's)."""

@@ -14,7 +14,7 @@ from flowrl.api.model_fit import prompt_room
 from flowrl.data import PromptExample, PromptFormatter, PromptSource, eval_split, read_examples
 from flowrl.data.formatting import FormatCounts
 from flowrl.graph import PipelineGraph
-from flowrl.spec.schema import GenerateNode, PipelineSpec, ScoreNode
+from flowrl.spec.schema import GenerateNode
 
 
 class _LazyTokenizer:
@@ -98,13 +98,3 @@ def _eval_data(graph: PipelineGraph, base_dir: Path | None) -> tuple[str, str, s
     split = eval_split(evaluation.source, evaluation.split, spec.data.source, base_dir)
     subset = evaluation.subset if evaluation.source is not None else (evaluation.subset or spec.data.subset)
     return source, split, subset
-
-
-def eval_score_nodes(spec: PipelineSpec) -> dict[str, ScoreNode]:
-    """The score nodes an evaluation scores with: ``eval.scores``, else every one (a reward
-    function's or a reward model's)."""
-    score_nodes = {name: item for name, item in spec.nodes.items() if isinstance(item, ScoreNode)}
-    if spec.eval is None:
-        return {}
-    wanted = spec.eval.scores or list(score_nodes)
-    return {name: score_nodes[name] for name in wanted}

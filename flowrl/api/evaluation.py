@@ -13,12 +13,11 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from flowrl.api.data import eval_score_nodes
 from flowrl.graph import PipelineGraph
 from flowrl.records import EvalSettings, NodeTiming, RunEvent
 from flowrl.runtime.calls import EvalCall
 from flowrl.runtime.session import Session
-from flowrl.spec.schema import GenerateNode
+from flowrl.spec.schema import GenerateNode, eval_score_nodes
 
 EVAL_SEED_OFFSET = 1_000_003
 """Added to the run's seed for evaluation sampling, so it never mirrors training's stream."""

@@ -24,7 +24,7 @@ from flowrl.backends.model_facts import ModelFacts, model_facts
 from flowrl.errors import ModelLoadError
 from flowrl.graph import PipelineGraph
 from flowrl.spec.messages import Issue
-from flowrl.spec.schema import GenerateNode
+from flowrl.spec.schema import GenerateNode, eval_score_nodes
 
 
 @dataclass(frozen=True)
@@ -77,14 +77,14 @@ def _shortest(facts: dict[str, ModelFacts]) -> tuple[int, str, ModelFacts] | Non
 
 def prompt_room(graph: PipelineGraph, base_dir: Path | None, evaluation: bool = False) -> PromptRoom | None:
     """The room left for a training prompt (every model reads its sequences), or with
-    ``evaluation`` for a held-out one (only the policy generates and reads those); None where
-    no model says how long a sequence may be, or no room is left at all (validation refuses
-    that)."""
+    ``evaluation`` for a held-out one (the policy and the evaluation's reward models read
+    those); None where no model says how long a sequence may be, or no room is left at all
+    (validation refuses that)."""
     facts = _facts(graph, base_dir)
-    policy = policy_name(graph)
     asked = _training_completions(graph)
     if evaluation:
-        facts = {name: item for name, item in facts.items() if name == policy}
+        readers = _held_out_readers(graph)
+        facts = {name: item for name, item in facts.items() if name in readers}
         own = _eval_completion(graph)
         asked = [own] if own is not None else asked
     shortest = _shortest(facts)
@@ -105,14 +105,23 @@ def model_fit_issues(graph: PipelineGraph, base_dir: Path | None) -> list[Issue]
     return _length_issues(graph, facts) + _vocabulary_issues(graph, base_dir, facts)
 
 
+def _held_out_readers(graph: PipelineGraph) -> set[str]:
+    """The models that read held-out sequences: the policy, and the reward models the
+    evaluation scores with."""
+    policy = policy_name(graph)
+    reward_models = {str(node.model) for node in eval_score_nodes(graph.spec).values() if node.model is not None}
+    return reward_models | ({policy} if policy is not None else set())
+
+
 def _length_issues(graph: PipelineGraph, facts: dict[str, ModelFacts]) -> list[Issue]:
     issues: list[Issue] = []
-    policy = policy_name(graph)
-    # training sequences are read by every model; held-out ones only by the policy
+    # training sequences are read by every model; held-out ones by the policy and the
+    # evaluation's reward models
     checks = [(_shortest(facts), _training_completions(graph))]
     own = _eval_completion(graph)
     if own is not None:
-        checks.append((_shortest({name: item for name, item in facts.items() if name == policy}), [own]))
+        readers = _held_out_readers(graph)
+        checks.append((_shortest({name: item for name, item in facts.items() if name in readers}), [own]))
     for shortest, asked in checks:
         if shortest is None:
             continue

@@ -908,3 +908,13 @@ SECTION_CLASSES: dict[str, type[BaseModel]] = {
     "profiler": ProfilerSpec,
 }
 """Schema class of each top-level section (for models/devices: of each entry)."""
+
+
+def eval_score_nodes(spec: PipelineSpec) -> dict[str, ScoreNode]:
+    """The score nodes an evaluation scores with: ``eval.scores``, else every one (a reward
+    function's or a reward model's)."""
+    score_nodes = {name: item for name, item in spec.nodes.items() if isinstance(item, ScoreNode)}
+    if spec.eval is None:
+        return {}
+    wanted = spec.eval.scores or list(score_nodes)
+    return {name: score_nodes[name] for name in wanted}

@@ -132,3 +132,29 @@ def test_a_tokenizer_that_gives_the_policy_tokens_other_ids_is_refused(tmp_path:
     [(field, message)] = model_fit_issues(_pipeline(actor=actor, reference=swapped), None)
     assert field == "models.reference.path"
     assert "2 of the 6 tokens of 'actor' have another id there (token 'a' is 3 for 'actor', 5 for 'reference')" in message
+
+
+def test_held_out_lengths_are_measured_against_the_evaluations_reward_models_too(tmp_path: Path) -> None:
+    """A reward model that scores the held-out completions reads them: an evaluation's
+    completions past its positions are refused, as past the policy's."""
+    short_rm = _folder(tmp_path, "rm", {"vocab_size": 83, "n_positions": 64,
+                                        "architectures": ["LlamaForSequenceClassification"], "num_labels": 1})
+
+    def pipeline(scores: list[str] | None) -> Any:
+        return pipeline_from_dict({
+            "name": "p",
+            "models": {"actor": {"path": "builtin:tiny-llama"}, "rm": {"path": short_rm, "kind": "reward"}},
+            "nodes": {
+                "rollout": {"role": "generate", "model": "actor", "inputs": ["prompts"], "n": 2, "max_new_tokens": 16},
+                "score": {"role": "score", "model": "rm", "inputs": ["rollout"]},
+                "digits": {"role": "score", "fn": "digits", "inputs": ["rollout"]},
+                "adv": {"role": "advantage", "inputs": ["score", "digits"]},
+                "train": {"role": "update", "model": "actor", "inputs": ["rollout", "adv"]},
+            },
+            "data": {"source": "builtin:digits"},
+            "eval": {"source": "held.jsonl", "max_new_tokens": 100, "scores": scores},
+        })
+
+    [(field, message)] = model_fit_issues(pipeline(None), None)
+    assert field == "eval.max_new_tokens" and "model 'rm' takes at most 64 tokens" in message
+    assert model_fit_issues(pipeline(["digits"]), None) == []  # only the policy (256 positions) reads them
