@@ -62,9 +62,9 @@ DEFAULT_GATE_UP_SPLITS = 1
 DEFAULT_DOWN_SPLITS = 4
 """Parts of the inner dimension of a decode step's gate/up and down projections on a GPU
 (``_split_product``). On an H100, 0.4B shape (hidden 896, MLP 4864), in four parts the down
-projection took 6.0 us against 9.2 whole at 256 rows and 4.4 against 7.1 at 64, and the whole
-decode step 1.53 against 1.60 ms at 256 rows; the gate/up product (inner 896, 9,728 outputs)
-was slower cut (14.2 us in four parts against 9.6): ``benchmarks/results/decode_splits_h100.json``."""
+projection took 6.1 us against 9.1 whole at 256 rows and 4.4 against 7.1 at 64, and the whole
+decode step 1.53 against 1.58 ms at 256 rows; the gate/up product (inner 896, 9,728 outputs)
+was slower cut (14.3 us in four parts against 9.6): ``benchmarks/results/decode_splits_h100.json``."""
 
 
 def _splits(asked: int | None, inner: int, default: int, graphs: bool) -> int:
