@@ -263,3 +263,11 @@ def test_too_few_gpus_for_one_each_are_shared_by_groups_that_are_not_exclusive()
     assert sorted(len(others) for others in spread.shared_with.values()) == [0, 1, 1]
     alone = match_groups({**groups, "reward": gpu(exclusive=True)}, one_gpu)
     assert not alone.ok and set(alone.unsatisfied) == {"actor", "critic"}
+
+
+def test_the_shipped_gpu_ppo_pipeline_matches_one_gpu() -> None:
+    from flowrl.devices.groups import pipeline_groups
+
+    spec = load_pipeline(ROOT / "pipelines" / "ppo_tiny_gpu.yaml").spec
+    match = match_groups(pipeline_groups(spec), load_inventory(ROOT / "devices" / "h100-1x.yaml"))
+    assert match.ok and set(map(tuple, match.assignment.values())) == {("gpu-0",)}
