@@ -14,7 +14,7 @@ from typing import Any
 PALETTE = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1",
            "#ff9da7", "#9c755f", "#bab0ac"]
 WAIT_COLOR = "#d9d9d9"
-MARK_COLORS = {"fault": "#d62728", "move": "#9467bd"}
+MARK_COLORS = {"fault": "#d62728", "move": "#9467bd", "resume": "#2ca02c"}
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class Bar:
 
 @dataclass(frozen=True)
 class Mark:
-    """A vertical line at ``x`` (a fault, a move), with ``label`` and its colour by ``kind``."""
+    """A vertical line at ``x`` (a fault, a move, a resume), with ``label`` and its colour by ``kind``."""
 
     x: float
     kind: str

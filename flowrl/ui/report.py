@@ -79,10 +79,11 @@ class RunFiles:
         return self.elapsed.get(step, 0.0)
 
     def marks(self, on_time: bool) -> tuple[Mark, ...]:
-        """Faults and moves, at their step (or its elapsed seconds)."""
+        """Faults, moves and resumes (at the checkpoint's step), at their step (or its elapsed
+        seconds)."""
         found = []
         for event in self.events:
-            if event.get("kind") in ("fault", "move") and event.get("step") is not None:
+            if event.get("kind") in ("fault", "move", "resume") and event.get("step") is not None:
                 x = self.elapsed_of(event["step"]) if on_time else float(event["step"])
                 found.append(Mark(x, event["kind"], event.get("message", "")))
         return tuple(found)

@@ -64,6 +64,19 @@ def test_the_report_draws_the_run_and_its_trace_is_profile_jsonl(run_folder: Pat
         times[len(times) // 2][1]
 
 
+def test_faults_moves_and_resumes_are_marked(tmp_path: Path) -> None:
+    from flowrl.ui.report import RunFiles
+
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": step, "elapsed_s": step * 2.0}) + "\n"
+                                                     for step in range(1, 5)))
+    events = [{"kind": "resume", "step": 2, "message": "resumed from step-2 at step 3"},
+              {"kind": "fault", "step": 3, "message": "lost cpu-1"}, {"kind": "warning", "step": 3, "message": "x"}]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(event) + "\n" for event in events))
+    files = RunFiles.read(tmp_path)
+    assert [(mark.x, mark.kind) for mark in files.marks(on_time=False)] == [(2.0, "resume"), (3.0, "fault")]
+    assert [mark.x for mark in files.marks(on_time=True)] == [4.0, 6.0]
+
+
 def test_bad_folders_and_steps_are_clear_errors(run_folder: Path, tmp_path: Path) -> None:
     with pytest.raises(FlowrlError, match="no metrics.jsonl here"):
         build_report(tmp_path)
