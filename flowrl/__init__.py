@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import sys
 from importlib import import_module
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from flowrl.api.builder import Pipeline
-    from flowrl.api.run import Observer, RunResult
+    from flowrl.api.run import RunResult
     from flowrl.graph import PipelineGraph
 
 __version__ = "0.1.0"
@@ -30,32 +29,25 @@ _EXPORTS = {
 __all__ = sorted([*_EXPORTS, "run"])
 
 
-def run(
-    pipeline: PipelineGraph | Pipeline,
-    steps: int | None = None,
-    output_dir: str | Path | None = None,
-    scheduler_address: str | None = None,
-    cpu_slots: int | None = None,
-    seed: int | None = None,
-    observer: Observer | None = None,
-    base_dir: str | Path | None = None,
-    resume: bool = False,
-    force: bool = False,
-    overwrite: bool = False,
-    quiet: bool = False,
-) -> RunResult:
-    """Train ``pipeline`` (:func:`flowrl.api.run.run`, whose arguments these are), printing a
-    line per step and per event (placements, warnings, evaluations, checkpoints) to stdout as
-    ``flowrl run --plain`` does; ``observer`` (an object with ``on_step(record)`` and
-    ``on_event(event)``) receives them instead, and ``quiet`` prints nothing."""
+def run(pipeline: PipelineGraph | Pipeline, *args: Any, quiet: bool = False, **kwargs: Any) -> RunResult:
+    """Train ``pipeline``: :func:`flowrl.api.run.run`, whose arguments these are (``steps``,
+    ``output_dir``, ``scheduler_address``, ``cpu_slots``, ``seed``, ``observer``, ``base_dir``,
+    ``resume``, ``force``, ``overwrite``), printing a line per step and per event
+    (placements, warnings, evaluations, checkpoints) to stdout as ``flowrl run --plain`` does;
+    ``observer`` (an object with ``on_step(record)`` and ``on_event(event)``) receives them
+    instead, and ``quiet`` prints nothing."""
     from flowrl.api.run import run as run_pipeline
 
-    if observer is None and not quiet:
+    observer_given = len(args) > OBSERVER_POSITION or kwargs.get("observer") is not None
+    if not observer_given and not quiet:
         from flowrl.ui.plain import PlainLog
 
-        observer = PlainLog(sys.stdout)
-    return run_pipeline(pipeline, steps, output_dir, scheduler_address, cpu_slots, seed, observer, base_dir,
-                        resume, force, overwrite=overwrite)
+        kwargs["observer"] = PlainLog(sys.stdout)
+    return run_pipeline(pipeline, *args, **kwargs)
+
+
+OBSERVER_POSITION = 5
+"""``observer``'s place among :func:`flowrl.api.run.run`'s arguments after the pipeline."""
 
 
 def __getattr__(name: str) -> Any:
