@@ -180,7 +180,7 @@ class Pipeline:
         if self._data is not None:
             data["data"] = dict(self._data)
         data.update({section: dict(fields) for section, fields in self._sections.items()})
-        return _plain(data)
+        return plain_value(data)
 
     def build(self) -> PipelineGraph:
         """Validate and return the immutable pipeline; raises ``SpecError`` listing all problems."""
@@ -231,14 +231,14 @@ class Pipeline:
         self._sections[section] = {**self._sections.get(section, {}), **fields}
 
 
-def _plain(value: Any, key: str = "") -> Any:
+def plain_value(value: Any, key: str = "") -> Any:
     """Python values as a YAML file would give them, which validation takes strictly: a tuple
     is a list, a ``Path`` a string, a numpy scalar its number. A score node's ``params`` go to
     the reward function as given."""
     if isinstance(value, dict):
-        return value if key == "params" else {name: _plain(item, str(name)) for name, item in value.items()}
+        return value if key == "params" else {name: plain_value(item, str(name)) for name, item in value.items()}
     if isinstance(value, (tuple, list)):
-        return [_plain(item) for item in value]
+        return [plain_value(item) for item in value]
     if isinstance(value, PurePath):
         return str(value)
     if type(value).__module__ == "numpy" and callable(getattr(value, "item", None)):

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from pydantic import ValidationError
 
-from flowrl.api.builder import Pipeline
+from flowrl.api.builder import Pipeline, plain_value
 from flowrl.algorithms.kl_control import AdaptiveKLController, FixedKLController
 from flowrl.api.loggers import Logger, close_quietly, logger_problems, make_loggers, missing_package
 from flowrl.api.outputs import RunFolder, check_fresh_start, check_resume_start, finished_steps, finite_metrics
@@ -133,6 +133,8 @@ def run(
                          "under `if __name__ == \"__main__\":`")
     try:
         with main_without_a_missing_file():
+            # numbers from Python (numpy's too) as the builder takes them
+            steps, cpu_slots, seed = (plain_value(value) for value in (steps, cpu_slots, seed))
             return _run(pipeline, RunOptions(steps, str(output_dir) if output_dir is not None else None,
                                              scheduler_address, cpu_slots, seed),
                         observer, Path(base_dir) if base_dir is not None else Path.cwd(), resume, force,

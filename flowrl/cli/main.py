@@ -159,6 +159,10 @@ def run(
     graph = load_pipeline(pipeline_file, overrides or [])
     if overwrite and resume:
         raise FlowrlError("--overwrite starts over and --resume continues: give one of them")
+    _one_setting(overrides or [], {"steps": ("--steps", "trainer.steps"), "output_dir": ("--output-dir", "trainer.output_dir"),
+                                   "scheduler": ("--scheduler", "runtime.scheduler_address"),
+                                   "cpu_slots": ("--cpu-slots", "runtime.cpu_slots"), "seed": ("--seed", "trainer.seed")},
+                 {"steps": steps, "output_dir": output_dir, "scheduler": scheduler, "cpu_slots": cpu_slots, "seed": seed})
     _train(graph, pipeline_file.resolve().parent, plain, resume, force, overwrite=overwrite,
            locate=issue_locator(pipeline_file, overrides or []),
            steps=steps, output_dir=output_dir, scheduler_address=scheduler, cpu_slots=cpu_slots, seed=seed)
@@ -321,6 +325,15 @@ def plan(
     from flowrl.cli.plan import plan_command
 
     plan_command(pipeline_file, devices_file, as_json, output, _console(), overrides or [], scheduler)
+
+
+def _one_setting(overrides: list[str], options: dict[str, tuple[str, str]], given: dict[str, Any]) -> None:
+    """An option and a KEY=VALUE override that set the same field: one of them would be
+    dropped without a word, so both are refused."""
+    keys = {text.partition("=")[0].strip() for text in overrides}
+    for name, (flag, key) in options.items():
+        if given.get(name) is not None and key in keys:
+            raise FlowrlError(f"{flag} and the override {key}=... both set {key}: give one of them")
 
 
 @app.command()

@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from flowrl.cli.devices import inventory_for
+from flowrl.planner.cost import measure_cpu_rates
 from flowrl.errors import FlowrlError
 from flowrl.scheduler.events import Decision
 from flowrl.scheduler.policy import settings_from_spec
@@ -54,8 +55,10 @@ def simulate_command(
     chosen = load_scenario(scenario or "steady", inventory)
     names = ["static", "dynamic"] if policy == "both" else [policy]
     settings = settings_from_spec(graph.spec.scheduler, restart_s=None)
+    # where this machine is simulated, its CPUs are measured as flowrl plan and run measure them
+    cpu_rates = measure_cpu_rates() if devices_file is None and not graph.spec.runtime.scheduler_address else None
     results = compare_policies(graph, inventory, chosen, names, steps, seed, settings,
-                               base_dir=pipeline.resolve().parent)
+                               base_dir=pipeline.resolve().parent, cpu_rates=cpu_rates)
     used_seed = chosen.seed if seed is None else seed
     if as_json:
         data = {

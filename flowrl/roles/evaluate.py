@@ -8,7 +8,8 @@ A score node with a reward model scores on the worker that holds that model
 (:func:`score_held_out`, from the completions this one keeps). For each score node ``s``::
 
     val/<s>/mean        mean score over every completion (mean@n when n > 1)
-    val/<s>/pass@<n>    share of prompts with at least one completion scoring above 0 (n > 1)
+    val/<s>/pass@<n>    share of prompts with at least one completion scoring above 0 (n > 1;
+                        reward functions only)
     val/<s>/num_failed  samples the function failed on (0 for a reward model)
 """
 
@@ -106,7 +107,9 @@ def score_held_out(state: ModelState, node: str, rollouts: Sequence[Any], n: int
         scores = run_reward_model(state, rollout, 1.0, micro_batch_tokens)
         values.extend(scores.value.values.tolist())
         tokens_in += scores.tokens_in
-    metrics = _score_metrics(node, values, n)
+    # no pass@n: "a completion scoring above 0" is a verdict for a checker's scores, not for a
+    # reward model's scale
+    metrics = {key: value for key, value in _score_metrics(node, values, n).items() if "/pass@" not in key}
     metrics[f"val/{node}/num_failed"] = 0.0
     return NodeOutput(value=None, metrics=metrics, tokens_in=tokens_in)
 

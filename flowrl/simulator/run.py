@@ -31,6 +31,7 @@ from flowrl.devices.groups import pipeline_groups
 from flowrl.devices.inventory import Device, Inventory
 from flowrl.devices.matching import match_groups
 from flowrl.graph import PipelineGraph
+from flowrl.planner.cost import CpuRates
 from flowrl.planner.compiled import CompiledPlan
 from flowrl.planner.costs import CostSource, EstimatedCosts, NodeMemory
 from flowrl.planner.micro_batches import resolve_micro_batches
@@ -138,12 +139,14 @@ def simulate_policy(
     seed: int | None = None,
     settings: PolicySettings | None = None,
     base_dir: Path | None = None,
+    cpu_rates: CpuRates | None = None,
 ) -> SimulationResult:
-    """Run ``num_steps`` simulated steps of ``pipeline`` under one policy."""
+    """Run ``num_steps`` simulated steps of ``pipeline`` under one policy; ``cpu_rates``: this
+    machine's measured CPU rates (``planner.cost.measure_cpu_rates``) where it is simulated."""
     seed = scenario.seed if seed is None else seed
     match = match_groups(pipeline_groups(pipeline.spec), inventory)
     match.raise_if_unsatisfied()
-    truth = EstimatedCosts(pipeline, base_dir=base_dir)
+    truth = EstimatedCosts(pipeline, cpu_rates, base_dir=base_dir)
     pipeline, truth, _ = resolve_micro_batches(pipeline, inventory, match, truth)
     policy = make_policy(policy_name, pipeline, inventory, settings, truth, base_dir, num_steps)
     first_plan = policy.plan
@@ -283,9 +286,10 @@ def compare_policies(
     seed: int | None = None,
     settings: PolicySettings | None = None,
     base_dir: Path | None = None,
+    cpu_rates: CpuRates | None = None,
 ) -> dict[str, SimulationResult]:
     """Each policy on the same scenario, noise stream and seed."""
     return {
-        name: simulate_policy(pipeline, inventory, scenario, name, num_steps, seed, settings, base_dir)
+        name: simulate_policy(pipeline, inventory, scenario, name, num_steps, seed, settings, base_dir, cpu_rates)
         for name in policies
     }

@@ -47,7 +47,8 @@ def show(value: Any) -> str:
     if type(value) in (int, float):
         return str(value)
     # from Python, not a file: a tuple, a Path, a numpy number... named by its type
-    return f"{value} (a Python {type(value).__name__})"
+    library = type(value).__module__.split(".")[0]
+    return f"{value} (a {library if library not in ('builtins', 'pathlib') else 'Python'} {type(value).__name__})"
 
 
 def issues_from_validation(error: ValidationError, within: Sequence[str] = ()) -> list[Issue]:

@@ -70,6 +70,9 @@ def test_validate_accepts_every_shipped_pipeline() -> None:
          ("pipelines/grpo_tiny.yml: no such file (did you mean 'pipelines/grpo_tiny.yaml'?)",)),
         (("resume", "pipelines/nowhere/run"), ("pipelines/nowhere/run: no such folder; give the output folder",)),
         (("resume", "benchmark"), ("benchmark: no such folder (did you mean benchmarks?)",)),
+        # an option and an override of the same field: refused, not one silently dropped
+        (("run", "pipelines/grpo_tiny.yaml", "--steps", "2", "trainer.steps=3"),
+         ("--steps and the override trainer.steps=... both set trainer.steps: give one of them",)),
         # a model path from an override is the override's mistake, not the file's
         (("validate", "pipelines/grpo_tiny.yaml", "models.actor.path=builtin:tiny-lama"),
          ("command line: models.actor.path=builtin:tiny-lama: unknown builtin model 'tiny-lama'",)),
