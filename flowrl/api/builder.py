@@ -242,7 +242,9 @@ def plain_value(value: Any, key: str = "") -> Any:
     if isinstance(value, PurePath):
         return str(value)
     if type(value).__module__ == "numpy" and callable(getattr(value, "item", None)):
-        return value.item()
+        number = value.item()
+        # a float32's shortest text is the number meant (0.7, not 0.699999988079071)
+        return float(str(value)) if isinstance(number, float) else number
     return value
 
 

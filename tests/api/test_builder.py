@@ -245,7 +245,8 @@ def test_python_values_are_taken_as_a_file_would_give_them() -> None:
     p = Pipeline("python-values")
     actor = p.model("actor", path="builtin:tiny-llama", group="g")
     p.devices("g", type="cpu", device_ids=(0,))
-    rollout = p.generate(actor, p.source("builtin:digits", batch_size=np.int64(4)), n=np.int64(2))
+    rollout = p.generate(actor, p.source("builtin:digits", batch_size=np.int64(4)), n=np.int64(2),
+                         temperature=np.float32(0.7))
     scores = p.score("digits", rollout, params={"bounds": (1, 2)})
     p.update(actor, rollout, p.advantage("grpo", scores), betas=(0.8, 0.9))
     p.trainer(output_dir=Path("out") / "run", loggers=("jsonl",))
@@ -253,3 +254,4 @@ def test_python_values_are_taken_as_a_file_would_give_them() -> None:
     assert spec.devices["g"].device_ids == [0] and spec.data.batch_size == 4 and spec.nodes["rollout"].n == 2
     assert spec.trainer.output_dir == str(Path("out") / "run") and spec.trainer.loggers == ("jsonl",)
     assert spec.nodes["reward"].params == {"bounds": (1, 2)}
+    assert spec.nodes["rollout"].temperature == 0.7 and "temperature: 0.7" in p.to_yaml()
