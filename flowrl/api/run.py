@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -69,7 +70,16 @@ class RunResult:
     """(step, ``val/*`` metrics) of every evaluation; step 0 is before training."""
 
     def metric(self, name: str) -> list[float]:
-        return [r.metrics[name] for r in self.records if name in r.metrics]
+        """The steps' values of metric ``name`` (the steps that have it: ``val/*`` only at an
+        evaluation). A name no step has is a KeyError naming the closest ones (metrics of a
+        score node are named after the node, not its function)."""
+        values = [r.metrics[name] for r in self.records if name in r.metrics]
+        if not values and self.records:
+            known = sorted({key for record in self.records for key in record.metrics})
+            close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+            hint = f"; did you mean {', '.join(repr(item) for item in close)}?" if close else ""
+            raise KeyError(f"no step of this run has the metric {name!r}{hint}")
+        return values
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from flowrl.api.data import evaluates_training_prompts
 from flowrl.spec.loader import pipeline_from_dict
 
@@ -168,3 +170,15 @@ def test_a_run_s_error_reaches_the_caller_without_flowrl_s_own_frames() -> None:
     frames = [frame.filename for frame in traceback.extract_tb(caught.value.__traceback__)]
     # this test's call and run()'s own re-raise: nothing of the dozen frames beneath
     assert [Path(name).name for name in frames] == ["test_run_warnings.py", "run.py"], frames
+
+
+def test_a_metric_no_step_has_is_a_key_error_naming_the_closest() -> None:
+    from flowrl.api.run import RunResult
+    from flowrl.records import StepRecord
+
+    result = RunResult(Path("out"), [StepRecord(1, 2, {"val/reward/mean": 0.5, "critic/score/mean": 0.1}),
+                                     StepRecord(2, 2, {"critic/score/mean": 0.2})])
+    assert result.metric("val/reward/mean") == [0.5] and result.metric("critic/score/mean") == [0.1, 0.2]
+    with pytest.raises(KeyError, match="'val/my_reward/mean'; did you mean 'val/reward/mean'"):
+        result.metric("val/my_reward/mean")
+    assert RunResult(Path("out")).metric("anything") == []  # a run that trained nothing
