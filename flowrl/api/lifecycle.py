@@ -240,7 +240,7 @@ class Lifecycle:
         if self.phase in ("new", "finished", "stopped"):
             raise LifecycleError(f"{type(event).__name__} after the run {self.phase}")
         if isinstance(event, Interrupted):
-            return self._stop("interrupted", f"interrupted ({event.signal}) at step {self.step}")
+            return self._stop("interrupted", f"interrupted ({event.signal}) during step {self.step}")
         if isinstance(event, Failed):
             return self._failed(event.fault)
         expected = _EXPECTED[self.phase]

@@ -104,7 +104,8 @@ class PlainLog:
         """Log an event as it happens. Why a run stopped is the error ``flowrl`` prints next:
         the log says only where, so that the reason is printed once."""
         if event.kind == "stopped":
-            self._write(f"[event] stopped at step {event.step or 0} (the error follows)")
+            # the last finished step: the error names the step that was running
+            self._write(f"[event] stopped after step {event.step or 0} (the error follows)")
         else:
             self._write(format_event_line(event))
 

@@ -162,14 +162,14 @@ def test_ctrl_c_to_the_whole_process_group_stops_cleanly(tmp_path: Path) -> None
     rest, _ = process.communicate(timeout=60)
     output = "".join(lines) + rest
     assert process.returncode == 130, output
-    assert "interrupted (SIGINT) at step" in output
+    assert "interrupted (SIGINT) during step" in output
     # grpo_tiny writes no checkpoints: the message says what a resume would do
     assert "no checkpoint was written yet (trainer.checkpoint_every: 0, none at all), so a resume would start " \
            "over at step 1" in output
     assert "Traceback" not in output, output
     # the output folder says why the run ended too
     events = [json.loads(line) for line in (tmp_path / "out" / "events.jsonl").read_text().splitlines()]
-    assert any(e["kind"] == "stopped" and "interrupted (SIGINT) at step" in e["message"] for e in events), events
+    assert any(e["kind"] == "stopped" and "interrupted (SIGINT) during step" in e["message"] for e in events), events
 
 
 def test_the_command_line_exits_with_its_output_written() -> None:
