@@ -108,6 +108,10 @@ def _locate(
     path: str, message: str, source_name: str | None, line_map: LineMap, origins: Origins
 ) -> SpecIssue:
     argument = origin_of(path, origins, line_map)
+    section, _, field = path.rpartition(".")
+    if argument is None and field.endswith("_key") and path not in line_map and f"{section}.source" in origins:
+        # a column the data lacks, under a key nobody set: the override that named the data
+        argument = origins[f"{section}.source"]
     if argument is not None:
         return SpecIssue(path, message, COMMAND_LINE, None, argument)
     return SpecIssue(path, message, source_name, line_of(path, line_map) if source_name else None)

@@ -228,3 +228,13 @@ def test_a_run_s_config_yaml_validates_from_any_folder(tmp_path: Path) -> None:
     (output / "run.json").write_text(json.dumps({"base_dir": str(project), "finished_steps": None}))
     result = _flowrl("validate", str(output / "config.yaml"), cwd=elsewhere)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_column_missing_from_data_named_on_the_command_line_is_placed_at_that_argument(tmp_path: Path) -> None:
+    """No key was set for the column (the default 'prompt'): the override that named the data
+    is the mistake's place, not the file's eval section."""
+    held_out = tmp_path / "held.jsonl"
+    held_out.write_text('{"question": "2+2="}\n')
+    result = _flowrl("validate", "pipelines/grpo_arith.yaml", f"eval.source={held_out}", "eval.split=train")
+    _assert_user_error(result, f"command line: eval.source={held_out}: eval.prompt_key: {held_out} has no column "
+                               "'prompt' (columns: question)")
