@@ -101,6 +101,7 @@ def match_groups(
         return match
     matcher = _Matcher(groups, inventory, pairs)
     matcher.why_shared = "too few GPUs for one each; exclusive: true keeps a group's devices to itself"
+    matcher.even = True
     shared_match = matcher.run()
     return shared_match if shared_match.ok else match
 
@@ -121,6 +122,8 @@ class _Matcher:
         self.devices = {device.id: device for device in inventory.devices}
         self.why_shared = "the pipeline allows it"
         """Why groups in one bundle share devices, for their reasons."""
+        self.even = False
+        """Of as many sharings, try the most even bundles first."""
 
     def run(self) -> Match:
         for name, spec in self.groups.items():
@@ -247,8 +250,10 @@ class _Matcher:
         # (256 solves) only "none" and "all" are, to keep matching well under a second
         sizes = range(len(options) + 1) if len(options) <= 8 else (0, len(options))
         for size in sizes:
-            for chosen in itertools.combinations(options, size):
-                bundles = _bundles(names, chosen)
+            tries = [_bundles(names, chosen) for chosen in itertools.combinations(options, size)]
+            if self.even:  # of as many sharings, the most even first (2 + 2 groups before 3 + 1)
+                tries.sort(key=lambda bundles: max(len(bundle) for bundle in bundles))
+            for bundles in tries:
                 demands = [self._demand(bundle, free) for bundle in bundles]
                 outcome = assign(demands, free)
                 if isinstance(outcome, Unfeasible):

@@ -261,6 +261,9 @@ def test_too_few_gpus_for_one_each_are_shared_by_groups_that_are_not_exclusive()
     spread = match_groups(groups, two)
     assert spread.ok and sorted(len(ids) for ids in spread.assignment.values()) == [1, 1, 1]
     assert sorted(len(others) for others in spread.shared_with.values()) == [0, 1, 1]
+    # four groups on two GPUs: as few sharings, the most even (two and two, not three and one)
+    four = match_groups({**groups, "reference": gpu()}, two)
+    assert four.ok and sorted(len(others) for others in four.shared_with.values()) == [1, 1, 1, 1]
     alone = match_groups({**groups, "reward": gpu(exclusive=True)}, one_gpu)
     assert not alone.ok and set(alone.unsatisfied) == {"actor", "critic"}
 
