@@ -88,7 +88,7 @@ def match_groups(
     ``shared`` lists sets of groups the pipeline allows on the same devices; no other
     two groups share a GPU. Without it, where the GPUs are too few for every GPU group to
     have its own, groups that are not ``exclusive`` share them (as CPU groups share slots),
-    the fewest sharings first: one GPU serves a PPO pipeline's four models, and the planner
+    the fewest and most even sharings first: one GPU serves a PPO pipeline's four models, and the planner
     then checks that their memory fits. Unsatisfied groups are in ``Match.unsatisfied``.
     """
     match = _Matcher(groups, inventory, shared).run()
