@@ -109,17 +109,18 @@ def score_held_out(state: ModelState, node: str, rollouts: Sequence[Any], n: int
         tokens_in += scores.tokens_in
     # no pass@n: "a completion scoring above 0" is a verdict for a checker's scores, not for a
     # reward model's scale
-    metrics = {key: value for key, value in _score_metrics(node, values, n).items() if "/pass@" not in key}
+    metrics = _score_metrics(node, values, n, pass_at=False)
     metrics[f"val/{node}/num_failed"] = 0.0
     return NodeOutput(value=None, metrics=metrics, tokens_in=tokens_in)
 
 
-def _score_metrics(node: str, values: list[float], n: int) -> dict[str, float]:
-    """Mean over completions; with n > 1 also mean@n and pass@n over the prompts' groups
-    (a prompt's n completions are consecutive)."""
+def _score_metrics(node: str, values: list[float], n: int, pass_at: bool = True) -> dict[str, float]:
+    """Mean over completions; with n > 1 also mean@n and (``pass_at``) pass@n over the
+    prompts' groups (a prompt's n completions are consecutive)."""
     metrics = {f"val/{node}/mean": sum(values) / max(1, len(values))}
     if n > 1:
-        groups = [values[start:start + n] for start in range(0, len(values), n)]
         metrics[f"val/{node}/mean@{n}"] = metrics[f"val/{node}/mean"]
+    if n > 1 and pass_at:
+        groups = [values[start:start + n] for start in range(0, len(values), n)]
         metrics[f"val/{node}/pass@{n}"] = sum(any(value > 0 for value in group) for group in groups) / max(1, len(groups))
     return metrics

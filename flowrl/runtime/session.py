@@ -228,21 +228,23 @@ class Session:
     def evaluate(self, call: EvalCall, timeout_s: float) -> list[NodeReport]:
         """Run an evaluation on the generate node's workers, each on its consecutive share
         of the prompts, all at once; one report per worker, in prompt order."""
-        generate = self.pipeline.nodes_of(GenerateNode)[0]
-        slots = self.plan.slots_of(generate)
-        parts = [call.examples[rows] for rows in _even_parts(len(call.examples), len(slots))]
-        futures = [(slot, self.hosts[slot].evaluate(replace(call, examples=part))) for slot, part in zip(slots, parts) if part]
+        futures = [(slot, self.hosts[slot].evaluate(replace(call, examples=call.examples[rows])))
+                   for slot, rows in self._eval_shares(len(call.examples))]
         return self.gather(futures, timeout_s, "evaluation")
+
+    def _eval_shares(self, num_examples: int) -> list[tuple[str, slice]]:
+        """(slot, rows) of the generate node's workers that get a share of the held-out
+        prompts: consecutive, the first ``num_examples % workers`` one longer, none empty."""
+        slots = self.plan.slots_of(self.pipeline.nodes_of(GenerateNode)[0])
+        return [(slot, rows) for slot, rows in zip(slots, _even_parts(num_examples, len(slots)))
+                if rows.stop > rows.start]
 
     def score_held_out(self, step: int, nodes: Sequence[str], n: int, num_examples: int,
                        timeout_s: float) -> list[NodeReport]:
         """Score the completions that :meth:`evaluate` (with ``keep``) left on the generate
         node's workers with the reward models of score ``nodes``, each on the worker that
         holds it (it fetches them from their workers, in prompt order); one report per node."""
-        generate = self.pipeline.nodes_of(GenerateNode)[0]
-        slots = self.plan.slots_of(generate)
-        # the workers that got a share of the prompts in :meth:`evaluate`
-        sources = [slot for slot, rows in zip(slots, _even_parts(num_examples, len(slots))) if rows.stop > rows.start]
+        sources = [slot for slot, _ in self._eval_shares(num_examples)]  # as :meth:`evaluate` shared them
         futures = []
         for node in nodes:
             spec = self.pipeline.spec.nodes[node]
