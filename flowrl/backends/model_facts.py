@@ -68,11 +68,16 @@ def model_facts(path: str, base_dir: Path | None = None, revision: str | None = 
     )
 
 
+def classifier_of(architectures: tuple[str, ...] | list[str]) -> str | None:
+    """The first of ``architectures`` whose head scores instead of predicting tokens, or None."""
+    return next((name for name in architectures if name.endswith(CLASSIFIER_SUFFIXES)), None)
+
+
 def kind_problem(facts: ModelFacts, kind: str) -> str | None:
     """Why a model of these facts cannot serve as ``kind`` (policy, reward), or None: a
     classifier as a policy (its language-model head would start random), a reward model
     without one trained score. A critic (value) may start from any backbone."""
-    classifier = next((name for name in facts.architectures if name.endswith(CLASSIFIER_SUFFIXES)), None)
+    classifier = classifier_of(facts.architectures)
     if kind == "policy" and (classifier or facts.scalar_head):
         what = f"a {classifier}" if classifier else f"a scalar-head model ({SCALAR_MARKER})"
         return (f"holds {what}, a model that scores sequences: as a policy it has no trained language-model "
@@ -87,7 +92,7 @@ def reward_head_problem(architectures: tuple[str, ...] | list[str], labels: int 
     """Why a checkpoint has no one trained score to serve as a reward model, or None."""
     if scalar_head:
         return None
-    classifier = next((name for name in architectures if name.endswith(CLASSIFIER_SUFFIXES)), None)
+    classifier = classifier_of(architectures)
     labels = 2 if labels is None else labels  # transformers' default, left out of config.json
     if classifier is not None and labels == 1:
         return None

@@ -42,7 +42,7 @@ from transformers.utils import logging as hf_logging
 from flowrl.backends.builtin import quiet_progress_bars
 from flowrl.backends.hf import TORCH_DTYPES, DtypeName, HubOptions, load_error, resolve_model_path, set_padding
 from flowrl.backends.locations import saved_model_location
-from flowrl.backends.model_facts import reward_head_problem
+from flowrl.backends.model_facts import classifier_of, reward_head_problem
 from flowrl.backends.scalar_files import (
     MARKER_FILE,
     SCORE,
@@ -219,12 +219,10 @@ def _single_label_classifier(config: Any) -> type | None:
     """The Auto class of a checkpoint that is a one-label sequence or token classifier."""
     if getattr(config, "num_labels", 0) != 1:
         return None
-    for name in getattr(config, "architectures", None) or []:
-        if name.endswith("ForSequenceClassification"):
-            return AutoModelForSequenceClassification
-        if name.endswith("ForTokenClassification"):
-            return AutoModelForTokenClassification
-    return None
+    name = classifier_of(list(getattr(config, "architectures", None) or []))
+    if name is None:
+        return None
+    return AutoModelForSequenceClassification if name.endswith("ForSequenceClassification") else AutoModelForTokenClassification
 
 
 def _from_classifier(
