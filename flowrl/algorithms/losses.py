@@ -59,12 +59,14 @@ def policy_loss(
     mask: Tensor,
     clip_eps: float,
     loss_agg: LossAggregation = "token_mean",
+    clip_eps_high: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate loss (Schulman et al. 2017), as GRPO uses it.
 
-    Per token: ``-min(ratio * A, clip(ratio, 1 - clip_eps, 1 + clip_eps) * A)`` with
+    Per token: ``-min(ratio * A, clip(ratio, 1 - clip_eps, 1 + clip_eps_high) * A)`` with
     ``ratio = exp(logprobs - old_logprobs)``; then reduced by :func:`aggregate`.
-    This is the same per-token term as TRL's GRPOTrainer with ``epsilon_low == epsilon_high``.
+    This is the same per-token term as TRL's GRPOTrainer with ``epsilon_low = clip_eps`` and
+    ``epsilon_high = clip_eps_high`` (DAPO's clip-higher when the upper range is wider).
 
     Args:
         logprobs: ``[N, T]`` log-probabilities of the sampled tokens under the policy being
@@ -75,6 +77,7 @@ def policy_loss(
             (data, detached).
         mask: ``[N, T]``, non-zero on the tokens that count.
         clip_eps: half-width of the trust region around ratio 1, e.g. 0.2.
+        clip_eps_high: the region's upper half-width; None: ``clip_eps``.
         loss_agg: ``"token_mean"`` or ``"seq_mean"``, see :func:`aggregate`.
 
     Returns:
@@ -105,7 +108,8 @@ def policy_loss(
     advantages = torch.where(selected, advantages.detach().to(logprobs.dtype), zeros)
     ratio = torch.exp(log_ratio)
     unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantages
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high) * advantages
     per_token = -torch.min(unclipped, clipped)
     loss = aggregate(per_token, selected, loss_agg)
     with torch.no_grad():

@@ -54,6 +54,8 @@ class RoleCall(Generic[SpecT]):
     prompts: tuple[Any, ...]
     group_size: int
     kl_coef: float
+    lr: float | None = None
+    """Update nodes: this step's learning rate (the node's schedule); None: the node's ``lr``."""
 
 
 @dataclass(frozen=True)
@@ -185,9 +187,9 @@ class Update(_Unsplit):
             if advantage.returns is None:
                 raise ValueError(f"critic update '{call.node}' needs returns: its advantage node must use estimator gae")
             return update_critic(state, rollout, advantage.returns, _optional(inputs, ValueNode), call.spec,
-                                 context.seed, context.group)
+                                 context.seed, context.group, call.lr)
         return update_policy(state, rollout, advantage.advantages, _optional(inputs, ReferenceLogprobNode), call.spec,
-                             context.seed, context.group)
+                             context.seed, context.group, call.lr)
 
 
 ROLES: dict[str, Role] = {role.name: role for role in (Generate(), Score(), ReferenceLogprob(), Value(), Advantage(), Update())}

@@ -85,7 +85,7 @@ class PolicyObjective:
         old = logprobs.detach() if self.old_logprobs is None else to_device(self.old_logprobs[rows], device)
         loss, stats = policy_loss(
             logprobs, old, to_device(self.advantages[rows], device), mask, clip_eps=node.clip_eps,
-            loss_agg=node.loss_agg,
+            loss_agg=node.loss_agg, clip_eps_high=node.clip_eps_high,
         )
         numbers = dict(stats)
         numbers["entropy"] = masked_mean(entropy.detach(), mask.bool())
@@ -147,19 +147,20 @@ class ValueObjective:
 
 def update_policy(
     state: ModelState, rollout: Rollout, advantages: torch.Tensor, ref_logprobs: torch.Tensor | None,
-    node: UpdateNode, seed: int, dp: DataParallel | None = None,
+    node: UpdateNode, seed: int, dp: DataParallel | None = None, lr: float | None = None,
 ) -> NodeOutput:
-    """Train a policy on ``advantages`` (``[N]`` or ``[N, T]``)."""
-    return run_update(state, rollout, PolicyObjective(node, advantages, ref_logprobs), node, seed, dp)
+    """Train a policy on ``advantages`` (``[N]`` or ``[N, T]``) at rate ``lr`` (this step's
+    rate of the node's schedule; None: ``node.lr``)."""
+    return run_update(state, rollout, PolicyObjective(node, advantages, ref_logprobs), node, seed, dp, lr)
 
 
 def update_critic(
     state: ModelState, rollout: Rollout, returns: torch.Tensor, old_values: torch.Tensor | None,
-    node: UpdateNode, seed: int, dp: DataParallel | None = None,
+    node: UpdateNode, seed: int, dp: DataParallel | None = None, lr: float | None = None,
 ) -> NodeOutput:
     """Train a value model towards ``returns`` ``[N, T]``; ``old_values`` are the value node's
     output for this rollout (None: computed here, before the first step)."""
-    return run_update(state, rollout, ValueObjective(node, returns, old_values), node, seed, dp)
+    return run_update(state, rollout, ValueObjective(node, returns, old_values), node, seed, dp, lr)
 
 
 def run_update(
@@ -169,17 +170,19 @@ def run_update(
     node: UpdateNode,
     seed: int,
     dp: DataParallel | None = None,
+    lr: float | None = None,
 ) -> NodeOutput:
-    """One update from one rollout; with ``dp``, this rank's part of a data-parallel update
+    """One update from one rollout at rate ``lr`` (None: ``node.lr``); with ``dp``, this rank's part of a data-parallel update
     (see :mod:`flowrl.roles.data_parallel`; sharded when ``dp.mesh`` is set,
     :mod:`flowrl.roles.sharded`): every rank returns the same whole-batch metrics."""
     if dp is not None and dp.sharded and state.sharded is None:
         state.shard_training(dp.mesh)
     if dp is None or dp.sharded:
         release(state.module)  # a replicated group's buckets, if one trained it before
-    optimizer = state.ensure_optimizer(node.lr, node.betas, node.weight_decay)
+    rate = node.lr if lr is None else lr
+    optimizer = state.ensure_optimizer(rate, node.betas, node.weight_decay)
     for group in optimizer.param_groups:
-        group["lr"] = node.lr
+        group["lr"] = rate
     state.training_module.train()
     num_rows = rollout.num_sequences
     mini_batch = min(node.mini_batch_size or num_rows, num_rows)
@@ -204,7 +207,7 @@ def run_update(
         state.refresh_whole()  # every rank gathers the new weights into its whole copy
     prefix = objective.prefix
     metrics = {f"{prefix}/{key}": value / num_steps for key, value in totals.items()}
-    metrics[f"{prefix}/lr"] = node.lr
+    metrics[f"{prefix}/lr"] = rate
     metrics[f"{prefix}/num_optimizer_steps"] = float(num_steps)
     objective.finish(metrics)
     mine = dp.rows(num_rows) if dp is not None else slice(0, num_rows)

@@ -38,6 +38,8 @@ class NodeCall:
     """Hosts that keep a copy of ``model`` for generation: updated weights go to them."""
     kl_coef: float = 0.0
     """Advantage nodes: this step's KL reward-penalty coefficient (fixed or adaptive)."""
+    lr: float | None = None
+    """Update nodes: this step's learning rate on the node's schedule; None: the node's ``lr``."""
     shard: tuple[int, int] = (0, 1)
     """(index, count): this call computes part ``index`` of ``count`` of its node's rows
     (``weighted_rows`` with ``shares``)."""

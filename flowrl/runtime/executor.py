@@ -14,11 +14,12 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Callable, Sequence
 
+from flowrl.algorithms.lr_schedule import scheduled_lr
 from flowrl.errors import FlowrlError, NodeTimeout
 from flowrl.graph import PipelineGraph
 from flowrl.planner.placement import Plan
 from flowrl.runtime.calls import InputRef, NodeCall, NodeReport, store_key
-from flowrl.spec.schema import SOURCE_NODE, GenerateNode
+from flowrl.spec.schema import SOURCE_NODE, GenerateNode, NodeBase, UpdateNode
 from flowrl.runtime.waiting import gather, peer_failed
 
 Gather = Callable[[list[tuple[str, Any]], float, str], list[Any]]
@@ -137,8 +138,16 @@ class StepExecutor:
             group_size=self._group_size[node],
             weight_peers=peers,
             kl_coef=kl_coef,
+            lr=self._lr(spec, step),
             threads=self.threads.get((node, slot), 0),
         )
+
+    def _lr(self, spec: NodeBase, step: int) -> float | None:
+        """An update's rate at ``step`` on its schedule (a function of the step alone)."""
+        if not isinstance(spec, UpdateNode):
+            return None
+        return scheduled_lr(spec.lr, step, spec.lr_decay_steps or self.pipeline.spec.trainer.steps,
+                            spec.lr_schedule, spec.lr_warmup_steps, spec.min_lr_ratio)
 
     def close(self) -> None:
         """Nothing to release: calls live in the hosts."""

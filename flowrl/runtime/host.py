@@ -399,7 +399,7 @@ class RoleHost:
             members = self._groups[call.node]
             group = DataParallel(members, call.part_shares, mesh=members.mesh() if members.sharding else None)
         context = registry.RoleContext(self.models, self._rewards, self.seed, group)
-        request = registry.RoleCall(call.node, call.spec, call.prompts, call.group_size, call.kl_coef)
+        request = registry.RoleCall(call.node, call.spec, call.prompts, call.group_size, call.kl_coef, call.lr)
         output = role.run(context, _inputs_by_role(call, inputs), request)
         if trains and call.model is not None and call.weight_peers:
             output.metrics.update(self._push_weights(call.model, call.weight_peers, call.node))

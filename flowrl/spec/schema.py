@@ -519,6 +519,7 @@ class AdvantageNode(_NodeBase):
 
 UPDATE_FIELDS: dict[str, str] = {
     "clip_eps": "policy",
+    "clip_eps_high": "policy",
     "kl_coef": "policy",
     "kl_estimator": "policy",
     "clip_range_value": "value",
@@ -537,13 +538,30 @@ class UpdateNode(_NodeBase):
     model: str
     """Name of the model trained. Required."""
     lr: float = Field(default=1e-5, gt=0)
-    """AdamW learning rate. Default 1e-5."""
+    """AdamW learning rate (the peak, with a schedule). Default 1e-5."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """The rate after the warm-up: ``constant`` keeps ``lr``; ``linear`` and ``cosine`` decay it
+    from ``lr`` towards ``min_lr_ratio`` x ``lr``, which the step after ``lr_decay_steps``
+    reaches (so a run's last step still learns). Default constant."""
+    lr_warmup_steps: int = Field(default=0, ge=0)
+    """Training steps whose rate rises linearly to ``lr``: step k of them trains at
+    ``lr * k / lr_warmup_steps``. Default 0."""
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
+    """Floor of a decaying schedule as a fraction of ``lr``. Default 0.0."""
+    lr_decay_steps: Annotated[int, Field(ge=1)] | None = None
+    """Steps a decaying schedule spans, from step 1 (warm-up included); None: ``trainer.steps``
+    (a run resumed to more steps stretches the rest of its decay). Default None."""
     kl_coef: float = Field(default=0.0, ge=0)
     """Weight of the KL penalty towards the reference; 0 turns it off. Default 0.0."""
     kl_estimator: Literal["k1", "k3"] = "k3"
     """KL estimator (Schulman's k1 or k3). Default k3."""
     clip_eps: float = Field(default=0.2, gt=0)
-    """PPO ratio clipping range epsilon. Default 0.2."""
+    """PPO ratio clipping range epsilon: the ratio is clipped to [1 - clip_eps, 1 + clip_eps].
+    Default 0.2."""
+    clip_eps_high: float | None = Field(default=None, gt=0)
+    """Upper clipping range, when it differs from the lower one (DAPO's clip-higher, such as
+    0.28 with clip_eps 0.2): the ratio is clipped to [1 - clip_eps, 1 + clip_eps_high]. None:
+    clip_eps. Default None."""
     clip_range_value: float | None = Field(default=0.2, gt=0)
     """Value-update clipping around the old values (critics only); None turns it off. Default 0.2."""
     loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
@@ -582,6 +600,10 @@ class UpdateNode(_NodeBase):
 
     def check(self, view: NodeView) -> None:
         path, kind = f"nodes.{view.name}", view.model_kind
+        if self.lr_schedule == "constant" and view.reliable(f"{path}.lr_schedule"):
+            for field in sorted(self.changed_fields() & {"min_lr_ratio", "lr_decay_steps"}):
+                view.add(f"{path}.{field}", f"'{field}' shapes a decaying schedule, and lr_schedule is constant; "
+                                            "set lr_schedule: cosine or linear, or remove it")
         if kind == "reward":
             view.add(f"{path}.model", f"update trains a policy or value model; '{self.model}' is kind reward")
             return

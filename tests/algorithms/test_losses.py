@@ -158,6 +158,27 @@ def _value_case() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tenso
     return values, old_values, returns, mask
 
 
+def test_clip_higher_widens_only_the_upper_side() -> None:
+    # clip_eps 0.2, clip_eps_high 0.6: the ratio is clipped to [0.8, 1.6]
+    #   a: r=1.5, A=+1: inside the wider upper range now: -1.5, with gradient
+    #   b: r=0.9, A=+1: -0.9;  c: r=1.5, A=-1: +1.5 (not clipped, as before)
+    # token_mean = (-1.5 - 0.9 + 1.5) / 3 = -0.3
+    logprobs, old, advantages, mask = _clip_case()
+    loss, stats = policy_loss(logprobs, old, advantages, mask, clip_eps=0.2, clip_eps_high=0.6)
+    assert loss.item() == pytest.approx(-0.3, abs=1e-6)
+    assert float(stats["pg_clipfrac"]) == 0.0
+    loss.backward()
+    assert logprobs.grad is not None
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[-0.5, -0.3, 0.0], [0.5, 0.0, 0.0]]))
+    # the lower side still clips: r=0.5 with A=+1 against clip_eps_high alone
+    ratio_half = (old + math.log(0.5)).requires_grad_(True)
+    low, low_stats = policy_loss(ratio_half, old, torch.tensor([-1.0, -1.0]), torch.ones(2, 3), clip_eps=0.2,
+                                 clip_eps_high=0.6)
+    # A=-1, r=0.5: -min(-0.5, -0.8) = 0.8 on every token (clipped at 1 - 0.2)
+    assert low.item() == pytest.approx(0.8)
+    assert float(low_stats["pg_clipfrac"]) == 1.0
+
+
 def test_clipped_value_loss_hand_computed() -> None:
     # per token 0.5 * max((v - R)^2, (clip(v, v_old - 0.2, v_old + 0.2) - R)^2):
     #   a: (1.0 - 1.2)^2 = 0.04 vs (0.7 - 1.2)^2 = 0.25 -> clipped is larger: 0.125, no gradient

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -46,6 +47,9 @@ def test_ppo_tiny_learns_with_critic_reward_model_and_kl_penalty(tmp_path: Path)
 def _ppo(output: Path, steps: int) -> PipelineGraph:
     data = yaml.safe_load((ROOT / "pipelines" / "ppo_tiny.yaml").read_text())
     data["trainer"].update(steps=steps, output_dir=str(output), checkpoint_every=2, max_shard_size="1MB")
+    # both updates on a schedule, which a resume must take up where it stopped
+    data["nodes"]["train_actor"].update(lr_schedule="cosine", lr_warmup_steps=1, min_lr_ratio=0.2)
+    data["nodes"]["train_critic"].update(lr_schedule="linear", lr_decay_steps=3)
     return pipeline_from_dict(data)
 
 
@@ -54,7 +58,12 @@ def test_sharded_checkpoints_resume_to_the_weights_of_an_uninterrupted_run(tmp_p
     in shards with an index, in the checkpoint and in final/, and a run resumed from the
     sharded checkpoint ends where an uninterrupted one does."""
     whole = tmp_path / "whole"
-    run(_ppo(whole, steps=4))
+    rates = run(_ppo(whole, steps=4)).metric
+    # actor: warm-up step 1 at 5e-4, then a cosine from 5e-4 towards 1e-4 over 3 steps;
+    # critic: linear from 1e-3 to 0 over 3 steps, 0 from there on
+    cosine = [0.5 * (1 + math.cos(math.pi * p)) for p in (0, 1 / 3, 2 / 3)]
+    assert rates("actor/lr") == pytest.approx([5e-4] + [5e-4 * (0.2 + 0.8 * c) for c in cosine])
+    assert rates("critic/lr") == pytest.approx([1e-3, 1e-3 * 2 / 3, 1e-3 / 3, 0.0], abs=1e-12)
     checkpoint = whole / "checkpoints" / "step-2"
     manifest = json.loads((checkpoint / "trainer_state.json").read_text())["files"]
     for model in ("actor", "critic"):
@@ -73,6 +82,7 @@ def test_sharded_checkpoints_resume_to_the_weights_of_an_uninterrupted_run(tmp_p
     (resumed / "config.yaml").write_text(config)
     result = run(_ppo(resumed, steps=4), resume=True)
     assert [record.step for record in result.records] == [3, 4]
+    assert result.metric("actor/lr") == pytest.approx(rates("actor/lr")[2:])
 
     for folder in ("final", "final/critic"):
         assert len(list((resumed / folder).glob("model-*-of-*.safetensors"))) > 1

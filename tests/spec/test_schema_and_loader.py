@@ -353,6 +353,9 @@ TRAIN = "train:   {role: update, model: actor, inputs: [rollout, adv]}"
         (TRAIN, "train: {role: update, model: actor, clip_range_value: 0.3, inputs: [rollout, adv]}",
          "10: nodes.train.clip_range_value: 'clip_range_value' is read by updates of value models only, and "
          "'actor' is a policy model; remove it"),
+        (TRAIN, "train: {role: update, model: actor, min_lr_ratio: 0.1, inputs: [rollout, adv]}",
+         "10: nodes.train.min_lr_ratio: 'min_lr_ratio' shapes a decaying schedule, and lr_schedule is constant; "
+         "set lr_schedule: cosine or linear, or remove it"),
     ],
 )
 def test_a_field_the_node_s_estimator_or_model_kind_never_reads_is_an_error(
@@ -364,9 +367,12 @@ def test_a_field_the_node_s_estimator_or_model_kind_never_reads_is_an_error(
 def test_fields_of_the_node_s_own_estimator_and_defaults_set_explicitly_load(tmp_path: Path) -> None:
     # gamma: 1.0 is its default, which a dump of the whole spec writes out (PipelineGraph.to_dict)
     text = GOOD.replace(ADV, "adv: {role: advantage, scale_by_std: false, epsilon: 0.001, gamma: 1.0, inputs: [reward]}")
-    text = text.replace(TRAIN, "train: {role: update, model: actor, clip_eps: 0.3, kl_estimator: k1, inputs: [rollout, adv]}")
+    text = text.replace(TRAIN, "train: {role: update, model: actor, clip_eps: 0.3, clip_eps_high: 0.4, kl_estimator: k1, "
+                               "lr_schedule: cosine, lr_warmup_steps: 3, min_lr_ratio: 0.1, lr_decay_steps: 20, "
+                               "inputs: [rollout, adv]}")
     graph = load_pipeline(write(tmp_path, text))
     assert graph.spec.nodes["adv"].epsilon == 0.001  # type: ignore[union-attr]
+    assert graph.spec.nodes["train"].lr_decay_steps == 20  # type: ignore[union-attr]
 
 
 def test_grpo_over_one_sample_per_prompt_is_refused_at_the_rollout(tmp_path: Path) -> None:
