@@ -13,8 +13,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-LossAggregation = Literal["token_mean", "seq_mean"]
-LOSS_AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean")
+LossAggregation = Literal["token_mean", "seq_mean", "token_sum_norm"]
+LOSS_AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean", "token_sum_norm")
 
 
 def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
@@ -30,7 +30,7 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     return values.sum(dim=dim) / selected.sum(dim=dim).clamp(min=1)
 
 
-def aggregate(per_token: Tensor, mask: Tensor, loss_agg: LossAggregation) -> Tensor:
+def aggregate(per_token: Tensor, mask: Tensor, loss_agg: LossAggregation, norm_tokens: int | None = None) -> Tensor:
     """Reduce a ``[N, T]`` per-token loss to a scalar.
 
     - ``token_mean``: sum over all unmasked tokens / number of unmasked tokens, so every token
@@ -38,6 +38,9 @@ def aggregate(per_token: Tensor, mask: Tensor, loss_agg: LossAggregation) -> Ten
     - ``seq_mean``: mean over sequences of each sequence's own token mean, so every sequence
       weighs the same; sequences without any unmasked token are left out of the mean
       (TRL's ``loss_type="grpo"``, the original GRPO paper).
+    - ``token_sum_norm``: sum over all unmasked tokens / (N x ``norm_tokens``), a constant
+      (the most tokens a completion may have), so that neither a completion's length nor the
+      batch's shapes the weight of a token (Dr. GRPO; TRL's ``loss_type="dr_grpo"``).
 
     Use the same rule for the KL term as for the policy term so their scales stay comparable.
     """
@@ -47,6 +50,11 @@ def aggregate(per_token: Tensor, mask: Tensor, loss_agg: LossAggregation) -> Ten
         per_sequence = masked_mean(per_token, mask, dim=-1)
         has_tokens = mask.bool().any(dim=-1)
         return masked_mean(per_sequence, has_tokens)
+    if loss_agg == "token_sum_norm":
+        if norm_tokens is None or norm_tokens < 1:
+            raise ValueError(f"loss_agg token_sum_norm needs norm_tokens >= 1, got {norm_tokens}")
+        total = torch.where(mask.bool(), per_token, torch.zeros_like(per_token)).sum()
+        return total / (per_token.shape[0] * norm_tokens)
     raise ValueError(
         f"unknown loss_agg {loss_agg!r}; expected one of {', '.join(LOSS_AGGREGATIONS)}"
     )
@@ -60,6 +68,7 @@ def policy_loss(
     clip_eps: float,
     loss_agg: LossAggregation = "token_mean",
     clip_eps_high: float | None = None,
+    norm_tokens: int | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate loss (Schulman et al. 2017), as GRPO uses it.
 
@@ -78,7 +87,8 @@ def policy_loss(
         mask: ``[N, T]``, non-zero on the tokens that count.
         clip_eps: half-width of the trust region around ratio 1, e.g. 0.2.
         clip_eps_high: the region's upper half-width; None: ``clip_eps``.
-        loss_agg: ``"token_mean"`` or ``"seq_mean"``, see :func:`aggregate`.
+        norm_tokens: the constant of ``token_sum_norm``, see :func:`aggregate`.
+        loss_agg: ``"token_mean"``, ``"seq_mean"`` or ``"token_sum_norm"``, see :func:`aggregate`.
 
     Returns:
         ``(loss, stats)``: the scalar loss to minimise, and 0-dim tensors (detached, on the
@@ -111,7 +121,7 @@ def policy_loss(
     high = clip_eps if clip_eps_high is None else clip_eps_high
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high) * advantages
     per_token = -torch.min(unclipped, clipped)
-    loss = aggregate(per_token, selected, loss_agg)
+    loss = aggregate(per_token, selected, loss_agg, norm_tokens)
     with torch.no_grad():
         stats = {
             "pg_clipfrac": masked_mean((clipped < unclipped).to(logprobs.dtype), selected),
@@ -129,6 +139,7 @@ def value_loss(
     mask: Tensor,
     clip_range_value: float | None,
     loss_agg: LossAggregation = "token_mean",
+    norm_tokens: int | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped value (critic) loss, as in PPO2's baselines, TRL's PPO and OpenRLHF.
 
@@ -144,7 +155,8 @@ def value_loss(
         returns: ``[N, T]`` value targets, e.g. GAE's ``advantages + values`` (data).
         mask: ``[N, T]``, non-zero on the tokens that count.
         clip_range_value: ``c`` above, > 0; None turns clipping off.
-        loss_agg: ``"token_mean"`` or ``"seq_mean"``, see :func:`aggregate`.
+        norm_tokens: the constant of ``token_sum_norm``, see :func:`aggregate`.
+        loss_agg: ``"token_mean"``, ``"seq_mean"`` or ``"token_sum_norm"``, see :func:`aggregate`.
 
     Returns:
         ``(loss, stats)``: the scalar loss and 0-dim tensors (as :func:`policy_loss`'s)
@@ -177,7 +189,7 @@ def value_loss(
         clipped = (clipped_values - returns) ** 2
         per_token = 0.5 * torch.max(unclipped, clipped)
         clipped_is_larger = clipped > unclipped
-    loss = aggregate(per_token, selected, loss_agg)
+    loss = aggregate(per_token, selected, loss_agg, norm_tokens)
     with torch.no_grad():
         stats = {
             "vf_loss": loss.detach(),

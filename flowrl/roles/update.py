@@ -85,14 +85,14 @@ class PolicyObjective:
         old = logprobs.detach() if self.old_logprobs is None else to_device(self.old_logprobs[rows], device)
         loss, stats = policy_loss(
             logprobs, old, to_device(self.advantages[rows], device), mask, clip_eps=node.clip_eps,
-            loss_agg=node.loss_agg, clip_eps_high=node.clip_eps_high,
+            loss_agg=node.loss_agg, clip_eps_high=node.clip_eps_high, norm_tokens=piece.max_new_tokens,
         )
         numbers = dict(stats)
         numbers["entropy"] = masked_mean(entropy.detach(), mask.bool())
         if self.use_kl:
             assert self.ref_logprobs is not None
             kl = kl_penalty(logprobs, to_device(self.ref_logprobs[rows], device), estimator=node.kl_estimator)
-            kl_term = aggregate(kl, mask, node.loss_agg)
+            kl_term = aggregate(kl, mask, node.loss_agg, piece.max_new_tokens)
             loss = loss + node.kl_coef * kl_term
             numbers["kl_loss"] = kl_term.detach()
         numbers["loss"] = loss.detach()
@@ -138,6 +138,7 @@ class ValueObjective:
             to_device(piece.completion_mask, device).bool(),
             clip_range_value=self.node.clip_range_value,
             loss_agg=self.node.loss_agg,
+            norm_tokens=piece.max_new_tokens,
         )
 
     def finish(self, metrics: dict[str, float]) -> None:
@@ -234,11 +235,14 @@ def _old_logprobs(state: ModelState, rollout: Rollout, dp: DataParallel | None,
 
 
 def _share(mask: torch.Tensor, mine: slice | torch.Tensor, loss_agg: str) -> float:
-    """The share of rows ``mine`` in a batch loss's normaliser: tokens (token_mean) or
-    sequences with tokens (seq_mean). A data-parallel rank's part and a micro-batch are both
-    weighted by it, so that their weighted losses add up to the whole batch's loss."""
+    """The share of rows ``mine`` in a batch loss's normaliser: tokens (token_mean),
+    sequences with tokens (seq_mean) or sequences (token_sum_norm). A data-parallel rank's part
+    and a micro-batch are both weighted by it, so that their weighted losses add up to the
+    whole batch's loss."""
     if loss_agg == "seq_mean":
         counted = mask.bool().any(dim=-1).float()
+    elif loss_agg == "token_sum_norm":
+        counted = torch.ones(mask.shape[0])
     else:
         counted = mask.float()
     total = float(counted.sum())

@@ -564,8 +564,10 @@ class UpdateNode(_NodeBase):
     clip_eps. Default None."""
     clip_range_value: float | None = Field(default=0.2, gt=0)
     """Value-update clipping around the old values (critics only); None turns it off. Default 0.2."""
-    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
-    """Average the loss over all tokens, or per sequence then over sequences. Default token_mean."""
+    loss_agg: Literal["token_mean", "seq_mean", "token_sum_norm"] = "token_mean"
+    """Average the loss over all tokens (``token_mean``), per sequence then over sequences
+    (``seq_mean``), or sum it over all tokens and divide by sequences x ``max_new_tokens``
+    (``token_sum_norm``: Dr. GRPO's constant normaliser). Default token_mean."""
     ppo_epochs: int = Field(default=1, ge=1)
     """Passes over the rollout per step. Default 1."""
     mini_batch_size: Annotated[int, Field(ge=1)] | None = None

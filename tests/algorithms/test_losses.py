@@ -158,6 +158,19 @@ def _value_case() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tenso
     return values, old_values, returns, mask
 
 
+def test_token_sum_norm_divides_by_a_constant_not_by_the_tokens() -> None:
+    # per token -1.2, -0.9 | +1.5 (as above); sum 0.6 - 2.1 = -0.6, over 2 rows x 4 tokens
+    logprobs, old, advantages, mask = _clip_case()
+    loss, _ = policy_loss(logprobs, old, advantages, mask, clip_eps=0.2, loss_agg="token_sum_norm", norm_tokens=4)
+    assert loss.item() == pytest.approx(-0.6 / 8, abs=1e-7)
+    loss.backward()
+    assert logprobs.grad is not None
+    # each token's gradient is its -r*A over the constant 8: b: -0.9 / 8, c: +1.5 / 8
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[0.0, -0.9 / 8, 0.0], [1.5 / 8, 0.0, 0.0]]))
+    with pytest.raises(ValueError, match="needs norm_tokens"):
+        aggregate(torch.zeros(2, 3), mask, "token_sum_norm")
+
+
 def test_clip_higher_widens_only_the_upper_side() -> None:
     # clip_eps 0.2, clip_eps_high 0.6: the ratio is clipped to [0.8, 1.6]
     #   a: r=1.5, A=+1: inside the wider upper range now: -1.5, with gradient

@@ -87,8 +87,10 @@ def _train_data_parallel(node: UpdateNode, updates: int, shares: tuple[float, ..
     return _ranks(lambda: model_state("actor", tiny_policy(0), 0), train, shares, bucket_bytes)
 
 
-@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean"])
-@pytest.mark.parametrize("shares", [(1.0, 1.0), (0.7, 0.3)])
+@pytest.mark.parametrize("loss_agg, shares", [
+    ("token_mean", (1.0, 1.0)), ("token_mean", (0.7, 0.3)), ("seq_mean", (1.0, 1.0)), ("seq_mean", (0.7, 0.3)),
+    ("token_sum_norm", (0.7, 0.3)),
+])
 def test_two_ranks_train_to_the_same_weights_as_one_device(loss_agg: str, shares: tuple[float, ...]) -> None:
     # 2 epochs x mini-batches of 4 of 6 rows: shuffled, uneven mini-batches, old log-probs
     # gathered from both ranks, the KL term, gradient clipping

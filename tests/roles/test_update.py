@@ -123,7 +123,7 @@ def test_micro_batches_are_length_sorted_within_the_token_budget() -> None:
     assert sorted(sum(groups, [])) == list(range(6))
 
 
-@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean"])
+@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean", "token_sum_norm"])
 def test_micro_batches_give_the_whole_batch_gradient(loss_agg: str) -> None:
     """Gradient accumulation over length-sorted passes = one pass over the whole batch."""
     advantages = torch.tensor([1.0, -0.5, 0.3, -1.0, 0.7, 0.2])
