@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -48,7 +48,7 @@ def generate_tokens(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     max_new_tokens: int,
-    eos_token_id: int,
+    eos_token_id: int | Sequence[int],
     pad_token_id: int,
     temperature: float = 1.0,
     top_p: float = 1.0,
@@ -56,7 +56,8 @@ def generate_tokens(
     greedy: bool = False,
     generator: torch.Generator | None = None,
 ) -> GenerationOutput:
-    """Sample up to ``max_new_tokens`` tokens for each left-padded prompt row.
+    """Sample up to ``max_new_tokens`` tokens for each left-padded prompt row; a row ends with
+    the first of the ``eos_token_id`` tokens it samples (one id or several).
 
     ``greedy`` takes the most likely token (temperature, top-k and top-p do not change the
     choice). ``generator`` drives the sampling noise, so a seeded generator on the model's
@@ -71,11 +72,28 @@ def generate_tokens(
         with torch.inference_mode(), decode_threads(model, batch_size, device):
             return _decode_loop(
                 model, input_ids, attention_mask.to(torch.long), batch_size, prompt_length,
-                max_new_tokens, eos_token_id, pad_token_id, temperature, top_p, top_k,
+                max_new_tokens, stop_ids(eos_token_id), pad_token_id, temperature, top_p, top_k,
                 greedy, generator, device,
             )
     finally:
         model.train(was_training)
+
+
+def stop_ids(eos_token_id: int | Sequence[int]) -> tuple[int, ...]:
+    """The ids that end a row, from one id or several (a generation config's list)."""
+    ids = (eos_token_id,) if isinstance(eos_token_id, int) else tuple(int(token) for token in eos_token_id)
+    if not ids:
+        raise ValueError("generation needs at least one eos token id to stop at")
+    return ids
+
+
+def is_stop(tokens: torch.Tensor, ids: tuple[int, ...]) -> torch.Tensor:
+    """Where ``tokens`` is one of ``ids``: comparisons with constants, so a captured CUDA
+    graph holds them as they are and the host never waits for the device."""
+    hit = tokens == ids[0]
+    for token in ids[1:]:
+        hit |= tokens == token
+    return hit
 
 
 SMALL_DECODE_MACS = 1 << 22
@@ -112,7 +130,7 @@ def _decode_loop(
     batch_size: int,
     prompt_length: int,
     max_new_tokens: int,
-    eos_token_id: int,
+    eos_token_ids: tuple[int, ...],
     pad_token_id: int,
     temperature: float,
     top_p: float,
@@ -155,7 +173,7 @@ def _decode_loop(
         completion_ids[:, step] = tokens
         completion_mask[:, step] = unfinished
         sampled_logprobs[:, step] = logprobs.masked_fill(~unfinished, 0.0)
-        unfinished &= tokens != eos_token_id
+        unfinished &= ~is_stop(tokens, eos_token_ids)
         num_decode_steps = step + 1
         if not bool(unfinished.any()):
             break

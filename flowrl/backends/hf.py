@@ -200,3 +200,24 @@ def embedding_rows(model: torch.nn.Module) -> int | None:
     except (AttributeError, NotImplementedError):
         return None
     return int(embedding.num_embeddings) if isinstance(embedding, torch.nn.Embedding) else None
+
+
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase, model: torch.nn.Module) -> tuple[int, ...]:
+    """The tokens that end a completion: the tokenizer's eos and every eos id of the model's
+    generation config (``generation_config.json``), as ``generate()`` stops. An instruct
+    model lists its end-of-turn token there (Llama 3's ``<|eot_id|>``, Qwen2.5's
+    ``<|im_end|>`` beside ``<|endoftext|>``); stopping only at the tokenizer's eos would let a
+    completion run on past its turn. Ids outside the model's embedding cannot be sampled and
+    are left out."""
+    config = getattr(model, "generation_config", None)
+    listed = getattr(config, "eos_token_id", None)
+    candidates = [tokenizer.eos_token_id, *(listed if isinstance(listed, (list, tuple)) else [listed])]
+    rows = embedding_rows(model)
+    ids: list[int] = []
+    for token in candidates:
+        if isinstance(token, int) and token >= 0 and (rows is None or token < rows) and token not in ids:
+            ids.append(token)
+    if not ids:
+        raise ModelLoadError("the policy's tokenizer has no eos token and its generation config lists none: "
+                             "completions could never end before max_new_tokens; give a tokenizer with an eos token")
+    return tuple(ids)

@@ -34,6 +34,7 @@ says why another model is not; callers then use the plain loop in ``generation.p
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +42,14 @@ import torch
 import torch.nn.functional as F
 
 from flowrl.backends.decode_attention import decode_attention, rotate
-from flowrl.backends.generation import GenerationOutput, check_arguments, decode_threads, sample_with_noise
+from flowrl.backends.generation import (
+    GenerationOutput,
+    check_arguments,
+    decode_threads,
+    is_stop,
+    sample_with_noise,
+    stop_ids,
+)
 from flowrl.backends.shared_prompt import prompt_groups, repeats_of_previous_row
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
@@ -300,7 +308,7 @@ class _Sampling:
     greedy: bool
     top_k: int
     top_p: float
-    eos_token_id: int
+    eos_token_ids: tuple[int, ...]
     pad_token_id: int
 
 
@@ -502,7 +510,7 @@ class StaticDecoder:
         b.completion_ids[:batch].index_copy_(1, b.out_column, tokens[:, None])
         b.completion_mask[:batch].index_copy_(1, b.out_column, unfinished.long()[:, None])
         b.logprobs[:batch].index_copy_(1, b.out_column, logprobs.masked_fill(~unfinished, 0.0)[:, None])
-        unfinished &= tokens != sampling.eos_token_id
+        unfinished &= ~is_stop(tokens, sampling.eos_token_ids)
         b.tokens[:batch] = tokens
         b.out_column += 1
 
@@ -610,7 +618,7 @@ class StaticDecoder:
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         max_new_tokens: int,
-        eos_token_id: int,
+        eos_token_id: int | Sequence[int],
         pad_token_id: int,
         temperature: float = 1.0,
         top_p: float = 1.0,
@@ -622,7 +630,7 @@ class StaticDecoder:
         check_arguments(input_ids, attention_mask, max_new_tokens, temperature, top_p, top_k)
         with torch.inference_mode(), decode_threads(self.model, input_ids.shape[0], self.device):
             return self._generate(input_ids.to(self.device), attention_mask.to(self.device).long(),
-                                  max_new_tokens, _Sampling(greedy, top_k, top_p, eos_token_id, pad_token_id),
+                                  max_new_tokens, _Sampling(greedy, top_k, top_p, stop_ids(eos_token_id), pad_token_id),
                                   temperature, generator)
 
     def _generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,

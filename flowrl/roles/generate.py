@@ -9,7 +9,7 @@ import torch
 from transformers import PreTrainedModel
 
 from flowrl.backends.generation import GenerationOutput, generate_tokens
-from flowrl.backends.hf import embedding_rows
+from flowrl.backends.hf import embedding_rows, stop_token_ids
 from flowrl.backends.static_decode import decoder_for, unsupported_reason
 from flowrl.errors import FlowrlError
 from flowrl.roles.batch import NodeOutput, Rollout
@@ -37,7 +37,7 @@ def run_generate(
     state.module.eval()
     settings = dict(
         max_new_tokens=node.max_new_tokens,
-        eos_token_id=tokenizer.eos_token_id,
+        eos_token_id=stop_token_ids(tokenizer, state.module),
         pad_token_id=tokenizer.pad_token_id,
         temperature=node.temperature,
         top_p=node.top_p,

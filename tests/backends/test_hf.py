@@ -335,3 +335,41 @@ def test_one_hub_probe_serves_the_checks_of_the_next_minute(monkeypatch: pytest.
     # an answer older than HUB_PROBE_REUSE_S is not given again: the hub is asked anew
     monkeypatch.setattr(hub, "_last_probe", (time.monotonic() - hub.HUB_PROBE_REUSE_S - 1, True))
     assert hub.hub_reachable(5.0) is False and len(asked) == 2
+
+
+def test_completions_end_at_every_eos_of_the_model_s_generation_config(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    """An instruct model lists its end-of-turn token in generation_config.json beside the
+    tokenizer's eos: a completion ends at the first of them, as generate() ends it."""
+    from flowrl.data import PromptExample
+    from flowrl.roles.generate import run_generate
+    from flowrl.spec.schema import GenerateNode
+
+    prompts = [PromptExample("ab=", "a"), PromptExample("qwerty=", "q"), PromptExample("zz=", "z")]
+    node = GenerateNode(model="actor", inputs=["prompts"], n=1, max_new_tokens=24)
+
+    def greedy(directory: Path) -> tuple[tuple[int, ...], list[list[int]]]:
+        model, tokenizer = load_causal_lm(str(directory), "fp32")
+        state = ModelState("actor", model, tokenizer, torch.device("cpu"), torch.Generator().manual_seed(0))
+        rollout = run_generate(state, prompts, node, greedy=True).value
+        rows = [[token for token, kept in zip(ids, mask) if kept]
+                for ids, mask in zip(rollout.completion_ids.tolist(), rollout.completion_mask.tolist())]
+        return hf.stop_token_ids(tokenizer, model), rows
+
+    stops, free = greedy(tiny_llama_dir)
+    assert stops == (2,)  # the tokenizer's <eos>; the builtin's generation config says the same
+    counts: dict[int, int] = {}
+    for row in free:
+        for token in row[1:]:
+            counts[token] = counts.get(token, 0) + 1
+    turn_end = max(counts, key=lambda token: counts[token])  # a token most rows emit after their first
+
+    directory = tmp_path / "instruct"
+    shutil.copytree(tiny_llama_dir, directory)
+    # a second eos id the model samples, and one past its embedding (never sampled: left out)
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, turn_end, 10**6]}))
+    stops, ended = greedy(directory)
+    assert stops == (2, turn_end)
+    for whole, cut in zip(free, ended):
+        first = next((at for at, token in enumerate(whole) if token in (2, turn_end)), len(whole) - 1)
+        assert cut == whole[:first + 1]  # the same tokens up to and with the first stop, none after
+    assert any(len(cut) < len(whole) for whole, cut in zip(free, ended))

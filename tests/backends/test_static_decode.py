@@ -129,6 +129,26 @@ def test_rows_that_stop_early_match_generate_and_are_compacted(down_splits: int)
     assert shrunk, "the batch was never compacted although most rows finished"
 
 
+def test_rows_stop_at_any_of_several_eos_ids_as_generate_does() -> None:
+    """An instruct model stops at its end-of-turn token and at its end-of-text one: the
+    static decoder and the plain loop stop where generate() with the list of both stops."""
+    model = build("llama")
+    ids, mask = left_padded([1 + (row * 5) % 7 for row in range(12)], seed=4)
+    free_run = hf_greedy(model, ids, mask, 20, eos=VOCAB_SIZE + 5)
+    counts = torch.bincount(free_run.flatten(), minlength=VOCAB_SIZE)
+    first, second = (int(token) for token in counts.argsort(descending=True)[:2])
+    expected = hf_greedy(model, ids, mask, 20, eos=[first, second])  # type: ignore[arg-type]
+    assert (expected == first).any() and (expected == second).any(), "the test needs rows stopping at each"
+    loop = generate_tokens(model, ids, mask, 20, eos_token_id=[first, second], pad_token_id=PAD_ID, greedy=True)
+    static = StaticDecoder(model).generate(ids, mask, 20, eos_token_id=(first, second), pad_token_id=PAD_ID,
+                                           greedy=True)
+    for out in (loop, static):
+        assert torch.equal(out.completion_ids, expected)
+        stopped = torch.isin(expected, torch.tensor([first, second]))
+        lengths = torch.where(stopped.any(dim=1), stopped.long().argmax(dim=1) + 1, expected.shape[1])
+        assert torch.equal(out.completion_mask.sum(dim=1), lengths)
+
+
 def test_sampled_tokens_and_logprobs_match_the_plain_loop() -> None:
     """Same generator, same noise draws: the same tokens and the same log-probabilities."""
     model = build("qwen2")
