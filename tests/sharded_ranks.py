@@ -143,3 +143,24 @@ def logprobs_sharded_and_whole(state: ModelState, dp: DataParallel | None) -> li
         "head_grad_norm": float(head.weight.grad.full_tensor().norm()),
         "no_grad_diff": float((completion_logprobs(sharded, rollout, state.device) - whole).abs().max()),
     }]
+
+
+def policy_state_bf16() -> ModelState:
+    from tests.tiny_models import model_state, tiny_policy
+
+    return model_state("actor", tiny_policy(0).to(torch.bfloat16), 0)
+
+
+def train_policy_checking_masters(node: Any, updates: int, state: ModelState,
+                                  dp: DataParallel | None) -> list[dict[str, float]]:
+    """:func:`train_policy`, then the whole optimizer state (gathered from the shards when
+    sharded) holds an fp32 master of every parameter, which rounds to the model's weights."""
+    metrics = train_policy(node, updates, state, dp)
+    whole = state.optimizer_state()
+    assert whole is not None
+    params = [p for p in state.module.parameters() if p.requires_grad]
+    for index, param in enumerate(params):
+        master = whole["state"][index]["master"]
+        assert master.dtype == torch.float32 and master.shape == param.shape
+        assert torch.equal(master.to(param.device, torch.bfloat16), param.detach())
+    return metrics

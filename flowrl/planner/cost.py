@@ -17,8 +17,9 @@ per new token. A decode step reads every weight and the KV cache once, so on a G
 bound by memory bandwidth: step = max(bytes / bandwidth, FLOPs / peak).
 
 Memory (bytes):
-    weights   P*b;  gradients P*b;  AdamW moments 2*P*b (torch keeps them in the
-              parameter dtype, as flowrl's update does)
+    weights   P*b;  gradients P*b;  AdamW moments 2*P*b for an fp32 model; a bf16/fp16
+              model trains through fp32 masters (``flowrl.roles.master_weights``): a master
+              and two moments in fp32, 12*P beside its 16-bit weights and gradients
     KV cache  sequences * (prompt + response) * 2 * L * kv * b
     training activations per micro-batch, per token and layer, with SDPA attention (no
               s*s scores are kept):  b*(8h + 4I + 2kv), plus 4h at 16 bits (RMSNorm
@@ -32,7 +33,8 @@ Memory (bytes):
               chunk of FUSED_CHUNK_ELEMENTS logits at a time (16-bit logits, fp32 scaled
               copy and, training, their fp32 gradient); a model that transforms its logits
               (``ModelShape.plain_logits`` False) holds every token's; a scalar head holds T*4
-    sharded training over N devices (FSDP2) keeps the whole weights plus 4*P*b/N, and
+    sharded training over N devices (FSDP2) keeps the whole weights plus 1/N of the
+              trained parameters, their gradients and the optimizer's state, and
               gathers one layer and the outer unit at a time (``sharded_training_bytes``)
 """
 
@@ -211,21 +213,28 @@ def weight_bytes(shape: ModelShape, kind: str, dtype: str) -> float:
     return float(shape.num_parameters(kind) * DTYPE_BYTES[dtype])
 
 
+def optimizer_bytes_per_parameter(dtype: str) -> int:
+    """AdamW's state per trained parameter: two moments in the parameter's dtype for fp32
+    (8 bytes); for a 16-bit model an fp32 master and two fp32 moments (12 bytes)."""
+    return 8 if DTYPE_BYTES[dtype] >= 4 else 12
+
+
 def training_state_bytes(shape: ModelShape, kind: str, dtype: str) -> float:
-    """Gradients (P*b) plus AdamW's two moments (2*P*b)."""
-    return 3 * weight_bytes(shape, kind, dtype)
+    """Gradients (P*b) plus the optimizer's state (:func:`optimizer_bytes_per_parameter`)."""
+    return float(shape.num_parameters(kind) * (DTYPE_BYTES[dtype] + optimizer_bytes_per_parameter(dtype)))
 
 
 def sharded_training_bytes(shape: ModelShape, kind: str, dtype: str, width: int) -> tuple[float, float]:
     """(resident, transient) bytes per device of training sharded over ``width`` devices
     (FSDP2, ``ModelSpec.sharded``), besides the whole copy of the weights every device keeps:
-    resident, 1/width of the trained parameters, their gradients and AdamW's moments (4*P*b);
+    resident, 1/width of the trained parameters, their gradients and the optimizer's state;
     transient, the parameters and gradients of what is gathered at once in a pass: one
     decoder layer plus the outer unit (embeddings, final norm, head), which stays gathered
     from its forward to its backward."""
     per_parameter = DTYPE_BYTES[dtype]
     outer = shape.num_parameters(kind) - shape.num_layers * shape.layer_parameters()
-    resident = 4 * weight_bytes(shape, kind, dtype) / max(1, width)
+    resident = (shape.num_parameters(kind) * (2 * per_parameter + optimizer_bytes_per_parameter(dtype))
+                / max(1, width))
     return resident, 2.0 * per_parameter * (shape.layer_parameters() + outer)
 
 

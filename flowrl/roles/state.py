@@ -17,6 +17,7 @@ from flowrl.backends.models import load_policy, load_scalar
 from flowrl.backends.compiled_layers import ATTRIBUTE as COMPILED_ATTRIBUTE
 from flowrl.backends.static_decode import DECODER_ATTRIBUTE
 from flowrl.backends.value_model import ScalarHeadModel
+from flowrl.roles.master_weights import MasterWeightAdamW, needs_masters
 
 MODULE_CACHES = (DECODER_ATTRIBUTE, COMPILED_ATTRIBUTE)
 """Instance attributes where generation and the compiled passes keep what they built for a
@@ -205,9 +206,12 @@ class ModelState:
 
     def _new_optimizer(self, **settings: Any) -> torch.optim.Optimizer:
         """AdamW over the trained copy's parameters (hyper-parameters from ``settings``, or
-        from a state dict loaded after)."""
+        from a state dict loaded after); over fp32 masters of them when they are 16-bit
+        (:mod:`flowrl.roles.master_weights`)."""
         fused = self._fused_adamw()
-        self.optimizer = torch.optim.AdamW(self._trained_parameters(), fused=fused, foreach=not fused, **settings)
+        params = self._trained_parameters()
+        kind = MasterWeightAdamW if needs_masters(params) else torch.optim.AdamW
+        self.optimizer = kind(params, fused=fused, foreach=not fused, **settings)
         return self.optimizer
 
     def _fused_adamw(self) -> bool:
@@ -252,3 +256,5 @@ class ModelState:
             from flowrl.roles.sharded import load_whole
 
             load_whole(self.sharded, weights)
+        if isinstance(self.optimizer, MasterWeightAdamW):
+            self.optimizer.sync_masters()  # an optimizer state restored after this sets its own

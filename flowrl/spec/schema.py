@@ -40,7 +40,9 @@ class ModelSpec(StrictModel):
     device_group: str | None = None
     """A group under ``devices:``; None gives the model its own one-CPU-slot group. Default None."""
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """Parameter and compute precision. Default fp32."""
+    """Parameter and compute precision. A bf16 or fp16 model that an update trains keeps fp32
+    master weights in its optimizer (with AdamW's moments, 12 bytes per parameter), so updates
+    below 16-bit resolution add up instead of being lost. Default fp32."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory (update nodes only). Default false."""
     offload_to_cpu: bool = False

@@ -57,6 +57,8 @@ def test_flops_and_memory_of_the_toy_shape() -> None:
     assert weight_bytes(TOY, "policy", "bf16") == 2960
     # gradients + two AdamW moments = 3 * weights = 17760
     assert training_state_bytes(TOY, "policy", "fp32") == 17760
+    # bf16: gradients 2 bytes, then an fp32 master and two fp32 moments 12: 1480 * 14 = 20720
+    assert training_state_bytes(TOY, "policy", "bf16") == 20720
     # KV cache: per token 2 (k,v) * L 2 * kv 8 * 4 bytes = 128; 15 tokens -> 1920
     assert kv_cache_bytes(TOY, "fp32", 3, 5) == 1920
     # activations per token and layer, fp32: 4*(8h + 4I + 2kv) = 4*(64 + 64 + 16) = 576;
@@ -89,6 +91,8 @@ def test_sharded_training_memory_of_the_toy_shape() -> None:
     # final norm 8, head 80), parameters and gradients, 4 bytes each: 2 * 4 * 824 = 6592
     assert gathered == 6592
     assert sharded_training_bytes(TOY, "policy", "fp32", 2)[0] == 11840
+    # bf16: a quarter of parameters (2), gradients (2), master and moments (12): 1480 * 16 / 4
+    assert sharded_training_bytes(TOY, "policy", "bf16", 4)[0] == 5920
 
 
 def test_the_fused_head_chunk_is_the_one_the_log_probs_use() -> None:

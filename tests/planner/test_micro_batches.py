@@ -63,8 +63,8 @@ def test_on_a_40_gb_card_the_update_takes_the_most_rows_that_fit_and_no_more() -
         compile_plan(bigger, devices, base_dir=GPU_JOB.parent)
 
 
-def test_on_an_80_gb_card_both_passes_take_the_whole_batch() -> None:
-    devices = inventory(gpu(0, "H100-80GB", 80, 989, 3350), cpu(0))
+def test_on_a_141_gb_card_both_passes_take_the_whole_batch() -> None:
+    devices = inventory(gpu(0, "H200", 141, 989, 4800), cpu(0))
     _, passes = _resolve(load_pipeline(GPU_JOB, AUTO), devices)
     whole = (256, 256 * ROW_TOKENS)
     assert {node: (item.rows, item.tokens) for node, item in passes.items()} == {"ref": whole, "train": whole}
