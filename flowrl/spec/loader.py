@@ -41,8 +41,8 @@ def load_pipeline(path: str | Path, overrides: Sequence[str] = ()) -> PipelineGr
     source_name = str(path)
     parsed = parse_overrides(overrides)
     data, line_map, duplicates = read_yaml_file(path, "pipeline")
-    data, line_map, origins = apply_overrides(data, line_map, parsed)
-    return _validate(data, source_name, line_map, duplicates, origins)
+    data, line_map, origins, left_out = apply_overrides(data, line_map, parsed)
+    return _validate(data, source_name, line_map, [*duplicates, *left_out], origins)
 
 
 def pipeline_from_dict(
@@ -100,7 +100,7 @@ def issue_locator(path: str | Path, overrides: Sequence[str] = ()) -> Locate:
     """Where issues found later (data, reward functions, models) about the pipeline that
     ``load_pipeline(path, overrides)`` read are: the file's line, or the override that set the field."""
     data, line_map, _ = read_yaml_file(path, "pipeline")
-    _, line_map, origins = apply_overrides(data, line_map, parse_overrides(overrides))
+    _, line_map, origins, _ = apply_overrides(data, line_map, parse_overrides(overrides))
     return lambda where, message: _locate(where, message, str(path), line_map, origins)
 
 

@@ -94,21 +94,24 @@ def parse_overrides(texts: Sequence[str]) -> list[Override]:
 
 def apply_overrides(
     data: Any, line_map: LineMap, overrides: Sequence[Override]
-) -> tuple[Any, LineMap, Origins]:
-    """``data`` with ``overrides`` applied in order, and where each path now comes from.
+) -> tuple[Any, LineMap, Origins, list[SpecIssue]]:
+    """``data`` with ``overrides`` applied in order, where each path now comes from, and the
+    overrides that could not apply.
 
     Returns a copy of the data (the input is left alone), the line map without the paths
-    whose file values were replaced, and the origins of the overridden paths. Missing
-    mappings on the way are created (an empty file becomes a mapping). A path through a
-    value that is not a mapping raises ``SpecError``; so does data that is not a mapping,
-    which the file check would reject anyway.
+    whose file values were replaced, the origins of the overridden paths, and an issue for
+    each override that was left out: a path through a value that is not a mapping, or a
+    node the overrides made without a role (a misspelt node of the file, most likely). The
+    caller reports them with what validation finds in the rest, all at once. Missing
+    mappings on the way are created (an empty file becomes a mapping); data that is not a
+    mapping is left for validation to reject.
     """
     if not overrides:
-        return data, line_map, {}
+        return data, line_map, {}, []
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        return data, line_map, {}  # validation reports that the file is not a pipeline
+        return data, line_map, {}, []  # validation reports that the file is not a pipeline
     file_nodes = list(data.get("nodes") or {}) if isinstance(data.get("nodes"), dict) else []
     data = copy.deepcopy(data)
     lines = dict(line_map)
@@ -117,11 +120,11 @@ def apply_overrides(
         issue for override in overrides
         if (issue := _apply(data, override, lines, origins)) is not None
     ]
-    if not issues:
-        issues = _new_nodes_without_role(data, overrides, file_nodes)
-    if issues:
-        raise SpecError(issues)
-    return data, lines, origins
+    roleless = _new_nodes_without_role(data, overrides, file_nodes)
+    for issue in roleless:  # left out, so validation does not report the same node again
+        del data["nodes"][issue.path.split(".")[1]]
+        _forget(issue.path, lines, origins)
+    return data, lines, origins, [*issues, *roleless]
 
 
 def _apply(

@@ -94,7 +94,8 @@ def test_overrides_set_nested_fields_and_create_missing_mappings() -> None:
             "models.critic.kind=value",
         ]
     )
-    changed, changed_lines, origins = apply_overrides(data, lines, overrides)
+    changed, changed_lines, origins, left_out = apply_overrides(data, lines, overrides)
+    assert left_out == []
     assert changed["trainer"] == {"steps": 50}
     assert changed["nodes"]["train"]["lr"] == 1e-5
     assert changed["eval"] == {"every_steps": 5}
@@ -108,7 +109,7 @@ def test_overrides_set_nested_fields_and_create_missing_mappings() -> None:
 def test_a_later_override_replaces_an_earlier_one() -> None:
     data, lines, _ = parse_yaml(GOOD, "p.yaml")
     overrides = parse_overrides(["trainer.steps=abc", "trainer={steps: 7}"])
-    changed, _, origins = apply_overrides(data, lines, overrides)
+    changed, _, origins, _ = apply_overrides(data, lines, overrides)
     assert changed["trainer"] == {"steps": 7}
     assert origins == {"trainer": "trainer={steps: 7}"}
 
@@ -196,6 +197,15 @@ def test_a_misspelt_node_is_named_with_the_nearest_and_a_new_one_needs_its_role(
                                     f"the file (did you mean '{name}'?); a new node needs its role too")
     code, output = flowrl("validate", str(path), f"nodes.{misspelt}.role=generate", f"nodes.{misspelt}.n=3")
     assert "no node" not in output and "a new node needs its role" not in output
+
+
+def test_overrides_that_cannot_apply_are_reported_with_every_other_problem(tmp_path: Path) -> None:
+    path = write(tmp_path)
+    name = next(line.split(":")[0].strip() for line in GOOD.splitlines() if "role: generate" in line)
+    with pytest.raises(SpecError) as caught:
+        load_pipeline(path, ["trainer.stpes=5", f"nodes.{name}.temprature=0.5", f"nodes.{name[:-1]}.n=2", "name.x=1"])
+    assert sorted(issue.argument or "" for issue in caught.value.issues) == sorted(
+        ["trainer.stpes=5", f"nodes.{name}.temprature=0.5", f"nodes.{name[:-1]}.n=2", "name.x=1"])
 
 
 @pytest.mark.parametrize(
