@@ -11,7 +11,9 @@ sample scores 0 from this function and is counted apart (``num_none``), not as a
 from __future__ import annotations
 
 import math
+import traceback
 from collections.abc import Callable
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -47,28 +49,45 @@ def _as_score(value: Any) -> tuple[float | None, str]:
     return score, ""
 
 
+def _where(fn: Callable[..., Any], error: BaseException) -> str:
+    """`` at FILE:LINE (source)`` of the frame that raised: the deepest one in the reward
+    function's own file, else the deepest outside flowrl; empty when none is known."""
+    frames = traceback.extract_tb(error.__traceback__)
+    own = getattr(getattr(fn, "__code__", None), "co_filename", None)
+    package = str(Path(__file__).resolve().parents[1])
+    mine = [frame for frame in frames if own is not None and frame.filename == own]
+    outside = [frame for frame in frames if not str(Path(frame.filename).resolve()).startswith(package)]
+    found = mine or outside
+    if not found:
+        return ""
+    chosen = found[-1]
+    source = f" ({chosen.line.strip()})" if chosen.line else ""
+    return f" at {Path(chosen.filename).name}:{chosen.lineno}{source}"
+
+
 def _call(
     fn: Callable[..., Any], inputs: RewardInputs, params: dict[str, Any]
-) -> tuple[list[float | None], list[str], BaseException | None]:
-    """Scores (None where unusable), the reason per failed sample, and the exception raised."""
+) -> tuple[list[float | None], list[str], BaseException | None, str | None]:
+    """Scores (None where unusable), the reason per failed sample, the exception raised, and
+    why the whole call's result is unusable (not a list of the batch's length), if it is."""
     count = len(inputs)
     try:
         result = call_reward(fn, inputs, params)
     except Exception as error:
-        return [None] * count, [f"raised {type(error).__name__}: {error}"] * count, error
+        return [None] * count, [f"raised {type(error).__name__}: {error}{_where(fn, error)}"] * count, error, None
     if isinstance(result, (str, bytes)) or not hasattr(result, "__len__"):
         why = f"returned {type(result).__name__}, not a list with one float per completion"
-        return [None] * count, [why] * count, None
+        return [None] * count, [why] * count, None, why
     if len(result) != count:
         why = f"returned {len(result)} scores for {count} completions"
-        return [None] * count, [why] * count, None
+        return [None] * count, [why] * count, None, why
     scores: list[float | None] = []
     reasons: list[str] = []
     for value in result:
         score, why = _as_score(value)
         scores.append(score)
         reasons.append(why)
-    return scores, reasons, None
+    return scores, reasons, None, None
 
 
 @dataclass(frozen=True)
@@ -103,16 +122,19 @@ def score_safely(
         raise ValueError(f"on_error must be 'zero' or 'strict', got {on_error!r}")
     params = params or {}
     label = name or f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
-    scores, reasons, batch_error = _call(fn, inputs, params)
+    scores, reasons, batch_error, unusable = _call(fn, inputs, params)
     errors: list[BaseException | None] = [batch_error] * len(inputs)
     if batch_error is not None and len(inputs) > 1:
         for index in range(len(inputs)):
-            single, why, error = _call(fn, inputs.row(index), params)
+            single, why, error, _ = _call(fn, inputs.row(index), params)
             scores[index], reasons[index], errors[index] = single[0], why[0], error
 
     failed = [index for index, score in enumerate(scores) if score is None]
     first_error = None
-    if failed:
+    if unusable is not None:  # the call's result as a whole, not one sample, is wrong
+        first_error = (f"reward function '{label}' {unusable} (called on a batch of {len(scores)} completions); "
+                       f"{len(failed)} of {len(scores)} samples failed")
+    elif failed:
         index = failed[0]
         first_error = (
             f"reward function '{label}' failed on sample {index} (prompt {_short(str(inputs.prompts[index]))}, "

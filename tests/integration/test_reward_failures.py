@@ -29,7 +29,7 @@ def test_a_reward_failing_on_every_sample_stops_the_run(tmp_path: Path) -> None:
     # the first failing step warns at once, with the error and the sample
     assert "[event] warning: score node 'reward': 100% of samples failed: reward function " \
            "'my_rewards:old_style' failed on sample 0" in result.stdout
-    assert "TypeError: 'NoneType' object is not subscriptable" in result.stdout
+    assert "TypeError: 'NoneType' object is not subscriptable at my_rewards.py:2 (return answers[0])" in result.stdout
     # the status line shows the failed share
     assert "failed 100%" in result.stdout
     # and after 2 such steps the run stops with the first error

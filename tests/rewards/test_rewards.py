@@ -409,7 +409,8 @@ def test_a_raising_sample_scores_zero_and_the_others_keep_their_score() -> None:
     result = score_safely(_lengths, _inputs(["ab", "xboom"]), {}, name="lengths")
     assert result.first_error == (
         "reward function 'lengths' failed on sample 1 (prompt 'p=', completion 'xboom'): "
-        "raised RuntimeError: cannot grade boom; 1 of 2 samples failed"
+        "raised RuntimeError: cannot grade boom at test_rewards.py:388 (raise RuntimeError(\"cannot grade boom\")); "
+        "1 of 2 samples failed"
     )
 
 
@@ -418,7 +419,8 @@ def test_strict_names_the_function_and_the_first_failing_sample() -> None:
         _call(_lengths, ["ab", "xboom", "boom"], on_error="strict")
     assert str(caught.value) == (
         "reward function 'lengths' failed on sample 1 (prompt 'p=', completion 'xboom'): "
-        "raised RuntimeError: cannot grade boom; 2 of 3 samples failed; fix the function, or "
+        "raised RuntimeError: cannot grade boom at test_rewards.py:388 (raise RuntimeError(\"cannot grade boom\")); "
+        "2 of 3 samples failed; fix the function, or "
         "set on_error: zero on the score node to score such samples 0 and count them in the "
         "metrics"
     )
@@ -442,6 +444,10 @@ def test_wrong_length_fails_every_sample() -> None:
         return [1.0]
 
     assert _call(short, ["a", "b", "c"]) == ([0.0, 0.0, 0.0], 3)
+    # the call's result as a whole is wrong: no one sample is blamed
+    assert score_safely(short, _inputs(["a", "b", "c"]), {}, name="short").first_error == (
+        "reward function 'short' returned 1 scores for 3 completions (called on a batch of 3 completions); "
+        "3 of 3 samples failed")
     with pytest.raises(RewardError, match="returned 1 scores for 3 completions"):
         _call(short, ["a", "b", "c"], on_error="strict")
     assert _call(lambda completions, **kwargs: 0.5, ["a"]) == ([0.0], 1)
