@@ -340,6 +340,10 @@ class Driver:
         timings: list[Any] = []
         if self.evaluator.due(step):
             values, timings = self.evaluator.run(session, step, self.watcher.event)
+        trainer = self.graph.spec.trainer
+        samples: list[dict[str, Any]] = []
+        if trainer.log_samples and (step % trainer.log_samples_every == 0 or step == num_steps):
+            samples = session.samples(step, trainer.log_samples, self.graph.spec.runtime.node_timeout_s)
         metrics, nodes = step_metrics(self.graph, reports, step_s, num_devices=session.num_slots_in_use)
         self.kl.update(reports)
         metrics.update(self.source.length_metrics(batch))
@@ -352,6 +356,7 @@ class Driver:
                             first_step=self.machine.first_step)
         self.records.append(record)
         self.watcher.step(record)
+        self.folder.append_samples(step, samples)
         self.nonfinite.check(record, self.watcher)
         self.rewards.check(step, reports, self.watcher.event)
         self.replanner.after_step(record, step_s)

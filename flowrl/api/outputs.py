@@ -6,6 +6,8 @@
       metrics.jsonl        one line per step
       profile.jsonl        one line per node call, per device sample, per smoothed estimate
       events.jsonl         placement, checkpoints, faults, warnings
+      samples.jsonl        a few completions of every trainer.log_samples_every-th step, with
+                           their prompts, answers, rewards by score node and advantages
       run.json             where the pipeline came from (for ``flowrl resume``), and whether it finished
       checkpoints/step-<n>/  written under a temporary name, then renamed; trainer_state.json
                            (written last) lists every file's SHA-256, each weight shard and
@@ -135,14 +137,14 @@ class RunFolder:
 
     def reset_logs(self) -> None:
         """A fresh run starts the line files anew (a resumed run appends)."""
-        for name in ("metrics.jsonl", "profile.jsonl", "events.jsonl"):
+        for name in ("metrics.jsonl", "profile.jsonl", "events.jsonl", "samples.jsonl"):
             (self.path / name).write_text("")
 
     def truncate_logs(self, last_step: int) -> int:
         """Drop the metric and profile lines of steps after ``last_step`` (they will be run
         again), so the files never hold a step twice; returns how many metric lines went."""
         dropped = 0
-        for name in ("metrics.jsonl", "profile.jsonl"):
+        for name in ("metrics.jsonl", "profile.jsonl", "samples.jsonl"):
             path = self.path / name
             if not path.is_file():
                 continue
@@ -209,6 +211,10 @@ class RunFolder:
             self._append("profile.jsonl", {"step": record.step, "type": "node", **node.to_dict()})
         for device in record.devices:
             self._append("profile.jsonl", {"step": record.step, "type": "device", **vars(device)})
+
+    def append_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
+        for index, sample in enumerate(samples):
+            self._append("samples.jsonl", {"step": step, "row": index, **sample})
 
     def append_node(self, step: int, timing: NodeTiming) -> None:
         """One node call outside a step's record (an evaluation)."""

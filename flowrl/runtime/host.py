@@ -31,6 +31,7 @@ from flowrl.records import DeviceSample
 from flowrl.rewards import RewardCache
 from flowrl.roles.batch import NodeOutput, Rollout
 from flowrl.roles.data_parallel import DataParallel, weighted_rows
+from flowrl.roles.samples import sample_rows
 from flowrl.roles.shards import shard_of
 from flowrl.runtime.collective import DeviceGroup, free_port, weights_group
 from flowrl.runtime.calls import EVAL_KEY, EvalCall, HeldOutScoreCall, NodeCall, NodeReport, key_step, store_key
@@ -453,6 +454,11 @@ class RoleHost:
                 raise UpstreamFailed(f"the completion texts of node '{node}' at step {step} could not be decoded: "
                                      f"{type(error).__name__}: {error}") from error
         return value
+
+    async def samples(self, key: str, rows: int) -> list[dict[str, Any]]:
+        """The first ``rows`` rows of the output stored under ``key`` as plain values
+        (:func:`flowrl.roles.samples.sample_rows`): a few texts and numbers, not the batch."""
+        return sample_rows(await self.fetch(key), rows)
 
     def _forget_before(self, step: int) -> None:
         # The driver starts step s only after every node of step s-1 finished, so no

@@ -18,7 +18,7 @@ from flowrl.errors import ClusterError
 from flowrl.graph import PipelineGraph
 from flowrl.planner.placement import Plan
 from flowrl.records import DeviceSample
-from flowrl.runtime.calls import EvalCall, HeldOutScoreCall, NodeReport
+from flowrl.runtime.calls import EvalCall, HeldOutScoreCall, NodeReport, store_key
 from flowrl.runtime.cluster import Cluster, WorkerSlot, registered_workers
 from flowrl.runtime.collective import weights_group
 from flowrl.runtime.executor import StepExecutor
@@ -27,7 +27,7 @@ from flowrl.runtime.host import RoleHost
 from flowrl.runtime.migration import Transfer, plan_transfers, stream_offset
 from flowrl.runtime.packing import unpack
 from flowrl.runtime.waiting import gather
-from flowrl.spec.schema import GenerateNode, ScoreNode, UpdateNode, pass_tokens
+from flowrl.spec.schema import AdvantageNode, GenerateNode, ScoreNode, UpdateNode, pass_tokens
 
 
 @dataclass(frozen=True)
@@ -224,6 +224,32 @@ class Session:
         self, step: int, prompts: Sequence[Any], kl_coefs: dict[str, float] | None = None
     ) -> dict[str, NodeReport]:
         return self.executor.run_step(step, prompts, kl_coefs)
+
+    def samples(self, step: int, rows: int, timeout_s: float) -> list[dict[str, Any]]:
+        """The first ``rows`` rows of step ``step``'s rollout with their rewards and
+        advantages, each read where its node left it (before the next step drops them): per
+        row the rollout's prompt, completion and answer, ``rewards`` by score node and, from a
+        per-sequence estimator, ``advantage``."""
+        generate = self.pipeline.nodes_of(GenerateNode)
+        if not generate or rows < 1:
+            return []
+        rollout = generate[0]
+        scores = [node for node in self.pipeline.nodes_of(ScoreNode) if self.pipeline.rollout_of(node) == rollout]
+        advantages = [node for node in self.pipeline.nodes_of(AdvantageNode)
+                      if self.pipeline.rollout_of(node) == rollout]
+        nodes = [rollout, *scores, *advantages[:1]]
+        futures = [(self.plan.slots_of(node)[0], self.hosts[self.plan.slots_of(node)[0]].samples(store_key(step, node), rows))
+                   for node in nodes]
+        parts = dict(zip(nodes, self.gather(futures, timeout_s, "reading samples")))
+        merged: list[dict[str, Any]] = []
+        for index, row in enumerate(parts[rollout]):
+            entry: dict[str, Any] = {**row, "rewards": {node: parts[node][index]["reward"] for node in scores
+                                                       if index < len(parts[node])}}
+            for node in advantages[:1]:
+                if index < len(parts[node]):
+                    entry["advantage"] = parts[node][index]["advantage"]
+            merged.append(entry)
+        return merged
 
     def evaluate(self, call: EvalCall, timeout_s: float) -> list[NodeReport]:
         """Run an evaluation on the generate node's workers, each on its consecutive share

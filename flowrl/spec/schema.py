@@ -787,6 +787,19 @@ class TrainerSpec(StrictModel):
     log_every: int = Field(default=1, ge=1)
     """Show a step's line in the terminal every this many steps (and the last step);
     ``metrics.jsonl`` keeps every step. Default 1."""
+    log_samples: int = Field(default=4, ge=0)
+    """Completions written to ``samples.jsonl`` at a logged step: the rollout's first rows,
+    each with its prompt, reference answer, every score node's reward and the advantage; 0
+    writes none. Default 4."""
+    log_samples_every: int = Field(default=10, ge=1)
+    """Write samples every this many steps (and at the last step). Default 10."""
+
+    @model_validator(mode="after")
+    def _samples_read(self) -> TrainerSpec:
+        if self.log_samples == 0 and "log_samples_every" in self.changed_fields():
+            raise ValueError("log_samples_every is read only when log_samples is above 0; remove it, or set "
+                             "log_samples")
+        return self
     keep_checkpoints: int = Field(default=2, ge=1)
     """Newest checkpoints kept on disk. Default 2."""
     max_nonfinite_updates: int = Field(default=3, ge=1)

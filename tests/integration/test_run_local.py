@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,17 @@ def test_grpo_on_local_cluster_learns_and_writes_outputs(tmp_path: Path, make_pi
     assert last_line["timing_per_token_ms/gen"] == pytest.approx(last_line["timing_s/gen"] * 1000 / generated, rel=1e-6)
     assert last_line["timing_per_token_ms/ref"] == pytest.approx(
         last_line["timing_s/ref"] * 1000 / last_line["perf/total_num_tokens"], rel=1e-6)
+
+    # samples.jsonl: the rollout's first 4 rows of every 10th step, with the digits reward of
+    # each completion (a share of its characters, recomputed here) and its GRPO advantage
+    from flowrl.rewards.builtin import digit_match
+
+    samples = [json.loads(line) for line in (output / "samples.jsonl").read_text().splitlines()]
+    assert [(sample["step"], sample["row"]) for sample in samples] == [(s, r) for s in (10, 20, 30, 40) for r in range(4)]
+    for sample in samples:
+        assert sample["prompt"] and sample["answer"] is None and set(sample["rewards"]) == {"reward"}
+        assert sample["rewards"]["reward"] == pytest.approx(digit_match([sample["completion"]], 16)[0])
+        assert math.isfinite(sample["advantage"])
 
     # config.yaml is the resolved pipeline, its output folder made absolute: it loads back
     # to an equal one
