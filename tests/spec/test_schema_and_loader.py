@@ -405,3 +405,11 @@ def test_several_greedy_completions_per_held_out_prompt_are_refused() -> None:
                                               "all the same"):
         EvalSpec(n=2)
     assert EvalSpec(n=2, temperature=1.0).n == 2 and EvalSpec(n=1).temperature == 0
+
+
+def test_the_samples_cadence_without_samples_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "pipeline.yaml"
+    (problem,) = problems(write(tmp_path, GOOD + "trainer: {log_samples: 0, log_samples_every: 5}\n"))
+    assert problem.startswith(f"{path}:12: trainer: log_samples_every is read only when log_samples is above 0")
+    spec = load_pipeline(write(tmp_path, GOOD + "trainer: {log_samples: 2, log_samples_every: 5}\n")).spec
+    assert (spec.trainer.log_samples, spec.trainer.log_samples_every) == (2, 5)
