@@ -8,11 +8,15 @@ runs in one process never share series). What a scrape sees, updated after every
   slowest part for a split node) and ``flowrl_node_tokens_per_second`` (summed over parts);
 - per device slot (label ``device``): ``flowrl_device_utilization`` (0..1) and
   ``flowrl_device_memory_gigabytes``;
+- ``flowrl_metric`` (label ``name``): every number of the step's line in ``metrics.jsonl``
+  under its name there (``actor/pg_loss``, ``actor/kl_loss``, ``actor/entropy``,
+  ``actor/grad_norm``, ``actor/lr``, ``response_length/mean``, ...), NaN and inf left out;
 - counters ``flowrl_faults_total`` and ``flowrl_moves_total`` (nodes re-placed).
 """
 
 from __future__ import annotations
 
+import math
 import socket
 from typing import Any
 
@@ -48,6 +52,8 @@ class PrometheusMetrics:
                                  ["device"], registry=registry)
         self.memory = Gauge("flowrl_device_memory_gigabytes", "Memory in use on the device slot",
                             ["device"], registry=registry)
+        self.metric = Gauge("flowrl_metric", "A number of the last step's metrics.jsonl line, by its name there",
+                            ["name"], registry=registry)
         self.faults = Counter("flowrl_faults", "Faults recovered from", registry=registry)
         self.moves = Counter("flowrl_moves", "Nodes moved to other devices", registry=registry)
         self.server: Any
@@ -72,6 +78,9 @@ class PrometheusMetrics:
         for node, value in seconds.items():
             self.node_seconds.labels(node=node).set(value)
             self.node_tokens.labels(node=node).set(tokens[node])
+        for name, number in record.metrics.items():
+            if math.isfinite(number):
+                self.metric.labels(name=name).set(number)
         for sample in record.devices:
             self.utilization.labels(device=sample.device).set(sample.utilization)
             self.memory.labels(device=sample.device).set(sample.memory_gb)

@@ -152,6 +152,10 @@ def test_every_logger_and_prometheus_get_the_runs_metrics(tmp_path: Path, monkey
     assert all(value > 0 for value in last["flowrl_node_seconds"].values())
     assert {labels[0][1] for labels in last["flowrl_device_utilization"]} == {"cpu-0", "cpu-1"}
     assert last["flowrl_faults_total"][()] == 0.0
+    # every number of the step's metrics line, by its name there
+    metric = {labels[0][1]: value for labels, value in last["flowrl_metric"].items()}
+    for name in ("actor/pg_loss", "actor/grad_norm", "actor/lr", "timing_s/step"):
+        assert metric[name] == pytest.approx(lines[-1][name]), name
     # runtime.dashboard is off: no dashboard is announced
     assert not any(message.startswith("Dask dashboard") for message in scraper.messages)
     # the server is gone after the run
