@@ -221,3 +221,20 @@ def stop_token_ids(tokenizer: PreTrainedTokenizerBase, model: torch.nn.Module) -
         raise ModelLoadError("the policy's tokenizer has no eos token and its generation config lists none: "
                              "completions could never end before max_new_tokens; give a tokenizer with an eos token")
     return tuple(ids)
+
+
+LOAD_ONLY_KWARGS = ("local_files_only", "is_local", "revision", "trust_remote_code", "cache_dir", "token",
+                    "_commit_hash")
+"""What ``from_pretrained`` was told about where to load from, which transformers keeps among
+a tokenizer's init arguments and would write into a saved ``tokenizer_config.json``."""
+
+
+def save_tokenizer(tokenizer: PreTrainedTokenizerBase, directory: str | Path) -> None:
+    """``tokenizer.save_pretrained(directory)`` without the load-time arguments: a saved
+    model that says ``local_files_only: true`` would keep whoever loads it from the hub
+    from downloading its files."""
+    kept = {key: tokenizer.init_kwargs.pop(key) for key in LOAD_ONLY_KWARGS if key in tokenizer.init_kwargs}
+    try:
+        tokenizer.save_pretrained(directory)
+    finally:
+        tokenizer.init_kwargs.update(kept)

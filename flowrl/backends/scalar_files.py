@@ -43,6 +43,7 @@ from transformers.models.auto.modeling_auto import (
     MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES,
 )
 
+from flowrl.backends.hf import save_tokenizer
 from flowrl.backends.builtin import quiet_progress_bars
 from flowrl.backends.model_facts import SCALAR_MARKER
 from flowrl.backends.weight_files import DEFAULT_MAX_SHARD_SIZE, read_weights, write_weights
@@ -104,7 +105,7 @@ def save_scalar_model(
         config.save_pretrained(directory)
         write_weights(tensors, directory, max_shard_size)
         if tokenizer is not None:
-            tokenizer.save_pretrained(directory)
+            save_tokenizer(tokenizer, directory)
     marker = {
         "format": MARKER_FORMAT,
         "version": MARKER_VERSION,

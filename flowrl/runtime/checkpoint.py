@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from flowrl.backends.hf import save_tokenizer
 from flowrl.backends.value_model import ScalarHeadModel, scalar_model_weights
 from flowrl.backends.weight_files import INDEX_NAME, WEIGHTS_NAME, has_weights, read_weights, shard_size_bytes
 from flowrl.errors import CheckpointError, ModelLoadError
@@ -32,7 +33,7 @@ def save_model_state(state: ModelState, directory: Path, with_state: bool, max_s
         directory.mkdir(parents=True, exist_ok=True)
         state.module.save_pretrained(directory, max_shard_size=shard_size_bytes(max_shard_size))
         if state.tokenizer is not None:
-            state.tokenizer.save_pretrained(directory)
+            save_tokenizer(state.tokenizer, directory)
         if with_state:
             torch.save(
                 {"optimizer": optimizer, "generator": state.generator.get_state(), "num_updates": state.num_updates},

@@ -373,3 +373,13 @@ def test_completions_end_at_every_eos_of_the_model_s_generation_config(tmp_path:
         first = next((at for at, token in enumerate(whole) if token in (2, turn_end)), len(whole) - 1)
         assert cut == whole[:first + 1]  # the same tokens up to and with the first stop, none after
     assert any(len(cut) < len(whole) for whole, cut in zip(free, ended))
+
+
+def test_a_saved_tokenizer_keeps_none_of_the_load_time_arguments(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    _, tokenizer = load_causal_lm(str(tiny_llama_dir), "fp32")
+    assert tokenizer.init_kwargs.get("local_files_only") is True  # how it was loaded here
+    hf.save_tokenizer(tokenizer, tmp_path)
+    saved = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert not set(hf.LOAD_ONLY_KWARGS) & set(saved)
+    assert saved["eos_token"] == tokenizer.eos_token
+    assert tokenizer.init_kwargs.get("local_files_only") is True  # the loaded one is left as it was
