@@ -113,10 +113,13 @@ class PromptFormatter:
         no_room: list[str] = []
         for (number, row, chat), text, (length, ids) in zip(kept_rows, texts, lengths):
             prompt_ids: tuple[int, ...] | None = None
-            if self.room is not None and length > self.room:
-                no_room.append(f"{display_name}: row {number}: {length} tokens")
-                continue
             limit = self.max_prompt_tokens
+            if self.room is not None:
+                if length > self.room and self.overlong == "error":
+                    no_room.append(f"{display_name}: row {number}: {length} tokens")
+                    continue
+                # without max_prompt_tokens, truncate_left and skip cut at the room the model leaves
+                limit = self.room
             if limit is not None and ids is not None and length > limit:
                 if self.overlong == "error":
                     too_long.append(f"{display_name}: row {number}: {length} tokens")
@@ -152,8 +155,8 @@ class PromptFormatter:
             _raise_if(
                 no_room, display_name,
                 f"longer than the {self.room} tokens (of the tokenizer of {self.tokenizer_name}) a prompt has room "
-                f"for: {self.room_why}; set data.max_prompt_tokens to {self.room} or less with "
-                "data.overlong_prompts: truncate_left or skip, or ask for fewer new tokens",
+                f"for: {self.room_why}; set data.overlong_prompts: truncate_left or skip (at that room, or at a "
+                "data.max_prompt_tokens below it), or ask for fewer new tokens",
             )
         counts = FormatCounts(len(rows), sum(chat for _, _, chat in kept_rows), truncated, skipped)
         return examples, counts
@@ -189,16 +192,19 @@ class PromptFormatter:
         return str(text)
 
     def _lengths(self, texts: list[str]) -> list[tuple[int, list[int] | None]]:
-        """Each text's length in tokens and, where ``max_prompt_tokens`` may cut it, its ids;
-        (0, None) where no limit applies. Tokenized in chunks, and against the room alone no
-        ids are kept, so that a large dataset is never held as ids in full."""
+        """Each text's length in tokens and, where it is longer than the bound that cuts it
+        (``max_prompt_tokens``, else the room with truncate_left or skip), its ids; (0, None)
+        where no limit applies. Tokenized in chunks, and only the ids of rows to cut are kept,
+        so that a large dataset is never held as ids in full."""
         if (self.max_prompt_tokens is None and self.room is None) or self.tokenizer is None or not texts:
             return [(0, None)] * len(texts)
-        cut = self.max_prompt_tokens is not None
+        bound = self.max_prompt_tokens if self.max_prompt_tokens is not None else (
+            self.room if self.overlong != "error" else None)
         measured: list[tuple[int, list[int] | None]] = []
         for start in range(0, len(texts), TOKENIZE_CHUNK):
             encoded = self.tokenizer(texts[start:start + TOKENIZE_CHUNK], add_special_tokens=False)["input_ids"]
-            measured.extend((len(row), list(row) if cut else None) for row in encoded)
+            measured.extend((len(row), list(row) if bound is not None and len(row) > bound else None)
+                            for row in encoded)
         return measured
 
 

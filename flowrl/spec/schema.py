@@ -719,7 +719,8 @@ class DataSpec(StrictModel):
     overlong_prompts: Literal["error", "truncate_left", "skip"] = "error"
     """What a prompt longer than max_prompt_tokens does: stop before step 1 naming it
     (``error``), keep its last max_prompt_tokens tokens (``truncate_left``), or leave it out
-    of the data (``skip``). The log says how many were cut or left out; each step's metrics
+    of the data (``skip``). Without max_prompt_tokens the bound is the room the models leave
+    a prompt (their positions less the completion's tokens). The log says how many were cut or left out; each step's metrics
     have ``data/prompts_truncated`` (in its batch) and ``data/prompts_skipped`` (in the
     dataset). Default error."""
 

@@ -89,7 +89,11 @@ def test_a_prompt_longer_than_the_room_stops_the_run_before_step_1(tmp_path: Pat
         training_source(graph, tmp_path, policy_formatter(graph, tmp_path))
     message = str(caught.value)
     assert "row 2: 300 tokens" in message and "row 1" not in message
-    assert "longer than the 240 tokens" in message and "set data.max_prompt_tokens to 240 or less" in message
+    assert "longer than the 240 tokens" in message and "set data.overlong_prompts: truncate_left or skip" in message
+    # truncate_left alone cuts at that room: the prompt's last 240 tokens
+    graph = _pipeline(data={"source": "train.jsonl", "overlong_prompts": "truncate_left"})
+    source = training_source(graph, tmp_path, policy_formatter(graph, tmp_path))
+    assert [example.prompt for example in source.examples] == ["1+1=", "9" * 240]
     # with a limit of its own, the prompt limit applies as the data section says
     graph = _pipeline(data={"source": "train.jsonl", "max_prompt_tokens": 100, "overlong_prompts": "skip"})
     source = training_source(graph, tmp_path, policy_formatter(graph, tmp_path))

@@ -459,3 +459,19 @@ def test_held_out_data_that_inherits_the_answer_key_may_lack_the_column(tmp_path
     assert len(examples) == 1
     with pytest.raises(DataError, match=r"no column 'solution' \(eval\.answer_key"):
         read_examples("held.jsonl", "train", None, tmp_path, answer_key="solution", section="eval")
+
+
+def test_without_max_prompt_tokens_truncate_left_and_skip_cut_at_the_room_the_model_leaves(tmp_path: Path) -> None:
+    _lengths_file(tmp_path)
+    why = "model 'actor' takes at most 21 tokens and nodes.rollout.max_new_tokens is 16"
+    error = PromptFormatter(build_char_tokenizer(), room=5, room_why=why)
+    with pytest.raises(DataError) as caught:
+        PromptSource("d.jsonl", 1, 0, tmp_path, formatter=error)
+    assert "longer than the 5 tokens" in str(caught.value) and "set data.overlong_prompts: truncate_left or skip" \
+        in str(caught.value)
+    cut = PromptFormatter(build_char_tokenizer(), overlong="truncate_left", room=5, room_why=why)
+    source = PromptSource("d.jsonl", 3, 0, tmp_path, shuffle=False, formatter=cut)
+    assert _prompts(source.next_batch(0)) == ["abc", "bcdef", "56789"] and source.counts.num_truncated == 2
+    left_out = PromptFormatter(build_char_tokenizer(), overlong="skip", room=6, room_why=why)
+    source = PromptSource("d.jsonl", 2, 0, tmp_path, shuffle=False, formatter=left_out)
+    assert _prompts(source.next_batch(0)) == ["abc", "abcdef"] and source.counts.num_skipped == 1
