@@ -457,7 +457,8 @@ class Driver:
             shrunk = self.replanner.shrink(step, list(gone), survivors)
         except PlacementError as problem:
             raise RunStopped(
-                f"step {step}: {problem}; the run stopped. {self._resume_hint()} once the cluster has workers again"
+                f"step {step}: {problem}; the run stopped, {self._kept()}. {self._resume_hint()} once the cluster "
+                "has workers again"
             ) from None
         self.folder.write_plan(step, {"runtime": shrunk.to_dict(), "reason": f"lost {', '.join(gone)}"})
         self.watcher.event(RunEvent(
@@ -590,12 +591,15 @@ class Driver:
         """The scheduler itself is gone: no worker can be asked or replaced, so the run stops
         with what it kept."""
         step = self.machine.step
-        written = newest_written(self.folder.checkpoints)
-        kept = f"the newest checkpoint is {written}" if written is not None else "no checkpoint was written yet"
         message = (f"step {step}: the Dask scheduler cannot be reached ({type(error).__name__}: {str(error)[:200]}); "
-                   f"the run stopped, {kept}. {self._resume_hint()} once the scheduler and its workers are back")
+                   f"the run stopped, {self._kept()}. {self._resume_hint()} once the scheduler and its workers are back")
         self.watcher.event(RunEvent("stopped", message, step))
         return RunStopped(message)
+
+    def _kept(self) -> str:
+        """Which checkpoint a resume would start from, for a message about a stopped run."""
+        written = newest_written(self.folder.checkpoints)
+        return f"the newest checkpoint is {written}" if written is not None else "no checkpoint was written yet"
 
     def _resume_hint(self) -> str:
         return f"Resume it with `flowrl resume {self.folder.path}`"

@@ -228,7 +228,9 @@ def _run(pipeline: PipelineGraph | Pipeline, options: RunOptions, observer: Obse
         if not watcher.stopped:  # a check that refused the run, an interrupt, a bug: its folder says why too
             named = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
             why = str(error) if isinstance(error, (FlowrlError, KeyboardInterrupt)) and str(error) else named
-            watcher.event(RunEvent("stopped", why, watcher.last.step if watcher.last is not None else 0))
+            # the last step done: of this process, else the one a resume starts after
+            done = watcher.last.step if watcher.last is not None else (start.step if start is not None else 0)
+            watcher.event(RunEvent("stopped", why, done))
         raise
     finally:
         watcher.close(failed)

@@ -129,7 +129,8 @@ def without_slots(pipeline: PipelineGraph, plan: Plan, lost: set[str], survivors
     node left without a slot moves to the survivor that runs the fewest nodes (first in
     ``survivors`` on a tie). Raises PlacementError when no survivor is left."""
     if not survivors:
-        raise PlacementError(f"no worker is left to run the pipeline (lost: {', '.join(sorted(lost))})")
+        raise PlacementError(f"no worker is left to run the pipeline (lost: {', '.join(sorted(lost))}; no other "
+                             "worker of the cluster answers)")
     shards = {node: [slot for slot in slots if slot not in lost] for node, slots in plan.node_shards.items()}
     load = {slot: 0 for slot in survivors}
     for node, slot in plan.node_slots.items():
