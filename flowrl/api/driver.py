@@ -39,6 +39,7 @@ from flowrl.errors import (CheckpointError, FlowrlError, NodeTimeout, PlacementE
 from flowrl.graph import PipelineGraph
 from flowrl.records import RunEvent, StepRecord
 from flowrl.runtime.cluster import Cluster, call_within
+from flowrl.runtime.interrupts import note_stop_signal, stopping_for
 from flowrl.runtime.session import PendingSnapshot, Session
 from flowrl.runtime.waiting import lost_slots
 from flowrl.spec.schema import ScoreNode
@@ -673,6 +674,12 @@ class _InterruptFlag:
             # SIGHUP under nohup) keeps ignoring it.
             if number is not None and signal.getsignal(number) is not signal.SIG_IGN:
                 self._previous[number] = signal.signal(number, self._handle)
+        earlier = stopping_for()
+        if earlier is not None:
+            # the command was interrupted before the loop, and its KeyboardInterrupt was
+            # swallowed on the way: the run stops after the first instruction all the same, as
+            # the Ctrl-Cs after it are ignored
+            self.raised, self.signal = True, earlier
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -683,6 +690,7 @@ class _InterruptFlag:
     def _handle(self, signum: int, frame: Any) -> None:
         if not self.raised:
             self.signal = signal.Signals(signum).name
+            note_stop_signal(self.signal)  # the handler handed back afterwards knows the stop is under way
         self.raised = True
         if self._armed:
             raise KeyboardInterrupt

@@ -373,6 +373,11 @@ def report(
 
 
 def main() -> None:
+    from flowrl.runtime.interrupts import stop_at_first_signal
+
+    # a second Ctrl-C (or one forwarded by a wrapper beside the terminal's) lets the stop the
+    # first one started finish and print where the run stopped, instead of a traceback
+    stop_at_first_signal()
     try:
         app()
         code: Any = 0

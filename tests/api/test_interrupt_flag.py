@@ -8,12 +8,18 @@ import signal
 import pytest
 
 from flowrl.api.driver import _InterruptFlag
+from flowrl.runtime import interrupts
+from flowrl.runtime.interrupts import stop_at_first_signal, stopping_for
 
 
 @pytest.fixture(autouse=True)
-def python_handles_sigint() -> object:
+def python_handles_sigint(monkeypatch: pytest.MonkeyPatch) -> object:
     """Python's own Ctrl-C handler, as in a terminal, whatever started the tests (a shell
-    starts background jobs with SIGINT ignored, and Python then installs no handler)."""
+    starts background jobs with SIGINT ignored, and Python then installs no handler); no stop
+    under way, and Python's handling kept as by a library's caller until a test asks for a
+    command's."""
+    monkeypatch.setattr(interrupts._Stop, "enabled", False)
+    monkeypatch.setattr(interrupts._Stop, "signal", None)
     before = signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, before)
@@ -83,3 +89,67 @@ def test_an_interrupted_run_exits_as_a_shell_reports_the_signal() -> None:
 
     assert RunInterrupted("stopped").exit_code == 130
     assert RunInterrupted("stopped", "SIGTERM").exit_code == 143
+
+
+def test_a_command_stops_once_and_the_sigints_after_the_first_leave_its_stop_alone() -> None:
+    """A wrapper forwards the Ctrl-C the terminal also sent, or the user presses it twice: the
+    second SIGINT came during the clean-up the first one started and cut it short with a
+    traceback, in place of the message that says where the run stopped."""
+    stop_at_first_signal()
+    with pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)
+    os.kill(os.getpid(), signal.SIGINT)  # as in a `finally` block or an exit handler: nothing raised
+    assert stopping_for() == "SIGINT"
+
+
+@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
+def test_a_stop_signal_the_run_loop_took_counts_for_the_command(name: str) -> None:
+    """The loop's own handler hands SIGINT back when the run stops; a SIGINT during the clean-up
+    that follows turned the interrupt's message into a bare 'interrupted'."""
+    number = getattr(signal, name)
+    before = signal.getsignal(number)
+    if number != signal.SIGINT:  # as in a terminal, whatever started the tests
+        signal.signal(number, signal.SIG_DFL)
+    try:
+        stop_at_first_signal()
+        with _InterruptFlag() as flag:
+            with pytest.raises(KeyboardInterrupt):
+                with flag.armed():
+                    os.kill(os.getpid(), number)
+        os.kill(os.getpid(), signal.SIGINT)
+        assert flag.signal == name and stopping_for() == name
+    finally:
+        signal.signal(number, before)
+
+
+def test_an_interrupt_swallowed_before_the_loop_still_stops_the_run() -> None:
+    """The Ctrl-Cs after the first are ignored, so a first one whose KeyboardInterrupt never
+    got out (C code that clears Python errors) must stop the run by itself."""
+    stop_at_first_signal()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+    except KeyboardInterrupt:
+        pass
+    with _InterruptFlag() as flag:
+        assert flag.raised and flag.signal == "SIGINT"
+
+
+def test_a_library_caller_keeps_python_s_sigint_handling() -> None:
+    """run() called from a script or a notebook: the next Ctrl-C interrupts as ever, and a next
+    run starts without a stop."""
+    with _InterruptFlag() as flag:
+        os.kill(os.getpid(), signal.SIGINT)
+    assert flag.raised
+    with pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)
+    with _InterruptFlag() as again:
+        assert not again.raised
+    assert stopping_for() is None
+
+
+def test_a_command_started_with_sigint_ignored_keeps_ignoring_it() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    stop_at_first_signal()
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    os.kill(os.getpid(), signal.SIGINT)
+    assert stopping_for() is None

@@ -172,6 +172,51 @@ def test_ctrl_c_to_the_whole_process_group_stops_cleanly(tmp_path: Path) -> None
     assert any(e["kind"] == "stopped" and "interrupted (SIGINT) during step" in e["message"] for e in events), events
 
 
+def test_a_second_sigint_while_the_run_stops_leaves_the_stop_alone(tmp_path: Path) -> None:
+    """A wrapper (timeout, srun, uv run) forwards the Ctrl-C the terminal also sent to the
+    process group, or the user presses it twice: the second SIGINT comes while the first one's
+    stop cleans up. It ended the clean-up with a bare 'interrupted' or a traceback, without
+    the checkpoint to resume from."""
+    import os
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    process = subprocess.Popen(
+        [FLOWRL, "run", str(ROOT / "pipelines" / "grpo_tiny.yaml"), "--plain", "-o", str(out),
+         "trainer.steps=400", "trainer.checkpoint_every=1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    deadline = time.monotonic() + 120
+    assert process.stdout is not None
+    lines = []
+    for line in process.stdout:
+        lines.append(line)
+        if line.startswith("step 3/") or time.monotonic() > deadline:
+            break
+    os.killpg(process.pid, signal.SIGINT)
+    for line in process.stdout:
+        lines.append(line)
+        if line.startswith("[event] stopped"):
+            # the stop is under way (the driver's loop has ended): Ctrl-C once more
+            try:
+                os.kill(process.pid, signal.SIGINT)
+            except ProcessLookupError:
+                pass
+            break
+    rest, _ = process.communicate(timeout=60)
+    output = "".join(lines) + rest
+    assert process.returncode == 130, output
+    assert "Traceback" not in output and "Exception ignored" not in output, output
+    assert "interrupted (SIGINT) during step" in output, output
+    assert f"the newest checkpoint is {out / 'checkpoints'}/step-" in output, output
+    assert f"Resume it with `flowrl resume {out}`" in output, output
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    stops = [e["message"] for e in events if e["kind"] == "stopped"]
+    assert len(stops) == 1 and "interrupted (SIGINT) during step" in stops[0], stops
+
+
 def test_the_command_line_exits_with_its_output_written() -> None:
     # main() leaves without tearing the interpreter down: what was printed still arrives
     result = _flowrl("validate", "pipelines/grpo_tiny.yaml", "trainer.steps=7")

@@ -1,0 +1,65 @@
+"""A command stops once: its first stop signal stops it, and the ones after it let that stop
+finish.
+
+One Ctrl-C often reaches a process twice, milliseconds apart: a wrapper (``timeout``,
+``srun``, ``uv run``) forwards the SIGINT that the terminal also sent to the whole process
+group, or the user presses it again. Python's own handler raises KeyboardInterrupt for each;
+the second one then lands in the clean-up the first one started (a ``finally`` block, closing
+the cluster, an exit handler reaping the fork server) and cuts it short: its bare
+``interrupted`` or traceback replaces the message that says where the run stopped and how to
+resume it, and what the clean-up left half done can hold the exit up for seconds.
+
+Kept free of heavy imports: the command line sets it up first thing.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Any
+
+
+class _Stop:
+    """Whether this process stops at its first stop signal (:func:`stop_at_first_signal`),
+    and the name of that signal once it came."""
+
+    enabled = False
+    signal: str | None = None
+
+
+def stop_at_first_signal() -> None:
+    """From now on SIGINT raises KeyboardInterrupt, as Python's own handler does, only while
+    no stop signal came; later ones are ignored, so that the stop under way cleans up whole
+    and says what the first one stopped. For a process that stops once and exits (a command
+    line): a library's caller keeps Python's handling.
+
+    Only in the main thread, and only in place of Python's own handler: a process started
+    with SIGINT ignored (a shell's background job) keeps ignoring it."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return
+    _Stop.enabled = True
+    signal.signal(signal.SIGINT, _interrupt_once)
+
+
+def note_stop_signal(name: str) -> None:
+    """A handler of its own (the run loop's) took the stop signal ``name``: the signals after
+    it leave the stop alone too once that handler hands SIGINT back."""
+    if _Stop.enabled and _Stop.signal is None:
+        _Stop.signal = name
+
+
+def stopping_for() -> str | None:
+    """The stop signal this process is stopping for; None while none came, and always where
+    the process keeps Python's handling. A KeyboardInterrupt swallowed on the way (C code that
+    clears Python errors) stops the process all the same: with later SIGINTs ignored, nothing
+    else would."""
+    return _Stop.signal
+
+
+def _interrupt_once(signum: int, frame: Any) -> None:
+    if _Stop.signal is not None:
+        return  # the stop is under way: an exception now would cut its clean-up short
+    _Stop.signal = signal.Signals(signum).name
+    raise KeyboardInterrupt
