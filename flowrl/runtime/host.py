@@ -35,6 +35,7 @@ from flowrl.roles.samples import sample_rows
 from flowrl.roles.shards import shard_of
 from flowrl.runtime.collective import DeviceGroup, free_port, weights_group
 from flowrl.runtime.calls import EVAL_KEY, EvalCall, HeldOutScoreCall, NodeCall, NodeReport, key_step, store_key
+from flowrl.runtime.malloc import undo_nanny_malloc_trim
 from flowrl.runtime.packing import Packed, pack
 from flowrl.runtime.serialization import register
 
@@ -59,6 +60,7 @@ class RoleHost:
         gpu_index: int | None = None,
     ) -> None:
         register()
+        undo_nanny_malloc_trim()
         if cores:
             _pin_process(cores)
         from transformers.utils import logging as hf_logging
