@@ -65,8 +65,9 @@ the steps 10-20 % slower."""
 SNAPSHOT_BYTES_PER_S = 10e6
 """... and, for larger models, so seldom that snapshots move at most this many bytes per
 second of training on average."""
-SNAPSHOT_BYTES_PER_PARAMETER = 12
-"""A trained fp32 parameter with its two Adam moments."""
+SNAPSHOT_BYTES_PER_PARAMETER = 14
+"""A trained parameter with its optimizer state, the larger of: fp32 with two Adam moments
+(12), 16-bit with an fp32 master and two fp32 moments (14)."""
 RETUNE_WINDOW_STEPS = 20
 """The snapshot cadence follows the median time of this many latest steps."""
 

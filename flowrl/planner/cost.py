@@ -19,7 +19,9 @@ bound by memory bandwidth: step = max(bytes / bandwidth, FLOPs / peak).
 Memory (bytes):
     weights   P*b;  gradients P*b;  AdamW moments 2*P*b for an fp32 model; a bf16/fp16
               model trains through fp32 masters (``flowrl.roles.master_weights``): a master
-              and two moments in fp32, 12*P beside its 16-bit weights and gradients
+              and two moments in fp32, 12*P beside its 16-bit weights and gradients (its
+              step's fp32 copies of the gradients, in chunks of 256 MB, come after the
+              passes' activations are gone and are not counted)
     KV cache  sequences * (prompt + response) * 2 * L * kv * b
     training activations per micro-batch, per token and layer, with SDPA attention (no
               s*s scores are kept):  b*(8h + 4I + 2kv), plus 4h at 16 bits (RMSNorm
@@ -217,6 +219,14 @@ def optimizer_bytes_per_parameter(dtype: str) -> int:
     """AdamW's state per trained parameter: two moments in the parameter's dtype for fp32
     (8 bytes); for a 16-bit model an fp32 master and two fp32 moments (12 bytes)."""
     return 8 if DTYPE_BYTES[dtype] >= 4 else 12
+
+
+def optimizer_step_bytes(shape: ModelShape, kind: str, dtype: str) -> float:
+    """Memory traffic of one optimizer step: fp32 AdamW reads p, g, m, v and writes p, m, v
+    (28 bytes per parameter); a 16-bit model's step also copies its gradient to fp32 (2 + 4)
+    and its master back (4 + 2), and its fused step runs on the fp32 master (40 in all)."""
+    per_parameter = 28 if DTYPE_BYTES[dtype] >= 4 else 40
+    return float(shape.num_parameters(kind) * per_parameter)
 
 
 def training_state_bytes(shape: ModelShape, kind: str, dtype: str) -> float:

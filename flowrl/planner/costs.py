@@ -27,6 +27,7 @@ from flowrl.planner.cost import (
     kv_cache_bytes,
     logits_bytes,
     shared_prompt_flops,
+    optimizer_step_bytes,
     sharded_training_bytes,
     training_state_bytes,
     weight_bytes,
@@ -229,7 +230,7 @@ class EstimatedCosts:
         if work.work == "train":
             passes = 4 if work.checkpointing else 3  # forward + backward (+ recompute)
             compute = passes * pass_flops / flops_per_s
-            optimizer = 7 * weights / bytes_per_s  # read p, g, m, v; write p, m, v
+            optimizer = optimizer_step_bytes(shape, kind, dtype) / bytes_per_s
             launches = passes * layers * layer_s
             return work.ppo_epochs * (compute + work.num_mini_batches * (optimizer + launches))
         # score with a reward model, reference_logprob, value: one no-grad forward

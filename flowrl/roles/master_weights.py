@@ -20,6 +20,8 @@ from typing import Any, Iterable
 import torch
 
 MASTER_KEY = "master"
+STEP_CHUNK_BYTES = 256 << 20
+"""fp32 gradient copies held at once during a step (the planner counts them as transient)."""
 
 
 def needs_masters(params: Iterable[torch.Tensor]) -> bool:
@@ -42,14 +44,33 @@ class MasterWeightAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        masters = self._masters()
-        for p, master in zip(self.model_params, masters):
-            master.grad = None if p.grad is None else p.grad.to(torch.float32)
-        loss = super().step(closure)
-        for p, master in zip(self.model_params, masters):
-            master.grad = None  # the fp32 copies of the gradients live for the step only
+        if closure is not None:
+            raise ValueError("MasterWeightAdamW.step takes no closure: it reads the gradients the model holds")
+        pairs = [(p, master) for p, master in zip(self.model_params, self._masters()) if p.grad is not None]
+        # In chunks: an fp32 copy of every gradient at once would hold 4 more bytes per
+        # parameter beside the masters and moments at the step; a chunk holds a bounded few.
+        chunk: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        size = 0
+        for p, master in pairs:
+            chunk.append((p, master))
+            size += master.numel() * 4
+            if size >= STEP_CHUNK_BYTES:
+                self._step_chunk(chunk)
+                chunk, size = [], 0
+        if chunk:
+            self._step_chunk(chunk)
+        return None
+
+    def _step_chunk(self, chunk: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> None:
+        """AdamW on the masters of ``chunk`` (the others have no gradient now, so it skips
+        them), then the model takes them rounded."""
+        for p, master in chunk:
+            assert p.grad is not None
+            master.grad = p.grad.to(torch.float32)
+        super().step()
+        for p, master in chunk:
+            master.grad = None
             p.copy_(master)
-        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
@@ -78,13 +99,26 @@ class MasterWeightAdamW(torch.optim.AdamW):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """A state dict of this class or of a plain AdamW (masters then come from the model's
         weights: a checkpoint written before the model was held in 16 bits)."""
+        masters = self._masters()
+        saved = [index for group in state_dict["param_groups"] for index in group["params"]]
+        if len(saved) != len(masters):
+            raise ValueError(f"the optimizer state holds {len(saved)} parameters, this model trains {len(masters)}")
         self.sync_masters()
         state: dict[Any, dict[str, Any]] = {}
-        masters = self._masters()
         for index, entry in state_dict["state"].items():
-            rest = {key: value for key, value in entry.items() if key != MASTER_KEY}
             if MASTER_KEY in entry:
-                masters[int(index)].copy_(entry[MASTER_KEY])
+                master = masters[saved.index(index)]
+                if tuple(entry[MASTER_KEY].shape) != tuple(master.shape):
+                    raise ValueError(f"the saved master of parameter {index} is {tuple(entry[MASTER_KEY].shape)}, "
+                                     f"the parameter {tuple(master.shape)}")
+                master.copy_(entry[MASTER_KEY])
+            rest = without_masters(entry)
             if rest:
                 state[index] = rest
         super().load_state_dict({**state_dict, "state": state})
+
+
+def without_masters(entry: dict[str, Any]) -> dict[str, Any]:
+    """A parameter's optimizer state without its master (for a plain AdamW: a model held in
+    fp32 whose saved state came from a 16-bit one)."""
+    return {key: value for key, value in entry.items() if key != MASTER_KEY}

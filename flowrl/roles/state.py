@@ -17,7 +17,7 @@ from flowrl.backends.models import load_policy, load_scalar
 from flowrl.backends.compiled_layers import ATTRIBUTE as COMPILED_ATTRIBUTE
 from flowrl.backends.static_decode import DECODER_ATTRIBUTE
 from flowrl.backends.value_model import ScalarHeadModel
-from flowrl.roles.master_weights import MasterWeightAdamW, needs_masters
+from flowrl.roles.master_weights import MasterWeightAdamW, needs_masters, without_masters
 
 MODULE_CACHES = (DECODER_ATTRIBUTE, COMPILED_ATTRIBUTE)
 """Instance attributes where generation and the compiled passes keep what they built for a
@@ -195,6 +195,9 @@ class ModelState:
         fused = self._fused_adamw()
         state = {**whole, "param_groups": [{**group, "fused": fused, "foreach": not fused}
                                            for group in whole["param_groups"]]}
+        if not isinstance(self.optimizer, MasterWeightAdamW):  # held in fp32 now: its weights are the masters
+            entries = {index: without_masters(entry) for index, entry in whole["state"].items()}
+            state["state"] = {index: entry for index, entry in entries.items() if entry}
         if self.sharded is None:
             return state
         from flowrl.roles.sharded import shard_optimizer_state

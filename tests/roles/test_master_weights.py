@@ -126,3 +126,31 @@ def test_a_sharded_bf16_update_shards_the_masters_and_gives_the_one_device_steps
             equal += int((tensor == expected[name]).sum())
             total += tensor.numel()
         assert equal > 0.85 * total
+
+
+def test_a_step_in_chunks_gives_the_step_in_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    import flowrl.roles.master_weights as master_weights
+
+    whole, chunked = _bf16_state(), _bf16_state()
+    _update(whole, 1e-3)
+    monkeypatch.setattr(master_weights, "STEP_CHUNK_BYTES", 4096)  # a few parameters per chunk
+    _update(chunked, 1e-3)
+    for a, b in zip(whole.module.state_dict().values(), chunked.module.state_dict().values()):
+        assert torch.equal(a, b)
+    assert chunked.optimizer is not None
+    assert all(master.grad is None for master in chunked.optimizer.param_groups[0]["params"])
+    with pytest.raises(ValueError, match="no closure"):
+        chunked.optimizer.step(lambda: 0.0)
+
+
+def test_a_16_bit_state_loads_into_an_fp32_model_without_its_masters() -> None:
+    from tests.sharded_ranks import policy_state
+
+    held = _bf16_state()
+    _update(held, 1e-3)
+    saved = copy.deepcopy(held.optimizer_state())
+    plain = policy_state()
+    plain.restore({"optimizer": saved, "num_updates": 1})
+    assert type(plain.optimizer) is torch.optim.AdamW
+    assert all("master" not in entry for entry in plain.optimizer.state_dict()["state"].values())
+    _update(plain, 1e-3)  # and it steps
