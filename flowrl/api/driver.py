@@ -39,7 +39,7 @@ from flowrl.errors import (CheckpointError, FlowrlError, NodeTimeout, PlacementE
 from flowrl.graph import PipelineGraph
 from flowrl.records import RunEvent, StepRecord
 from flowrl.runtime.cluster import Cluster, call_within
-from flowrl.runtime.interrupts import note_stop_signal, stopping_for
+from flowrl.runtime.interrupts import note_stop_signal, repeated_signal, stopping_for
 from flowrl.runtime.session import PendingSnapshot, Session
 from flowrl.runtime.waiting import lost_slots
 from flowrl.spec.schema import ScoreNode
@@ -689,9 +689,12 @@ class _InterruptFlag:
         self._previous = {}
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if not self.raised:
+        first = not self.raised
+        if first:
             self.signal = signal.Signals(signum).name
             note_stop_signal(self.signal)  # the handler handed back afterwards knows the stop is under way
+        else:
+            repeated_signal()  # the stop under way cleans up whole; the command leaves at the third
         self.raised = True
-        if self._armed:
+        if self._armed and first:  # a second one would cut short what the first one's stop cleans up
             raise KeyboardInterrupt

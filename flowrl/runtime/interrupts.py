@@ -14,9 +14,14 @@ Kept free of heavy imports: the command line sets it up first thing.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from typing import Any
+
+LEAVE_AT = 3
+"""The stop signal that makes the command leave at once, the clean-up unfinished: a
+clean-up that hangs can always be left (Ctrl-C once more after a doubled one)."""
 
 
 class _Stop:
@@ -25,6 +30,8 @@ class _Stop:
 
     enabled = False
     signal: str | None = None
+    count = 0
+    """Stop signals that came."""
 
 
 def stop_at_first_signal() -> None:
@@ -48,6 +55,18 @@ def note_stop_signal(name: str) -> None:
     it leave the stop alone too once that handler hands SIGINT back."""
     if _Stop.enabled and _Stop.signal is None:
         _Stop.signal = name
+        _Stop.count = 1
+
+
+def repeated_signal() -> None:
+    """Another stop signal while the stop runs: nothing, so that it cleans up whole, until
+    the :data:`LEAVE_AT`-th, which ends the command at once (exit code 130)."""
+    if not _Stop.enabled:
+        return
+    _Stop.count += 1
+    if _Stop.count >= LEAVE_AT:
+        os.write(2, b"\nstopped at once (a third stop signal): the clean-up was left unfinished\n")
+        os._exit(130)
 
 
 def stopping_for() -> str | None:
@@ -60,6 +79,8 @@ def stopping_for() -> str | None:
 
 def _interrupt_once(signum: int, frame: Any) -> None:
     if _Stop.signal is not None:
-        return  # the stop is under way: an exception now would cut its clean-up short
+        repeated_signal()  # the stop is under way: an exception now would cut its clean-up short
+        return
     _Stop.signal = signal.Signals(signum).name
+    _Stop.count = 1
     raise KeyboardInterrupt

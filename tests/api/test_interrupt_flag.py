@@ -20,6 +20,7 @@ def python_handles_sigint(monkeypatch: pytest.MonkeyPatch) -> object:
     command's."""
     monkeypatch.setattr(interrupts._Stop, "enabled", False)
     monkeypatch.setattr(interrupts._Stop, "signal", None)
+    monkeypatch.setattr(interrupts._Stop, "count", 0)
     before = signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, before)
@@ -153,3 +154,33 @@ def test_a_command_started_with_sigint_ignored_keeps_ignoring_it() -> None:
     assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     os.kill(os.getpid(), signal.SIGINT)
     assert stopping_for() is None
+
+
+def test_while_an_instruction_runs_only_the_first_signal_raises() -> None:
+    """A forwarded duplicate milliseconds after the first would raise again inside the
+    except block that cleans up after the first (a checkpoint's staging folder)."""
+    with _InterruptFlag() as flag:
+        with pytest.raises(KeyboardInterrupt):
+            with flag.armed():
+                os.kill(os.getpid(), signal.SIGINT)
+        with flag.armed():
+            os.kill(os.getpid(), signal.SIGINT)  # nothing raised
+        assert flag.raised and flag.signal == "SIGINT"
+
+
+def test_the_third_stop_signal_leaves_the_command_at_once() -> None:
+    """A clean-up that hangs can always be left: Ctrl-C once more after a doubled one."""
+    import subprocess
+    import sys
+
+    code = ("import os, signal, time\n"
+            "from flowrl.runtime.interrupts import stop_at_first_signal\n"
+            "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+            "stop_at_first_signal()\n"
+            "try:\n    os.kill(os.getpid(), signal.SIGINT)\nexcept KeyboardInterrupt:\n    print('stopping', flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGINT)\nprint('second ignored', flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGINT)\ntime.sleep(5)\nprint('not reached', flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 130
+    assert done.stdout.split() == ["stopping", "second", "ignored"]
+    assert "stopped at once (a third stop signal)" in done.stderr
