@@ -49,6 +49,7 @@ class _Checker:
             self._check_group(f"models.{name}.device_group", model.device_group)
             self._check_offload(name)
             self._check_sharded(name)
+            self._check_fp16_training(name)
         for name in self.spec.nodes:
             self._check_node(name)
         self._check_cycles()
@@ -117,6 +118,18 @@ class _Checker:
             self.add(path, f"'{others[0]}' is trained sharded in device group '{group}' too, and a device "
                            "shards one model at a time; give one of them a device group of its own, or set "
                            "sharded: false on one")
+
+    def _check_fp16_training(self, model: str) -> None:
+        """fp16 gradients under- and overflow without loss scaling, which the update does not do."""
+        path = f"models.{model}.dtype"
+        if self.spec.models[model].dtype != "fp16" or not self.reliable(path):
+            return
+        if any(broken == "nodes" or broken.startswith("nodes.") for broken in self.broken):
+            return
+        if self._training_group(model)[0]:
+            self.add(path, f"an update node trains '{model}', and fp16 gradients underflow and overflow without "
+                           "loss scaling, which flowrl's update does not do; train in bf16 (or fp32), and keep fp16 "
+                           "for models that only generate or score")
 
     def _training_group(self, model: str) -> tuple[bool, str | None]:
         """Whether an update node trains ``model``, and the declared device group it trains it

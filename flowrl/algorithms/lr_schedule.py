@@ -1,5 +1,5 @@
 """The learning rate of each training step: a linear warm-up, then constant, linear or cosine
-decay towards a floor, as verl's and OpenRLHF's optimizers schedule it.
+decay towards a floor.
 
 A pure function of the step number (no scheduler state), so a resumed run, a run recovered
 mid-step and every rank of a data-parallel update take the rate an uninterrupted run would.
@@ -23,15 +23,16 @@ def scheduled_lr(
 ) -> float:
     """The rate of training step ``step`` (1-based).
 
-    Steps ``1..warmup_steps`` rise linearly to ``lr`` (step k takes ``lr * k / warmup_steps``,
-    so no step trains at rate 0). After the warm-up, ``constant`` keeps ``lr``; ``linear`` and
-    ``cosine`` decay from ``lr`` (the first step after the warm-up) towards
-    ``min_lr_ratio * lr``, reached after step ``decay_steps`` and kept from there on.
+    Steps ``1..warmup_steps`` rise linearly towards ``lr`` (step k takes
+    ``lr * k / (warmup_steps + 1)``: no step trains at rate 0, and the peak comes once, at the
+    first step after the warm-up). From there ``constant`` keeps ``lr``; ``linear`` and
+    ``cosine`` decay from ``lr`` towards ``min_lr_ratio * lr``, which the step after
+    ``decay_steps`` reaches and the steps after it keep.
     """
     if step < 1:
         raise ValueError(f"steps count from 1, got {step}")
     if step <= warmup_steps:
-        return lr * step / warmup_steps
+        return lr * step / (warmup_steps + 1)
     if schedule == "constant":
         return lr
     span = max(1, decay_steps - warmup_steps)

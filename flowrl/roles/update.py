@@ -182,8 +182,8 @@ def run_update(
         release(state.module)  # a replicated group's buckets, if one trained it before
     rate = node.lr if lr is None else lr
     optimizer = state.ensure_optimizer(rate, node.betas, node.weight_decay)
-    for group in optimizer.param_groups:
-        group["lr"] = rate
+    for group in optimizer.param_groups:  # the node's settings, also over a restored state's
+        group.update(lr=rate, betas=tuple(node.betas), weight_decay=node.weight_decay)
     state.training_module.train()
     num_rows = rollout.num_sequences
     mini_batch = min(node.mini_batch_size or num_rows, num_rows)

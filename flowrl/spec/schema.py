@@ -40,9 +40,10 @@ class ModelSpec(StrictModel):
     device_group: str | None = None
     """A group under ``devices:``; None gives the model its own one-CPU-slot group. Default None."""
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """Parameter and compute precision. A bf16 or fp16 model that an update trains keeps fp32
-    master weights in its optimizer (with AdamW's moments, 12 bytes per parameter), so updates
-    below 16-bit resolution add up instead of being lost. Default fp32."""
+    """Parameter and compute precision. A bf16 model that an update trains keeps fp32 master
+    weights in its optimizer (with AdamW's moments, 12 bytes per parameter), so updates below
+    16-bit resolution add up instead of being lost; fp16 is for models no update trains (its
+    gradients would need loss scaling). Default fp32."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory (update nodes only). Default false."""
     offload_to_cpu: bool = False
@@ -546,8 +547,8 @@ class UpdateNode(_NodeBase):
     from ``lr`` towards ``min_lr_ratio`` x ``lr``, which the step after ``lr_decay_steps``
     reaches (so a run's last step still learns). Default constant."""
     lr_warmup_steps: int = Field(default=0, ge=0)
-    """Training steps whose rate rises linearly to ``lr``: step k of them trains at
-    ``lr * k / lr_warmup_steps``. Default 0."""
+    """Training steps whose rate rises linearly towards ``lr``: step k of them trains at
+    ``lr * k / (lr_warmup_steps + 1)``, and the step after them at ``lr``. Default 0."""
     min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
     """Floor of a decaying schedule as a fraction of ``lr``. Default 0.0."""
     lr_decay_steps: Annotated[int, Field(ge=1)] | None = None

@@ -59,10 +59,10 @@ def test_sharded_checkpoints_resume_to_the_weights_of_an_uninterrupted_run(tmp_p
     sharded checkpoint ends where an uninterrupted one does."""
     whole = tmp_path / "whole"
     rates = run(_ppo(whole, steps=4)).metric
-    # actor: warm-up step 1 at 5e-4, then a cosine from 5e-4 towards 1e-4 over 3 steps;
-    # critic: linear from 1e-3 to 0 over 3 steps, 0 from there on
+    # actor: warm-up step 1 at half the peak, then a cosine from 5e-4 towards 1e-4 over 3
+    # steps; critic: linear from 1e-3 to 0 over 3 steps, 0 from there on
     cosine = [0.5 * (1 + math.cos(math.pi * p)) for p in (0, 1 / 3, 2 / 3)]
-    assert rates("actor/lr") == pytest.approx([5e-4] + [5e-4 * (0.2 + 0.8 * c) for c in cosine])
+    assert rates("actor/lr") == pytest.approx([2.5e-4] + [5e-4 * (0.2 + 0.8 * c) for c in cosine])
     assert rates("critic/lr") == pytest.approx([1e-3, 1e-3 * 2 / 3, 1e-3 / 3, 0.0], abs=1e-12)
     checkpoint = whole / "checkpoints" / "step-2"
     manifest = json.loads((checkpoint / "trainer_state.json").read_text())["files"]

@@ -413,3 +413,12 @@ def test_the_samples_cadence_without_samples_is_refused(tmp_path: Path) -> None:
     assert problem.startswith(f"{path}:12: trainer: log_samples_every is read only when log_samples is above 0")
     spec = load_pipeline(write(tmp_path, GOOD + "trainer: {log_samples: 2, log_samples_every: 5}\n")).spec
     assert (spec.trainer.log_samples, spec.trainer.log_samples_every) == (2, 5)
+
+
+def test_a_model_an_update_trains_is_not_fp16(tmp_path: Path) -> None:
+    text = GOOD.replace("device_group: actor_group}", "device_group: actor_group, dtype: fp16}")
+    (problem,) = problems(write(tmp_path, text))
+    assert problem.startswith(f"{tmp_path / 'pipeline.yaml'}:3: models.actor.dtype: an update node trains 'actor', "
+                              "and fp16 gradients underflow and overflow without loss scaling")
+    # bf16 trains; fp16 serves a model that only scores or gives reference log-probs
+    load_pipeline(write(tmp_path, text.replace("fp16", "bf16")))
