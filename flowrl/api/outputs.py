@@ -141,7 +141,7 @@ class RunFolder:
             (self.path / name).write_text("")
 
     def truncate_logs(self, last_step: int) -> int:
-        """Drop the metric and profile lines of steps after ``last_step`` (they will be run
+        """Drop the metric, profile and sample lines of steps after ``last_step`` (they will be run
         again), so the files never hold a step twice; returns how many metric lines went."""
         dropped = 0
         for name in ("metrics.jsonl", "profile.jsonl", "samples.jsonl"):

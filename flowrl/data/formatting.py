@@ -51,8 +51,8 @@ class PromptFormatter:
         max_prompt_tokens: longest prompt in tokens; None for no limit.
         overlong: what a longer prompt does (see module docstring).
         room: without ``max_prompt_tokens``, the longest prompt the models' positions leave
-            room for beside the longest completion (a longer one is an error whatever
-            ``overlong`` says); None where unknown.
+            room for beside the longest completion (a longer one is cut or left out as
+            ``overlong`` says, or an error with ``error``); None where unknown.
         room_why: the numbers behind ``room``, for its error.
     """
 

@@ -3,7 +3,8 @@
 Every rank holds the whole rollout and walks the same mini-batches in the same order (the
 shuffle is a function of seed and update count). Within a mini-batch, rank r takes rows
 ``weighted_rows(n, r, shares)``, scales its loss by its share of the mini-batch's normaliser
-(tokens for ``token_mean``, sequences for ``seq_mean``), and the gradients are summed over
+(tokens for ``token_mean``, sequences with tokens for ``seq_mean``, sequences for
+``token_sum_norm``), and the gradients are summed over
 the ranks. The sum is then exactly the gradient of the whole mini-batch's loss, so the
 optimizer steps, identical on every rank, are those of one device (to float rounding).
 

@@ -1,5 +1,6 @@
 """Training one model sharded over a group (FSDP2): each rank keeps 1/world of every
-parameter, of its gradient and of the optimizer's moments.
+parameter, of its gradient and of the optimizer's state (moments, and a bf16 model's fp32
+masters).
 
 ``torch.distributed.fsdp.fully_shard`` turns each decoder layer (and then the whole model)
 into a unit whose parameters are DTensors sharded over the group's mesh. A unit's forward
