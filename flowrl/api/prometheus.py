@@ -10,13 +10,12 @@ runs in one process never share series). What a scrape sees, updated after every
   ``flowrl_device_memory_gigabytes``;
 - ``flowrl_metric`` (label ``name``): every number of the step's line in ``metrics.jsonl``
   under its name there (``actor/pg_loss``, ``actor/kl_loss``, ``actor/entropy``,
-  ``actor/grad_norm``, ``actor/lr``, ``response_length/mean``, ...), NaN and inf left out;
+  ``actor/grad_norm``, ``actor/lr``, ``response_length/mean``, ...), NaN and inf as they are;
 - counters ``flowrl_faults_total`` and ``flowrl_moves_total`` (nodes re-placed).
 """
 
 from __future__ import annotations
 
-import math
 import socket
 from typing import Any
 
@@ -78,9 +77,8 @@ class PrometheusMetrics:
         for node, value in seconds.items():
             self.node_seconds.labels(node=node).set(value)
             self.node_tokens.labels(node=node).set(tokens[node])
-        for name, number in record.metrics.items():
-            if math.isfinite(number):
-                self.metric.labels(name=name).set(number)
+        for name, number in record.metrics.items():  # a NaN loss shows as NaN, not as the last good one
+            self.metric.labels(name=name).set(number)
         for sample in record.devices:
             self.utilization.labels(device=sample.device).set(sample.utilization)
             self.memory.labels(device=sample.device).set(sample.memory_gb)

@@ -54,9 +54,9 @@ def _where(fn: Callable[..., Any], error: BaseException) -> str:
     function's own file, else the deepest outside flowrl; empty when none is known."""
     frames = traceback.extract_tb(error.__traceback__)
     own = getattr(getattr(fn, "__code__", None), "co_filename", None)
-    package = str(Path(__file__).resolve().parents[1])
+    package = Path(__file__).resolve().parents[1]
     mine = [frame for frame in frames if own is not None and frame.filename == own]
-    outside = [frame for frame in frames if not str(Path(frame.filename).resolve()).startswith(package)]
+    outside = [frame for frame in frames if not Path(frame.filename).resolve().is_relative_to(package)]
     found = mine or outside
     if not found:
         return ""

@@ -230,6 +230,13 @@ class RoleHost:
         """Forget a model whose nodes all moved away (its memory goes back to the worker)."""
         self.models.pop(name, None)
 
+    def drop_training(self, name: str) -> None:
+        """Forget a model's optimizer (its moments, a bf16 model's masters) and sharded copy
+        where its update moved away and only its other nodes stay."""
+        state = self.models.get(name)
+        if state is not None:
+            state.optimizer = state.pending_optimizer = state.sharded = None
+
     # ---- node calls ---------------------------------------------------------------
     async def run_node(self, call: NodeCall) -> NodeReport:
         arrived, arrived_at = time.perf_counter(), time.time()

@@ -238,8 +238,8 @@ class Session:
         advantages = [node for node in self.pipeline.nodes_of(AdvantageNode)
                       if self.pipeline.rollout_of(node) == rollout]
         nodes = [rollout, *scores, *advantages[:1]]
-        futures = [(self.plan.slots_of(node)[0], self.hosts[self.plan.slots_of(node)[0]].samples(store_key(step, node), rows))
-                   for node in nodes]
+        holders = {node: self.plan.slots_of(node)[0] for node in nodes}  # shard 0 holds a split node's whole output
+        futures = [(holders[node], self.hosts[holders[node]].samples(store_key(step, node), rows)) for node in nodes]
         parts = dict(zip(nodes, self.gather(futures, timeout_s, "reading samples")))
         merged: list[dict[str, Any]] = []
         for index, row in enumerate(parts[rollout]):
@@ -313,11 +313,26 @@ class Session:
                 for slot in slots
                 if slot not in plan.model_slots.get(model, [])
             ]
+            + [
+                (self.hosts[slot], "drop_training", (model,))
+                for model, slots in self._training_slots(self.plan).items()
+                for slot in slots
+                if slot not in self._training_slots(plan).get(model, []) and slot in plan.model_slots.get(model, [])
+            ]
         )
         self._form_groups(plan)
         self.plan = plan
         self.executor = self._executor(plan, self.executor.node_timeout_s)
         return MigrationResult(time.perf_counter() - started, num_bytes, tuple(transfers))
+
+    def _training_slots(self, plan: Plan) -> dict[str, list[str]]:
+        """Model -> the slots of the update node that trains it in ``plan`` (its ranks)."""
+        slots: dict[str, list[str]] = {}
+        for node in self.pipeline.nodes_of(UpdateNode):
+            model = self.pipeline.spec.nodes[node].model
+            assert model is not None  # the schema requires an update node's model
+            slots.setdefault(model, []).extend(plan.slots_of(node))
+        return slots
 
     @property
     def num_slots_in_use(self) -> int:

@@ -159,7 +159,7 @@ def _value_case() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tenso
 
 
 def test_token_sum_norm_divides_by_a_constant_not_by_the_tokens() -> None:
-    # per token -1.2, -0.9 | +1.5 (as above); sum 0.6 - 2.1 = -0.6, over 2 rows x 4 tokens
+    # per token -1.2, -0.9 | +1.5 (as above); sum -1.2 - 0.9 + 1.5 = -0.6, over 2 rows x 4 tokens
     logprobs, old, advantages, mask = _clip_case()
     loss, _ = policy_loss(logprobs, old, advantages, mask, clip_eps=0.2, loss_agg="token_sum_norm", norm_tokens=4)
     assert loss.item() == pytest.approx(-0.6 / 8, abs=1e-7)
@@ -183,7 +183,7 @@ def test_clip_higher_widens_only_the_upper_side() -> None:
     loss.backward()
     assert logprobs.grad is not None
     torch.testing.assert_close(logprobs.grad, torch.tensor([[-0.5, -0.3, 0.0], [0.5, 0.0, 0.0]]))
-    # the lower side still clips: r=0.5 with A=+1 against clip_eps_high alone
+    # the lower side still clips at 1 - clip_eps: r=0.5 with A=-1
     ratio_half = (old + math.log(0.5)).requires_grad_(True)
     low, low_stats = policy_loss(ratio_half, old, torch.tensor([-1.0, -1.0]), torch.ones(2, 3), clip_eps=0.2,
                                  clip_eps_high=0.6)

@@ -389,6 +389,10 @@ def _lengths(completions: list[str], **kwargs: object) -> list[float]:
     return [float(len(completion)) for completion in completions]
 
 
+RAISE_LINE = _lengths.__code__.co_firstlineno + 2
+"""The line of ``_lengths`` that raises."""
+
+
 def _inputs(completions: list[str]) -> RewardInputs:
     count = len(completions)
     return RewardInputs(["p="] * count, completions, [[1]] * count, 8)
@@ -409,8 +413,8 @@ def test_a_raising_sample_scores_zero_and_the_others_keep_their_score() -> None:
     result = score_safely(_lengths, _inputs(["ab", "xboom"]), {}, name="lengths")
     assert result.first_error == (
         "reward function 'lengths' failed on sample 1 (prompt 'p=', completion 'xboom'): "
-        "raised RuntimeError: cannot grade boom at test_rewards.py:388 (raise RuntimeError(\"cannot grade boom\")); "
-        "1 of 2 samples failed"
+        f"raised RuntimeError: cannot grade boom at test_rewards.py:{RAISE_LINE} "
+        "(raise RuntimeError(\"cannot grade boom\")); 1 of 2 samples failed"
     )
 
 
@@ -419,8 +423,8 @@ def test_strict_names_the_function_and_the_first_failing_sample() -> None:
         _call(_lengths, ["ab", "xboom", "boom"], on_error="strict")
     assert str(caught.value) == (
         "reward function 'lengths' failed on sample 1 (prompt 'p=', completion 'xboom'): "
-        "raised RuntimeError: cannot grade boom at test_rewards.py:388 (raise RuntimeError(\"cannot grade boom\")); "
-        "2 of 3 samples failed; fix the function, or "
+        f"raised RuntimeError: cannot grade boom at test_rewards.py:{RAISE_LINE} "
+        "(raise RuntimeError(\"cannot grade boom\")); 2 of 3 samples failed; fix the function, or "
         "set on_error: zero on the score node to score such samples 0 and count them in the "
         "metrics"
     )

@@ -101,6 +101,12 @@ def test_a_run_that_moves_its_roles_twice_trains_exactly_like_one_that_never_mov
         curve = _train(moving, pipeline, range(1, 7), {3: SPLIT, 5: SWAPPED})
         assert moving.plan.node_slots == SWAPPED
         moved_weights = _weights(moving, tmp_path / "moved")
+        # the update goes back to cpu-0 while cpu-1 keeps generating: cpu-1 forgets the
+        # optimizer it no longer steps, cpu-0 has it
+        moving.apply_plan(plan_for(pipeline, SPLIT, 7))
+        kept = {slot: moving.hosts[slot].export_state("actor", ("optimizer",)).result()["optimizer"]
+                for slot in ("cpu-0", "cpu-1")}
+        assert kept["cpu-1"] is None and kept["cpu-0"] is not None
     finally:
         cluster.close()
 
