@@ -139,27 +139,53 @@ def test_strict_reward_failure_stops_the_run_with_a_clear_message(tmp_path: Path
     _assert_user_error(result, "picky", "on_error")
 
 
-def test_ctrl_c_to_the_whole_process_group_stops_cleanly(tmp_path: Path) -> None:
-    import os
+def _run_until(prefix: str, *arguments: str) -> tuple[subprocess.Popen[str], list[str]]:
+    """``flowrl run grpo_tiny.yaml --plain ARGUMENTS`` in a session of its own, read until a
+    line starting with ``prefix`` (or two minutes), with Ctrl-C as in a terminal even where the
+    tests were started with SIGINT ignored."""
     import signal
     import time
 
     process = subprocess.Popen(
-        [FLOWRL, "run", str(ROOT / "pipelines" / "grpo_tiny.yaml"), "--plain", "-o", str(tmp_path / "out")],
+        [FLOWRL, "run", str(ROOT / "pipelines" / "grpo_tiny.yaml"), "--plain", *arguments],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        # Ctrl-C as in a terminal, even where the tests were started with SIGINT ignored
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
-    # wait until training has started, then interrupt driver and workers together, as a terminal does
     deadline = time.monotonic() + 120
     assert process.stdout is not None
     lines = []
     for line in process.stdout:
         lines.append(line)
-        if line.startswith("step 2/") or time.monotonic() > deadline:
+        if line.startswith(prefix) or time.monotonic() > deadline:
             break
+    return process, lines
+
+
+def _rest(process: subprocess.Popen[str]) -> str:
+    """What the process writes until it ends (killed after two minutes). Read through the
+    stream the lines came from: ``communicate(timeout=...)`` reads the pipe itself and misses
+    what the stream's buffer already holds."""
+    import threading
+
+    assert process.stdout is not None
+    watchdog = threading.Timer(120, process.kill)
+    watchdog.start()
+    try:
+        rest = process.stdout.read()
+        process.wait()
+    finally:
+        watchdog.cancel()
+    return rest
+
+
+def test_ctrl_c_to_the_whole_process_group_stops_cleanly(tmp_path: Path) -> None:
+    import os
+    import signal
+
+    process, lines = _run_until("step 2/", "-o", str(tmp_path / "out"))
+    # training has started: interrupt driver and workers together, as a terminal does
     os.killpg(process.pid, signal.SIGINT)
-    rest, _ = process.communicate(timeout=60)
+    rest = _rest(process)
     output = "".join(lines) + rest
     assert process.returncode == 130, output
     assert "interrupted (SIGINT) during step" in output
@@ -179,23 +205,11 @@ def test_a_second_sigint_while_the_run_stops_leaves_the_stop_alone(tmp_path: Pat
     the checkpoint to resume from."""
     import os
     import signal
-    import time
 
     out = tmp_path / "out"
-    process = subprocess.Popen(
-        [FLOWRL, "run", str(ROOT / "pipelines" / "grpo_tiny.yaml"), "--plain", "-o", str(out),
-         "trainer.steps=400", "trainer.checkpoint_every=1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
-    deadline = time.monotonic() + 120
-    assert process.stdout is not None
-    lines = []
-    for line in process.stdout:
-        lines.append(line)
-        if line.startswith("step 3/") or time.monotonic() > deadline:
-            break
+    process, lines = _run_until("step 3/", "-o", str(out), "trainer.steps=400", "trainer.checkpoint_every=1")
     os.killpg(process.pid, signal.SIGINT)
+    assert process.stdout is not None
     for line in process.stdout:
         lines.append(line)
         if line.startswith("[event] stopped"):
@@ -205,7 +219,7 @@ def test_a_second_sigint_while_the_run_stops_leaves_the_stop_alone(tmp_path: Pat
             except ProcessLookupError:
                 pass
             break
-    rest, _ = process.communicate(timeout=60)
+    rest = _rest(process)
     output = "".join(lines) + rest
     assert process.returncode == 130, output
     assert "Traceback" not in output and "Exception ignored" not in output, output
