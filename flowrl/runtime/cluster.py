@@ -628,7 +628,10 @@ def registered_workers(client: Client) -> dict[str, Any]:
     ``Client.scheduler_info`` returns a cached copy that the client's periodic refresh
     replaces with one without workers, and a call can read that copy just after its own
     refresh (seen as every worker gone at once, in the middle of a step)."""
-    identity = client.sync(client.scheduler.identity, n_workers=-1)
+    scheduler = client.scheduler
+    if scheduler is None:  # the client closed itself after its scheduler went away
+        raise OSError(f"the Dask client closed its connection to the scheduler (status: {client.status})")
+    identity = client.sync(scheduler.identity, n_workers=-1)
     return dict(identity.get("workers", {}))
 
 

@@ -64,11 +64,12 @@ def _events(output: Path) -> list[dict]:
     (1, "the in-memory snapshot of step 2", 3),  # a snapshot every step
     (0, "checkpoint step-2", 3),                 # no snapshots: back to the newest checkpoint
     # left to the run: one at the start, the next after about 10 s of steps; checkpoint 2 is
-    # newer than that snapshot of step 0, so the run goes back to it
-    (None, "checkpoint step-2", 3),
+    # newer than that snapshot of step 0, so the run goes back to it (on a machine so busy that
+    # the first steps took seconds each, a snapshot of step 2 came first: either is step 2's state)
+    (None, ("checkpoint step-2", "the in-memory snapshot of step 2"), 3),
 ])
 def test_a_worker_killed_mid_step_is_replaced_and_the_run_completes(
-    tmp_path: Path, snapshot_every: int | None, restored_from: str, again_from: int
+    tmp_path: Path, snapshot_every: int | None, restored_from: str | tuple[str, ...], again_from: int
 ) -> None:
     (tmp_path / "killer.py").write_text(KILLER)
     output = tmp_path / "out"
@@ -84,7 +85,9 @@ def test_a_worker_killed_mid_step_is_replaced_and_the_run_completes(
     fault = next(e for e in _events(output) if e["kind"] == "fault")
     recovered = next(e for e in _events(output) if e["kind"] == "recovered")
     assert fault["step"] == 3 and "lost" in fault["message"]
-    assert restored_from in recovered["message"] and f"running again from step {again_from}" in recovered["message"]
+    sources = (restored_from,) if isinstance(restored_from, str) else restored_from
+    assert any(source in recovered["message"] for source in sources), recovered["message"]
+    assert f"running again from step {again_from}" in recovered["message"]
     assert " s lost" in recovered["message"]
 
 
