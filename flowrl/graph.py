@@ -105,7 +105,7 @@ class _Checker:
         path = f"models.{model}.sharded"
         if not spec.sharded or not self.reliable(path):
             return
-        if any(broken == "nodes" or broken.startswith("nodes.") for broken in self.broken):
+        if not self._nodes_known():
             return  # which nodes train what is not known
         trained, group = self._training_group(model)
         if not trained:
@@ -124,12 +124,14 @@ class _Checker:
         path = f"models.{model}.dtype"
         if self.spec.models[model].dtype != "fp16" or not self.reliable(path):
             return
-        if any(broken == "nodes" or broken.startswith("nodes.") for broken in self.broken):
-            return
-        if self._training_group(model)[0]:
+        if self._nodes_known() and self._training_group(model)[0]:
             self.add(path, f"an update node trains '{model}', and fp16 gradients underflow and overflow without "
                            "loss scaling, which flowrl's update does not do; train in bf16 (or fp32), and keep fp16 "
                            "for models that only generate or score")
+
+    def _nodes_known(self) -> bool:
+        """Every node passed schema validation, so which nodes train what is known."""
+        return not any(broken == "nodes" or broken.startswith("nodes.") for broken in self.broken)
 
     def _training_group(self, model: str) -> tuple[bool, str | None]:
         """Whether an update node trains ``model``, and the declared device group it trains it

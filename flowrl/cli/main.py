@@ -6,8 +6,6 @@ exits 130. A traceback is printed only for a bug in flowrl itself.
 
 from __future__ import annotations
 
-import difflib
-
 import functools
 import importlib.metadata
 import json
@@ -180,15 +178,15 @@ def resume(
 ) -> None:
     """Continue a run from its output folder (its config.yaml and newest checkpoint)."""
     _start_warm_server()
+    from flowrl.spec.lines import nearest_beside
     from flowrl.spec.loader import issue_locator, load_pipeline
 
     config = output_dir / "config.yaml"
     if output_dir.is_file():
         raise FlowrlError(f"{output_dir} is a file; give the output folder of a flowrl run (its output_dir)")
     if not output_dir.is_dir():
-        beside = [entry.name for entry in output_dir.parent.iterdir() if entry.is_dir()] if output_dir.parent.is_dir() else []
-        close = difflib.get_close_matches(output_dir.name, beside, n=1, cutoff=0.6)
-        hint = f" (did you mean {output_dir.parent / close[0]}?)" if close else ""
+        near = nearest_beside(output_dir, folders=True, cutoff=0.6)
+        hint = f" (did you mean {near}?)" if near is not None else ""
         raise FlowrlError(f"{output_dir}: no such folder{hint}; give the output folder of a flowrl run")
     if not config.is_file():
         raise FlowrlError(f"{output_dir} holds no config.yaml: it is not the output folder of a flowrl run")

@@ -273,11 +273,9 @@ class RoleHost:
                 output = await self._join(call, output, whole[1] if whole is not None else None)
         except BaseException as error:
             # Consumers waiting for this output must not wait forever.
-            self.store[key] = _Failed(f"{type(error).__name__}: {error}")
-            self._event(key).set()
+            self._publish(key, _Failed(f"{type(error).__name__}: {error}"))
             raise
-        self.store[key] = output.value
-        self._event(key).set()
+        self._publish(key, output.value)
         return NodeReport(
             node=call.node,
             role=call.role,
@@ -318,12 +316,10 @@ class RoleHost:
             output, compute_s = await asyncio.get_running_loop().run_in_executor(self._compute, work)
         except BaseException as error:
             if call.keep:  # reward models waiting for the completions must not wait forever
-                self.store[key] = _Failed(f"{type(error).__name__}: {error}")
-                self._event(key).set()
+                self._publish(key, _Failed(f"{type(error).__name__}: {error}"))
             raise
         if call.keep:
-            self.store[key] = output.value
-            self._event(key).set()
+            self._publish(key, output.value)
         return NodeReport(
             node="eval", role="eval", device=self.device_name, key=f"{call.step}:eval",
             wall_s=time.perf_counter() - arrived, compute_s=compute_s, wait_s=0.0,
@@ -437,6 +433,11 @@ class RoleHost:
                 "perf/weight_sync_collective": 1.0 if group is not None else 0.0}
 
     # ---- data plane -----------------------------------------------------------------
+    def _publish(self, key: str, value: Any) -> None:
+        """Store an output (or its failure) under ``key`` and wake whoever waits for it."""
+        self.store[key] = value
+        self._event(key).set()
+
     def _event(self, key: str) -> asyncio.Event:
         event = self._ready.get(key)
         if event is None:

@@ -306,6 +306,7 @@ class Session:
             for t in transfers
         ]
         num_bytes = sum(done["bytes"] for done in self.gather(calls, self._long_s, "moving models"))
+        trained_before, trained_after = self._training_slots(self.plan), self._training_slots(plan)
         _settle(
             [
                 (self.hosts[slot], "drop_model", (model,))
@@ -315,9 +316,9 @@ class Session:
             ]
             + [
                 (self.hosts[slot], "drop_training", (model,))
-                for model, slots in self._training_slots(self.plan).items()
+                for model, slots in trained_before.items()
                 for slot in slots
-                if slot not in self._training_slots(plan).get(model, []) and slot in plan.model_slots.get(model, [])
+                if slot not in trained_after.get(model, []) and slot in plan.model_slots.get(model, [])
             ]
         )
         self._form_groups(plan)

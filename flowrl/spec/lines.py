@@ -47,14 +47,23 @@ def read_yaml_file(
         raise error(failure.issues) from None
 
 
+def nearest_beside(path: Path, folders: bool = False, cutoff: float = 0.75) -> Path | None:
+    """The file (with ``folders``, the folder) beside ``path`` whose name is closest to its
+    name, or None."""
+    try:
+        names = [entry.name for entry in path.parent.iterdir() if (entry.is_dir() if folders else entry.is_file())]
+    except OSError:
+        return None
+    matches = difflib.get_close_matches(path.name, names, n=1, cutoff=cutoff)
+    return path.parent / matches[0] if matches else None
+
+
 def _nearest_file(file: Path) -> str:
     """`` (did you mean 'x'?)`` for the file beside ``file`` whose name is closest, or ''."""
-    try:
-        names = [entry.name for entry in file.parent.iterdir() if entry.is_file()]
-    except OSError:
+    near = nearest_beside(file)
+    if near is None:
         return ""
-    matches = difflib.get_close_matches(file.name, names, n=1, cutoff=0.75)
-    return f" (did you mean '{file.parent / matches[0] if str(file.parent) != '.' else matches[0]}'?)" if matches else ""
+    return f" (did you mean '{near if str(file.parent) != '.' else near.name}'?)"
 
 
 def _article(word: str) -> str:
