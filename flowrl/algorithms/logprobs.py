@@ -71,12 +71,26 @@ def _logits_backward(logits: Tensor, logsumexp: Tensor, labels: Tensor, grad_out
     return grad.to(logits.dtype), grad.sum(dim=0) if with_sum else None
 
 
+def _logits_backward_entropy(logits: Tensor, logsumexp: Tensor, entropy: Tensor, labels: Tensor, grad_out: Tensor,
+                             grad_entropy: Tensor, temperature: float,
+                             with_sum: bool) -> tuple[Tensor, Tensor | None]:
+    """:func:`_logits_backward` with an upstream gradient ``grad_entropy`` ``[R, 1]`` of the
+    rows' entropies ``entropy`` ``[R]`` too: with p = softmax(z), dH/dz = -p * (z - lse + H)
+    (H = -sum p log p and log p = z - lse), added to the log-prob's onehot - p."""
+    scaled = logits.to(torch.float32) / temperature
+    grad = _chunk_grad(scaled, logsumexp, labels, grad_out / temperature)
+    probs = torch.exp(scaled - logsumexp[:, None])
+    grad -= (grad_entropy / temperature) * probs * (scaled - (logsumexp - entropy)[:, None])
+    return grad.to(logits.dtype), grad.sum(dim=0) if with_sum else None
+
+
 # On a GPU each chunk's cast, scaling, log-sum-exp and gather are one or two fused kernels
 # instead of a pass over the fp32 chunk each (about a third of a small model's update time
 # outside the matrix products, otherwise).
 _chunk_forward = CompiledFunction(_logits_forward, "the log-prob chunks")
 _chunk_forward_entropy = CompiledFunction(_logits_forward_entropy, "the log-prob and entropy chunks")
 _chunk_backward = CompiledFunction(_logits_backward, "the log-prob chunk gradients")
+_chunk_backward_entropy = CompiledFunction(_logits_backward_entropy, "the log-prob and entropy chunk gradients")
 
 
 class _TokenLogprobs(torch.autograd.Function):
@@ -195,16 +209,16 @@ class _LinearTokenLogprobs(torch.autograd.Function):
                                                                                    temperature)
             else:
                 logsumexp[rows], out[rows] = _chunk_forward(logits, labels[rows, None], temperature)
-        ctx.save_for_backward(hidden, weight, bias, labels, logsumexp)
+        ctx.save_for_backward(hidden, weight, bias, labels, logsumexp, entropy)
         ctx.temperature = temperature
         ctx.chunk_rows = chunk_rows
-        if entropy is not None:
-            ctx.mark_non_differentiable(entropy)
+        # an output that the loss does not use gets None in backward, not a tensor of zeros
+        ctx.set_materialize_grads(False)
         return out, entropy
 
     @staticmethod
-    def backward(ctx: Any, grad_out: Tensor, grad_entropy: Tensor | None = None) -> tuple[Tensor | None, ...]:
-        hidden, weight, bias, labels, logsumexp = ctx.saved_tensors
+    def backward(ctx: Any, grad_out: Tensor | None, grad_entropy: Tensor | None = None) -> tuple[Tensor | None, ...]:
+        hidden, weight, bias, labels, logsumexp, entropy = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         temperature, chunk_rows = ctx.temperature, ctx.chunk_rows
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
@@ -212,12 +226,19 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         # the weight's dtype once, before the sum).
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
         grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_bias else None
-        upstream = grad_out.to(torch.float32)
+        upstream = (torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device) if grad_out is None
+                    else grad_out.to(torch.float32))
+        entropy_upstream = None if grad_entropy is None else grad_entropy.to(torch.float32)
         for start in range(0, hidden.shape[0], chunk_rows):
             rows = slice(start, start + chunk_rows)
-            grad_logits, row_sum = _chunk_backward(F.linear(hidden[rows], weight, bias), logsumexp[rows],
-                                                   labels[rows, None], upstream[rows, None], temperature,
-                                                   grad_bias is not None)
+            logits = F.linear(hidden[rows], weight, bias)
+            if entropy_upstream is None:
+                grad_logits, row_sum = _chunk_backward(logits, logsumexp[rows], labels[rows, None],
+                                                       upstream[rows, None], temperature, grad_bias is not None)
+            else:
+                grad_logits, row_sum = _chunk_backward_entropy(
+                    logits, logsumexp[rows], entropy[rows], labels[rows, None], upstream[rows, None],
+                    entropy_upstream[rows, None], temperature, grad_bias is not None)
             if grad_hidden is not None:
                 grad_hidden[rows] = grad_logits @ weight
             if grad_weight is not None:
@@ -277,7 +298,9 @@ def linear_token_logprobs_and_entropy(
     chunk_rows: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """:func:`linear_token_logprobs` and, from the same chunks, the entropy of each row's
-    ``softmax(logits / temperature)`` ([R] fp32, not differentiable: a metric)."""
+    ``softmax(logits / temperature)`` ([R] fp32), both differentiable in ``hidden``,
+    ``weight`` and ``bias`` (an entropy bonus); the backward recomputes each chunk's logits
+    once for both."""
     rows = _linear_chunk_rows(hidden, weight, labels, temperature, chunk_rows)
     values, entropy = _LinearTokenLogprobs.apply(hidden, weight, bias, labels.long(), float(temperature), rows, True)
     return values, entropy

@@ -132,18 +132,19 @@ def completion_logprobs(
 
 
 def completion_logprobs_and_entropy(
-    module: torch.nn.Module, rollout: Rollout, device: torch.device,
+    module: torch.nn.Module, rollout: Rollout, device: torch.device, entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`completion_logprobs` of one pass and the entropy of the policy at each
-    completion token ([N, T] float32, padding included: mask it; a metric, not
-    differentiable)."""
-    logprobs, entropy = _logprobs(module, rollout, device, True)
+    completion token ([N, T] float32, padding included: mask it). With ``entropy_grad`` the
+    entropy is differentiable (an entropy bonus); otherwise only the fused head's is (at no
+    cost unless a loss uses it) and a model without one gives a metric."""
+    logprobs, entropy = _logprobs(module, rollout, device, True, entropy_grad)
     assert entropy is not None
     return logprobs, entropy
 
 
 def _logprobs(module: torch.nn.Module, rollout: Rollout, device: torch.device,
-              with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+              with_entropy: bool, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     window = completion_window(rollout, device)
     labels = to_device(rollout.completion_ids[:, : window.width], device)
     head = output_head(module)
@@ -159,8 +160,10 @@ def _logprobs(module: torch.nn.Module, rollout: Rollout, device: torch.device,
         logprobs = token_logprobs(completion, labels, temperature=rollout.temperature)
         entropy = None
         if with_entropy:
-            with torch.no_grad():
-                entropy = window.pad(token_entropy(completion.detach(), temperature=rollout.temperature))
+            # differentiable, autograd keeps each chunk's fp32 softmax: only when a loss reads it
+            with torch.enable_grad() if entropy_grad else torch.no_grad():
+                entropy = window.pad(token_entropy(completion if entropy_grad else completion.detach(),
+                                                   temperature=rollout.temperature))
         return window.pad(logprobs), entropy
     # The output head runs on the completion tokens only (not the prompt's positions, not the
     # padding after a row's end): the largest matrix product of the pass, and its logits are
@@ -233,21 +236,23 @@ def _sharded_fused_logprobs(
     on a GPU a whole model's decoder layers run compiled and a sharded model's eagerly, so
     their last bits may differ."""
     layout = _pass_layout(module, window, _recomputed(getattr(module, "base_model", module)))
-    entropies: list[torch.Tensor | None] = []
 
     def compute(hidden: torch.Tensor) -> torch.Tensor:
         rows = _completion_rows(layout.unpack(hidden), window, real)
         values, row_entropy = _fused_head(rows, linear, labels, temperature, with_entropy)
-        entropies.append(row_entropy)
-        return values
+        # Both leave as the model's output, whose backward hooks gather the parameters again
+        # before any gradient reaches the head (an entropy bonus has one).
+        return values if row_entropy is None else torch.stack((values, row_entropy))
 
     setattr(module, name, _HeadStandIn(compute))
     try:
         with layout.context:
-            values = module(**layout.inputs, use_cache=False).logits
+            output = module(**layout.inputs, use_cache=False).logits
     finally:
         setattr(module, name, linear)
-    return values, entropies[0] if entropies else None
+    if with_entropy:
+        return output[0], output[1]
+    return output, None
 
 
 SHARE_PROMPTS_ABOVE = 0.1

@@ -56,7 +56,8 @@ class Objective(Protocol):
 
 
 class PolicyObjective:
-    """PPO's clipped surrogate on the advantages, plus ``kl_coef`` x KL to the reference."""
+    """PPO's clipped surrogate on the advantages, plus ``kl_coef`` x KL to the reference,
+    minus ``entropy_coef`` x the policy's entropy."""
 
     prefix = "actor"
     token_means: tuple[str, ...] = ("pg_clipfrac", "ratio_mean", "ppo_kl", "entropy")
@@ -81,7 +82,8 @@ class PolicyObjective:
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         device, node = state.device, self.node
         mask = to_device(piece.completion_mask, device).float()
-        logprobs, entropy = completion_logprobs_and_entropy(state.training_module, piece, device)
+        bonus = node.entropy_coef > 0
+        logprobs, entropy = completion_logprobs_and_entropy(state.training_module, piece, device, entropy_grad=bonus)
         old = logprobs.detach() if self.old_logprobs is None else to_device(self.old_logprobs[rows], device)
         loss, stats = policy_loss(
             logprobs, old, to_device(self.advantages[rows], device), mask, clip_eps=node.clip_eps,
@@ -89,6 +91,9 @@ class PolicyObjective:
         )
         numbers = dict(stats)
         numbers["entropy"] = masked_mean(entropy.detach(), mask.bool())
+        if bonus:
+            entropy_term = aggregate(entropy, mask, node.loss_agg, piece.max_new_tokens)
+            loss = loss - node.entropy_coef * entropy_term
         if self.use_kl:
             assert self.ref_logprobs is not None
             kl = kl_penalty(logprobs, to_device(self.ref_logprobs[rows], device), estimator=node.kl_estimator)

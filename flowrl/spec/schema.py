@@ -523,6 +523,7 @@ class AdvantageNode(_NodeBase):
 UPDATE_FIELDS: dict[str, str] = {
     "clip_eps": "policy",
     "clip_eps_high": "policy",
+    "entropy_coef": "policy",
     "kl_coef": "policy",
     "kl_estimator": "policy",
     "clip_range_value": "value",
@@ -565,6 +566,10 @@ class UpdateNode(_NodeBase):
     """Upper clipping range, when it differs from the lower one (DAPO's clip-higher, such as
     0.28 with clip_eps 0.2): the ratio is clipped to [1 - clip_eps, 1 + clip_eps_high]. None:
     clip_eps. Default None."""
+    entropy_coef: float = Field(default=0.0, ge=0)
+    """Weight of the entropy bonus: the loss subtracts ``entropy_coef`` x the policy's entropy
+    at the completion tokens, aggregated like the loss (``loss_agg``); 0 turns it off (the
+    entropy is still logged as ``actor/entropy``). Policies only. Default 0.0."""
     clip_range_value: float | None = Field(default=0.2, gt=0)
     """Value-update clipping around the old values (critics only); None turns it off. Default 0.2."""
     loss_agg: Literal["token_mean", "seq_mean", "token_sum_norm"] = "token_mean"

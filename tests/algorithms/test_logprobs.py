@@ -7,7 +7,12 @@ import math
 import pytest
 import torch
 
-from flowrl.algorithms.logprobs import linear_token_logprobs, token_entropy, token_logprobs
+from flowrl.algorithms.logprobs import (
+    linear_token_logprobs,
+    linear_token_logprobs_and_entropy,
+    token_entropy,
+    token_logprobs,
+)
 
 
 def _reference(logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -153,6 +158,53 @@ def test_fused_head_gradcheck_in_float64() -> None:
     )
 
 
+@pytest.mark.parametrize("chunk_rows", [1, 4, 64])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fused_head_entropy_gradient_matches_autograd_of_the_plain_entropy(chunk_rows: int, with_bias: bool) -> None:
+    # a loss of both outputs (an entropy bonus beside the log-probs) and of the entropy alone
+    generator = torch.Generator().manual_seed(11 + chunk_rows)
+    hidden = torch.randn(13, 6, generator=generator)
+    weight = torch.randn(17, 6, generator=generator)
+    bias = torch.randn(17, generator=generator) if with_bias else None
+    labels = torch.randint(0, 17, (13,), generator=generator)
+    upstream, entropy_upstream = torch.randn(13, generator=generator), torch.randn(13, generator=generator)
+    for logprob_weight in (1.0, 0.0):
+        leaves = [t.clone().requires_grad_(True) for t in (hidden, weight) + ((bias,) if bias is not None else ())]
+        theirs = [t.detach().clone().requires_grad_(True) for t in leaves]
+        values, entropy = linear_token_logprobs_and_entropy(leaves[0], leaves[1], labels,
+                                                            bias=leaves[2] if with_bias else None,
+                                                            temperature=0.7, chunk_rows=chunk_rows)
+        logits = torch.nn.functional.linear(theirs[0], theirs[1], theirs[2] if with_bias else None) / 0.7
+        log_p = torch.log_softmax(logits, dim=-1)
+        expected_entropy = -(log_p.exp() * log_p).sum(dim=-1)
+        expected_values = log_p.gather(-1, labels[:, None]).squeeze(-1)
+        torch.testing.assert_close(entropy, expected_entropy, atol=1e-5, rtol=0)
+        loss = (entropy * entropy_upstream).sum()
+        expected_loss = (expected_entropy * entropy_upstream).sum()
+        if logprob_weight:
+            loss = loss + (values * upstream).sum()
+            expected_loss = expected_loss + (expected_values * upstream).sum()
+        loss.backward()
+        expected_loss.backward()
+        for mine, reference in zip(leaves, theirs):
+            assert mine.grad is not None and reference.grad is not None
+            torch.testing.assert_close(mine.grad, reference.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_head_entropy_gradient_hand_example() -> None:
+    # logits [log 3, 0]: p = [3/4, 1/4], H = 2 log 2 - (3/4) log 3, and dH/dz = -p (log p + H)
+    # = [-3/16 log 3, +3/16 log 3]; through z = weight @ hidden with hidden = log 3:
+    # dH/dhidden = -3/16 log 3, dH/dweight = [[-3/16 (log 3)^2], [3/16 (log 3)^2]]
+    hidden = torch.tensor([[math.log(3)]], requires_grad=True)
+    weight = torch.tensor([[1.0], [0.0]], requires_grad=True)
+    _, entropy = linear_token_logprobs_and_entropy(hidden, weight, torch.tensor([0]))
+    torch.testing.assert_close(entropy, torch.tensor([2 * math.log(2) - 0.75 * math.log(3)]))
+    entropy.sum().backward()
+    assert hidden.grad is not None and weight.grad is not None
+    torch.testing.assert_close(hidden.grad, torch.tensor([[-3 / 16 * math.log(3)]]))
+    torch.testing.assert_close(weight.grad, torch.tensor([[-3 / 16 * math.log(3) ** 2], [3 / 16 * math.log(3) ** 2]]))
+
+
 def test_fused_head_errors() -> None:
     with pytest.raises(ValueError, match=r"\[R, H\]"):
         linear_token_logprobs(torch.zeros(2, 3), torch.zeros(4, 5), torch.zeros(2, dtype=torch.long))
@@ -179,14 +231,42 @@ def test_fused_head_on_a_gpu_in_bf16_matches_the_plain_head() -> None:
     torch.testing.assert_close(ours_w.grad.float(), theirs_w.grad.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fused_head_entropy_bonus_on_a_gpu_in_bf16_matches_the_plain_head() -> None:
+    # the compiled chunk gradient of log-probs and entropies against autograd of the plain head
+    generator = torch.Generator(device="cuda").manual_seed(8)
+    hidden = torch.randn(300, 64, device="cuda", generator=generator).to(torch.bfloat16)
+    weight = (torch.randn(5000, 64, device="cuda", generator=generator) * 0.1).to(torch.bfloat16)
+    labels = torch.randint(0, 5000, (300,), device="cuda", generator=generator)
+    ours_h, ours_w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    theirs_h, theirs_w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    values, entropy = linear_token_logprobs_and_entropy(ours_h, ours_w, labels, temperature=0.8, chunk_rows=128)
+    log_p = torch.log_softmax(torch.nn.functional.linear(theirs_h, theirs_w).float() / 0.8, dim=-1)
+    expected_entropy = -(log_p.exp() * log_p).sum(dim=-1)
+    torch.testing.assert_close(entropy, expected_entropy, atol=2e-2, rtol=0)
+    (values.sum() - 0.5 * entropy.sum()).backward()
+    (log_p.gather(-1, labels[:, None]).sum() - 0.5 * expected_entropy.sum()).backward()
+    assert ours_h.grad is not None and theirs_h.grad is not None and ours_w.grad is not None and theirs_w.grad is not None
+    torch.testing.assert_close(ours_h.grad.float(), theirs_h.grad.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(ours_w.grad.float(), theirs_w.grad.float(), atol=2e-2, rtol=2e-2)
+
+
 def test_compiled_chunk_steps_match_the_plain_ones_over_changing_shapes() -> None:
     # What the GPU runs: each chunk's steps traced by torch.compile (here through the
     # aot_eager backend on the CPU), a second row count compiling a dynamic version.
-    from flowrl.algorithms.logprobs import _logits_backward, _logits_forward
+    from flowrl.algorithms.logprobs import (
+        _logits_backward,
+        _logits_backward_entropy,
+        _logits_forward,
+        _logits_forward_entropy,
+    )
     from flowrl.backends.compiled_layers import CompiledFunction
 
     forward = CompiledFunction(_logits_forward, "forward", device_types=("cpu",), backend="aot_eager")
     backward = CompiledFunction(_logits_backward, "backward", device_types=("cpu",), backend="aot_eager")
+    entropy_backward = CompiledFunction(_logits_backward_entropy, "entropy backward", device_types=("cpu",),
+                                        backend="aot_eager")
     generator = torch.Generator().manual_seed(9)
     for rows in (8, 5, 3):
         logits = torch.randn(rows, 11, generator=generator).to(torch.bfloat16)
@@ -201,7 +281,15 @@ def test_compiled_chunk_steps_match_the_plain_ones_over_changing_shapes() -> Non
         assert grad.dtype == torch.bfloat16 and summed is not None and plain_sum is not None
         torch.testing.assert_close(grad, plain_grad)
         torch.testing.assert_close(summed, plain_sum)
+        _, _, entropy = _logits_forward_entropy(logits, labels, 0.7)
+        entropy_upstream = torch.randn(rows, 1, generator=generator)
+        grad, summed = entropy_backward(logits, lse, entropy, labels, upstream, entropy_upstream, 0.7, True)
+        plain_grad, plain_sum = _logits_backward_entropy(logits, lse, entropy, labels, upstream, entropy_upstream,
+                                                         0.7, True)
+        torch.testing.assert_close(grad, plain_grad)
+        torch.testing.assert_close(summed, plain_sum)
     assert forward.compiled is not None and not forward.failed
+    assert entropy_backward.compiled is not None and not entropy_backward.failed
 
 
 def test_a_compiler_failure_warns_once_and_runs_the_plain_function() -> None:

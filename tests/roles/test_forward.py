@@ -63,8 +63,30 @@ def test_the_entropy_comes_with_the_log_probs_from_either_head(monkeypatch: pyte
         if not fused:
             monkeypatch.setattr(forward, "output_head", lambda module: None)  # the model's own forward
         logprobs, entropy = forward.completion_logprobs_and_entropy(model, rollout, torch.device("cpu"))  # type: ignore[arg-type]
-        assert not entropy.requires_grad and logprobs.requires_grad
+        # the fused head's entropy is differentiable at no cost; the plain one only when asked
+        assert entropy.requires_grad == fused and logprobs.requires_grad
         torch.testing.assert_close(entropy * mask, expected * mask, atol=1e-5, rtol=0)
+
+
+def test_an_entropy_bonus_has_the_same_gradient_through_either_head(monkeypatch: pytest.MonkeyPatch) -> None:
+    import flowrl.roles.forward as forward
+
+    rollout = _rollout()
+    mask = rollout.completion_mask.float()  # type: ignore[attr-defined]
+    generator = torch.Generator().manual_seed(1)
+    weights, entropy_weights = torch.randn(mask.shape, generator=generator), torch.randn(mask.shape, generator=generator)
+    gradients = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(forward, "output_head", lambda module: None)
+        model = tiny_policy(seed=3)
+        logprobs, entropy = forward.completion_logprobs_and_entropy(model, rollout, torch.device("cpu"),  # type: ignore[arg-type]
+                                                                    entropy_grad=True)
+        assert entropy.requires_grad
+        ((logprobs * weights + entropy * entropy_weights) * mask).sum().backward()
+        gradients.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert float(gradients[0].abs().sum()) > 0
+    torch.testing.assert_close(gradients[0], gradients[1], atol=1e-5, rtol=1e-4)
 
 
 def test_models_with_transformed_logits_use_their_own_forward() -> None:

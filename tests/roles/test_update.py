@@ -77,6 +77,28 @@ def test_kl_term_is_reported_and_zero_against_itself() -> None:
     assert output.metrics["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)
 
 
+def test_an_entropy_bonus_alone_raises_the_entropy_and_enters_the_loss() -> None:
+    # zero advantages and no KL: the clipped surrogate's gradient is 0, so only the bonus moves
+    # the policy, towards higher entropy; one pass of token_mean: loss = pg_loss - coef x entropy
+    rollout = _rollout(_state())
+    entropies = []
+    for coef in (0.0, 0.5):
+        state = _state()
+        node = UpdateNode(model="actor", inputs=["rollout", "adv"], lr=1e-3, entropy_coef=coef)
+        before = [p.detach().clone() for p in state.module.parameters()]
+        outputs = [update_policy(state, rollout, torch.zeros(4), None, node, seed=0) for _ in range(3)]
+        moved = any(not torch.equal(a, b) for a, b in zip(before, state.module.parameters()))
+        assert moved == (coef > 0)
+        for output in outputs:
+            metrics = output.metrics
+            assert metrics["actor/loss"] == pytest.approx(metrics["actor/pg_loss"] - coef * metrics["actor/entropy"],
+                                                          abs=1e-6)
+        entropies.append([output.metrics["actor/entropy"] for output in outputs])
+    still, raised = entropies
+    assert still[0] == still[1] == still[2]
+    assert raised[0] == still[0] and raised[0] < raised[1] < raised[2]
+
+
 def test_padding_columns_do_not_change_logprobs() -> None:
     state = _state()
     rollout = _rollout(state)
