@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -48,6 +49,9 @@ class Rollout:
     """Dataset column -> one value per row (what reward functions receive by name)."""
     chat: bool = False
     """The prompts are chats: reward functions see completions as assistant messages."""
+    truncated: torch.Tensor | None = None
+    """[N] bool: the row ran to ``max_new_tokens`` without a stop token (cut, not finished);
+    None: not known."""
 
     @property
     def num_sequences(self) -> int:
@@ -88,7 +92,14 @@ class Rollout:
             data_prompts=[self.data_prompts[i] for i in index] if self.data_prompts else [],
             columns={name: [values[i] for i in index] for name, values in self.columns.items()},
             chat=self.chat,
+            truncated=None if self.truncated is None else self.truncated[rows],
         )
+
+    def without_rows(self, rows: torch.Tensor) -> "Rollout":
+        """The rollout with the completions of rows ``rows`` ([N] bool) masked out: a loss
+        and its normaliser leave them out (their forward passes still run, on the prompt)."""
+        kept = (~rows.bool()).to(self.completion_mask.dtype)[:, None]
+        return dataclasses.replace(self, completion_mask=self.completion_mask * kept)
 
     def texts_pending(self) -> Future[list[str]] | None:
         """The decode of the completion texts while it still runs (or when it failed)."""

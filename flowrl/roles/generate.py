@@ -35,9 +35,10 @@ def run_generate(
     attention_mask = prompt_mask.to(state.device)
     was_training = state.module.training
     state.module.eval()
+    stop_ids = stop_token_ids(tokenizer, state.module)
     settings = dict(
         max_new_tokens=node.max_new_tokens,
-        eos_token_id=stop_token_ids(tokenizer, state.module),
+        eos_token_id=stop_ids,
         pad_token_id=tokenizer.pad_token_id,
         temperature=node.temperature,
         top_p=node.top_p,
@@ -77,6 +78,7 @@ def run_generate(
         data_prompts=[example.reward_prompt for example in rows],
         columns=_columns(rows),
         chat=any(example.chat for example in rows),
+        truncated=truncated_rows(completion_ids, completion_mask, node.max_new_tokens, stop_ids),
     )
     return NodeOutput(
         value=rollout,
@@ -144,11 +146,23 @@ def _engine(state: ModelState, node: Any) -> Callable[..., GenerationOutput]:
     return lambda ids, mask, **settings: generate_tokens(module, ids, mask, **settings)
 
 
+def truncated_rows(completion_ids: torch.Tensor, completion_mask: torch.Tensor, max_new_tokens: int,
+                   stop_ids: Sequence[int]) -> torch.Tensor:
+    """[N] bool: rows of ``max_new_tokens`` tokens whose last token is no stop token (a row
+    whose stop token came last finished)."""
+    lengths = completion_mask.sum(dim=1)
+    full = lengths >= max_new_tokens
+    last = completion_ids.gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1)
+    stops = torch.tensor(list(stop_ids), dtype=last.dtype)
+    return full & ~torch.isin(last, stops)
+
+
 def rollout_metrics(rollout: Rollout) -> dict[str, float]:
     lengths = rollout.completion_mask.sum(dim=1).float()
+    cut = rollout.truncated if rollout.truncated is not None else lengths >= rollout.max_new_tokens
     return {
         "response_length/mean": float(lengths.mean()),
         "response_length/max": float(lengths.max()),
-        "response_length/clip_ratio": float((lengths >= rollout.max_new_tokens).float().mean()),
+        "response_length/clip_ratio": float(cut.float().mean()),
         "prompt_length/mean": float(rollout.prompt_mask.sum(dim=1).float().mean()),
     }

@@ -68,4 +68,6 @@ def join_rollouts(parts: list[Rollout]) -> Rollout:
         data_prompts=[item for p in parts for item in p.data_prompts] if all(p.data_prompts for p in parts) else [],
         columns={name: [value for p in parts for value in p.columns[name]] for name in first.columns},
         chat=first.chat,
+        truncated=(torch.cat([p.truncated for p in parts])  # type: ignore[misc]
+                   if all(p.truncated is not None for p in parts) else None),
     )

@@ -157,6 +157,8 @@ def update_policy(
 ) -> NodeOutput:
     """Train a policy on ``advantages`` (``[N]`` or ``[N, T]``) at rate ``lr`` (this step's
     rate of the node's schedule; None: ``node.lr``)."""
+    if node.mask_truncated_completions and rollout.truncated is not None:
+        rollout = rollout.without_rows(rollout.truncated)
     return run_update(state, rollout, PolicyObjective(node, advantages, ref_logprobs), node, seed, dp, lr)
 
 
@@ -333,7 +335,9 @@ def _step(
     # A NaN or infinite loss or gradient would poison the weights and the optimizer's moments
     # for good: the step is skipped instead (every data-parallel rank sees the same sums).
     finite = all(math.isfinite(value) for value in result.values())
-    if finite:
+    # A mini-batch without a token in the loss (every completion masked out) has a zero
+    # gradient, on which AdamW would still move the weights along its moments.
+    if finite and bool(part.completion_mask.any()):
         optimizer.step()
     else:
         optimizer.zero_grad(set_to_none=True)

@@ -524,6 +524,7 @@ UPDATE_FIELDS: dict[str, str] = {
     "clip_eps": "policy",
     "clip_eps_high": "policy",
     "entropy_coef": "policy",
+    "mask_truncated_completions": "policy",
     "kl_coef": "policy",
     "kl_estimator": "policy",
     "clip_range_value": "value",
@@ -570,6 +571,11 @@ class UpdateNode(_NodeBase):
     """Weight of the entropy bonus: the loss subtracts ``entropy_coef`` x the policy's entropy
     at the completion tokens, aggregated like the loss (``loss_agg``); 0 turns it off (the
     entropy is still logged as ``actor/entropy``). Policies only. Default 0.0."""
+    mask_truncated_completions: bool = False
+    """Leave completions cut at ``max_new_tokens`` (no stop token) out of the loss and its
+    normaliser (DAPO's overlong filtering): their reward judged an unfinished answer. A
+    mini-batch of only such completions makes no optimizer step. Policies only. Default
+    false."""
     clip_range_value: float | None = Field(default=0.2, gt=0)
     """Value-update clipping around the old values (critics only); None turns it off. Default 0.2."""
     loss_agg: Literal["token_mean", "seq_mean", "token_sum_norm"] = "token_mean"

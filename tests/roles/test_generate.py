@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flowrl.data import PromptExample
-from flowrl.roles.generate import run_generate
+from flowrl.roles.generate import rollout_metrics, run_generate, truncated_rows
 from flowrl.roles.state import ModelState
 from flowrl.roles.texts import LaterTexts, decode_rows
 from flowrl.spec.schema import GenerateNode
@@ -36,6 +36,32 @@ def test_rollout_is_grouped_by_prompt_and_decodes_its_own_tokens() -> None:
     assert output.tokens_out == int(rollout.completion_mask.sum())
     # tensors leave inference mode, so a training step on the same worker can use them
     assert not rollout.completion_ids.is_inference()
+
+
+def test_a_row_is_truncated_when_it_ran_to_the_limit_without_a_stop_token() -> None:
+    # limit 3, stop ids 9 and 8: cut; stopped early; stopped on the last token; an empty row
+    ids = torch.tensor([[1, 2, 3], [1, 9, 0], [1, 2, 8], [0, 0, 0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1], [0, 0, 0]])
+    assert truncated_rows(ids, mask, 3, (9, 8)).tolist() == [True, False, False, False]
+    assert truncated_rows(ids, mask, 3, ()).tolist() == [True, False, True, False]
+
+
+def test_a_rollout_knows_its_truncated_rows_and_reports_their_share() -> None:
+    state = model_state("actor", tiny_policy(0))
+    prompts = [PromptExample("ab=", "a"), PromptExample("xyzw=", "x")]
+    node = GenerateNode(model="actor", inputs=["prompts"], n=4, max_new_tokens=3)
+    output = run_generate(state, prompts, node)
+    rollout = output.value
+    eos = state.tokenizer.eos_token_id
+    lengths = rollout.completion_mask.sum(dim=1)
+    expected = [int(length) == 3 and int(rollout.completion_ids[row, 2]) != eos for row, length in enumerate(lengths)]
+    assert rollout.truncated is not None and rollout.truncated.tolist() == expected
+    assert output.metrics["response_length/clip_ratio"] == sum(expected) / 8
+    assert rollout.select(torch.tensor([1, 0])).truncated.tolist() == expected[1::-1]
+    # a row that stopped on its last token finished: not counted as cut
+    finished = rollout.select(torch.arange(8))
+    finished.truncated = torch.zeros(8, dtype=torch.bool)
+    assert rollout_metrics(finished)["response_length/clip_ratio"] == 0.0
 
 
 def test_completion_texts_equal_batch_decode_with_padding_special_tokens_and_clean_up() -> None:

@@ -99,6 +99,46 @@ def test_an_entropy_bonus_alone_raises_the_entropy_and_enters_the_loss() -> None
     assert raised[0] == still[0] and raised[0] < raised[1] < raised[2]
 
 
+@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean"])
+def test_truncated_completions_masked_out_train_as_if_they_were_not_there(loss_agg: str) -> None:
+    # rows 1 and 3 were cut at the limit: masked, the step equals the step on rows 0 and 2 alone
+    advantages = torch.tensor([1.0, -1.0, 0.5, 2.0])
+    results = []
+    for masked in (True, False):
+        state = _state()
+        rollout = _rollout(state)
+        rollout.truncated = torch.tensor([False, True, False, True])
+        node = UpdateNode(model="actor", inputs=["rollout", "adv"], lr=1e-2, loss_agg=loss_agg,
+                          mask_truncated_completions=masked)
+        if not masked:
+            rollout, advantages = rollout.select(torch.tensor([0, 2])), advantages[[0, 2]]
+        output = update_policy(state, rollout, advantages, None, node, seed=0)
+        results.append((output.metrics, [p.detach().clone() for p in state.module.parameters()]))
+    (masked_metrics, masked_weights), (alone_metrics, alone_weights) = results
+    for key in ("actor/loss", "actor/entropy", "actor/grad_norm"):
+        assert masked_metrics[key] == pytest.approx(alone_metrics[key], rel=1e-5), key
+    # AdamW's first step is lr x g / (|g| + eps): where g is near 0 the last bits of the
+    # gradient (other rows in the pass) show, well below the step of 1e-2
+    for mine, theirs in zip(masked_weights, alone_weights):
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_a_mini_batch_of_only_truncated_completions_leaves_the_weights_alone() -> None:
+    state = _state()
+    rollout = _rollout(state)
+    rollout.truncated = torch.tensor([True, True, False, False])
+    node = UpdateNode(model="actor", inputs=["rollout", "adv"], lr=1e-2, mask_truncated_completions=True,
+                      mini_batch_size=2)
+    update_policy(state, rollout, torch.tensor([1.0, -1.0, 0.5, -0.5]), None, node, seed=0)
+    before = [p.detach().clone() for p in state.module.parameters()]
+    # now every row is cut: the moments of the first step would move the weights on a zero gradient
+    rollout.truncated = torch.ones(4, dtype=torch.bool)
+    output = update_policy(state, rollout, torch.tensor([1.0, -1.0, 0.5, -0.5]), None, node, seed=0)
+    assert output.metrics["actor/loss"] == 0.0 and output.metrics["actor/num_optimizer_steps"] == 2.0
+    for mine, theirs in zip(state.module.parameters(), before):
+        assert torch.equal(mine, theirs)
+
+
 def test_padding_columns_do_not_change_logprobs() -> None:
     state = _state()
     rollout = _rollout(state)
