@@ -69,6 +69,7 @@ def policy_loss(
     loss_agg: LossAggregation = "token_mean",
     clip_eps_high: float | None = None,
     norm_tokens: int | None = None,
+    token_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate loss (Schulman et al. 2017), as GRPO uses it.
 
@@ -88,6 +89,9 @@ def policy_loss(
         clip_eps: half-width of the trust region around ratio 1, e.g. 0.2.
         clip_eps_high: the region's upper half-width; None: ``clip_eps``.
         norm_tokens: the constant of ``token_sum_norm``, see :func:`aggregate`.
+        token_weights: ``[N, T]`` factors of each token's term (data, detached), such as
+            truncated importance weights between the sampling engine and this policy's
+            forward; None: 1.
         loss_agg: ``"token_mean"``, ``"seq_mean"`` or ``"token_sum_norm"``, see :func:`aggregate`.
 
     Returns:
@@ -121,6 +125,8 @@ def policy_loss(
     high = clip_eps if clip_eps_high is None else clip_eps_high
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high) * advantages
     per_token = -torch.min(unclipped, clipped)
+    if token_weights is not None:
+        per_token = per_token * torch.where(selected, token_weights.detach().to(logprobs.dtype), zeros)
     loss = aggregate(per_token, selected, loss_agg, norm_tokens)
     with torch.no_grad():
         stats = {

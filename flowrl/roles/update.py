@@ -24,6 +24,7 @@ import torch
 from flowrl.algorithms.kl import kl_penalty
 from flowrl.algorithms.losses import aggregate, masked_mean, policy_loss, value_loss
 from flowrl.backends.transfer import to_device
+from flowrl.errors import FlowrlError
 from flowrl.roles.batch import NodeOutput, Rollout
 from flowrl.roles.data_parallel import DataParallel, release, weighted_rows
 from flowrl.roles.forward import completion_logprobs, completion_logprobs_and_entropy, micro_batches
@@ -62,12 +63,18 @@ class PolicyObjective:
     prefix = "actor"
     token_means: tuple[str, ...] = ("pg_clipfrac", "ratio_mean", "ppo_kl", "entropy")
 
-    def __init__(self, node: UpdateNode, advantages: torch.Tensor, ref_logprobs: torch.Tensor | None) -> None:
+    def __init__(self, node: UpdateNode, advantages: torch.Tensor, ref_logprobs: torch.Tensor | None,
+                 sampled: bool = False) -> None:
         self.node, self.advantages, self.ref_logprobs = node, advantages, ref_logprobs
         self.use_kl = ref_logprobs is not None and node.kl_coef > 0
+        # the sampling engine's log-probs (``sampled``: the rollout has them): their drift from
+        # the training forward is measured, and with rollout_is_cap corrected
+        self.sampled = sampled
+        drift = ("rollout_logprob_diff", "rollout_is_weight") if sampled else ()
         self.keys: tuple[str, ...] = (
-            "pg_clipfrac", "ratio_mean", "ppo_kl", "entropy", "pg_loss", *(("kl_loss",) if self.use_kl else ()),
-            "loss")
+            "pg_clipfrac", "ratio_mean", "ppo_kl", "entropy", *drift, "pg_loss",
+            *(("kl_loss",) if self.use_kl else ()), "loss")
+        self.token_means = (*PolicyObjective.token_means, *drift)
         self.old_logprobs: torch.Tensor | None = None
 
     def prepare(self, state: ModelState, rollout: Rollout, dp: DataParallel | None, single_step: bool) -> None:
@@ -85,11 +92,18 @@ class PolicyObjective:
         bonus = node.entropy_coef > 0
         logprobs, entropy = completion_logprobs_and_entropy(state.training_module, piece, device, entropy_grad=bonus)
         old = logprobs.detach() if self.old_logprobs is None else to_device(self.old_logprobs[rows], device)
+        weights: torch.Tensor | None = None
+        drift: dict[str, torch.Tensor] = {}
+        if self.sampled:
+            assert piece.sampled_logprobs is not None
+            weights, drift = _rollout_weights(old, _widen(to_device(piece.sampled_logprobs, device), old.shape[1]),
+                                              mask, node.rollout_is_cap)
         loss, stats = policy_loss(
             logprobs, old, to_device(self.advantages[rows], device), mask, clip_eps=node.clip_eps,
             loss_agg=node.loss_agg, clip_eps_high=node.clip_eps_high, norm_tokens=piece.max_new_tokens,
+            token_weights=weights if node.rollout_is_cap is not None else None,
         )
-        numbers = dict(stats)
+        numbers = {**stats, **drift}
         numbers["entropy"] = masked_mean(entropy.detach(), mask.bool())
         if bonus:
             entropy_term = aggregate(entropy, mask, node.loss_agg, piece.max_new_tokens)
@@ -105,6 +119,25 @@ class PolicyObjective:
 
     def finish(self, metrics: dict[str, float]) -> None:
         pass
+
+
+def _widen(values: torch.Tensor, width: int) -> torch.Tensor:
+    """[N, T'] -> [N, width]: zeros on columns past the values' own (masked downstream)."""
+    if values.shape[1] >= width:
+        return values[:, :width]
+    return torch.nn.functional.pad(values, (0, width - values.shape[1]))
+
+
+def _rollout_weights(old: torch.Tensor, sampled: torch.Tensor, mask: torch.Tensor,
+                     cap: float | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token ``min(exp(old - sampled), cap)`` (no cap: the plain ratio) and, as token
+    means, the absolute log-prob drift between the two engines and the weight."""
+    selected = mask.bool()
+    diff = torch.where(selected, old - sampled, torch.zeros_like(old))
+    ratio = torch.exp(diff)
+    weights = ratio if cap is None else ratio.clamp(max=cap)
+    return weights, {"rollout_logprob_diff": masked_mean(diff.abs(), selected),
+                     "rollout_is_weight": masked_mean(weights, selected)}
 
 
 class ValueObjective:
@@ -159,7 +192,12 @@ def update_policy(
     rate of the node's schedule; None: ``node.lr``)."""
     if node.mask_truncated_completions and rollout.truncated is not None:
         rollout = rollout.without_rows(rollout.truncated)
-    return run_update(state, rollout, PolicyObjective(node, advantages, ref_logprobs), node, seed, dp, lr)
+    sampled = rollout.sampled_logprobs is not None
+    if node.rollout_is_cap is not None and not sampled:
+        raise FlowrlError("rollout_is_cap weighs each token by the sampling engine's probability, and this "
+                          "rollout came without its log-probs; remove rollout_is_cap")
+    objective = PolicyObjective(node, advantages, ref_logprobs, sampled)
+    return run_update(state, rollout, objective, node, seed, dp, lr)
 
 
 def update_critic(

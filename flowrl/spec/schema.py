@@ -525,6 +525,7 @@ UPDATE_FIELDS: dict[str, str] = {
     "clip_eps_high": "policy",
     "entropy_coef": "policy",
     "mask_truncated_completions": "policy",
+    "rollout_is_cap": "policy",
     "kl_coef": "policy",
     "kl_estimator": "policy",
     "clip_range_value": "value",
@@ -576,6 +577,13 @@ class UpdateNode(_NodeBase):
     normaliser (DAPO's overlong filtering): their reward judged an unfinished answer. A
     mini-batch of only such completions makes no optimizer step. Policies only. Default
     false."""
+    rollout_is_cap: float | None = Field(default=None, gt=0)
+    """Truncated importance sampling between generation and training: each token's policy
+    term is weighted by ``min(p_train / p_sample, rollout_is_cap)``, p_train the policy's
+    probability of the token in the training forward before the update and p_sample the
+    probability the generation engine sampled it with (their kernels round differently, and a
+    bf16 decode drifts from the training pass). None: off (the drift is still logged as
+    ``actor/rollout_logprob_diff``). Policies only. Default None."""
     clip_range_value: float | None = Field(default=0.2, gt=0)
     """Value-update clipping around the old values (critics only); None turns it off. Default 0.2."""
     loss_agg: Literal["token_mean", "seq_mean", "token_sum_norm"] = "token_mean"

@@ -192,6 +192,18 @@ def test_clip_higher_widens_only_the_upper_side() -> None:
     assert float(low_stats["pg_clipfrac"]) == 1.0
 
 
+def test_token_weights_scale_each_tokens_term() -> None:
+    # the clip case with clip_eps_high 0.6 (terms -1.5, -0.9, +1.5), weighted 2, 0.5, 1:
+    # token_mean = (-3.0 - 0.45 + 1.5) / 3 = -0.65; each token's gradient scales with its weight
+    logprobs, old, advantages, mask = _clip_case()
+    weights = torch.tensor([[2.0, 0.5, 7.0], [1.0, 7.0, 7.0]])  # 7s sit on padding or on no term
+    loss, _ = policy_loss(logprobs, old, advantages, mask, clip_eps=0.2, clip_eps_high=0.6, token_weights=weights)
+    assert loss.item() == pytest.approx(-0.65, abs=1e-6)
+    loss.backward()
+    assert logprobs.grad is not None
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[-1.0, -0.15, 0.0], [0.5, 0.0, 0.0]]))
+
+
 def test_clipped_value_loss_hand_computed() -> None:
     # per token 0.5 * max((v - R)^2, (clip(v, v_old - 0.2, v_old + 0.2) - R)^2):
     #   a: (1.0 - 1.2)^2 = 0.04 vs (0.7 - 1.2)^2 = 0.25 -> clipped is larger: 0.125, no gradient

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 
 import pytest
 import torch
@@ -137,6 +138,59 @@ def test_a_mini_batch_of_only_truncated_completions_leaves_the_weights_alone() -
     assert output.metrics["actor/loss"] == 0.0 and output.metrics["actor/num_optimizer_steps"] == 2.0
     for mine, theirs in zip(state.module.parameters(), before):
         assert torch.equal(mine, theirs)
+
+
+def test_truncated_importance_weights_scale_the_tokens_the_sampler_found_less_likely() -> None:
+    # The sampler gave row 0's tokens a quarter of the training forward's probability: their
+    # weight min(4, cap 2) = 2 on one step of token_mean at ratio 1 is the step with row 0's
+    # advantage doubled; the other rows' sampling log-probs are the forward's own (weight 1).
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    results = []
+    for capped in (True, False):
+        state = _state()
+        rollout = _rollout(state)
+        current = completion_logprobs(state.module, rollout, state.device).detach()
+        rollout.sampled_logprobs = current - torch.tensor([[math.log(4.0)], [0.0], [0.0], [0.0]])
+        node = UpdateNode(model="actor", inputs=["rollout", "adv"], lr=1e-2, rollout_is_cap=2.0 if capped else None)
+        scaled = advantages if capped else advantages * torch.tensor([2.0, 1.0, 1.0, 1.0])
+        output = update_policy(state, rollout, scaled, None, node, seed=0)
+        results.append((output.metrics, [p.detach().clone() for p in state.module.parameters()]))
+    (capped_metrics, capped_weights), (doubled_metrics, doubled_weights) = results
+    tokens = rollout.completion_mask.float()
+    row0_share = float(tokens[0].sum() / tokens.sum())
+    for metrics in (capped_metrics, doubled_metrics):  # the drift is logged whether or not it is corrected
+        assert metrics["actor/rollout_logprob_diff"] == pytest.approx(math.log(4.0) * row0_share, rel=1e-5)
+        # weight 2 (capped) or the plain ratio 4 (no cap) on row 0's tokens, 1 elsewhere
+        extra = 1.0 if metrics is capped_metrics else 3.0
+        assert metrics["actor/rollout_is_weight"] == pytest.approx(1.0 + row0_share * extra, rel=1e-5)
+    assert capped_metrics["actor/pg_loss"] == pytest.approx(doubled_metrics["actor/pg_loss"], rel=1e-5)
+    for mine, theirs in zip(capped_weights, doubled_weights):
+        torch.testing.assert_close(mine, theirs, atol=1e-6, rtol=1e-5)
+
+
+def test_a_rollout_from_the_decoder_has_no_drift_from_the_training_forward_on_a_cpu() -> None:
+    from flowrl.data import PromptExample
+    from flowrl.roles.generate import run_generate
+    from flowrl.spec.schema import GenerateNode
+
+    state = _state()
+    prompts = [PromptExample("ab=", "a"), PromptExample("xyzw=", "x")]
+    rollout = run_generate(state, prompts, GenerateNode(model="actor", inputs=["prompts"], n=3, max_new_tokens=6)).value
+    assert rollout.sampled_logprobs is not None
+    node = UpdateNode(model="actor", inputs=["rollout", "adv"], lr=1e-3, rollout_is_cap=2.0)
+    metrics = update_policy(state, rollout, torch.zeros(6), None, node, seed=0).metrics
+    # fp32 on a CPU: the static decoder's log-probs and the training pass's agree to rounding
+    assert metrics["actor/rollout_logprob_diff"] < 1e-4
+    assert metrics["actor/rollout_is_weight"] == pytest.approx(1.0, abs=1e-4)
+
+
+def test_rollout_is_cap_needs_the_sampling_log_probs() -> None:
+    from flowrl.errors import FlowrlError
+
+    state = _state()
+    node = UpdateNode(model="actor", inputs=["rollout", "adv"], rollout_is_cap=2.0)
+    with pytest.raises(FlowrlError, match="rollout_is_cap"):
+        update_policy(state, _rollout(state), torch.zeros(4), None, node, seed=0)
 
 
 def test_padding_columns_do_not_change_logprobs() -> None:
