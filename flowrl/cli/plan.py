@@ -60,6 +60,9 @@ def plan_command(
                       highlight=False, soft_wrap=True)
     else:
         print_plan(plan, console)
+        if cpu_rates is not None:
+            console.print(f"CPU rates measured here: {cpu_rates.flops_per_s / 1e9:.1f} GFLOP/s (fp32 matmul), "
+                          f"{cpu_rates.bandwidth_gbs:.1f} GB/s (copy)", highlight=False)
         for item in passes:
             console.print(escape(item.line()), highlight=False)
     if output is not None:

@@ -197,6 +197,38 @@ def test_cpu_probe_returns_positive_rates() -> None:
     assert rates.flops_per_s > 0 and rates.bandwidth_gbs > 0
 
 
+def test_cpu_probe_keeps_the_one_thread_rate_when_the_parallel_matmul_stalls(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Busy cores: the BLAS library's own threads take 1 s per matmul, one thread 1 ms. On a
+    # clock that only the matmuls advance, 2 x 256^3 FLOP in 1 ms is the rate kept.
+    import contextlib
+
+    import numpy
+    import threadpoolctl
+
+    import flowrl.planner.cost as cost
+
+    clock = [0.0]
+    limit: list[int | None] = [None]
+
+    @contextlib.contextmanager
+    def limits(limits: int | None = None) -> object:
+        limit[0] = limits
+        yield None
+        limit[0] = None
+
+    real_matmul = numpy.matmul
+
+    def matmul(left: object, right: object) -> object:
+        clock[0] += 1e-3 if limit[0] == 1 else 1.0
+        return real_matmul(left, right)
+
+    monkeypatch.setattr(threadpoolctl, "threadpool_limits", limits)
+    monkeypatch.setattr(numpy, "matmul", matmul)
+    monkeypatch.setattr(cost.time, "perf_counter", lambda: clock[0])
+    rates = measure_cpu_rates(matrix_size=256, repeats=2)
+    assert rates.flops_per_s == pytest.approx(2 * 256**3 / 1e-3)
+
+
 def test_a_data_parallel_update_pays_a_ring_all_reduce_over_its_slowest_link() -> None:
     from flowrl.planner.cost import weight_bytes
     from flowrl.planner.costs import EstimatedCosts
