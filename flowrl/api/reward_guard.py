@@ -22,6 +22,7 @@ from flowrl.api.recovery import resume_note
 from flowrl.errors import RewardError
 from flowrl.graph import PipelineGraph
 from flowrl.records import RunEvent
+from flowrl.rewards.safety import BATCH_FAILED
 from flowrl.spec.schema import ScoreNode
 
 
@@ -39,6 +40,7 @@ class RewardFailureGuard:
         self.first_errors: dict[str, str] = {}
         self._warned: dict[str, str] = {}
         self._warned_none: set[str] = set()
+        self._warned_batch: set[str] = set()
         self.checkpoints = checkpoints
 
     def check(self, step: int, reports: dict[str, Any], on_event: Callable[[RunEvent], None]) -> None:
@@ -52,6 +54,12 @@ class RewardFailureGuard:
             if share > 0 and message and self._warned.get(name) != message.split(" (prompt")[0]:
                 self._warned[name] = message.split(" (prompt")[0]
                 on_event(RunEvent("warning", f"score node '{name}': {share:.0%} of samples failed: {message}", step))
+            batch = next((line for line in report.messages if line.startswith(BATCH_FAILED)), None)
+            if batch is not None and name not in self._warned_batch:
+                self._warned_batch.add(name)  # once: it recurs every step a batch call fails
+                on_event(RunEvent("warning", f"score node '{name}': {batch} (reward/batch_failed counts the steps "
+                                             "it happened; a function that normalises over its batch or calls a "
+                                             "judge once per batch saw batches of one)", step))
             none = float(report.metrics.get("reward/none_share", 0.0))
             if none >= 1.0 and name not in self._warned_none:
                 self._warned_none.add(name)

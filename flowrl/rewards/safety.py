@@ -24,6 +24,9 @@ OnError = Literal["zero", "strict"]
 
 NOT_APPLICABLE = "returned None"
 
+BATCH_FAILED = "the call of reward function"
+"""How the message of a batch call that raised begins (``ScoreResult.batch_error``)."""
+
 _STRICT_HINT = (
     "fix the function, or set on_error: zero on the score node to score such samples 0 "
     "and count them in the metrics"
@@ -102,6 +105,9 @@ class ScoreResult:
     """Samples the function returned None for (not applicable; scored 0)."""
     first_error: str | None = None
     """What went wrong with the first failed sample, with the sample shown (None: none failed)."""
+    batch_error: str | None = None
+    """What the call on the whole batch raised, when it did and each sample was then scored
+    alone (None: the batch call worked)."""
 
 
 def score_safely(
@@ -114,7 +120,8 @@ def score_safely(
     """Call ``fn`` on the whole batch (see :func:`flowrl.rewards.calling.call_reward`).
 
     When the batch call raises, each sample is scored alone so that only the samples that
-    really fail are lost. A failed sample scores 0.0 under ``on_error="zero"``; under
+    really fail are lost (one call per sample; ``batch_error`` says so: a function that
+    normalises over its batch or calls a judge once per batch sees batches of one then). A failed sample scores 0.0 under ``on_error="zero"``; under
     ``"strict"`` the first one raises RewardError with the function's ``name``, the sample's
     index, prompt and completion, and what went wrong.
     """
@@ -150,4 +157,9 @@ def score_safely(
                 f"on the batch of {len(scores)}, though no single sample fails; {_STRICT_HINT}"
             ) from batch_error
     num_none = sum(why == NOT_APPLICABLE for why in reasons)
-    return ScoreResult([0.0 if score is None else score for score in scores], len(failed), num_none=num_none, first_error=first_error)
+    fallback = None
+    if batch_error is not None and len(inputs) > 1:
+        fallback = (f"{BATCH_FAILED} '{label}' on the batch of {len(scores)} raised {type(batch_error).__name__}: "
+                    f"{batch_error}{_where(fn, batch_error)}; each sample was scored alone ({len(scores)} calls)")
+    return ScoreResult([0.0 if score is None else score for score in scores], len(failed), num_none=num_none,
+                       first_error=first_error, batch_error=fallback)

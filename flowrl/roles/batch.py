@@ -125,6 +125,13 @@ class Scores:
     """Rows the reward function returned None for (not applicable; scored 0)."""
     first_error: str | None = None
     """What went wrong with the first failed row, for the run's log."""
+    batch_error: str | None = None
+    """What the reward function's call on the whole batch raised before each row was scored
+    alone (None: it did not)."""
+
+    def messages(self) -> tuple[str, ...]:
+        """The run log's lines about this batch: the first failed row's error first."""
+        return tuple(message for message in (self.first_error, self.batch_error) if message)
 
 
 @dataclass

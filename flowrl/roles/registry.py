@@ -132,6 +132,7 @@ class Score:
             sum(part.num_failed for part in parts),
             sum(part.num_none for part in parts),
             next((part.first_error for part in parts if part.first_error), None),
+            next((part.batch_error for part in parts if part.batch_error), None),
         )
         return scores, score_metrics(scores, spec.fn is not None)
 

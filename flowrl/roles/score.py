@@ -38,12 +38,13 @@ def run_score(
         num_failed=result.num_failed,
         num_none=result.num_none,
         first_error=result.first_error,
+        batch_error=result.batch_error,
     )
     return NodeOutput(
         value=scores,
         metrics=score_metrics(scores, with_failures=True),
         tokens_in=rollout.num_completion_tokens,
-        messages=(scores.first_error,) if scores.first_error else (),
+        messages=scores.messages(),
     )
 
 
@@ -60,4 +61,6 @@ def score_metrics(scores: Scores, with_failures: bool) -> dict[str, float]:
         metrics["reward/failed_share"] = scores.num_failed / max(1, int(tensor.numel()))
         metrics["reward/num_none"] = float(scores.num_none)
         metrics["reward/none_share"] = scores.num_none / max(1, int(tensor.numel()))
+        # 1: the call on the whole batch raised, and each sample was scored alone
+        metrics["reward/batch_failed"] = 1.0 if scores.batch_error else 0.0
     return metrics

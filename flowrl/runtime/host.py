@@ -29,7 +29,7 @@ import torch
 from flowrl.profiler import DeviceSampler
 from flowrl.records import DeviceSample
 from flowrl.rewards import RewardCache
-from flowrl.roles.batch import NodeOutput, Rollout
+from flowrl.roles.batch import NodeOutput, Rollout, Scores
 from flowrl.roles.data_parallel import DataParallel, weighted_rows
 from flowrl.roles.samples import sample_rows
 from flowrl.roles.shards import shard_of
@@ -368,9 +368,8 @@ class RoleHost:
             parts.append(part)
         value, metrics = await self._computed(
             registry.role(call.role).join, [part for part in parts if part is not None], rollout, call.spec)
-        first_error = getattr(value, "first_error", None)
         return NodeOutput(value=value, metrics=metrics, tokens_in=own.tokens_in, tokens_out=own.tokens_out,
-                          messages=(first_error,) if first_error else ())
+                          messages=value.messages() if isinstance(value, Scores) else ())
 
     def _timed(self, call: NodeCall, inputs: dict[str, Any], arrived: float) -> tuple[NodeOutput, float, float]:
         on_gpu = torch.cuda.is_available() and torch.cuda.is_initialized()

@@ -75,3 +75,15 @@ def test_a_function_that_applies_to_no_sample_is_warned_about_and_alone_stops_th
     for step in range(1, 6):
         both.check(step, {"judge": _none(1.0), "math": _none(0.0)}, events.append)
     assert len(events) == 3
+
+
+def test_a_batch_call_that_raised_is_warned_about_once() -> None:
+    batch = ("the call of reward function 'digits' on the batch of 8 raised KeyError: 'x'; each sample was "
+             "scored alone (8 calls)")
+    report = SimpleNamespace(metrics={"reward/failed_share": 0.0, "reward/batch_failed": 1.0}, messages=[batch])
+    events: list[RunEvent] = []
+    guard = RewardFailureGuard(_graph({"judge": "digits"}))  # type: ignore[arg-type]
+    for step in (1, 2, 3):
+        guard.check(step, {"judge": report}, events.append)
+    assert [(event.kind, event.step) for event in events] == [("warning", 1)]
+    assert events[0].message.startswith(f"score node 'judge': {batch} (reward/batch_failed counts the steps")

@@ -464,6 +464,14 @@ def test_batch_failure_that_no_single_sample_reproduces() -> None:
         return [1.0]
 
     assert _call(batch_of_one_only, ["a", "b"]) == ([1.0, 1.0], 0)
+    # the fallback to one call per sample is said, with where the batch call raised
+    result = score_safely(batch_of_one_only, _inputs(["a", "b"]), {}, name="one")
+    assert result.first_error is None and result.batch_error is not None
+    assert result.batch_error.startswith(
+        "the call of reward function 'one' on the batch of 2 raised MemoryError: too many at once at test_rewards.py:")
+    assert result.batch_error.endswith("; each sample was scored alone (2 calls)")
+    assert score_safely(batch_of_one_only, _inputs(["a"]), {}).batch_error is None
+    assert score_safely(_lengths, _inputs(["ab", "abc"]), {}).batch_error is None
     expected = "raised MemoryError: too many at once on the batch of 2, though no single sample"
     with pytest.raises(RewardError, match=expected):
         _call(batch_of_one_only, ["a", "b"], on_error="strict")
