@@ -50,6 +50,7 @@ class _Checker:
             self._check_offload(name)
             self._check_sharded(name)
             self._check_fp16_training(name)
+            self._check_one_update(name)
         for name in self.spec.nodes:
             self._check_node(name)
         self._check_cycles()
@@ -128,6 +129,15 @@ class _Checker:
             self.add(path, f"an update node trains '{model}', and fp16 gradients underflow and overflow without "
                            "loss scaling, which flowrl's update does not do; train in bf16 (or fp32), and keep fp16 "
                            "for models that only generate or score")
+
+    def _check_one_update(self, model: str) -> None:
+        """One update node per model: a second would train it again on the same rollout with
+        an optimizer of its own settings, and both would log under the same metric names."""
+        updates = [name for name, node in self.spec.nodes.items() if node.model == model and node.trains]
+        for extra in updates[1:]:
+            self.add(f"nodes.{extra}.model",
+                     f"update node '{updates[0]}' trains '{model}' already, and a model has one update node; "
+                     f"remove '{extra}', or give it more passes over the rollout with ppo_epochs on '{updates[0]}'")
 
     def _nodes_known(self) -> bool:
         """Every node passed schema validation, so which nodes train what is known."""

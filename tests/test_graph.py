@@ -325,6 +325,16 @@ def test_a_pipeline_without_an_update_node_is_refused() -> None:
     ]
 
 
+def test_a_second_update_of_one_model_is_refused() -> None:
+    # it would train the model twice on the rollout, and its numbers would overwrite the first's
+    data = grpo()
+    data["nodes"]["train_again"] = dict(data["nodes"]["train"], lr=1e-2)
+    assert issues(data) == [
+        "nodes.train_again.model: update node 'train' trains 'actor' already, and a model has one update node; "
+        "remove 'train_again', or give it more passes over the rollout with ppo_epochs on 'train'",
+    ]
+
+
 def test_pipeline_without_generate() -> None:
     data = grpo()
     data["nodes"] = {"adv": {"role": "advantage", "inputs": []}}
