@@ -295,8 +295,9 @@ class GenerateNode(_NodeBase):
     """Name of the policy model that samples. Required."""
     n: int = Field(default=8, ge=1)
     """Completions per prompt (the GRPO group size). Default 8."""
-    max_new_tokens: int = Field(default=16, ge=1, le=4096)
-    """Most tokens generated per completion, in tokens. Default 16."""
+    max_new_tokens: int = Field(default=16, ge=1)
+    """Most tokens generated per completion, in tokens; with the longest prompt, at most the
+    positions of the models that read the rollout (checked against their config). Default 16."""
     temperature: float = Field(default=1.0, gt=0)
     """Softmax temperature of sampling. Default 1.0."""
     top_p: float = Field(default=1.0, gt=0, le=1)
@@ -773,7 +774,7 @@ class EvalSpec(StrictModel):
     scoring above 0) and mean@n are logged too. Default 1."""
     temperature: float = Field(default=0.0, ge=0)
     """Sampling temperature; 0 decodes greedily. Default 0."""
-    max_new_tokens: Annotated[int, Field(ge=1, le=4096)] | None = None
+    max_new_tokens: Annotated[int, Field(ge=1)] | None = None
     """Most tokens per completion; None: the generate node's. Default None."""
     max_examples: Annotated[int, Field(ge=1)] | None = None
     """Evaluate on the first this many prompts of the split; None: all. Default None."""
