@@ -251,8 +251,12 @@ class _Matcher:
         sizes = range(len(options) + 1) if len(options) <= 8 else (0, len(options))
         for size in sizes:
             tries = [_bundles(names, chosen) for chosen in itertools.combinations(options, size)]
-            if self.even:  # of as many sharings, the most even first (2 + 2 groups before 3 + 1)
-                tries.sort(key=lambda bundles: max(len(bundle) for bundle in bundles))
+            # Of as many sharings, those that put the fewest devices under two groups first
+            # (on 6 GPUs for groups of 4, 2 and 1: the 2 and the 1 share one GPU, not the 4 and
+            # the 2 two of them while a sixth stays idle); then, matching for too few GPUs, the
+            # most even (2 + 2 groups before 3 + 1).
+            tries.sort(key=lambda bundles: (self._overlap(bundles),
+                                            max(len(bundle) for bundle in bundles) if self.even else 0))
             for bundles in tries:
                 demands = [self._demand(bundle, free) for bundle in bundles]
                 outcome = assign(demands, free)
@@ -264,6 +268,12 @@ class _Matcher:
                 return None
         assert first_failure is not None
         return first_failure
+
+    def _overlap(self, bundles: list[list[str]]) -> int:
+        """Devices a group shares with another when each bundle gets as many devices as its
+        largest group needs."""
+        counts = [[self.groups[name].effective_count for name in bundle] for bundle in bundles]
+        return sum(sum(bundle) - max(bundle) for bundle in counts if bundle)
 
     def _demand(self, bundle: list[str], free: list[Device]) -> Demand:
         specs = [self.groups[name] for name in bundle]

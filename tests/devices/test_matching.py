@@ -268,6 +268,20 @@ def test_too_few_gpus_for_one_each_are_shared_by_groups_that_are_not_exclusive()
     assert not alone.ok and set(alone.unsatisfied) == {"actor", "critic"}
 
 
+def test_too_few_gpus_are_shared_where_the_fewest_devices_serve_two_groups() -> None:
+    # 6 GPUs for groups of 4, 2 and 1: one sharing is needed; the 1 shares a GPU with the 4
+    # or the 2 and every GPU serves, where the 4 and the 2 would share two GPUs and leave one idle
+    devices = [Device(f"gpu-{number}", "node-0", number, "gpu", "A100-80GB", "ampere", 80.0, family="a100")
+               for number in range(6)]
+    groups = {"actor": gpu(count=4), "critic": gpu(count=2), "ref": gpu()}
+    match = match_groups(groups, Inventory(tuple(devices), ()))
+    assert match.ok
+    assert sorted(set(sum(match.assignment.values(), []))) == [f"gpu-{number}" for number in range(6)]
+    assert match.shared_with["ref"] in (["actor"], ["critic"])
+    assert set(match.assignment["ref"]) < set(match.assignment[match.shared_with["ref"][0]])
+    assert not set(match.assignment["actor"]) & set(match.assignment["critic"])
+
+
 def test_the_shipped_gpu_ppo_pipeline_matches_one_gpu() -> None:
     from flowrl.devices.groups import pipeline_groups
 
