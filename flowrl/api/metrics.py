@@ -64,7 +64,7 @@ def step_metrics(
         # verl's name; the headroom is the tightest device's
         metrics["perf/max_memory_allocated_gb"] = max(t.peak_memory_gb for t in peaks)
         metrics["perf/memory_headroom_gb"] = min(t.memory_headroom_gb for t in peaks)
-    if len(score_nodes) > 1:
+    if score_nodes:
         metrics.update(_summed_scores({name: reports[name] for name in score_nodes}))
     metrics["timing_s/step"] = metrics["perf/time_per_step"] = step_s
     # verl's perf/throughput: prompt + response tokens per second per device.
@@ -86,11 +86,11 @@ def step_metrics(
 
 
 def _summed_scores(reports: dict[str, NodeReport]) -> dict[str, float]:
-    """Metrics of several score nodes whose (weighted) scores the advantage adds up: the
-    total's mean (a sum of means), each node's own under ``reward/<node>/``, and failures
-    over all of them."""
+    """Metrics of the score nodes whose (weighted) scores the advantage adds up: the total's
+    mean (a sum of means), each node's own under ``reward/<node>/`` (one node's too, so a
+    node's numbers keep their names when a second is added), and failures over all of them."""
     metrics: dict[str, float] = {"critic/score/mean": 0.0}
-    failed = share_sum = 0.0
+    failed = share_sum = batch_failed = 0.0
     with_failures = 0
     for name, report in reports.items():
         metrics["critic/score/mean"] += report.metrics.get("critic/score/mean", 0.0)
@@ -99,8 +99,10 @@ def _summed_scores(reports: dict[str, NodeReport]) -> dict[str, float]:
         if "reward/failed_share" in report.metrics:
             failed += report.metrics["reward/num_failed"]
             share_sum += report.metrics["reward/failed_share"]
+            batch_failed = max(batch_failed, report.metrics.get("reward/batch_failed", 0.0))
             with_failures += 1
     if with_failures:
         metrics["reward/num_failed"] = failed
         metrics["reward/failed_share"] = share_sum / with_failures
+        metrics["reward/batch_failed"] = batch_failed
     return metrics

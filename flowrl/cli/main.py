@@ -161,7 +161,9 @@ def run(
                                    "scheduler": ("--scheduler", "runtime.scheduler_address"),
                                    "cpu_slots": ("--cpu-slots", "runtime.cpu_slots"), "seed": ("--seed", "trainer.seed")},
                  {"steps": steps, "output_dir": output_dir, "scheduler": scheduler, "cpu_slots": cpu_slots, "seed": seed})
-    _train(graph, pipeline_file.resolve().parent, plain, resume, force, overwrite=overwrite,
+    # a run's own config.yaml reads its paths from the folder of the file the run started from
+    base_dir = _pipeline_folder(pipeline_file) or pipeline_file.resolve().parent
+    _train(graph, base_dir, plain, resume, force, overwrite=overwrite,
            locate=issue_locator(pipeline_file, overrides or []),
            steps=steps, output_dir=output_dir, scheduler_address=scheduler, cpu_slots=cpu_slots, seed=seed)
 
@@ -170,13 +172,15 @@ def run(
 @_friendly
 def resume(
     output_dir: Path = typer.Argument(..., help="The output folder of the run to continue."),
+    overrides: Optional[list[str]] = _overrides_argument(),
     plain: bool = typer.Option(False, "--plain", help="One log line per step instead of the live view."),
     force: bool = typer.Option(False, "--force", help="Go on although the saved pipeline was edited."),
     steps: Optional[int] = typer.Option(
         None, "--steps", min=1, help="Train to this step in all (extends a finished run that kept checkpoints)."
     ),
 ) -> None:
-    """Continue a run from its output folder (its config.yaml and newest checkpoint)."""
+    """Continue a run from its output folder (its config.yaml and newest checkpoint), with any
+    KEY=VALUE overrides of that config (a changed pipeline needs --force)."""
     _start_warm_server()
     from flowrl.spec.lines import nearest_beside
     from flowrl.spec.loader import issue_locator, load_pipeline
@@ -190,10 +194,11 @@ def resume(
         raise FlowrlError(f"{output_dir}: no such folder{hint}; give the output folder of a flowrl run")
     if not config.is_file():
         raise FlowrlError(f"{output_dir} holds no config.yaml: it is not the output folder of a flowrl run")
-    graph = load_pipeline(config)
+    graph = load_pipeline(config, overrides or [])
+    _one_setting(overrides or [], {"steps": ("--steps", "trainer.steps")}, {"steps": steps})
     base_dir = _pipeline_folder(config) or output_dir.resolve()
-    _train(graph, base_dir, plain, True, force, locate=issue_locator(config), output_dir=str(output_dir.resolve()),
-           steps=steps)
+    _train(graph, base_dir, plain, True, force, locate=issue_locator(config, overrides or []),
+           output_dir=str(output_dir.resolve()), steps=steps)
 
 
 def _pipeline_folder(config: Path) -> Path | None:
@@ -204,9 +209,11 @@ def _pipeline_folder(config: Path) -> Path | None:
     if config.name != "config.yaml" or not info.is_file():
         return None
     try:
-        folder = json.loads(info.read_text()).get("base_dir")
-    except (OSError, ValueError, AttributeError):
-        return None
+        record = json.loads(info.read_text())
+    except (OSError, ValueError) as error:
+        raise FlowrlError(f"{info} cannot be read ({type(error).__name__}: {error}): the run's record is damaged; "
+                          "restore it from a copy, or start the run again in another output folder") from error
+    folder = record.get("base_dir") if isinstance(record, dict) else None
     return Path(folder) if isinstance(folder, str) and folder else None
 
 

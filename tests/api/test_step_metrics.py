@@ -60,3 +60,23 @@ def test_the_status_line_names_nodes_that_share_a_metrics_name_by_their_own(tmp_
     path.write_text(PIPELINE)
     assert status_labels(load_pipeline(path)) == {
         "rollout": "gen", "digits": "digits", "again": "again", "adv": "adv", "train": "update_actor"}
+
+
+def test_one_score_node_is_logged_under_its_own_name_too(tmp_path: Path) -> None:
+    # reward/<node>/... for one score node as for several; reward/batch_failed over the nodes
+    path = tmp_path / "p.yaml"
+    path.write_text(PIPELINE.replace("  again:   {role: score, fn: digits, inputs: [rollout]}\n", "")
+                    .replace("inputs: [digits, again]", "inputs: [digits]"))
+    graph = load_pipeline(path)
+    scores = {"critic/score/mean": 0.25, "reward/num_failed": 1.0, "reward/failed_share": 0.25,
+              "reward/batch_failed": 1.0}
+    reports = {
+        "rollout": _report("rollout", "generate", 0.2, 24, 16),
+        "digits": _report("digits", "score", 0.01, 16, 0, **scores),
+        "adv": _report("adv", "advantage", 0.002, 0, 0),
+        "train": _report("train", "update", 0.4, 40, 0),
+    }
+    metrics, _ = step_metrics(graph, reports, step_s=0.7, num_devices=1)
+    assert metrics["critic/score/mean"] == metrics["reward/digits/mean"] == 0.25
+    assert metrics["reward/digits/num_failed"] == metrics["reward/num_failed"] == 1.0
+    assert metrics["reward/batch_failed"] == metrics["reward/digits/batch_failed"] == 1.0

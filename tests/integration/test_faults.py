@@ -252,6 +252,18 @@ def test_resume_after_kill_9_of_the_driver_ends_with_the_weights_of_an_uninterru
     assert forced.returncode == 0, forced.stderr
     assert any(e["kind"] == "warning" and "resumed with a pipeline that differs" in e["message"]
                and "lr: 0.002" in e["message"] for e in _events(killed))
+    # overrides of the saved config are changes too, named with where they came from
+    overridden = subprocess.run(_cli("resume", str(killed), "nodes.train.lr=0.003", "--steps", "8", "--plain"),
+                                capture_output=True, text=True)
+    assert overridden.returncode == 2 and "the pipeline differs" in overridden.stderr
+    assert "lr: 0.003" in overridden.stderr and "Traceback" not in overridden.stderr
+    clash = subprocess.run(_cli("resume", str(killed), "trainer.steps=8", "--steps", "8"), capture_output=True, text=True)
+    assert clash.returncode == 2 and "--steps" in clash.stderr and "trainer.steps" in clash.stderr
+    # a damaged run record is said to be one, not taken for a run without a pipeline folder
+    record = killed / "run.json"
+    record.write_text(record.read_text()[:40])
+    damaged = subprocess.run(_cli("resume", str(killed), "--plain"), capture_output=True, text=True)
+    assert damaged.returncode == 2 and f"{record} cannot be read" in damaged.stderr, damaged.stderr
 
 
 def test_nan_updates_are_skipped_then_the_run_stops(tmp_path: Path) -> None:
