@@ -33,7 +33,7 @@ from flowrl.devices.groups import offload_notes, pipeline_groups
 from flowrl.devices.inventory import detect_local
 from flowrl.devices.matching import match_groups
 from flowrl.devices.report import inventory_lines, match_lines
-from flowrl.errors import FlowrlError, SpecError, SpecIssue
+from flowrl.errors import FlowrlError, RunInterrupted, SpecError, SpecIssue
 from flowrl.graph import PipelineGraph
 from flowrl.planner.cost import measure_cpu_rates
 from flowrl.planner.costs import EstimatedCosts
@@ -41,6 +41,7 @@ from flowrl.planner.micro_batches import resolve_micro_batches, resolved_json
 from flowrl.planner.placement import node_group, plan_from_compiled, splittable
 from flowrl.records import RunEvent, StepRecord
 from flowrl.rewards import REWARD_FUNCTIONS
+from flowrl.runtime.interrupts import stopping_for
 from flowrl.runtime.cluster import Cluster, PendingCluster, join_for, main_without_a_missing_file
 from flowrl.scheduler import make_policy, settings_from_spec
 from flowrl.scheduler.calibration import calibrated_prediction
@@ -158,6 +159,14 @@ def run(
             local_cluster.discard()  # a run that stopped before taking it
 
 
+def _kept_before_steps(folder: RunFolder, start: FoundCheckpoint | None) -> str:
+    """What a run stopped before its first step leaves: the checkpoint it was to resume from,
+    untouched, or nothing."""
+    if start is not None:
+        return f"its newest checkpoint is still {start.path.name} (`flowrl resume {folder.path}` goes on from it)"
+    return "no checkpoint was written, so a rerun starts from step 1"
+
+
 def _importing_main_in_a_worker() -> bool:
     """Whether this process is a spawned (or forkserver) child still importing the main script
     (multiprocessing marks the process while it prepares it)."""
@@ -225,13 +234,16 @@ def _run(pipeline: PipelineGraph | Pipeline, options: RunOptions, observer: Obse
         failed = False
         return result
     except BaseException as error:
+        # the last step done: of this process, else the one a resume starts after
+        done = watcher.last.step if watcher.last is not None else (start.step if start is not None else 0)
+        if type(error) is KeyboardInterrupt:  # a stop signal before the steps (the driver says its own)
+            error = RunInterrupted(f"stopped while the run started, before step {done + 1}; "
+                                   f"{_kept_before_steps(folder, start)}", stopping_for() or "SIGINT")
         if not watcher.stopped:  # a check that refused the run, an interrupt, a bug: its folder says why too
             named = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
             why = str(error) if isinstance(error, (FlowrlError, KeyboardInterrupt)) and str(error) else named
-            # the last step done: of this process, else the one a resume starts after
-            done = watcher.last.step if watcher.last is not None else (start.step if start is not None else 0)
             watcher.event(RunEvent("stopped", why, done))
-        raise
+        raise error
     finally:
         watcher.close(failed)
         if local_cluster is not None:

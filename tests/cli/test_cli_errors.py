@@ -198,6 +198,20 @@ def test_ctrl_c_to_the_whole_process_group_stops_cleanly(tmp_path: Path) -> None
     assert any(e["kind"] == "stopped" and "interrupted (SIGINT) during step" in e["message"] for e in events), events
 
 
+def test_ctrl_c_while_the_run_starts_says_so(tmp_path: Path) -> None:
+    import os
+    import signal
+
+    # the data is read before the cluster starts: the stop comes seconds before step 1
+    process, lines = _run_until("[event] data:", "-o", str(tmp_path / "out"))
+    os.killpg(process.pid, signal.SIGINT)
+    output = "".join(lines) + _rest(process)
+    assert process.returncode == 130, output
+    assert "stopped while the run started, before step 1; no checkpoint was written, so a rerun starts from " \
+           "step 1" in output, output
+    assert "Traceback" not in output and "step 1/" not in output, output
+
+
 def test_a_second_sigint_while_the_run_stops_leaves_the_stop_alone(tmp_path: Path) -> None:
     """A wrapper (timeout, srun, uv run) forwards the Ctrl-C the terminal also sent to the
     process group, or the user presses it twice: the second SIGINT comes while the first one's
