@@ -221,11 +221,24 @@ def _reason(
         if not trial.feasible:
             candidate = (float("inf"), f"{text} does not fit in memory")
         else:
-            delta_ms = (trial.schedule.iteration_s - best.schedule.iteration_s) * 1e3
+            delta_s = trial.schedule.iteration_s - best.schedule.iteration_s
             # a faster option lost only to one on fewer CPU slots (search.FEWER_CPU_SLOTS_WITHIN)
-            note = f"{delta_ms:.2f} ms, within {FEWER_CPU_SLOTS_WITHIN:.0%} on fewer CPU slots" if delta_ms < 0 else f"+{delta_ms:.2f} ms"
+            note = (f"{_signed_duration(delta_s)}, within {FEWER_CPU_SLOTS_WITHIN:.0%} on fewer CPU slots"
+                    if delta_s < 0 else _signed_duration(delta_s))
             candidate = (trial.schedule.iteration_s, f"{text} {note}")
         if runner_up is None or candidate[0] < runner_up[0]:
             runner_up = candidate
     assert runner_up is not None
     return f"{chosen.note}; best of {len(choices)}, next: {runner_up[1]}"
+
+
+def _signed_duration(seconds: float) -> str:
+    """A step's change with its sign, in the unit that reads: ``+12.34 ms``, ``+42.0 s``,
+    ``+106.3 h`` (a 7B model's pass on a CPU)."""
+    sign = "-" if seconds < 0 else "+"
+    size = abs(seconds)
+    if size < 10:
+        return f"{sign}{size * 1e3:.2f} ms"
+    if size < 3600:
+        return f"{sign}{size:.1f} s"
+    return f"{sign}{size / 3600:.1f} h"

@@ -128,3 +128,13 @@ def test_without_slots_moves_the_lost_slots_nodes_to_the_least_busy_survivor() -
     assert shrunk.reasons[0] == "reward -> cpu-1: cpu-0 was lost"
     with pytest.raises(PlacementError, match="no worker is left"):
         without_slots(pipeline, plan, {"cpu-0", "cpu-1", "cpu-2"}, [], step=7)
+
+
+def test_a_step_s_change_reads_in_its_unit() -> None:
+    from flowrl.planner.compiled import _signed_duration
+
+    assert _signed_duration(0.01234) == "+12.34 ms"
+    assert _signed_duration(-0.5) == "-500.00 ms"
+    assert _signed_duration(42.04) == "+42.0 s"
+    # a 7B reference on a CPU slot: 382,780.6 s
+    assert _signed_duration(382780.6) == "+106.3 h"
