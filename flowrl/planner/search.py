@@ -429,11 +429,17 @@ def _memory_message(best: Evaluation, inventory: Inventory, reserve: float, pipe
             if getattr(spec, "micro_batch_tokens", None) == "auto" and node in best.placement
             and overflowing & set(best.placement[node].devices)]
     tried = f" (micro_batch_tokens: auto was tried at one row per pass, its least, for {', '.join(auto)})" if auto else ""
+    # bf16 is a hint only where a model on the overflowing devices is still in fp32
+    full = sorted({spec.model for node, spec in pipeline.spec.nodes.items()
+                   if spec.model is not None and node in best.placement
+                   and overflowing & set(best.placement[node].devices)
+                   and pipeline.spec.models[spec.model].dtype == "fp32"})
+    bf16 = f"bf16 for {', '.join(full)}, " if full else ""
     return (
         "no placement fits in memory; the closest one still overflows: "
         + "; ".join(over)
         + tried
-        + ". Use bf16, gradient_checkpointing, a smaller mini_batch_size or batch, "
+        + f". Use {bf16}gradient_checkpointing, a smaller mini_batch_size or batch, "
         + "".join(f"{hint} (training state split over the update's devices), " for hint in shardable)
         + "offload_to_cpu for inference-only models, or larger devices"
     )

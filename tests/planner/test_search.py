@@ -150,8 +150,14 @@ def test_no_placement_fits_raises_with_the_numbers() -> None:
     data = grpo({"path": "Qwen/Qwen2.5-7B", "device_group": "actor_group"},
                 {"path": "Qwen/Qwen2.5-7B", "device_group": "ref_group"},
                 {"actor_group": {"type": "gpu"}, "ref_group": {"type": "cpu"}})
-    with pytest.raises(PlacementError, match=r"gpu-0 SMALL needs .* GB \+ 10% reserve of 40 GB"):
+    with pytest.raises(PlacementError, match=r"gpu-0 SMALL needs .* GB \+ 10% reserve of 40 GB") as raised:
         compile_plan(pipeline_from_dict(data), inventory(gpu(0, "SMALL", 40, 312, 1555), cpu(0, 512)))
+    # bf16 is suggested for the fp32 models on the device, and not once they are bf16
+    assert "Use bf16 for actor, gradient_checkpointing" in str(raised.value)
+    data["models"]["actor"]["dtype"] = "bf16"
+    with pytest.raises(PlacementError) as again:
+        compile_plan(pipeline_from_dict(data), inventory(gpu(0, "SMALL", 20, 312, 1555), cpu(0, 512)))
+    assert "bf16" not in str(again.value) and "Use gradient_checkpointing" in str(again.value)
 
 
 @pytest.mark.parametrize("inventory_file", ["mixed-4gpu", "a100-4x40gb", "cluster-2node"])
