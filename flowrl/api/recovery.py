@@ -12,9 +12,12 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from flowrl.errors import FlowrlError
 
 TRAINER_STATE = "trainer_state.json"
 CHUNK = 1 << 20
@@ -116,3 +119,30 @@ def config_changes(old: str, new: str) -> list[str]:
         for line in difflib.unified_diff(old.splitlines(), new.splitlines(), "before", "now", lineterm="", n=0)
         if not line.startswith(("---", "+++", "@@"))
     ]
+
+
+def roll_back(output_dir: Path, checkpoints: Path, step: int) -> tuple[FoundCheckpoint, Path | None]:
+    """The intact checkpoint of ``step``, to resume from instead of the newest: the
+    checkpoints after it and a final model are moved into ``rolled_back/`` (kept, and no
+    longer taken for the run's own: the run goes on from ``step`` and writes new ones).
+    Returns the checkpoint and the folder they went to (None: there were none)."""
+    written = checkpoint_dirs(checkpoints)
+    path = checkpoints / f"step-{step}"
+    if not path.is_dir():
+        have = ", ".join(folder.name for _, folder in written) or "none"
+        raise FlowrlError(f"{output_dir} has no checkpoint step-{step} to resume from (its checkpoints: {have})")
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        raise FlowrlError(f"checkpoint {path} cannot be resumed from: {problem}; choose another (--checkpoint)")
+    later = [folder for number, folder in written if number > step]
+    final = output_dir / "final"
+    moved: Path | None = None
+    if later or final.is_dir():
+        moved = output_dir / "rolled_back" / f"after-step-{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+        moved.mkdir(parents=True, exist_ok=False)
+        for folder in later:
+            folder.rename(moved / folder.name)
+        if final.is_dir():
+            final.rename(moved / "final")
+    state = json.loads((path / TRAINER_STATE).read_text())
+    return FoundCheckpoint(step, path, state, ()), moved

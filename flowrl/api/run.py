@@ -20,7 +20,7 @@ from flowrl.api.loggers import Logger, close_quietly, logger_problems, make_logg
 from flowrl.api.outputs import RunFolder, check_fresh_start, check_resume_start, finished_steps, finite_metrics
 from flowrl.api.prometheus import PrometheusMetrics
 from flowrl.api.driver import Driver
-from flowrl.api.recovery import FoundCheckpoint, config_changes, newest_checkpoint
+from flowrl.api.recovery import FoundCheckpoint, config_changes, newest_checkpoint, roll_back
 from flowrl.api.replanning import Replanner
 from flowrl.backends.cache import BUILTIN_PREFIX, built_builtin_dir
 from flowrl.api.data import evaluates_training_prompts, policy_formatter, read_eval, training_source
@@ -118,12 +118,15 @@ def run(
     force: bool = False,
     local_cluster: PendingCluster | None = None,
     overwrite: bool = False,
+    checkpoint: int | None = None,
 ) -> RunResult:
     """Train ``pipeline``; returns the per-step records. Arguments override the file's values.
 
     ``resume``: continue the run in the output folder from its newest intact checkpoint (a
     run that finished says so and trains nothing). A pipeline that differs from the one the
-    run started with is refused, with the differences, unless ``force``.
+    run started with is refused, with the differences, unless ``force``. ``checkpoint``: the
+    step of the checkpoint to resume from instead (a roll-back: the later checkpoints and a
+    final model are moved into the folder's ``rolled_back/``).
 
     A fresh run (no ``resume``) refuses an output folder that holds an earlier run's
     checkpoints, which a later resume would take for its own; ``overwrite`` deletes them (and
@@ -149,7 +152,7 @@ def run(
             return _run(pipeline, RunOptions(steps, str(output_dir) if output_dir is not None else None,
                                              scheduler_address, cpu_slots, seed),
                         observer, Path(base_dir) if base_dir is not None else Path.cwd(), resume, force,
-                        local_cluster, overwrite)
+                        local_cluster, overwrite, checkpoint)
     except FlowrlError as error:
         # The message says what went wrong and what to do; flowrl's own frames would bury it
         # under a dozen lines that mean nothing to the caller (a cause, if any, still shows).
@@ -177,7 +180,7 @@ def _importing_main_in_a_worker() -> bool:
 
 def _run(pipeline: PipelineGraph | Pipeline, options: RunOptions, observer: Observer | None,
          base_dir: Path | None, resume: bool, force: bool, local_cluster: PendingCluster | None,
-         overwrite: bool = False) -> RunResult:
+         overwrite: bool = False, checkpoint: int | None = None) -> RunResult:
     graph = pipeline.build() if isinstance(pipeline, Pipeline) else pipeline
     graph = apply_options(graph, options)
     # The folder is named absolutely in config.yaml, so `flowrl resume DIR` from anywhere
@@ -190,6 +193,7 @@ def _run(pipeline: PipelineGraph | Pipeline, options: RunOptions, observer: Obse
     start: FoundCheckpoint | None = None
     earlier_run = folder.read_config() is not None
     forced: list[str] = []
+    rolled_back: Path | None = None
     planned: int | None = None
     data_before: dict[str, Any] | None = None
     if resume:
@@ -198,10 +202,18 @@ def _run(pipeline: PipelineGraph | Pipeline, options: RunOptions, observer: Obse
         before = _started_with(folder)
         forced = _check_unchanged(folder, before, config_text, force)
         planned = written_steps(before) if before is not None else None
-        if finished is not None and finished >= spec.trainer.steps:
-            return RunResult(folder.path, already_finished=True, finished_steps=finished)
-        check_resume_start(folder.path, spec.trainer.steps)
-        start = newest_checkpoint(folder.checkpoints)
+        if checkpoint is not None:
+            if checkpoint >= spec.trainer.steps:
+                raise FlowrlError(f"--checkpoint step-{checkpoint} is at or past the {spec.trainer.steps} steps asked "
+                                  "for: resume with more steps (--steps; trainer.steps)")
+            start, rolled_back = roll_back(folder.path, folder.checkpoints, checkpoint)
+        else:
+            if finished is not None and finished >= spec.trainer.steps:
+                return RunResult(folder.path, already_finished=True, finished_steps=finished)
+            check_resume_start(folder.path, spec.trainer.steps)
+            start = newest_checkpoint(folder.checkpoints)
+    elif checkpoint is not None:
+        raise FlowrlError("--checkpoint chooses the checkpoint a resume starts from: add --resume")
     else:
         _fresh_start(folder, overwrite)
     folder.write_config(config_text)
@@ -226,6 +238,9 @@ def _run(pipeline: PipelineGraph | Pipeline, options: RunOptions, observer: Obse
             watcher.event(RunEvent("warning", f"trainer.steps is {spec.trainer.steps}, fewer than the {planned} steps the "
                                               f"run was started with: it ends at step {spec.trainer.steps} (resume it "
                                               "with more steps to go on)", 0))
+        if rolled_back is not None and start is not None:
+            watcher.event(RunEvent("warning", f"rolled back to {start.path.name}: the later checkpoints and the final "
+                                              f"model were moved to {rolled_back}", 0))
         if forced:
             watcher.event(RunEvent("warning", "resumed with a pipeline that differs from the one the run started with "
                                               f"(--force; - before, + now): {'; '.join(forced)}", 0, {"changes": forced}))

@@ -75,6 +75,12 @@ OVERRIDES_HELP = (
 )
 
 
+def _checkpoint_option() -> Any:
+    return typer.Option(None, "--checkpoint", metavar="STEP",
+                        help="Resume from this checkpoint (step-N or N) instead of the newest; the later checkpoints "
+                             "and the final model move to OUTPUT_DIR/rolled_back/.")
+
+
 def _overrides_argument() -> Any:
     """The ``KEY=VALUE ...`` arguments after the pipeline file (none: an empty list)."""
     return typer.Argument(None, metavar="KEY=VALUE", help=OVERRIDES_HELP, show_default=False)
@@ -145,6 +151,7 @@ def run(
     plain: bool = typer.Option(False, "--plain", help="One log line per step instead of the live view."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in the output folder from its newest checkpoint."),
     force: bool = typer.Option(False, "--force", help="With --resume: go on although the pipeline changed."),
+    checkpoint: Optional[str] = _checkpoint_option(),
     overwrite: bool = typer.Option(
         False, "--overwrite", help="Start over in an output folder that holds an earlier run's checkpoints or final model (deletes them)."
     ),
@@ -165,7 +172,8 @@ def run(
     base_dir = _pipeline_folder(pipeline_file) or pipeline_file.resolve().parent
     _train(graph, base_dir, plain, resume, force, overwrite=overwrite,
            locate=issue_locator(pipeline_file, overrides or []),
-           steps=steps, output_dir=output_dir, scheduler_address=scheduler, cpu_slots=cpu_slots, seed=seed)
+           steps=steps, output_dir=output_dir, scheduler_address=scheduler, cpu_slots=cpu_slots, seed=seed,
+           checkpoint=_checkpoint_step(checkpoint))
 
 
 @app.command()
@@ -178,6 +186,7 @@ def resume(
     steps: Optional[int] = typer.Option(
         None, "--steps", min=1, help="Train to this step in all (extends a finished run that kept checkpoints)."
     ),
+    checkpoint: Optional[str] = _checkpoint_option(),
 ) -> None:
     """Continue a run from its output folder (its config.yaml and newest checkpoint), with any
     KEY=VALUE overrides of that config (a changed pipeline needs --force)."""
@@ -198,7 +207,17 @@ def resume(
     _one_setting(overrides or [], {"steps": ("--steps", "trainer.steps")}, {"steps": steps})
     base_dir = _pipeline_folder(config) or output_dir.resolve()
     _train(graph, base_dir, plain, True, force, locate=issue_locator(config, overrides or []),
-           output_dir=str(output_dir.resolve()), steps=steps)
+           output_dir=str(output_dir.resolve()), steps=steps, checkpoint=_checkpoint_step(checkpoint))
+
+
+def _checkpoint_step(text: str | None) -> int | None:
+    """The step of ``--checkpoint`` (``step-40`` or ``40``)."""
+    if text is None:
+        return None
+    number = text.strip().removeprefix("step-")
+    if not number.isdigit():
+        raise FlowrlError(f"--checkpoint {text}: expected a checkpoint's step, such as step-40 or 40")
+    return int(number)
 
 
 def _pipeline_folder(config: Path) -> Path | None:
@@ -237,7 +256,7 @@ def _train(graph: Any, base_dir: Path, plain: bool, resume: bool, force: bool, o
 
     output = Path(overrides.get("output_dir") or graph.spec.trainer.output_dir)
     output = output if output.is_absolute() else Path.cwd() / output
-    if resume:
+    if resume and overrides.get("checkpoint") is None:  # a chosen checkpoint is checked by the run
         steps = overrides.get("steps") or graph.spec.trainer.steps
         check_resume_start(output, steps)
     else:

@@ -266,6 +266,28 @@ def test_resume_after_kill_9_of_the_driver_ends_with_the_weights_of_an_uninterru
     assert damaged.returncode == 2 and f"{record} cannot be read" in damaged.stderr, damaged.stderr
 
 
+def test_a_resume_from_an_earlier_checkpoint_rolls_back_and_trains_the_same_steps_again(tmp_path: Path) -> None:
+    """--checkpoint step-4 of a finished run of 6 steps: step-6 and the final model move into
+    rolled_back/, steps 5 and 6 train again, and on a CPU with the same seed the new final
+    model equals the one rolled back, bit for bit."""
+    out = tmp_path / "out"
+    pipeline = tiny_grpo(out, steps=6, checkpoint_every=2)
+    run(pipeline)
+    assert sorted(path.name for path in (out / "checkpoints").glob("step-*")) == ["step-4", "step-6"]
+    with pytest.raises(FlowrlError, match=r"has no checkpoint step-3 to resume from \(its checkpoints: step-4, step-6\)"):
+        run(pipeline, resume=True, checkpoint=3)
+    with pytest.raises(FlowrlError, match="add --resume"):
+        run(pipeline, checkpoint=4)
+    again = run(pipeline, resume=True, checkpoint=4)
+    assert [record.step for record in again.records] == [5, 6] and _steps(out) == [1, 2, 3, 4, 5, 6]
+    (rolled,) = (out / "rolled_back").iterdir()
+    assert rolled.name.startswith("after-step-4-") and sorted(p.name for p in rolled.iterdir()) == ["final", "step-6"]
+    before, after = load_file(rolled / "final" / "model.safetensors"), load_file(out / "final" / "model.safetensors")
+    assert before.keys() == after.keys() and all(torch.equal(before[key], after[key]) for key in before)
+    assert any(e["kind"] == "warning" and f"rolled back to step-4: the later checkpoints and the final model were "
+               f"moved to {rolled}" in e["message"] for e in _events(out))
+
+
 def test_nan_updates_are_skipped_then_the_run_stops(tmp_path: Path) -> None:
     """A learning rate of 1e30 sends the weights to infinity in one step: every later loss
     is NaN, those updates are skipped, and the second in a row stops the run."""
