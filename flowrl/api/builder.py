@@ -280,7 +280,8 @@ def function_by_value(fn: Callable[..., Any]) -> PythonFunction:
         if by_value:
             cloudpickle.unregister_pickle_by_value(module)
     qualname = getattr(fn, "__qualname__", type(fn).__name__)
-    return PythonFunction(name=f"{module_name}:{qualname}", payload=payload)
+    file = getattr(getattr(fn, "__code__", None), "co_filename", None)
+    return PythonFunction(name=f"{module_name}:{qualname}", payload=payload, file=file)
 
 
 def unnamable_function(fn: Callable[..., Any], name: str) -> str | None:

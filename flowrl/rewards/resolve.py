@@ -335,6 +335,11 @@ def _unpickle(function: PythonFunction) -> RewardFunction:
             f"the reward function {function.name} cannot be unpickled in this process: "
             f"{type(error).__name__}: {error}; install the modules it uses on every worker"
         ) from error
+    code = getattr(loaded, "__code__", None)
+    if function.file and code is not None and code.co_filename.startswith("<"):
+        # cloudpickle names the code of a function it pickled by value "<dynamic-code>": its own
+        # file again, so that an error in it says where (and the line shows where that file is)
+        loaded.__code__ = code.replace(co_filename=function.file)
     result: RewardFunction = loaded
     return result
 

@@ -342,6 +342,9 @@ class PythonFunction(BaseModel):
     """``module:qualified_name`` of the function, for logs and for the YAML form."""
     payload: bytes
     """The function pickled by value (cloudpickle)."""
+    file: str | None = None
+    """The file the function was defined in: its code unpickled by value names none, and an
+    error raised in it is told with this file and line."""
 
 
 class ScoreNode(_NodeBase):

@@ -482,3 +482,23 @@ def test_default_name_and_argument_checks() -> None:
         score_safely(_lengths, _inputs(["boom"]), {}, "strict")
     with pytest.raises(ValueError, match="on_error"):
         score_safely(_lengths, _inputs(["a"]), {}, "ignore")  # type: ignore[arg-type]
+
+
+def _raises_by_value(completions: list[str], **kwargs: object) -> list[float]:
+    raise ValueError("no grade")  # the line an error names
+
+
+def test_a_function_passed_by_value_names_its_file_and_line_when_it_raises() -> None:
+    # a test module is a loose file: its functions travel by value, whose code cloudpickle
+    # names "<dynamic-code>"; unpickled, it names this file again
+    from flowrl.api.builder import function_by_value
+    from flowrl.rewards.resolve import RewardCache
+
+    function = function_by_value(_raises_by_value)
+    assert function.file == __file__
+    loaded = RewardCache().get(function)
+    assert loaded is not _raises_by_value
+    line = _raises_by_value.__code__.co_firstlineno + 1
+    result = score_safely(loaded, _inputs(["a"]), {}, name="by_value")
+    assert result.first_error is not None
+    assert f"raised ValueError: no grade at test_rewards.py:{line} (raise ValueError(\"no grade\")" in result.first_error
