@@ -23,6 +23,7 @@ _EXPORTS = {
     "load_pipeline": "flowrl.spec.loader",
     "validate": "flowrl.api.run",
     "RunResult": "flowrl.api.run",
+    "load_run": "flowrl.api.run",
     "FlowrlError": "flowrl.errors",
 }
 

@@ -83,6 +83,40 @@ class RunResult:
         return values
 
 
+def load_run(output_dir: str | Path) -> RunResult:
+    """The steps a run in ``output_dir`` logged, read back from its ``metrics.jsonl``: every
+    step of every process that trained there (a resumed run's first steps too), each with its
+    metrics, and the evaluations (step 0 is the one before training). The per-node timings
+    stay in ``profile.jsonl``."""
+    import json
+
+    folder = Path(output_dir)
+    path = folder / "metrics.jsonl"
+    if not path.is_file():
+        raise FlowrlError(f"{folder} holds no metrics.jsonl: it is not the output folder of a flowrl run")
+    lines = []
+    for number, text in enumerate(path.read_text().splitlines(), start=1):
+        try:
+            line = json.loads(text)
+            step = int(line.pop("step"))
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise FlowrlError(f"{path}:{number} is not a metrics line ({type(error).__name__}: {error})") from error
+        lines.append((step, line))
+    num_steps = max((step for step, _ in lines), default=0)
+    finished = finished_steps(folder)
+    result = RunResult(folder.resolve(), finished_steps=finished or 0)
+    for step, line in lines:
+        elapsed_s = float(line.pop("elapsed_s", 0.0) or 0.0)
+        metrics = {key: float("nan") if value is None else float(value) for key, value in line.items()
+                   if isinstance(value, (int, float)) or value is None}
+        values = {key: value for key, value in metrics.items() if key.startswith("val/")}
+        if values:
+            result.evaluations.append((step, values))
+        if step > 0:
+            result.records.append(StepRecord(step, num_steps, metrics, elapsed_s=elapsed_s))
+    return result
+
+
 @dataclass(frozen=True)
 class RunOptions:
     """Overrides of the pipeline file given on the command line or to ``run()``."""

@@ -1,0 +1,35 @@
+"""Reading a run's steps back from its output folder."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from flowrl.api.run import load_run
+from flowrl.errors import FlowrlError
+
+
+def test_steps_and_evaluations_come_back_from_metrics_jsonl(tmp_path: Path) -> None:
+    lines = [
+        {"step": 0, "elapsed_s": 0.5, "val/reward/mean": 0.1},  # the evaluation before training
+        {"step": 1, "elapsed_s": 1.0, "critic/score/mean": 0.25, "actor/grad_norm": None},  # NaN is written null
+        {"step": 2, "elapsed_s": 1.5, "critic/score/mean": 0.5, "val/reward/mean": 0.3},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    result = load_run(tmp_path)
+    assert [record.step for record in result.records] == [1, 2]
+    assert result.metric("critic/score/mean") == [0.25, 0.5] and result.records[1].elapsed_s == 1.5
+    assert math.isnan(result.metric("actor/grad_norm")[0])
+    assert result.evaluations == [(0, {"val/reward/mean": 0.1}), (2, {"val/reward/mean": 0.3})]
+    assert result.finished_steps == 0  # no run.json says it finished
+
+
+def test_a_folder_without_a_run_or_with_a_broken_line_is_said_to_be_one(tmp_path: Path) -> None:
+    with pytest.raises(FlowrlError, match="holds no metrics.jsonl"):
+        load_run(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2, "x": \n')
+    with pytest.raises(FlowrlError, match=r"metrics.jsonl:2 is not a metrics line"):
+        load_run(tmp_path)
