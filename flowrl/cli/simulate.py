@@ -115,9 +115,12 @@ def print_comparison(
     for name, result in results.items():
         if name == "static":
             continue
-        accepted = [d for d in result.decisions if d.accepted or d.forced]
-        kept = len(result.decisions) - len(accepted)
-        console.print(f"decisions ({name}): {len(accepted)} re-plans carried out, "
+        # a lost device forces a re-plan, which finds no placement when nothing fits the rest
+        carried = [d for d in result.decisions if (d.accepted or d.forced) and d.plan is not None]
+        impossible = [d for d in result.decisions if d.forced and d.plan is None]
+        kept = len(result.decisions) - len(carried) - len(impossible)
+        found_none = f", {len(impossible)} found no placement on the devices left" if impossible else ""
+        console.print(f"decisions ({name}): {len(carried)} re-plans carried out{found_none}, "
                       f"{kept} considered and kept", highlight=False, markup=False)
         for decision in result.decisions:
             for line in decision_lines(decision):

@@ -134,3 +134,12 @@ def test_simulate_command_takes_overrides_as_plan_and_run_do() -> None:
     assert data["pipeline"] == "ppo-style"
     # four times the prompts of the file (64): every step costs more
     assert bigger.summary.mean_step_s > plain.summary.mean_step_s
+
+
+def test_a_forced_re_plan_that_finds_no_placement_is_not_counted_as_carried_out() -> None:
+    # the reward group pinned to the V100 that is lost: no re-plan can place it elsewhere
+    console = Console(record=True, width=200)
+    simulate_command(PIPELINE, DEVICES, 60, "device_lost", "dynamic", 0, False, console,
+                     ["devices.reward_group.device_ids=[2]"])
+    text = console.export_text()
+    assert "decisions (dynamic): 0 re-plans carried out, 2 found no placement on the devices left, 0 considered" in text
