@@ -88,8 +88,11 @@ def print_plan(plan: CompiledPlan, console: Console) -> None:
     for device in plan.devices:
         share = device.peak_gb / device.capacity_gb if device.capacity_gb else 0.0
         colocated = " (time-shared)" if len(device.models) > 1 else ""
+        # offloaded models wait in host memory and are copied in for their calls
+        paged = sorted({item.model for item in plan.nodes
+                        if item.offloaded and item.model is not None and device.device in item.devices})
         memory.add_row(device.label, f"{device.peak_gb:.2f} GB", f"{device.capacity_gb:g} GB",
-                       f"{share:.1%}", ", ".join(device.models) + colocated)
+                       f"{share:.1%}", ", ".join([*device.models, *(f"{name} (paged in)" for name in paged)]) + colocated)
     console.print(memory)
     console.print(
         f"predicted step time: {_ms(plan.iteration_s)} ({plan.method} search, "

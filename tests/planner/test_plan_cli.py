@@ -75,3 +75,11 @@ def test_a_plan_for_this_machine_prices_its_cpus_as_a_run_does(monkeypatch: pyte
     assert shown.iteration_s == pytest.approx(expected.iteration_s)
     assert shown.iteration_s != pytest.approx(compile_plan(graph, detect_local(num_cpu_slots=2),
                                                            base_dir=tiny.parent).iteration_s)
+
+
+def test_the_memory_table_names_an_offloaded_model_paged_in_on_its_device() -> None:
+    console = _console()
+    plan_command(ROOT / "pipelines" / "grpo_0.4b_gpu.yaml", ROOT / "devices" / "h100-1x.yaml", as_json=False,
+                 output=None, console=console, overrides=["models.reference.offload_to_cpu=true"])
+    rows = [line for line in console.export_text().splitlines() if "gpu-0" in line and " GB " in line and "80 GB" in line]
+    assert rows and "reference (paged in)" in rows[0], rows
