@@ -205,6 +205,8 @@ def resume(
         raise FlowrlError(f"{output_dir} holds no config.yaml: it is not the output folder of a flowrl run")
     graph = load_pipeline(config, overrides or [])
     _one_setting(overrides or [], {"steps": ("--steps", "trainer.steps")}, {"steps": steps})
+    if any(text.partition("=")[0].strip() == "trainer.output_dir" for text in overrides or []):
+        raise FlowrlError(f"a resume goes on in its own folder, {output_dir}: remove the override trainer.output_dir")
     base_dir = _pipeline_folder(config) or output_dir.resolve()
     _train(graph, base_dir, plain, True, force, locate=issue_locator(config, overrides or []),
            output_dir=str(output_dir.resolve()), steps=steps, checkpoint=_checkpoint_step(checkpoint))
@@ -256,9 +258,11 @@ def _train(graph: Any, base_dir: Path, plain: bool, resume: bool, force: bool, o
 
     output = Path(overrides.get("output_dir") or graph.spec.trainer.output_dir)
     output = output if output.is_absolute() else Path.cwd() / output
-    if resume and overrides.get("checkpoint") is None:  # a chosen checkpoint is checked by the run
-        steps = overrides.get("steps") or graph.spec.trainer.steps
-        check_resume_start(output, steps)
+    if resume:
+        if overrides.get("checkpoint") is None:  # a chosen checkpoint is checked by the run
+            check_resume_start(output, overrides.get("steps") or graph.spec.trainer.steps)
+    elif overrides.get("checkpoint") is not None:
+        raise FlowrlError("--checkpoint chooses the checkpoint a resume starts from: add --resume")
     else:
         check_fresh_start(output, overwrite)
     if not (overrides.get("scheduler_address") or runtime.scheduler_address):

@@ -259,6 +259,13 @@ def test_resume_after_kill_9_of_the_driver_ends_with_the_weights_of_an_uninterru
     assert "lr: 0.003" in overridden.stderr and "Traceback" not in overridden.stderr
     clash = subprocess.run(_cli("resume", str(killed), "trainer.steps=8", "--steps", "8"), capture_output=True, text=True)
     assert clash.returncode == 2 and "--steps" in clash.stderr and "trainer.steps" in clash.stderr
+    # the command line rolls back too: from the older of the two checkpoints kept
+    older, newer = sorted((killed / "checkpoints").glob("step-*"), key=lambda path: int(path.name[5:]))
+    rolled = subprocess.run(_cli("resume", str(killed), "--checkpoint", older.name, "--plain"),
+                            capture_output=True, text=True)
+    assert rolled.returncode == 0, rolled.stderr
+    assert f"rolled back to {older.name}" in rolled.stdout and (killed / "rolled_back").is_dir()
+    assert _steps(killed) == list(range(1, 8)) and newer.is_dir()  # written again by the steps after it
     # a damaged run record is said to be one, not taken for a run without a pipeline folder
     record = killed / "run.json"
     record.write_text(record.read_text()[:40])
