@@ -20,7 +20,7 @@ completion's last number), so RL is free to change the working.
 - inputs: ``prompt`` + working + ``;`` + result + ``<eos>``, no ``<bos>``, as the generate
   role feeds prompts; loss on the completion tokens only;
 - schedule: AdamW, linear warm-up then a constant rate, a fixed number of steps, one thread
-  and fixed seeds, so a machine rebuilds the same weights (about a minute on one core).
+  and fixed seeds, so a machine rebuilds the same weights (about 1.5 minutes on one core).
 
 The result is cached like the builtin models::
 
@@ -71,8 +71,14 @@ class ArithModelRecipe:
     """Attention heads per layer."""
     intermediate_size: int = _SHAPE.intermediate_size
     """Width of the MLP's hidden layer."""
-    num_steps: int = 800
-    """Optimizer steps of the fit; chosen to stop at a partial held-out accuracy."""
+    num_steps: int = 1700
+    """Optimizer steps of the fit; chosen to stop at a partial held-out accuracy (18 %).
+
+    The fit learns the format, the sign and the higher digits first and the lowest digit (a
+    sum mod 10) last: right on 11 % of lowest digits (chance) after 800 steps, 16 % after
+    1500, 23 % after 1700, 49 % after 2000. Stopped at chance on that digit (800 steps, 7 %
+    held-out), a sample earns the 0/1 reward about 2 % of the time and GRPO barely moves
+    (9.8 % after 1500 steps); from 1700 steps it goes from 18 % to about 60 % in 3000 steps."""
     batch_size: int = 64
     """Problems per optimizer step, drawn from the train split."""
     lr: float = 3e-3

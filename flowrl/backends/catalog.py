@@ -78,7 +78,8 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         tie_word_embeddings=True,
     ),
     "arith-llama": BuiltinModel(
-        hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=4, intermediate_size=512, recipe="arith"
+        hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=4, intermediate_size=512, recipe="arith",
+        version=2,
     ),
     "tiny-rm": BuiltinModel(
         hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4, intermediate_size=128, recipe="tiny-rm",
