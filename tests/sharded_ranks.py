@@ -129,26 +129,32 @@ def logprobs_sharded_and_whole(state: ModelState, dp: DataParallel | None) -> li
         layer.register_forward_pre_hook(
             lambda *_, key=key, model=model: attention[key].append(model.config._attn_implementation))
     rollout = rollout_of(state)
-    logprobs, entropy = completion_logprobs_and_entropy(sharded, rollout, state.device)
+    logprobs, entropy = completion_logprobs_and_entropy(sharded, rollout, state.device, entropy_grad=True)
     mask = rollout.completion_mask.bool()
     # the head's gradient (an entropy bonus's too) goes through the sharded model's backward
     (logprobs.sum() + (entropy * mask).sum()).backward()
-    whole, whole_entropy = completion_logprobs_and_entropy(state.module, rollout, state.device)
+    whole, whole_entropy = completion_logprobs_and_entropy(state.module, rollout, state.device, entropy_grad=True)
     (whole.sum() + (whole_entropy * mask).sum()).backward()
     whole_grads = dict(state.module.named_parameters())
     # every rank computed the same rows, and the ranks' gradients add up
     ranks = torch.distributed.get_world_size()
     grad_diff = max(float((parameter.grad.full_tensor() - ranks * whole_grads[name].grad).abs().max())
                     for name, parameter in sharded.named_parameters())
+    head_grad_norm = float(head.weight.grad.full_tensor().norm())
+    same_layout = attention["sharded"] == attention["whole"]
+    # asked for no entropy gradient, the sharded model's entropy is a metric
+    _, metric = completion_logprobs_and_entropy(sharded, rollout, state.device)
     return [{
-        "same_layout": float(attention["sharded"] == attention["whole"]),
+        "same_layout": float(same_layout),
         "shared_prompts": float(attention["sharded"][:1] == [SHARED]),
         "logprob_diff": float((logprobs - whole).detach().abs().max()),
         "entropy_diff": float((entropy - whole_entropy).detach().abs().max()),
         "grad_diff": grad_diff,
+        "metric_entropy_grad": float(metric.requires_grad),
+        "metric_entropy_diff": float((metric - whole_entropy).detach().abs().max()),
         "masked_zero": float(logprobs[~mask].abs().max()) if bool((~mask).any()) else 0.0,
         "head_calls": float(len(calls)),
-        "head_grad_norm": float(head.weight.grad.full_tensor().norm()),
+        "head_grad_norm": head_grad_norm,
         "no_grad_diff": float((completion_logprobs(sharded, rollout, state.device) - whole).abs().max()),
     }]
 

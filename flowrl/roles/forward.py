@@ -173,7 +173,7 @@ def _logprobs(module: torch.nn.Module, rollout: Rollout, device: torch.device,
     real_labels = labels.reshape(-1).index_select(0, real)
     if replaced is not None:
         values, row_entropy = _sharded_fused_logprobs(module, window, real, real_labels, rollout.temperature,
-                                                      with_entropy, *replaced)
+                                                      with_entropy, entropy_grad, *replaced)
         return _unflatten(values, row_entropy, real, labels.shape, window, device)
     assert head is not None
     backbone, linear = head
@@ -225,7 +225,7 @@ class _HeadStandIn(torch.nn.Module):
 
 def _sharded_fused_logprobs(
     module: torch.nn.Module, window: CompletionWindow, real: torch.Tensor, labels: torch.Tensor,
-    temperature: float, with_entropy: bool, name: str, linear: torch.nn.Linear,
+    temperature: float, with_entropy: bool, entropy_grad: bool, name: str, linear: torch.nn.Linear,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A sharded (FSDP2) model's log-probs through the fused head. Its parameters are whole
     only inside its own forward (which gathers them, and whose backward gathers them again
@@ -236,13 +236,19 @@ def _sharded_fused_logprobs(
     on a GPU a whole model's decoder layers run compiled and a sharded model's eagerly, so
     their last bits may differ."""
     layout = _pass_layout(module, window, _recomputed(getattr(module, "base_model", module)))
+    entropies: list[torch.Tensor] = []
 
     def compute(hidden: torch.Tensor) -> torch.Tensor:
         rows = _completion_rows(layout.unpack(hidden), window, real)
         values, row_entropy = _fused_head(rows, linear, labels, temperature, with_entropy)
-        # Both leave as the model's output, whose backward hooks gather the parameters again
-        # before any gradient reaches the head (an entropy bonus has one).
-        return values if row_entropy is None else torch.stack((values, row_entropy))
+        if row_entropy is None:
+            return values
+        if entropy_grad:
+            # Both leave as the model's output, whose backward hooks gather the parameters
+            # again before any gradient reaches the head.
+            return torch.stack((values, row_entropy))
+        entropies.append(row_entropy.detach())  # a metric: its backward never runs
+        return values
 
     setattr(module, name, _HeadStandIn(compute))
     try:
@@ -250,9 +256,9 @@ def _sharded_fused_logprobs(
             output = module(**layout.inputs, use_cache=False).logits
     finally:
         setattr(module, name, linear)
-    if with_entropy:
+    if with_entropy and entropy_grad:
         return output[0], output[1]
-    return output, None
+    return output, entropies[0] if entropies else None
 
 
 SHARE_PROMPTS_ABOVE = 0.1

@@ -70,7 +70,10 @@ class PolicyObjective:
         # the sampling engine's log-probs (``sampled``: the rollout has them): their drift from
         # the training forward is measured, and with rollout_is_cap corrected
         self.sampled = sampled
-        drift = ("rollout_logprob_diff", "rollout_is_weight") if sampled else ()
+        drift: tuple[str, ...] = ()
+        if sampled:  # the weight's mean only where it weighs (unbounded without the cap)
+            drift = ("rollout_logprob_diff", "rollout_is_weight") if node.rollout_is_cap is not None \
+                else ("rollout_logprob_diff",)
         self.keys: tuple[str, ...] = (
             "pg_clipfrac", "ratio_mean", "ppo_kl", "entropy", *drift, "pg_loss",
             *(("kl_loss",) if self.use_kl else ()), "loss")
@@ -101,7 +104,7 @@ class PolicyObjective:
         loss, stats = policy_loss(
             logprobs, old, to_device(self.advantages[rows], device), mask, clip_eps=node.clip_eps,
             loss_agg=node.loss_agg, clip_eps_high=node.clip_eps_high, norm_tokens=piece.max_new_tokens,
-            token_weights=weights if node.rollout_is_cap is not None else None,
+            token_weights=weights,
         )
         numbers = {**stats, **drift}
         numbers["entropy"] = masked_mean(entropy.detach(), mask.bool())
@@ -129,15 +132,17 @@ def _widen(values: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def _rollout_weights(old: torch.Tensor, sampled: torch.Tensor, mask: torch.Tensor,
-                     cap: float | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-token ``min(exp(old - sampled), cap)`` (no cap: the plain ratio) and, as token
-    means, the absolute log-prob drift between the two engines and the weight."""
+                     cap: float | None) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+    """Per-token ``min(exp(old - sampled), cap)`` (None without a cap) and, as token means,
+    the absolute log-prob drift between the two engines and (with a cap) the weight."""
     selected = mask.bool()
     diff = torch.where(selected, old - sampled, torch.zeros_like(old))
-    ratio = torch.exp(diff)
-    weights = ratio if cap is None else ratio.clamp(max=cap)
-    return weights, {"rollout_logprob_diff": masked_mean(diff.abs(), selected),
-                     "rollout_is_weight": masked_mean(weights, selected)}
+    numbers = {"rollout_logprob_diff": masked_mean(diff.abs(), selected)}
+    if cap is None:
+        return None, numbers
+    weights = torch.exp(diff).clamp(max=cap)
+    numbers["rollout_is_weight"] = masked_mean(weights, selected)
+    return weights, numbers
 
 
 class ValueObjective:
@@ -190,7 +195,10 @@ def update_policy(
 ) -> NodeOutput:
     """Train a policy on ``advantages`` (``[N]`` or ``[N, T]``) at rate ``lr`` (this step's
     rate of the node's schedule; None: ``node.lr``)."""
-    if node.mask_truncated_completions and rollout.truncated is not None:
+    if node.mask_truncated_completions:
+        if rollout.truncated is None:
+            raise FlowrlError("mask_truncated_completions needs to know which completions were cut, and this "
+                              "rollout came without it; remove mask_truncated_completions")
         rollout = rollout.without_rows(rollout.truncated)
     sampled = rollout.sampled_logprobs is not None
     if node.rollout_is_cap is not None and not sampled:
@@ -244,6 +252,10 @@ def run_update(
         for start in range(0, num_rows, mini_batch):
             rows = order[start : start + mini_batch]
             part = rollout if single_step else rollout.select(rows)
+            if not bool(part.completion_mask.any()):
+                # no token in the loss (every completion masked out): no step, whose zero
+                # gradient AdamW would still follow along its moments, and no numbers
+                continue
             stats = _step(state, optimizer, objective, part, rows, node, dp)
             for key, value in stats.items():
                 totals[key] = totals.get(key, 0.0) + value
@@ -252,7 +264,7 @@ def run_update(
     if dp is not None and dp.sharded:
         state.refresh_whole()  # every rank gathers the new weights into its whole copy
     prefix = objective.prefix
-    metrics = {f"{prefix}/{key}": value / num_steps for key, value in totals.items()}
+    metrics = {f"{prefix}/{key}": value / max(num_steps, 1) for key, value in totals.items()}
     metrics[f"{prefix}/lr"] = rate
     metrics[f"{prefix}/num_optimizer_steps"] = float(num_steps)
     objective.finish(metrics)
@@ -373,9 +385,7 @@ def _step(
     # A NaN or infinite loss or gradient would poison the weights and the optimizer's moments
     # for good: the step is skipped instead (every data-parallel rank sees the same sums).
     finite = all(math.isfinite(value) for value in result.values())
-    # A mini-batch without a token in the loss (every completion masked out) has a zero
-    # gradient, on which AdamW would still move the weights along its moments.
-    if finite and bool(part.completion_mask.any()):
+    if finite:
         optimizer.step()
     else:
         optimizer.zero_grad(set_to_none=True)

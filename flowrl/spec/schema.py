@@ -579,14 +579,16 @@ class UpdateNode(_NodeBase):
     mask_truncated_completions: bool = False
     """Leave completions cut at ``max_new_tokens`` (no stop token) out of the loss and its
     normaliser (DAPO's overlong filtering): their reward judged an unfinished answer. A
-    mini-batch of only such completions makes no optimizer step. Policies only. Default
-    false."""
-    rollout_is_cap: float | None = Field(default=None, gt=0)
+    mini-batch of only such completions makes no optimizer step. With ``loss_agg:
+    token_sum_norm`` the constant normaliser stays (sequences x ``max_new_tokens``, the cut
+    ones counted), as Dr. GRPO's constant is meant to. Policies only. Default false."""
+    rollout_is_cap: float | None = Field(default=None, ge=1)
     """Truncated importance sampling between generation and training: each token's policy
     term is weighted by ``min(p_train / p_sample, rollout_is_cap)``, p_train the policy's
     probability of the token in the training forward before the update and p_sample the
     probability the generation engine sampled it with (their kernels round differently, and a
-    bf16 decode drifts from the training pass). None: off (the drift is still logged as
+    bf16 decode drifts from the training pass); at least 1 (2 is usual), the mean weight is
+    ``actor/rollout_is_weight``. None: off (the drift is still logged as
     ``actor/rollout_logprob_diff``). Policies only. Default None."""
     clip_range_value: float | None = Field(default=0.2, gt=0)
     """Value-update clipping around the old values (critics only); None turns it off. Default 0.2."""

@@ -78,3 +78,4 @@ def test_a_sharded_models_log_probs_come_from_the_fused_head_in_its_own_forward(
         assert numbers["masked_zero"] == 0.0
         assert numbers["head_grad_norm"] > 0.0  # its gradient came back through the sharded backward
         assert numbers["grad_diff"] < 1e-6  # of the log-probs and entropies, as the whole copy's
+        assert numbers["metric_entropy_grad"] == 0.0 and numbers["metric_entropy_diff"] == 0.0

@@ -132,12 +132,20 @@ def test_a_mini_batch_of_only_truncated_completions_leaves_the_weights_alone() -
                       mini_batch_size=2)
     update_policy(state, rollout, torch.tensor([1.0, -1.0, 0.5, -0.5]), None, node, seed=0)
     before = [p.detach().clone() for p in state.module.parameters()]
-    # now every row is cut: the moments of the first step would move the weights on a zero gradient
+    # now every row is cut: no step (the moments of the first would move the weights on a zero
+    # gradient) and no numbers of empty mini-batches averaged in
     rollout.truncated = torch.ones(4, dtype=torch.bool)
     output = update_policy(state, rollout, torch.tensor([1.0, -1.0, 0.5, -0.5]), None, node, seed=0)
-    assert output.metrics["actor/loss"] == 0.0 and output.metrics["actor/num_optimizer_steps"] == 2.0
+    assert output.metrics["actor/num_optimizer_steps"] == 0.0 and "actor/loss" not in output.metrics
     for mine, theirs in zip(state.module.parameters(), before):
         assert torch.equal(mine, theirs)
+    # rows 0 and 1 cut, one mini-batch of them alone: one step, on rows 2 and 3 only
+    rollout.truncated = torch.tensor([True, True, False, False])
+    ordered = UpdateNode(model="actor", inputs=["rollout", "adv"], lr=1e-2, mask_truncated_completions=True,
+                         mini_batch_size=2, ppo_epochs=1)
+    counts = {update_policy(state, rollout, torch.tensor([1.0, -1.0, 0.5, -0.5]), None, ordered,
+                            seed=seed).metrics["actor/num_optimizer_steps"] for seed in range(6)}
+    assert counts <= {1.0, 2.0} and 1.0 in counts  # a shuffle that pairs the cut rows makes one step
 
 
 def test_truncated_importance_weights_scale_the_tokens_the_sampler_found_less_likely() -> None:
@@ -160,9 +168,9 @@ def test_truncated_importance_weights_scale_the_tokens_the_sampler_found_less_li
     row0_share = float(tokens[0].sum() / tokens.sum())
     for metrics in (capped_metrics, doubled_metrics):  # the drift is logged whether or not it is corrected
         assert metrics["actor/rollout_logprob_diff"] == pytest.approx(math.log(4.0) * row0_share, rel=1e-5)
-        # weight 2 (capped) or the plain ratio 4 (no cap) on row 0's tokens, 1 elsewhere
-        extra = 1.0 if metrics is capped_metrics else 3.0
-        assert metrics["actor/rollout_is_weight"] == pytest.approx(1.0 + row0_share * extra, rel=1e-5)
+    # weight 2 on row 0's tokens, 1 elsewhere; without a cap no weight applies and none is logged
+    assert capped_metrics["actor/rollout_is_weight"] == pytest.approx(1.0 + row0_share, rel=1e-5)
+    assert "actor/rollout_is_weight" not in doubled_metrics
     assert capped_metrics["actor/pg_loss"] == pytest.approx(doubled_metrics["actor/pg_loss"], rel=1e-5)
     for mine, theirs in zip(capped_weights, doubled_weights):
         torch.testing.assert_close(mine, theirs, atol=1e-6, rtol=1e-5)
@@ -184,13 +192,16 @@ def test_a_rollout_from_the_decoder_has_no_drift_from_the_training_forward_on_a_
     assert metrics["actor/rollout_is_weight"] == pytest.approx(1.0, abs=1e-4)
 
 
-def test_rollout_is_cap_needs_the_sampling_log_probs() -> None:
+def test_rollout_is_cap_and_masking_cut_completions_need_what_the_rollout_knows() -> None:
     from flowrl.errors import FlowrlError
 
     state = _state()
     node = UpdateNode(model="actor", inputs=["rollout", "adv"], rollout_is_cap=2.0)
     with pytest.raises(FlowrlError, match="rollout_is_cap"):
         update_policy(state, _rollout(state), torch.zeros(4), None, node, seed=0)
+    masking = UpdateNode(model="actor", inputs=["rollout", "adv"], mask_truncated_completions=True)
+    with pytest.raises(FlowrlError, match="which completions were cut"):
+        update_policy(state, _rollout(state), torch.zeros(4), None, masking, seed=0)
 
 
 def test_padding_columns_do_not_change_logprobs() -> None:
