@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,7 +125,8 @@ def config_changes(old: str, new: str) -> list[str]:
 def roll_back(output_dir: Path, checkpoints: Path, step: int) -> tuple[FoundCheckpoint, Path | None]:
     """The intact checkpoint of ``step``, to resume from instead of the newest: the
     checkpoints after it and a final model are moved into ``rolled_back/`` (kept, and no
-    longer taken for the run's own: the run goes on from ``step`` and writes new ones).
+    longer taken for the run's own: the run goes on from ``step`` and writes new ones), with
+    a copy of the run's logs as they were (the resume drops their lines after ``step``).
     Returns the checkpoint and the folder they went to (None: there were none)."""
     written = checkpoint_dirs(checkpoints)
     path = checkpoints / f"step-{step}"
@@ -136,13 +138,29 @@ def roll_back(output_dir: Path, checkpoints: Path, step: int) -> tuple[FoundChec
         raise FlowrlError(f"checkpoint {path} cannot be resumed from: {problem}; choose another (--checkpoint)")
     later = [folder for number, folder in written if number > step]
     final = output_dir / "final"
-    moved: Path | None = None
-    if later or final.is_dir():
-        moved = output_dir / "rolled_back" / f"after-step-{step}-{time.strftime('%Y%m%d-%H%M%S')}"
-        moved.mkdir(parents=True, exist_ok=False)
-        for folder in later:
-            folder.rename(moved / folder.name)
-        if final.is_dir():
-            final.rename(moved / "final")
     state = json.loads((path / TRAINER_STATE).read_text())
+    if not later and not final.is_dir():
+        return FoundCheckpoint(step, path, state, ()), None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    moved = output_dir / "rolled_back" / f"after-step-{step}-{stamp}"
+    number = 1
+    while moved.exists():  # a second roll-back within the same second
+        number += 1
+        moved = output_dir / "rolled_back" / f"after-step-{step}-{stamp}-{number}"
+    done: list[str] = []
+    try:
+        moved.mkdir(parents=True)
+        for name in LOG_FILES:
+            if (output_dir / name).is_file():
+                shutil.copy2(output_dir / name, moved / name)
+        for folder in [*later, *([final] if final.is_dir() else [])]:
+            folder.rename(moved / folder.name)
+            done.append(folder.name)
+    except OSError as error:
+        kept = f"; {', '.join(done)} moved there already" if done else ""
+        raise FlowrlError(f"rolling back to step-{step} failed moving files into {moved} ({error}){kept}") from error
     return FoundCheckpoint(step, path, state, ()), moved
+
+
+LOG_FILES = ("metrics.jsonl", "profile.jsonl", "samples.jsonl", "events.jsonl")
+"""The run's logs, whose lines after a resumed step are dropped (copied aside by a roll-back)."""

@@ -20,7 +20,7 @@ from flowrl.api.loggers import Logger, close_quietly, logger_problems, make_logg
 from flowrl.api.outputs import RunFolder, check_fresh_start, check_resume_start, finished_steps, finite_metrics
 from flowrl.api.prometheus import PrometheusMetrics
 from flowrl.api.driver import Driver
-from flowrl.api.recovery import FoundCheckpoint, config_changes, newest_checkpoint, roll_back
+from flowrl.api.recovery import FoundCheckpoint, config_changes, newest_checkpoint, resume_note, roll_back
 from flowrl.api.replanning import Replanner
 from flowrl.backends.cache import BUILTIN_PREFIX, built_builtin_dir
 from flowrl.api.data import evaluates_training_prompts, policy_formatter, read_eval, training_source
@@ -95,11 +95,14 @@ def load_run(output_dir: str | Path) -> RunResult:
     if not path.is_file():
         raise FlowrlError(f"{folder} holds no metrics.jsonl: it is not the output folder of a flowrl run")
     lines = []
-    for number, text in enumerate(path.read_text().splitlines(), start=1):
+    texts = path.read_text().splitlines()
+    for number, text in enumerate(texts, start=1):
         try:
             line = json.loads(text)
             step = int(line.pop("step"))
         except (ValueError, KeyError, TypeError, AttributeError) as error:
+            if number == len(texts):
+                break  # the last line, cut short by a killed process (as a resume drops it)
             raise FlowrlError(f"{path}:{number} is not a metrics line ({type(error).__name__}: {error})") from error
         lines.append((step, line))
     num_steps = max((step for step, _ in lines), default=0)
@@ -285,9 +288,13 @@ def _run(pipeline: PipelineGraph | Pipeline, options: RunOptions, observer: Obse
     except BaseException as error:
         # the last step done: of this process, else the one a resume starts after
         done = watcher.last.step if watcher.last is not None else (start.step if start is not None else 0)
-        if type(error) is KeyboardInterrupt:  # a stop signal before the steps (the driver says its own)
-            error = RunInterrupted(f"stopped while the run started, before step {done + 1}; "
-                                   f"{_kept_before_steps(folder, start)}", stopping_for() or "SIGINT")
+        # a stop signal outside the steps (the driver says its own during them): while the run
+        # started, or while it wound up after its last step
+        if type(error) is KeyboardInterrupt:
+            where = (f"while the run started, before step {done + 1}; {_kept_before_steps(folder, start)}"
+                     if watcher.last is None else
+                     f"after step {done}, while the run wound up{resume_note(folder.checkpoints, 'if it did not finish')}")
+            error = RunInterrupted(f"stopped {where}", stopping_for() or "SIGINT")
         if not watcher.stopped:  # a check that refused the run, an interrupt, a bug: its folder says why too
             named = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
             why = str(error) if isinstance(error, (FlowrlError, KeyboardInterrupt)) and str(error) else named

@@ -30,6 +30,9 @@ def test_steps_and_evaluations_come_back_from_metrics_jsonl(tmp_path: Path) -> N
 def test_a_folder_without_a_run_or_with_a_broken_line_is_said_to_be_one(tmp_path: Path) -> None:
     with pytest.raises(FlowrlError, match="holds no metrics.jsonl"):
         load_run(tmp_path)
-    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2, "x": \n')
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2, "x": \n{"step": 3}\n')
     with pytest.raises(FlowrlError, match=r"metrics.jsonl:2 is not a metrics line"):
         load_run(tmp_path)
+    # a last line cut short by a killed process is left out, as a resume drops it
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2, "x": ')
+    assert [record.step for record in load_run(tmp_path).records] == [1]
