@@ -111,17 +111,23 @@ def _linear_reference(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     return _reference(logits, labels, temperature)
 
 
-@pytest.mark.parametrize("chunk_rows", [1, 4, 64])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_fused_head_matches_linear_then_log_softmax(chunk_rows: int, with_bias: bool) -> None:
-    generator = torch.Generator().manual_seed(5 + chunk_rows)
+def _head_case(seed: int, with_bias: bool) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """13 rows of hidden size 6 against a vocabulary of 17: labels, an upstream gradient, and
+    (hidden, weight[, bias]) twice as leaves: for the fused head and for the reference."""
+    generator = torch.Generator().manual_seed(seed)
     hidden = torch.randn(13, 6, generator=generator)
     weight = torch.randn(17, 6, generator=generator)
     bias = torch.randn(17, generator=generator) if with_bias else None
     labels = torch.randint(0, 17, (13,), generator=generator)
     upstream = torch.randn(13, generator=generator)
     leaves = [t.clone().requires_grad_(True) for t in (hidden, weight) + ((bias,) if bias is not None else ())]
-    theirs = [t.detach().clone().requires_grad_(True) for t in leaves]
+    return labels, upstream, leaves, [t.detach().clone().requires_grad_(True) for t in leaves]
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 4, 64])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fused_head_matches_linear_then_log_softmax(chunk_rows: int, with_bias: bool) -> None:
+    labels, upstream, leaves, theirs = _head_case(5 + chunk_rows, with_bias)
     ours_bias = leaves[2] if with_bias else None
     ours = linear_token_logprobs(leaves[0], leaves[1], labels, bias=ours_bias, temperature=0.7, chunk_rows=chunk_rows)
     expected = _linear_reference(theirs[0], theirs[1], theirs[2] if with_bias else None, labels, 0.7)
@@ -162,15 +168,9 @@ def test_fused_head_gradcheck_in_float64() -> None:
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_fused_head_entropy_gradient_matches_autograd_of_the_plain_entropy(chunk_rows: int, with_bias: bool) -> None:
     # a loss of both outputs (an entropy bonus beside the log-probs) and of the entropy alone
-    generator = torch.Generator().manual_seed(11 + chunk_rows)
-    hidden = torch.randn(13, 6, generator=generator)
-    weight = torch.randn(17, 6, generator=generator)
-    bias = torch.randn(17, generator=generator) if with_bias else None
-    labels = torch.randint(0, 17, (13,), generator=generator)
-    upstream, entropy_upstream = torch.randn(13, generator=generator), torch.randn(13, generator=generator)
+    entropy_upstream = torch.randn(13, generator=torch.Generator().manual_seed(3))
     for logprob_weight in (1.0, 0.0):
-        leaves = [t.clone().requires_grad_(True) for t in (hidden, weight) + ((bias,) if bias is not None else ())]
-        theirs = [t.detach().clone().requires_grad_(True) for t in leaves]
+        labels, upstream, leaves, theirs = _head_case(11 + chunk_rows, with_bias)
         values, entropy = linear_token_logprobs_and_entropy(leaves[0], leaves[1], labels,
                                                             bias=leaves[2] if with_bias else None,
                                                             temperature=0.7, chunk_rows=chunk_rows)
@@ -188,7 +188,8 @@ def test_fused_head_entropy_gradient_matches_autograd_of_the_plain_entropy(chunk
         expected_loss.backward()
         for mine, reference in zip(leaves, theirs):
             assert mine.grad is not None and reference.grad is not None
-            torch.testing.assert_close(mine.grad, reference.grad, atol=1e-5, rtol=1e-5)
+            # fp32: dH/dz = -p (z - lse + H) sums terms of both signs, a few ulps of the largest
+            torch.testing.assert_close(mine.grad, reference.grad, atol=5e-5, rtol=1e-4)
 
 
 def test_fused_head_entropy_gradient_hand_example() -> None:
@@ -214,28 +215,11 @@ def test_fused_head_errors() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_fused_head_on_a_gpu_in_bf16_matches_the_plain_head() -> None:
+@pytest.mark.parametrize("entropy_weight", [0.0, 0.5])
+def test_fused_head_on_a_gpu_in_bf16_matches_the_plain_head(entropy_weight: float) -> None:
+    # the compiled chunk steps against autograd of the plain head; with an entropy weight, the
+    # gradient of log-probs minus that weight x the entropies (an entropy bonus)
     generator = torch.Generator(device="cuda").manual_seed(7)
-    hidden = torch.randn(300, 64, device="cuda", generator=generator).to(torch.bfloat16)
-    weight = (torch.randn(5000, 64, device="cuda", generator=generator) * 0.1).to(torch.bfloat16)
-    labels = torch.randint(0, 5000, (300,), device="cuda", generator=generator)
-    ours_h, ours_w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-    theirs_h, theirs_w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-    ours = linear_token_logprobs(ours_h, ours_w, labels, chunk_rows=128)
-    theirs = _linear_reference(theirs_h, theirs_w, None, labels, 1.0)
-    torch.testing.assert_close(ours, theirs, atol=2e-2, rtol=0)  # bf16 logits, fp32 softmax
-    ours.sum().backward()
-    theirs.sum().backward()
-    assert ours_h.grad is not None and theirs_h.grad is not None and ours_w.grad is not None and theirs_w.grad is not None
-    torch.testing.assert_close(ours_h.grad.float(), theirs_h.grad.float(), atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(ours_w.grad.float(), theirs_w.grad.float(), atol=2e-2, rtol=2e-2)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_fused_head_entropy_bonus_on_a_gpu_in_bf16_matches_the_plain_head() -> None:
-    # the compiled chunk gradient of log-probs and entropies against autograd of the plain head
-    generator = torch.Generator(device="cuda").manual_seed(8)
     hidden = torch.randn(300, 64, device="cuda", generator=generator).to(torch.bfloat16)
     weight = (torch.randn(5000, 64, device="cuda", generator=generator) * 0.1).to(torch.bfloat16)
     labels = torch.randint(0, 5000, (300,), device="cuda", generator=generator)
@@ -243,10 +227,12 @@ def test_fused_head_entropy_bonus_on_a_gpu_in_bf16_matches_the_plain_head() -> N
     theirs_h, theirs_w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
     values, entropy = linear_token_logprobs_and_entropy(ours_h, ours_w, labels, temperature=0.8, chunk_rows=128)
     log_p = torch.log_softmax(torch.nn.functional.linear(theirs_h, theirs_w).float() / 0.8, dim=-1)
+    expected_values = log_p.gather(-1, labels[:, None]).squeeze(-1)
     expected_entropy = -(log_p.exp() * log_p).sum(dim=-1)
+    torch.testing.assert_close(values, expected_values, atol=2e-2, rtol=0)  # bf16 logits, fp32 softmax
     torch.testing.assert_close(entropy, expected_entropy, atol=2e-2, rtol=0)
-    (values.sum() - 0.5 * entropy.sum()).backward()
-    (log_p.gather(-1, labels[:, None]).sum() - 0.5 * expected_entropy.sum()).backward()
+    (values.sum() - entropy_weight * entropy.sum()).backward()
+    (expected_values.sum() - entropy_weight * expected_entropy.sum()).backward()
     assert ours_h.grad is not None and theirs_h.grad is not None and ours_w.grad is not None and theirs_w.grad is not None
     torch.testing.assert_close(ours_h.grad.float(), theirs_h.grad.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(ours_w.grad.float(), theirs_w.grad.float(), atol=2e-2, rtol=2e-2)
