@@ -33,7 +33,7 @@ __all__ = sorted([*_EXPORTS, "run"])
 def run(pipeline: PipelineGraph | Pipeline, *args: Any, quiet: bool = False, **kwargs: Any) -> RunResult:
     """Train ``pipeline``: :func:`flowrl.api.run.run`, whose arguments these are (``steps``,
     ``output_dir``, ``scheduler_address``, ``cpu_slots``, ``seed``, ``observer``, ``base_dir``,
-    ``resume``, ``force``, ``overwrite``), printing a line per step and per event
+    ``resume``, ``force``, ``overwrite``, ``checkpoint``), printing a line per step and per event
     (placements, warnings, evaluations, checkpoints) to stdout as ``flowrl run --plain`` does;
     ``observer`` (an object with ``on_step(record)`` and ``on_event(event)``) receives them
     instead, and ``quiet`` prints nothing."""

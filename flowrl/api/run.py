@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import difflib
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -88,8 +89,6 @@ def load_run(output_dir: str | Path) -> RunResult:
     step of every process that trained there (a resumed run's first steps too), each with its
     metrics, and the evaluations (step 0 is the one before training). The per-node timings
     stay in ``profile.jsonl``."""
-    import json
-
     folder = Path(output_dir)
     path = folder / "metrics.jsonl"
     if not path.is_file():
