@@ -81,12 +81,16 @@ def check_resume_start(output_dir: Path, steps: int) -> None:
     )
 
 
-def read_run_info(output_dir: Path) -> dict[str, Any]:
-    """``run.json`` of the run in ``output_dir``; empty when there is none (or it is unreadable)."""
+def read_run_info(output_dir: Path, strict: bool = False) -> dict[str, Any]:
+    """``run.json`` of the run in ``output_dir``; empty when there is none (or it is
+    unreadable; ``strict``: a FlowrlError then, for a resume, which needs what it records)."""
     path = output_dir / "run.json"
     try:
         return dict(json.loads(path.read_text())) if path.is_file() else {}
-    except (OSError, ValueError):
+    except (OSError, ValueError, TypeError) as error:
+        if strict:
+            raise FlowrlError(f"{path} cannot be read ({type(error).__name__}: {error}): the run's record is "
+                              "damaged; restore it from a copy, or start the run again in another output folder") from error
         return {}
 
 
@@ -132,8 +136,8 @@ class RunFolder:
     def write_run_info(self, info: dict[str, Any]) -> None:
         (self.path / "run.json").write_text(json.dumps(info, indent=2) + "\n")
 
-    def read_run_info(self) -> dict[str, Any]:
-        return read_run_info(self.path)
+    def read_run_info(self, strict: bool = False) -> dict[str, Any]:
+        return read_run_info(self.path, strict)
 
     def reset_logs(self) -> None:
         """A fresh run starts the line files anew (a resumed run appends)."""

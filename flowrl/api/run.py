@@ -233,7 +233,7 @@ def _run(pipeline: PipelineGraph | Pipeline, options: RunOptions, observer: Obse
     planned: int | None = None
     data_before: dict[str, Any] | None = None
     if resume:
-        data_before = folder.read_run_info().get("data")
+        data_before = folder.read_run_info(strict=True).get("data")
         finished = finished_steps(folder.path)
         before = _started_with(folder)
         forced = _check_unchanged(folder, before, config_text, force)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
-import json
 import os
 import sys
 from pathlib import Path
@@ -226,15 +225,11 @@ def _pipeline_folder(config: Path) -> Path | None:
     """The folder a run's ``config.yaml`` reads its relative paths from (models, data, reward
     modules): that of the pipeline file the run started from, which ``run.json`` beside it
     records; None for any other file."""
-    info = config.parent / "run.json"
-    if config.name != "config.yaml" or not info.is_file():
+    from flowrl.api.outputs import read_run_info
+
+    if config.name != "config.yaml" or not (config.parent / "run.json").is_file():
         return None
-    try:
-        record = json.loads(info.read_text())
-    except (OSError, ValueError) as error:
-        raise FlowrlError(f"{info} cannot be read ({type(error).__name__}: {error}): the run's record is damaged; "
-                          "restore it from a copy, or start the run again in another output folder") from error
-    folder = record.get("base_dir") if isinstance(record, dict) else None
+    folder = read_run_info(config.parent, strict=True).get("base_dir")
     return Path(folder) if isinstance(folder, str) and folder else None
 
 

@@ -36,3 +36,12 @@ def test_a_folder_without_a_run_or_with_a_broken_line_is_said_to_be_one(tmp_path
     # a last line cut short by a killed process is left out, as a resume drops it
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2, "x": ')
     assert [record.step for record in load_run(tmp_path).records] == [1]
+
+
+def test_a_damaged_run_record_is_an_error_where_a_resume_needs_it(tmp_path: Path) -> None:
+    from flowrl.api.outputs import read_run_info
+
+    (tmp_path / "run.json").write_text('{"base_dir": "/x", "fini')
+    assert read_run_info(tmp_path) == {}  # a fresh start or a report does without it
+    with pytest.raises(FlowrlError, match=r"run.json cannot be read \(JSONDecodeError: .*\): the run's record is damaged"):
+        read_run_info(tmp_path, strict=True)
