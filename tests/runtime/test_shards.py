@@ -29,11 +29,14 @@ def test_rows_are_split_in_order_the_first_shards_one_longer() -> None:
 
 
 def test_joined_scores_and_their_metrics_are_the_whole_batch_ones() -> None:
-    parts = [Scores(torch.tensor([0.5, 1.0]), 1), Scores(torch.tensor([0.0]), 0)]
+    # the second shard's batch call raised: the joined batch says so
+    parts = [Scores(torch.tensor([0.5, 1.0]), 1), Scores(torch.tensor([0.0]), 0, batch_error="the call of ...")]
     scores, metrics = registry.role("score").join(parts, None, ScoreNode(fn="digits", inputs=["rollout"]))
     assert scores.values.tolist() == [0.5, 1.0, 0.0] and scores.num_failed == 1
+    assert scores.batch_error == "the call of ..."
     assert metrics == {"critic/score/mean": 0.5, "critic/score/max": 1.0, "critic/score/min": 0.0, "reward/num_failed": 1.0,
-                       "reward/failed_share": 1 / 3, "reward/num_none": 0.0, "reward/none_share": 0.0}
+                       "reward/failed_share": 1 / 3, "reward/num_none": 0.0, "reward/none_share": 0.0,
+                       "reward/batch_failed": 1.0}
     with pytest.raises(ValueError, match="not split by rows"):
         registry.role("update").join([], None, UpdateNode(model="actor"))
 
