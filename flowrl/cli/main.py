@@ -63,7 +63,9 @@ def _friendly(function: F) -> F:
             return None
         except KeyboardInterrupt as interrupt:
             _console(stderr=True, highlight=False).print(str(interrupt) or "interrupted", markup=False, soft_wrap=True)
-            raise typer.Exit(code=getattr(interrupt, "exit_code", 130)) from None
+            from flowrl.runtime.interrupts import exit_code
+
+            raise typer.Exit(code=getattr(interrupt, "exit_code", None) or exit_code()) from None
 
     return wrapper  # type: ignore[return-value]
 

@@ -37,17 +37,32 @@ class _Stop:
 def stop_at_first_signal() -> None:
     """From now on SIGINT raises KeyboardInterrupt, as Python's own handler does, only while
     no stop signal came; later ones are ignored, so that the stop under way cleans up whole
-    and says what the first one stopped. For a process that stops once and exits (a command
-    line): a library's caller keeps Python's handling.
+    and says what the first one stopped. SIGTERM (a batch system's preemption, ``kill PID``)
+    and SIGHUP (a closed terminal) do the same, where they would have ended the process at
+    once: a run stopped by them before its steps says so too (the run loop handles them
+    itself while it runs). For a process that stops once and exits (a command line): a
+    library's caller keeps Python's handling.
 
-    Only in the main thread, and only in place of Python's own handler: a process started
-    with SIGINT ignored (a shell's background job) keeps ignoring it."""
+    Only in the main thread, and only in place of Python's own handling: a process started
+    with a signal ignored (SIGINT in a shell's background job, SIGHUP under nohup) keeps
+    ignoring it."""
     if threading.current_thread() is not threading.main_thread():
         return
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        return
-    _Stop.enabled = True
-    signal.signal(signal.SIGINT, _interrupt_once)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        _Stop.enabled = True
+        signal.signal(signal.SIGINT, _interrupt_once)
+    for name in ("SIGTERM", "SIGHUP"):
+        number = getattr(signal, name, None)
+        if number is not None and signal.getsignal(number) is signal.SIG_DFL:
+            _Stop.enabled = True
+            signal.signal(number, _interrupt_once)
+
+
+def exit_code() -> int:
+    """128 + the number of the stop signal that came, as a shell reports a process it ended
+    (130 when none did: Ctrl-C's)."""
+    name = _Stop.signal or "SIGINT"
+    return 128 + int(getattr(signal, name, signal.SIGINT))
 
 
 def note_stop_signal(name: str) -> None:

@@ -22,8 +22,11 @@ def python_handles_sigint(monkeypatch: pytest.MonkeyPatch) -> object:
     monkeypatch.setattr(interrupts._Stop, "signal", None)
     monkeypatch.setattr(interrupts._Stop, "count", 0)
     before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    others = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGHUP)}
     yield
     signal.signal(signal.SIGINT, before)
+    for number, handler in others.items():  # a command's handlers set by a test
+        signal.signal(number, handler)
 
 
 def test_sigint_raises_and_is_remembered_even_when_the_exception_is_swallowed() -> None:
@@ -184,3 +187,23 @@ def test_the_third_stop_signal_leaves_the_command_at_once() -> None:
     assert done.returncode == 130
     assert done.stdout.split() == ["stopping", "second", "ignored"]
     assert "stopped at once (a third stop signal)" in done.stderr
+
+
+@pytest.mark.parametrize(("name", "code"), [("SIGTERM", 143), ("SIGHUP", 129)])
+def test_a_command_stops_once_for_sigterm_and_sighup_too(name: str, code: int) -> None:
+    """Before the run loop takes them (reading the data, starting the cluster) they ended the
+    process without a word; now the first raises, the next are ignored, and the exit code is
+    the shell's for that signal."""
+    number = getattr(signal, name)
+    signal.signal(number, signal.SIG_DFL)  # as in a terminal, whatever started the tests
+    stop_at_first_signal()
+    with pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), number)
+    os.kill(os.getpid(), number)  # ignored while the stop cleans up
+    assert stopping_for() == name and interrupts.exit_code() == code
+
+
+def test_a_command_started_with_sighup_ignored_keeps_ignoring_it() -> None:
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as under nohup
+    stop_at_first_signal()
+    assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN

@@ -198,15 +198,16 @@ def test_ctrl_c_to_the_whole_process_group_stops_cleanly(tmp_path: Path) -> None
     assert any(e["kind"] == "stopped" and "interrupted (SIGINT) during step" in e["message"] for e in events), events
 
 
-def test_ctrl_c_while_the_run_starts_says_so(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("name", "code"), [("SIGINT", 130), ("SIGTERM", 143)])
+def test_a_stop_signal_while_the_run_starts_says_so(tmp_path: Path, name: str, code: int) -> None:
     import os
     import signal
 
     # the data is read before the cluster starts: the stop comes seconds before step 1
     process, lines = _run_until("[event] data:", "-o", str(tmp_path / "out"))
-    os.killpg(process.pid, signal.SIGINT)
+    os.killpg(process.pid, getattr(signal, name))
     output = "".join(lines) + _rest(process)
-    assert process.returncode == 130, output
+    assert process.returncode == code, output
     assert "stopped while the run started, before step 1; no checkpoint was written, so a rerun starts from " \
            "step 1" in output, output
     assert "Traceback" not in output and "step 1/" not in output, output
