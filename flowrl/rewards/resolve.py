@@ -21,6 +21,7 @@ import os
 import sys
 import threading
 import traceback
+import types
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
@@ -335,13 +336,23 @@ def _unpickle(function: PythonFunction) -> RewardFunction:
             f"the reward function {function.name} cannot be unpickled in this process: "
             f"{type(error).__name__}: {error}; install the modules it uses on every worker"
         ) from error
-    code = getattr(loaded, "__code__", None)
-    if function.file and code is not None and code.co_filename.startswith("<"):
+    if function.file and isinstance(loaded, types.FunctionType):
         # cloudpickle names the code of a function it pickled by value "<dynamic-code>": its own
-        # file again, so that an error in it says where (and the line shows where that file is)
-        loaded.__code__ = code.replace(co_filename=function.file)
+        # file again, so that an error in it says where (and the line shows where that file is);
+        # so too its nested code (closures, comprehensions) and the functions of its module that
+        # came with it (its helpers), whose globals it shares
+        for value in [loaded, *loaded.__globals__.values()]:
+            if isinstance(value, types.FunctionType) and value.__globals__ is loaded.__globals__ \
+                    and value.__code__.co_filename.startswith("<"):
+                value.__code__ = _named(value.__code__, function.file)
     result: RewardFunction = loaded
     return result
+
+
+def _named(code: types.CodeType, file: str) -> types.CodeType:
+    """``code`` and the code objects nested in it, named as defined in ``file``."""
+    consts = tuple(_named(item, file) if isinstance(item, types.CodeType) else item for item in code.co_consts)
+    return code.replace(co_filename=file, co_consts=consts)
 
 
 class RewardCache:

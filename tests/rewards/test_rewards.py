@@ -488,6 +488,14 @@ def _raises_by_value(completions: list[str], **kwargs: object) -> list[float]:
     raise ValueError("no grade")  # the line an error names
 
 
+def _grade(text: str) -> float:
+    raise KeyError(text)  # a helper's line
+
+
+def _calls_a_helper_by_value(completions: list[str], **kwargs: object) -> list[float]:
+    return [_grade(text) for text in completions]
+
+
 def test_a_function_passed_by_value_names_its_file_and_line_when_it_raises() -> None:
     # a test module is a loose file: its functions travel by value, whose code cloudpickle
     # names "<dynamic-code>"; unpickled, it names this file again
@@ -502,3 +510,8 @@ def test_a_function_passed_by_value_names_its_file_and_line_when_it_raises() -> 
     result = score_safely(loaded, _inputs(["a"]), {}, name="by_value")
     assert result.first_error is not None
     assert f"raised ValueError: no grade at test_rewards.py:{line} (raise ValueError(\"no grade\")" in result.first_error
+    # a helper of the same file, called from a comprehension: the helper's line
+    helper = RewardCache().get(function_by_value(_calls_a_helper_by_value))
+    line = _grade.__code__.co_firstlineno + 1
+    failed = score_safely(helper, _inputs(["a"]), {}, name="helper").first_error
+    assert failed is not None and f"at test_rewards.py:{line} (raise KeyError(text)" in failed, failed
