@@ -121,9 +121,10 @@ def score_safely(
 
     When the batch call raises, each sample is scored alone so that only the samples that
     really fail are lost (one call per sample; ``batch_error`` says so: a function that
-    normalises over its batch or calls a judge once per batch sees batches of one then). A failed sample scores 0.0 under ``on_error="zero"``; under
-    ``"strict"`` the first one raises RewardError with the function's ``name``, the sample's
-    index, prompt and completion, and what went wrong.
+    normalises over its batch or calls a judge once per batch sees batches of one then). A
+    failed sample scores 0.0 under ``on_error="zero"``; under ``"strict"`` the first one
+    raises RewardError with the function's ``name``, the sample's index, prompt and
+    completion, and what went wrong.
     """
     if on_error not in ("zero", "strict"):
         raise ValueError(f"on_error must be 'zero' or 'strict', got {on_error!r}")

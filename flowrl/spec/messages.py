@@ -124,6 +124,9 @@ def _issue(loc: Sequence[Any], detail: Any) -> Issue:
     if kind in simple:
         # YAML 1.1 reads yes/no/on/off as booleans: the file may not say "true" at all
         hint = " (a boolean; YAML reads yes, no, on and off as booleans too)" if isinstance(value, bool) else ""
+        device = re.fullmatch(r"(gpu|cpu)-(\d+)", value.strip()) if isinstance(value, str) else None
+        if device is not None and "device_ids" in path:  # the id the commands print for a device
+            hint = f" (device_ids takes device numbers: write {device.group(2)} for {value.strip()})"
         return path, f"expected {simple[kind]}, {found}{hint}"
     if kind == "string_pattern_mismatch":
         return path, f"expected a size such as 500MB, 5GB or 2GiB, {found}"

@@ -256,6 +256,14 @@ def test_values_of_another_type_are_refused_not_converted(tmp_path: Path) -> Non
     assert spec.nodes["train"].lr == 1e-5
 
 
+def test_a_device_id_as_the_commands_print_it_says_which_number_to_write(tmp_path: Path) -> None:
+    path = write(tmp_path, GOOD.replace("{type: cpu}", "{type: cpu, device_ids: [cpu-1]}"))
+    assert problems(path) == [
+        f"{path}:5: devices.actor_group.device_ids.0: expected an integer, found 'cpu-1' (device_ids takes device "
+        "numbers: write 1 for cpu-1)",
+    ]
+
+
 def test_score_needs_exactly_one_of_fn_and_model() -> None:
     with pytest.raises(ValidationError, match="needs 'fn'"):
         PipelineSpec.model_validate(
