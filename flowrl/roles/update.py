@@ -99,8 +99,8 @@ class PolicyObjective:
         drift: dict[str, torch.Tensor] = {}
         if self.sampled:
             assert piece.sampled_logprobs is not None
-            weights, drift = _rollout_weights(old, _widen(to_device(piece.sampled_logprobs, device), old.shape[1]),
-                                              mask, node.rollout_is_cap)
+            # both engines return a log-prob per completion column, and joins pad both alike
+            weights, drift = _rollout_weights(old, to_device(piece.sampled_logprobs, device), mask, node.rollout_is_cap)
         loss, stats = policy_loss(
             logprobs, old, to_device(self.advantages[rows], device), mask, clip_eps=node.clip_eps,
             loss_agg=node.loss_agg, clip_eps_high=node.clip_eps_high, norm_tokens=piece.max_new_tokens,
@@ -122,13 +122,6 @@ class PolicyObjective:
 
     def finish(self, metrics: dict[str, float]) -> None:
         pass
-
-
-def _widen(values: torch.Tensor, width: int) -> torch.Tensor:
-    """[N, T'] -> [N, width]: zeros on columns past the values' own (masked downstream)."""
-    if values.shape[1] >= width:
-        return values[:, :width]
-    return torch.nn.functional.pad(values, (0, width - values.shape[1]))
 
 
 def _rollout_weights(old: torch.Tensor, sampled: torch.Tensor, mask: torch.Tensor,
