@@ -133,7 +133,7 @@ class _Checker:
     def _check_one_update(self, model: str) -> None:
         """One update node per model: a second would train it again on the same rollout with
         an optimizer of its own settings, and both would log under the same metric names."""
-        updates = [name for name, node in self.spec.nodes.items() if node.model == model and node.trains]
+        updates = self._updates_of(model)
         for extra in updates[1:]:
             self.add(f"nodes.{extra}.model",
                      f"update node '{updates[0]}' trains '{model}' already, and a model has one update node; "
@@ -143,13 +143,17 @@ class _Checker:
         """Every node passed schema validation, so which nodes train what is known."""
         return not any(broken == "nodes" or broken.startswith("nodes.") for broken in self.broken)
 
+    def _updates_of(self, model: str) -> list[str]:
+        """The update nodes that train ``model``, in file order."""
+        return [name for name, node in self.spec.nodes.items() if node.model == model and node.trains]
+
     def _training_group(self, model: str) -> tuple[bool, str | None]:
         """Whether an update node trains ``model``, and the declared device group it trains it
         in (the node's own, else the model's; None: the model's own automatic group)."""
-        for node in self.spec.nodes.values():
-            if node.model == model and node.trains:
-                return True, node.device_group or self.spec.models[model].device_group
-        return False, None
+        updates = self._updates_of(model)
+        if not updates:
+            return False, None
+        return True, self.spec.nodes[updates[0]].device_group or self.spec.models[model].device_group
 
     def _check_group(self, path: str, group: str | None) -> None:
         if group is None or self.known("devices", group):
