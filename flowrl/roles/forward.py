@@ -161,9 +161,8 @@ def _logprobs(module: torch.nn.Module, rollout: Rollout, device: torch.device,
         entropy = None
         if with_entropy:
             # differentiable, autograd keeps each chunk's fp32 softmax: only when a loss reads it
-            with torch.enable_grad() if entropy_grad else torch.no_grad():
-                entropy = window.pad(token_entropy(completion if entropy_grad else completion.detach(),
-                                                   temperature=rollout.temperature))
+            with contextlib.nullcontext() if entropy_grad else torch.no_grad():
+                entropy = window.pad(token_entropy(completion, temperature=rollout.temperature))
         return window.pad(logprobs), entropy
     # The output head runs on the completion tokens only (not the prompt's positions, not the
     # padding after a row's end): the largest matrix product of the pass, and its logits are
