@@ -94,6 +94,16 @@ def read_run_info(output_dir: Path, strict: bool = False) -> dict[str, Any]:
         return {}
 
 
+def step_line(text: str) -> tuple[int, dict[str, Any]]:
+    """(step, the rest) of one line of a run's line files; ValueError for a line that is not
+    one (cut short by a killed process, edited)."""
+    try:
+        line = json.loads(text)
+        return int(line.pop("step")), line
+    except (ValueError, AttributeError, TypeError, KeyError) as error:
+        raise ValueError(f"{type(error).__name__}: {error}") from error
+
+
 def finished_steps(output_dir: Path) -> int | None:
     """The steps the run in ``output_dir`` finished, as ``run.json`` records them (None: it
     did not finish, or there is no run)."""
@@ -155,8 +165,8 @@ class RunFolder:
             kept = []
             for line in path.read_text().splitlines():
                 try:
-                    step = int(json.loads(line).get("step", 0))
-                except (ValueError, AttributeError, TypeError):
+                    step = step_line(line)[0]
+                except ValueError:
                     continue  # a line cut short by a killed process
                 if step <= last_step:
                     kept.append(line)

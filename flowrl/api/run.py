@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import difflib
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -18,7 +17,8 @@ from pydantic import ValidationError
 from flowrl.api.builder import Pipeline, plain_value
 from flowrl.algorithms.kl_control import AdaptiveKLController, FixedKLController
 from flowrl.api.loggers import Logger, close_quietly, logger_problems, make_loggers, missing_package
-from flowrl.api.outputs import RunFolder, check_fresh_start, check_resume_start, finished_steps, finite_metrics
+from flowrl.api.outputs import (RunFolder, check_fresh_start, check_resume_start, finished_steps, finite_metrics,
+                                step_line)
 from flowrl.api.prometheus import PrometheusMetrics
 from flowrl.api.driver import Driver
 from flowrl.api.recovery import FoundCheckpoint, config_changes, newest_checkpoint, resume_note, roll_back
@@ -97,13 +97,11 @@ def load_run(output_dir: str | Path) -> RunResult:
     texts = path.read_text().splitlines()
     for number, text in enumerate(texts, start=1):
         try:
-            line = json.loads(text)
-            step = int(line.pop("step"))
-        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            lines.append(step_line(text))
+        except ValueError as error:
             if number == len(texts):
                 break  # the last line, cut short by a killed process (as a resume drops it)
-            raise FlowrlError(f"{path}:{number} is not a metrics line ({type(error).__name__}: {error})") from error
-        lines.append((step, line))
+            raise FlowrlError(f"{path}:{number} is not a metrics line ({error})") from error
     num_steps = max((step for step, _ in lines), default=0)
     finished = finished_steps(folder)
     result = RunResult(folder.resolve(), finished_steps=finished or 0)
