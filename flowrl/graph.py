@@ -49,6 +49,7 @@ class _Checker:
             self._check_group(f"models.{name}.device_group", model.device_group)
             self._check_offload(name)
             self._check_sharded(name)
+            self._check_lora(name)
             self._check_fp16_training(name)
             self._check_one_update(name)
         for name in self.spec.nodes:
@@ -119,6 +120,24 @@ class _Checker:
             self.add(path, f"'{others[0]}' is trained sharded in device group '{group}' too, and a device "
                            "shards one model at a time; give one of them a device group of its own, or set "
                            "sharded: false on one")
+
+    def _check_lora(self, model: str) -> None:
+        """Adapters are trained by a policy's update, on whole copies of the model."""
+        spec = self.spec.models[model]
+        path = f"models.{model}.lora"
+        if spec.lora is None or not self.reliable(path):
+            return
+        if spec.kind != "policy" and self.reliable(f"models.{model}.kind"):
+            self.add(path, f"'{model}' is a {spec.kind} model, and adapters are trained on policies only; "
+                           "remove lora from it (its update trains every weight)")
+            return
+        if spec.sharded and self.reliable(f"models.{model}.sharded"):
+            self.add(path, f"'{model}' also trains sharded, and adapters train on whole copies (their gradients "
+                           "and optimizer state are small); set sharded: false, or remove lora")
+            return
+        if self._nodes_known() and not self._training_group(model)[0]:
+            self.add(path, f"no update node trains '{model}', so its adapters would stay zero; remove lora, "
+                           "or train the model")
 
     def _check_fp16_training(self, model: str) -> None:
         """fp16 gradients under- and overflow without loss scaling, which the update does not do."""

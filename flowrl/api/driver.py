@@ -238,9 +238,11 @@ class Driver:
             self.built_once = True
             sizes = {}
             for info in infos:
-                sizes[info["model"]] = info["num_parameters"]
+                sizes[info["model"]] = info["trained_parameters"]
+                adapters = info["trained_parameters"] < info["num_parameters"]
                 self.watcher.event(RunEvent(
-                    "model", f"{info['model']} on {info['device']}: {info['num_parameters']:,} parameters", 0))
+                    "model", f"{info['model']} on {info['device']}: {info['num_parameters']:,} parameters"
+                    + (f" ({info['trained_parameters']:,} trainable, in adapters)" if adapters else ""), 0))
             self.machine.snapshot_every = self._snapshot_every(sum(sizes.get(m, 0) for m in session.trained_models()))
         elif not self.standby_started:
             self._start_standby()  # after a fault: the next one should find a spare

@@ -50,6 +50,7 @@ from flowrl.backends.generation import (
     sample_with_noise,
     stop_ids,
 )
+from flowrl.backends.lora import has_adapters, is_adapted_layer, merged_weight
 from flowrl.backends.shared_prompt import prompt_groups, repeats_of_previous_row
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
@@ -116,6 +117,26 @@ def unsupported_reason(model: Any) -> str | None:
         if any(getattr(linear, "bias", None) is not None for linear in linears):
             return "biases on the MLP or the attention output are not supported"
     return None
+
+
+class _Merged:
+    """Stands in for a linear layer with an adapter (``flowrl.backends.lora``): its weight
+    merged with the adapter's product, at a fixed address, refreshed at the start of every
+    generation like the stacked copies (an update changes the adapter in place)."""
+
+    def __init__(self, layer: Any) -> None:
+        self.layer = layer
+        self.weight = merged_weight(layer)
+        self.bias = layer.get_base_layer().bias
+
+    def refresh(self) -> None:
+        self.weight.copy_(merged_weight(self.layer))
+
+
+def _linear(layer: torch.nn.Module, adapted: bool) -> Any:
+    """The layer the decoder reads weights from: itself, or a merged copy of an adapted one
+    (``adapted``: the model has adapters)."""
+    return _Merged(layer) if adapted and is_adapted_layer(layer) else layer
 
 
 @dataclass(frozen=True)
@@ -332,16 +353,22 @@ class StaticDecoder:
         self.embed = inner.embed_tokens
         self.final_norm = inner.norm
         self.lm_head = model.lm_head
-        self.layers = [
-            _Layer(
-                attn_norm=layer.input_layernorm,
-                q=layer.self_attn.q_proj, k=layer.self_attn.k_proj,
-                v=layer.self_attn.v_proj, o=layer.self_attn.o_proj,
-                mlp_norm=layer.post_attention_layernorm,
-                gate=layer.mlp.gate_proj, up=layer.mlp.up_proj, down=layer.mlp.down_proj,
-            )
-            for layer in inner.layers
-        ]
+        adapted = has_adapters(model)
+        with torch.no_grad():
+            self.layers = [
+                _Layer(
+                    attn_norm=layer.input_layernorm,
+                    q=_linear(layer.self_attn.q_proj, adapted), k=_linear(layer.self_attn.k_proj, adapted),
+                    v=_linear(layer.self_attn.v_proj, adapted), o=_linear(layer.self_attn.o_proj, adapted),
+                    mlp_norm=layer.post_attention_layernorm,
+                    gate=_linear(layer.mlp.gate_proj, adapted), up=_linear(layer.mlp.up_proj, adapted),
+                    down=_linear(layer.mlp.down_proj, adapted),
+                )
+                for layer in inner.layers
+            ]
+        self._merged = [linear for layer in self.layers for linear in (layer.q, layer.k, layer.v, layer.o,
+                                                                       layer.gate, layer.up, layer.down)
+                        if isinstance(linear, _Merged)]
         self.num_heads = int(config.num_attention_heads)
         self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.num_heads)
@@ -638,6 +665,8 @@ class StaticDecoder:
                   generator: torch.Generator | None) -> GenerationOutput:
         input_ids, attention_mask = self._widen_prompts(input_ids, attention_mask, max_new_tokens, sampling.pad_token_id)
         batch, prompt_length = input_ids.shape
+        for merged in self._merged:  # before the stacks, which copy from them
+            merged.refresh()
         for stacked in self._stacked:
             stacked.refresh()
         columns = prompt_length + max_new_tokens

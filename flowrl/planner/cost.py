@@ -35,6 +35,9 @@ Memory (bytes):
               chunk of FUSED_CHUNK_ELEMENTS logits at a time (16-bit logits, fp32 scaled
               copy and, training, their fp32 gradient); a model that transforms its logits
               (``ModelShape.plain_logits`` False) holds every token's; a scalar head holds T*4
+    adapters (LoRA) of A parameters: 16*A (fp32 weights, gradients and two moments) instead
+              of the model's gradients and optimizer state; the frozen layers' backward
+              computes input gradients only, one forward's FLOPs instead of two
     sharded training over N devices (FSDP2) keeps the whole weights plus 1/N of the
               trained parameters, their gradients and the optimizer's state, and
               gathers one layer and the outer unit at a time (``sharded_training_bytes``)
@@ -213,6 +216,28 @@ def kv_cache_bytes(shape: ModelShape, dtype: str, num_sequences: float, seq_len:
 
 def weight_bytes(shape: ModelShape, kind: str, dtype: str) -> float:
     return float(shape.num_parameters(kind) * DTYPE_BYTES[dtype])
+
+
+ADAPTED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The linear layers of a decoder layer, as Llama and Qwen2 name them (``all-linear``)."""
+
+
+def adapter_parameters(shape: ModelShape, rank: int, targets: str | list[str]) -> int:
+    """Parameters of LoRA adapters of ``rank`` on ``targets`` (``all-linear`` or names): a
+    linear layer of in x out gets rank * (in + out). Names other than the decoder layers'
+    linear layers add nothing (their shapes are unknown here; the output head is refused)."""
+    h, kv, inner = shape.hidden_size, shape.kv_width, shape.intermediate_size
+    sizes = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+             "gate_proj": (h, inner), "up_proj": (h, inner), "down_proj": (inner, h)}
+    names = ADAPTED_LINEARS if targets == "all-linear" else [name.rsplit(".", 1)[-1] for name in targets]
+    per_layer = sum(rank * (sizes[name][0] + sizes[name][1]) for name in set(names) if name in sizes)
+    return shape.num_layers * per_layer
+
+
+ADAPTER_STATE_BYTES = 16
+"""Per adapter parameter: its fp32 weight, gradient and AdamW's two fp32 moments."""
+ADAPTER_STEP_BYTES = 28
+"""Memory traffic of one fp32 AdamW step per adapter parameter (as a fp32 model's)."""
 
 
 def optimizer_bytes_per_parameter(dtype: str) -> int:

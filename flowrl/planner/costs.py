@@ -18,6 +18,8 @@ from typing import Protocol
 from flowrl.devices.inventory import Device
 from flowrl.graph import PipelineGraph
 from flowrl.planner.cost import (
+    ADAPTER_STATE_BYTES,
+    ADAPTER_STEP_BYTES,
     CpuRates,
     DTYPE_BYTES,
     activation_bytes,
@@ -178,7 +180,8 @@ class EstimatedCosts:
         width = max(1, len(devices))
         slowest = max((self._on_device(work, device, width) for device in devices), default=0.0)
         if work.shape is not None and width > 1 and work.work == "train":
-            grads = weight_bytes(work.shape, work.kind, work.dtype)
+            grads = (work.adapter_parameters * 4.0 if work.adapter_parameters
+                     else weight_bytes(work.shape, work.kind, work.dtype))
             steps = work.num_mini_batches * work.ppo_epochs
             if work.sharded:
                 # sharded: each pass gathers the parameters for its forward and again for its
@@ -228,9 +231,12 @@ class EstimatedCosts:
         else:
             pass_flops = forward_flops(shape, kind, share, seq_len)
         if work.work == "train":
-            passes = 4 if work.checkpointing else 3  # forward + backward (+ recompute)
+            # forward + backward (+ recompute); a frozen model's backward (adapters) computes
+            # the input gradients only, one forward's FLOPs instead of two
+            passes = (2 if work.adapter_parameters else 3) + (1 if work.checkpointing else 0)
             compute = passes * pass_flops / flops_per_s
-            optimizer = optimizer_step_bytes(shape, kind, dtype) / bytes_per_s
+            optimizer = (work.adapter_parameters * ADAPTER_STEP_BYTES if work.adapter_parameters
+                         else optimizer_step_bytes(shape, kind, dtype)) / bytes_per_s
             launches = passes * layers * layer_s
             return work.ppo_epochs * (compute + work.num_mini_batches * (optimizer + launches))
         # score with a reward model, reference_logprob, value: one no-grad forward
@@ -260,6 +266,9 @@ class EstimatedCosts:
         weights = weight_bytes(shape, kind, dtype)
         if work.work == "decode":
             cache = decoder_cache_bytes(shape, kind, dtype, share, seq_len)
+            if work.adapter_parameters:
+                # the static decoder reads merged copies of the adapted layers' weights
+                cache += shape.num_layers * shape.layer_parameters() * DTYPE_BYTES[dtype]
             return NodeMemory(weights / GB, 0.0, logits_bytes(shape, kind, share, dtype) / GB, cache / GB)
         if work.work == "train":
             micro = work.pass_sequences(min(share, work.mini_batch_sequences / max(1, width)))
@@ -269,7 +278,9 @@ class EstimatedCosts:
             if sharded:
                 resident, gathered = sharded_training_bytes(shape, kind, dtype, width)
                 return NodeMemory(weights / GB, resident / GB, (transient + gathered) / GB)
-            return NodeMemory(weights / GB, training_state_bytes(shape, kind, dtype) / GB, transient / GB)
+            trained = (work.adapter_parameters * ADAPTER_STATE_BYTES if work.adapter_parameters
+                       else training_state_bytes(shape, kind, dtype))
+            return NodeMemory(weights / GB, trained / GB, transient / GB)
         transient = inference_bytes(shape, kind, dtype, work.pass_sequences(share), seq_len)
         return NodeMemory(weights / GB, 0.0, transient / GB)
 

@@ -13,6 +13,7 @@ import torch
 from transformers import PreTrainedModel
 
 from flowrl.backends.hf import DtypeName, HubOptions
+from flowrl.backends.lora import adapter_tensors, add_adapters, has_adapters
 from flowrl.backends.models import load_policy, load_scalar
 from flowrl.backends.compiled_layers import ATTRIBUTE as COMPILED_ATTRIBUTE
 from flowrl.backends.static_decode import DECODER_ATTRIBUTE
@@ -51,6 +52,8 @@ class ModelState:
     """``ModelSpec.sharded``: restored optimizer state waits in host memory
     (``pending_optimizer``) for the update to cut it into shards, instead of becoming a
     whole optimizer on the device first."""
+    source: str = ""
+    """Where the weights came from (``ModelSpec.path``), named in an adapter directory."""
     pending_optimizer: dict[str, Any] | None = None
     """A whole optimizer state dict (host memory) that the next update loads: restored for a
     model that trains sharded, or gathered when its sharding group went."""
@@ -156,8 +159,10 @@ class ModelState:
         gradient_checkpointing: bool = False,
         kind: str = "policy",
         options: HubOptions = HubOptions(),
+        lora: Any = None,
     ) -> "ModelState":
-        """``options``: the model's hub revision and whether its own code may run."""
+        """``options``: the model's hub revision and whether its own code may run; ``lora``:
+        the model's ``LoraSpec`` (adapters are added and everything else is frozen), or None."""
         module: PreTrainedModel | ScalarHeadModel
         if kind == "policy":
             module, tokenizer = load_policy(path, dtype=dtype, device=device, base_dir=base_dir, options=options)
@@ -169,12 +174,18 @@ class ModelState:
             )
         else:
             raise ValueError(f"model kind '{kind}' is not one of policy, value, reward")
+        if lora is not None:
+            add_adapters(module, lora.rank, lora.scale_alpha, lora.target_modules)
         if gradient_checkpointing:
             module.gradient_checkpointing_enable()
+            if lora is not None and isinstance(module, PreTrainedModel):
+                # the frozen embeddings give the first checkpointed layer an input without
+                # gradient; the adapters inside it need one to be reached in backward
+                module.enable_input_require_grads()
         generator = torch.Generator(device=device)
         generator.manual_seed(seed)
         return cls(name=name, module=module, tokenizer=tokenizer, device=torch.device(device), generator=generator,
-                   kind=kind)
+                   kind=kind, source=path)
 
     def ensure_optimizer(self, lr: float, betas: tuple[float, float], weight_decay: float) -> torch.optim.Optimizer:
         """The optimizer is created by the first update, with that node's settings."""
@@ -224,8 +235,17 @@ class ModelState:
         multi-tensor loop elsewhere."""
         return self.device.type in ("cuda", "cpu")
 
+    def changing_tensors(self) -> dict[str, torch.Tensor]:
+        """The ``state_dict`` entries an update can change (no copies): every one, or a model
+        with adapters its adapters alone (its other weights are frozen, and every copy loads
+        them from the same files)."""
+        if has_adapters(self.module):
+            return adapter_tensors(self.module)
+        return self.module.state_dict()
+
     def weights(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        """Copies of :meth:`changing_tensors`: what another copy of the model needs to catch up."""
+        return {k: v.detach().clone() for k, v in self.changing_tensors().items()}
 
     def restore(self, saved: dict[str, Any]) -> None:
         """Take over the parts of another copy's state that ``saved`` holds: ``weights``,

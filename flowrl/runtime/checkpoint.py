@@ -4,7 +4,8 @@ Weights go to safetensors through ``save_pretrained``, in files of at most
 ``trainer.max_shard_size`` (a bigger model is written as ``model-0000i-of-0000N.safetensors``
 plus ``model.safetensors.index.json``), so a checkpoint of a policy is a model directory
 ``from_pretrained`` can open and one of a critic or reward model a classifier directory (see
-:mod:`flowrl.backends.scalar_files`). Optimizer, sampling RNG and update count go to
+:mod:`flowrl.backends.scalar_files`). A model with adapters (``lora``) is written merged, and
+its adapters alone go to ``adapter/`` (:mod:`flowrl.backends.lora`), which is what loading reads. Optimizer, sampling RNG and update count go to
 ``state.pt``, read back with ``weights_only=True`` so loading never runs pickled code. The
 driver makes the step directory appear atomically (temp name, then rename).
 """
@@ -16,6 +17,7 @@ from pathlib import Path
 import torch
 
 from flowrl.backends.hf import save_tokenizer
+from flowrl.backends.lora import ADAPTER_DIR, has_adapters, merged_weights, read_adapter, save_adapter
 from flowrl.backends.value_model import ScalarHeadModel, scalar_model_weights
 from flowrl.backends.weight_files import INDEX_NAME, WEIGHTS_NAME, has_weights, read_weights, shard_size_bytes
 from flowrl.errors import CheckpointError, ModelLoadError
@@ -31,7 +33,13 @@ def save_model_state(state: ModelState, directory: Path, with_state: bool, max_s
     optimizer = state.optimizer_state() if with_state else None
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        state.module.save_pretrained(directory, max_shard_size=shard_size_bytes(max_shard_size))
+        if has_adapters(state.module):
+            # a plain model directory of the merged weights, and the adapters alone beside it
+            state.module.save_pretrained(directory, state_dict=merged_weights(state.module),
+                                         max_shard_size=shard_size_bytes(max_shard_size))
+            save_adapter(state.module, directory / ADAPTER_DIR, base_model=state.source)
+        else:
+            state.module.save_pretrained(directory, max_shard_size=shard_size_bytes(max_shard_size))
         if state.tokenizer is not None:
             save_tokenizer(state.tokenizer, directory)
         if with_state:
@@ -53,10 +61,16 @@ def load_model_state(state: ModelState, directory: Path, parts: tuple[str, ...] 
         )
     try:
         # A value/reward model's file names the backbone with its own prefix and the head
-        # "score": read it as a whole, renamed to the module's keys.
-        weights = (
-            scalar_model_weights(directory) if isinstance(state.module, ScalarHeadModel) else read_weights(directory)
-        )
+        # "score": read it as a whole, renamed to the module's keys. A model with adapters
+        # takes the adapters alone: its other weights are the frozen ones it was loaded with.
+        if has_adapters(state.module):
+            weights = read_adapter(directory / ADAPTER_DIR)
+        elif isinstance(state.module, ScalarHeadModel):
+            weights = scalar_model_weights(directory)
+        else:
+            weights = read_weights(directory)
+    except CheckpointError:
+        raise
     except (OSError, ValueError, KeyError, ModelLoadError) as error:
         raise CheckpointError(f"cannot read the weights of '{state.name}' in {directory}: {error}") from error
     state_file = directory / STATE_FILE

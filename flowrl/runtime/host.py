@@ -110,13 +110,17 @@ class RoleHost:
             gradient_checkpointing=spec.gradient_checkpointing,
             kind=spec.kind,
             options=HubOptions(revision=spec.revision, trust_remote_code=spec.trust_remote_code),
+            lora=spec.lora,
         )
         state.shards_training = spec.sharded
         if spec.offload_to_cpu:
             state.page_out()
         self.models[name] = state
         num_parameters = sum(p.numel() for p in state.module.parameters())
-        return {"model": name, "device": self.device_name, "num_parameters": num_parameters}
+        # with adapters, the model's own weights are frozen: what an update trains is smaller
+        trained = sum(p.numel() for p in state.module.parameters() if p.requires_grad)
+        return {"model": name, "device": self.device_name, "num_parameters": num_parameters,
+                "trained_parameters": trained}
 
     async def receive_weights(self, model: str, weights: dict[str, torch.Tensor]) -> None:
         await self._computed(self.models[model].load_weights, weights)
@@ -568,7 +572,8 @@ broadcast each instead of one per tensor (a collective's fixed cost dominates sm
 
 
 def _broadcast_weights(state: ModelState, group: DeviceGroup) -> int:
-    """Every distinct tensor of the model's state dict, in order, from rank 0 (the trainer) to
+    """Every distinct tensor an update changes (the state dict, or a model's adapters alone:
+    :meth:`ModelState.changing_tensors`), in order, from rank 0 (the trainer) to
     the group's other ranks, in place; the bytes one rank receives. Tied weights share storage
     and go once; every copy of a model has the same layout, so every rank makes the same
     buckets in the same order."""
@@ -590,7 +595,7 @@ def _broadcast_weights(state: ModelState, group: DeviceGroup) -> int:
                 offset += tensor.numel()
 
     with torch.no_grad():
-        for tensor in state.module.state_dict().values():
+        for tensor in state.changing_tensors().values():
             if tensor.data_ptr() in seen:
                 continue
             seen.add(tensor.data_ptr())

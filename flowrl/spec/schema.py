@@ -30,6 +30,27 @@ SOURCE_NODE = "prompts"
 """The name of the data source's output; node inputs use it to read prompts."""
 
 
+class LoraSpec(StrictModel):
+    """Low-rank adapters (LoRA, through ``peft``): the update trains two small matrices beside
+    each adapted linear layer, ``W x + (alpha / rank) B A x``, and the model's own weights stay
+    frozen, so gradients and optimizer state exist for the adapters only."""
+
+    rank: Annotated[int, Field(ge=1)] = 16
+    """Inner dimension r of each adapter (A is r x in, B is out x r). Default 16."""
+    alpha: Annotated[int, Field(ge=1)] | None = None
+    """Scale numerator: the adapter's output is multiplied by alpha / rank. Default None
+    (= 2 x rank)."""
+    target_modules: Literal["all-linear"] | list[str] = "all-linear"
+    """Which linear layers get adapters: ``all-linear`` (every linear layer of the decoder
+    layers, not the output head) or a list of module names (``[q_proj, v_proj]``; a name matches
+    the end of a module's dotted path). The embeddings and the output head cannot take
+    adapters. Default all-linear."""
+
+    @property
+    def scale_alpha(self) -> int:
+        return self.alpha if self.alpha is not None else 2 * self.rank
+
+
 class ModelSpec(StrictModel):
     """One model that nodes run: a policy, a value model (critic) or a reward model."""
 
@@ -58,6 +79,12 @@ class ModelSpec(StrictModel):
     trainable copy per device, at the price of gathering each layer's parameters in every
     pass. One sharded model per device. Default false (every device trains a whole copy and
     the gradients are summed)."""
+    lora: LoraSpec | None = None
+    """Train low-rank adapters instead of every weight (see :class:`LoraSpec`; only for a
+    policy an update trains, not together with ``sharded``). Copies of the model on other
+    devices receive only the adapters after each update; checkpoints and ``final/`` hold the
+    merged model (a plain model directory) and the adapters alone in ``adapter/`` (a ``peft``
+    adapter directory). Default None (every weight is trained)."""
     revision: str | None = None
     """Branch, tag or commit of a hub model (``path: org/name``); None takes the default
     branch. Default None."""

@@ -1,0 +1,139 @@
+"""Low-rank adapters (LoRA) on a transformers model, through ``peft``'s layers.
+
+The adapters are injected into the model in place (``peft.inject_adapter_in_model``): the
+model stays the transformers class every other part of flowrl reads (the fused head, the
+compiled layers, the static decoder), each adapted ``nn.Linear`` becomes a ``peft`` LoRA layer
+whose ``base_layer`` holds the frozen weight, and only the adapters' ``lora_A``/``lora_B``
+weights require gradients. The adapters are kept in fp32 whatever the model's dtype
+(``peft``'s default), so a bf16 model's optimizer needs no master copies of them.
+
+Two ways out of a trained model: :func:`merged_weights` (the plain model's names, each
+adapted weight plus its adapter's product, what ``from_pretrained`` opens) and
+:func:`save_adapter` (the adapters alone, a ``peft`` adapter directory that
+``PeftModel.from_pretrained(base, dir)`` loads onto the base model).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+import torch
+
+from flowrl.errors import CheckpointError, ModelLoadError
+
+ADAPTER_NAME = "default"
+"""``peft``'s name of the one adapter set a model carries."""
+ADAPTER_DIR = "adapter"
+"""The folder of a checkpoint or ``final/`` that holds the adapters alone."""
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+INIT_SEED = 0
+"""Seed of the adapters' random A matrices (B starts at zero, so the model starts unchanged):
+fixed, so every copy and data-parallel rank of a model starts from the same adapters."""
+_PEFT_PREFIX = "base_model.model."
+"""How ``peft`` names a key of the wrapped model in an adapter file."""
+_CONFIG_ATTRIBUTE = "_flowrl_lora_config"
+
+
+def add_adapters(module: torch.nn.Module, rank: int, alpha: int, target_modules: str | list[str]) -> None:
+    """Give ``module`` trainable adapters of ``rank`` on ``target_modules`` (``all-linear`` or
+    module names) and freeze everything else."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=target_modules, lora_dropout=0.0, bias="none")
+    device = next(module.parameters()).device
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):  # the run's own random streams stay as they were
+        torch.manual_seed(INIT_SEED)
+        try:
+            inject_adapter_in_model(config, module)
+        except ValueError as error:
+            raise ModelLoadError(
+                f"lora.target_modules {target_modules!r} cannot be adapted: {error}; name linear layers of the "
+                "model's decoder layers (for Llama and Qwen2: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
+                "down_proj), or use all-linear"
+            ) from error
+    get_input = getattr(module, "get_input_embeddings", None)
+    get_output = getattr(module, "get_output_embeddings", None)
+    for what, layer in (("input embeddings", get_input() if get_input else None),
+                        ("output head", get_output() if get_output else None)):
+        if layer is not None and is_adapted_layer(layer):
+            raise ModelLoadError(
+                f"lora.target_modules {target_modules!r} adapt the model's {what}, which cannot take adapters "
+                "(generation and the log-prob head read its weight directly); leave it out of target_modules"
+            )
+    setattr(module, _CONFIG_ATTRIBUTE, config)
+
+
+def is_adapted_layer(layer: torch.nn.Module) -> bool:
+    from peft.tuners.lora import LoraLayer
+
+    return isinstance(layer, LoraLayer)
+
+
+def has_adapters(module: torch.nn.Module) -> bool:
+    return getattr(module, _CONFIG_ATTRIBUTE, None) is not None
+
+
+def adapter_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters' weights by ``state_dict`` name (no copies)."""
+    return {name: tensor for name, tensor in module.state_dict().items() if _is_adapter_key(name)}
+
+
+def merged_weight(layer: Any) -> torch.Tensor:
+    """An adapted linear layer's weight with its adapter's product added, in fp32, rounded
+    once to the weight's dtype."""
+    base = layer.get_base_layer().weight
+    with torch.no_grad():
+        delta = layer.get_delta_weight(ADAPTER_NAME)
+        return (base.float() + delta.float()).to(base.dtype)
+
+
+def merged_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's weights under the plain model's names, each adapted weight merged."""
+    adapted = {name: layer for name, layer in module.named_modules() if is_adapted_layer(layer)}
+    merged: dict[str, torch.Tensor] = {}
+    for key, tensor in module.state_dict().items():
+        if _is_adapter_key(key):
+            continue
+        if key.endswith(".base_layer.weight"):
+            tensor = merged_weight(adapted[key[: -len(".base_layer.weight")]])
+        merged[key.replace(".base_layer.", ".")] = tensor
+    return merged
+
+
+def save_adapter(module: torch.nn.Module, directory: Path, base_model: str) -> None:
+    """Write the adapters as a ``peft`` adapter directory (``adapter_model.safetensors`` and
+    ``adapter_config.json``, naming ``base_model``)."""
+    from safetensors.torch import save_file
+
+    config = getattr(module, _CONFIG_ATTRIBUTE)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {_PEFT_PREFIX + key.replace(f".{ADAPTER_NAME}.", "."): tensor.detach().to("cpu").contiguous()
+               for key, tensor in adapter_tensors(module).items()}
+    save_file(tensors, str(directory / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    config.base_model_name_or_path = base_model
+    config.save_pretrained(str(directory))
+
+
+def read_adapter(directory: Path) -> dict[str, torch.Tensor]:
+    """The adapters :func:`save_adapter` wrote, by the adapted model's ``state_dict`` names."""
+    from safetensors.torch import load_file
+
+    path = directory / ADAPTER_WEIGHTS
+    if not path.is_file():
+        raise CheckpointError(
+            f"{directory.parent} has no {ADAPTER_DIR}/{ADAPTER_WEIGHTS}: it was not written by a run that trains "
+            "adapters (lora); resume with the pipeline that wrote it, or start afresh"
+        )
+    weights: dict[str, torch.Tensor] = {}
+    for key, tensor in load_file(str(path)).items():
+        name = key[len(_PEFT_PREFIX):] if key.startswith(_PEFT_PREFIX) else key
+        for part in (".lora_A.", ".lora_B."):
+            name = name.replace(part, f"{part}{ADAPTER_NAME}.")
+        weights[name] = tensor
+    return weights
+
+
+def _is_adapter_key(key: str) -> bool:
+    return ".lora_A." in key or ".lora_B." in key
