@@ -7,6 +7,11 @@ is read from each run's ``metrics.jsonl`` (``val/reward/mean`` at step 0 and aft
 step). Writes ``benchmarks/results/grpo_arith.json``; never asserts.
 
     python benchmarks/grpo_arith.py --seeds 0,1,2
+    python benchmarks/grpo_arith.py --seeds 0 --set models.actor.lora.rank=16 --set nodes.train.lr=2e-3 \
+        --output benchmarks/results/grpo_arith_lora.json
+
+``--set KEY=VALUE`` changes the pipeline as on ``flowrl run``'s command line (each run gets
+them; the report records them).
 """
 
 from __future__ import annotations
@@ -26,11 +31,11 @@ FLOWRL = str(Path(sys.executable).parent / "flowrl")
 KEY = "val/reward/mean"
 
 
-def run_seed(seed: int, output: Path, cache: Path) -> dict[str, object]:
+def run_seed(seed: int, output: Path, cache: Path, changes: list[str]) -> dict[str, object]:
     started = time.perf_counter()
     result = subprocess.run(
         [FLOWRL, "run", str(REPO / "pipelines" / "grpo_arith.yaml"), "--plain",
-         f"trainer.seed={seed}", f"trainer.output_dir={output}"],
+         f"trainer.seed={seed}", f"trainer.output_dir={output}", *changes],
         capture_output=True, text=True, env={**os.environ, "FLOWRL_CACHE": str(cache)},
     )
     wall_s = time.perf_counter() - started
@@ -53,12 +58,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "grpo_arith.json"))
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a change to the pipeline, as on flowrl run's command line (repeatable)")
     args = parser.parse_args()
     runs = []
     with tempfile.TemporaryDirectory() as folder:
         cache = Path(folder) / "cache"  # fresh: the first run fits builtin:arith-llama
         for seed in [int(item) for item in args.seeds.split(",")]:
-            run = run_seed(seed, Path(folder) / f"seed-{seed}", cache)
+            run = run_seed(seed, Path(folder) / f"seed-{seed}", cache, args.set)
             runs.append(run)
             print(f"seed {seed}: accuracy {run['accuracy_start']} -> {run['accuracy_end']} "
                   f"in {run['wall_s']} s (median step {run['median_step_s']} s)", flush=True)
@@ -66,7 +73,8 @@ def main() -> None:
 
     report = {
         "benchmark": "grpo_arith",
-        "command": "flowrl run pipelines/grpo_arith.yaml trainer.seed=S",
+        "command": " ".join(["flowrl run pipelines/grpo_arith.yaml trainer.seed=S", *args.set]),
+        "changes": args.set,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine(),
         "metric": f"{KEY}: greedy accuracy on the 500 held-out problems (math_answer)",

@@ -129,7 +129,7 @@ def machine() -> dict[str, Any]:
         "cpu_count_logical": os.cpu_count(),
         "cpu_count_physical": psutil.cpu_count(logical=False),
         "memory_total_gib": psutil.virtual_memory().total / 2**30,
-        "versions": {name: version(name) for name in ("flowrl", "torch", "transformers", "trl", "accelerate", "datasets", "dask", "distributed")},
+        "versions": {name: version(name) for name in ("flowrl", "torch", "transformers", "trl", "accelerate", "peft", "datasets", "dask", "distributed")},
         "flowrl_commit": commit or None,
         "flowrl_uncommitted_files": dirty,
     }
