@@ -19,16 +19,21 @@ from tests.runtime.test_migration import ALL_ON_0, _train, _weights, started
 pytestmark = pytest.mark.integration
 
 
-def pipeline(tmp_path: Path) -> PipelineGraph:
+def pipeline(tmp_path: Path, lora: bool = False) -> PipelineGraph:
     spec = tiny_grpo(tmp_path / "out", steps=4).to_dict()
     # several optimizer steps per rollout: shuffled mini-batches, old log-probs
     spec["nodes"]["train"].update({"ppo_epochs": 2, "mini_batch_size": 12})
+    if lora:  # only the adapters' gradients are summed; the ranks start from equal adapters
+        spec["models"]["actor"]["lora"] = {"rank": 4}
+        spec["nodes"]["train"]["lr"] = 5e-3
     return pipeline_from_dict(spec)
 
 
-@pytest.mark.parametrize("shares", [None, [3.0, 1.0]], ids=["equal", "uneven"])
-def test_two_workers_train_the_policy_to_the_weights_of_one(tmp_path: Path, shares: list[float] | None) -> None:
-    graph = pipeline(tmp_path)
+@pytest.mark.parametrize(("shares", "lora"), [(None, False), ([3.0, 1.0], False), (None, True)],
+                         ids=["equal", "uneven", "adapters"])
+def test_two_workers_train_the_policy_to_the_weights_of_one(tmp_path: Path, shares: list[float] | None,
+                                                           lora: bool) -> None:
+    graph = pipeline(tmp_path, lora)
     cluster = Cluster.start_local(2)
     try:
         alone = started(cluster, graph, plan_for(graph, ALL_ON_0))
