@@ -4,10 +4,11 @@ Weights go to safetensors through ``save_pretrained``, in files of at most
 ``trainer.max_shard_size`` (a bigger model is written as ``model-0000i-of-0000N.safetensors``
 plus ``model.safetensors.index.json``), so a checkpoint of a policy is a model directory
 ``from_pretrained`` can open and one of a critic or reward model a classifier directory (see
-:mod:`flowrl.backends.scalar_files`). A model with adapters (``lora``) is written merged, and
-its adapters alone go to ``adapter/`` (:mod:`flowrl.backends.lora`), which is what loading reads. Optimizer, sampling RNG and update count go to
-``state.pt``, read back with ``weights_only=True`` so loading never runs pickled code. The
-driver makes the step directory appear atomically (temp name, then rename).
+:mod:`flowrl.backends.scalar_files`). A model with adapters (``lora``) is written merged,
+and its adapters alone go to ``adapter/`` (:mod:`flowrl.backends.lora`), which is what
+loading reads. Optimizer, sampling RNG and update count go to ``state.pt``, read back with
+``weights_only=True`` so loading never runs pickled code. The driver makes the step
+directory appear atomically (temp name, then rename).
 """
 
 from __future__ import annotations
