@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import networkx as nx
@@ -369,3 +370,39 @@ def test_a_node_s_rollout_is_the_generate_node_it_lists_first() -> None:
     assert graph.rollout_of("both") == "rollout"
     assert graph.rollout_of("probe") == "probe" and graph.rollout_of("adv") == "rollout"
     assert graph.producers("adv") == ["reward", "rollout"]
+
+
+def test_adapters_on_the_trained_policy_are_valid() -> None:
+    data = grpo()
+    data["models"]["actor"]["lora"] = {"rank": 8, "target_modules": ["q_proj", "v_proj"]}
+    assert issues(data) == []
+    assert pipeline_from_dict(data).spec.models["actor"].lora is not None
+
+
+@pytest.mark.parametrize(
+    ("pipeline", "edit", "expected"),
+    [
+        (
+            # a reference is never trained: its adapters would stay zero
+            grpo, lambda d: d["models"]["reference"].update(lora={"rank": 8}),
+            "models.reference.lora: no update node trains 'reference', so its adapters would stay zero; remove "
+            "lora, or train the model",
+        ),
+        (
+            ppo, lambda d: d["models"]["critic"].update(lora={}),
+            "models.critic.lora: 'critic' is a value model, and adapters are trained on policies only; remove lora "
+            "from it (its update trains every weight)",
+        ),
+        (
+            grpo, lambda d: d["models"]["actor"].update(lora={}, sharded=True),
+            "models.actor.lora: 'actor' also trains sharded, and adapters train on whole copies (their gradients "
+            "and optimizer state are small); set sharded: false, or remove lora",
+        ),
+    ],
+)
+def test_adapters_only_on_a_policy_an_update_trains_on_whole_copies(pipeline: Any, edit: Any, expected: str) -> None:
+    data = pipeline()
+    edit(data)
+    assert issues(data) == [expected]
+    with pytest.raises(SpecError, match=re.escape(expected.split(":")[0])):
+        pipeline_from_dict(data)

@@ -13,6 +13,7 @@ from flowrl.planner.cost import (
     ModelShape,
     FUSED_CHUNK_ELEMENTS,
     activation_bytes,
+    adapter_parameters,
     decoder_cache_bytes,
     forward_flops,
     kv_cache_bytes,
@@ -291,3 +292,70 @@ def test_log_prob_passes_on_a_cpu_compute_each_group_s_prompt_once() -> None:
         {"actor_group": {"type": "cpu"}, "ref_group": {"type": "cpu"}}, batch_size=4, n=4, mini_batch_size=8)))
     assert not shuffled.work("train").shares_prompts(on_cpu=True)
     assert shuffled.compute_s("train", [cpu(0)], False) > costs.compute_s("train", [cpu(0)], False)
+
+
+def test_adapter_parameters_of_builtin_tiny_llama() -> None:
+    shape = resolve_shape("builtin:tiny-llama")
+    assert (shape.num_layers, shape.hidden_size, shape.kv_width, shape.intermediate_size) == (2, 128, 128, 512)
+    # a linear layer of in x out gets rank * (in + out); rank 8, h = 128, kv width = 4 heads * 32 = 128, I = 512:
+    # q, k, v, o 4 * 8 * (128 + 128) = 8192; gate, up 2 * 8 * (128 + 512) = 10240; down 8 * (512 + 128) = 5120
+    # -> 23552 per layer, 2 layers: 47104
+    assert adapter_parameters(shape, 8, "all-linear") == 47104
+    # q, v: 2 * 8 * (128 + 128) = 4096 per layer, 2 layers: 8192
+    assert adapter_parameters(shape, 8, ["q_proj", "v_proj"]) == 8192
+
+
+def test_adapter_parameters_are_what_peft_adds_to_a_grouped_query_model() -> None:
+    """k and v are narrower than q with grouped-query attention: the count must size each."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from flowrl.backends.lora import add_adapters
+
+    config = LlamaConfig(vocab_size=10, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=1, intermediate_size=96)
+    shape = shape_from_config(config.to_dict())
+    assert shape.kv_width == 16
+    for targets in ("all-linear", ["q_proj", "v_proj"], ["k_proj", "down_proj"]):
+        model = LlamaForCausalLM(config)
+        add_adapters(model, 4, 8, targets)
+        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        assert adapter_parameters(shape, 4, targets) == trained, targets
+    # all-linear by hand: q, o 2 * 4 * (64 + 64) = 1024; k, v 2 * 4 * (64 + 16) = 640;
+    # gate, up, down 3 * 4 * (64 + 96) = 1920 -> 3584 per layer, 7168
+    assert adapter_parameters(shape, 4, "all-linear") == 7168
+
+
+def test_the_costs_of_a_model_with_adapters() -> None:
+    """Training state for the adapters alone, a backward of one forward's FLOPs, and merged
+    copies of the layers' weights for the static decoder."""
+    from flowrl.planner.costs import CALL_OVERHEAD_S, EstimatedCosts
+    from flowrl.spec.loader import pipeline_from_dict
+    from tests.planner.conftest import gpu, grpo
+
+    def costs(lora: dict[str, int] | None) -> EstimatedCosts:
+        actor = {"path": "builtin:tiny-llama", "device_group": "actor_group", **({"lora": lora} if lora else {})}
+        return EstimatedCosts(pipeline_from_dict(grpo(
+            actor, {"path": "builtin:tiny-llama", "device_group": "ref_group"},
+            {"actor_group": {"type": "gpu"}, "ref_group": {"type": "gpu"}})))
+
+    plain, adapted = costs(None), costs({"rank": 8})
+    work = adapted.work("train")
+    assert work.adapter_parameters == 47104 and work.dtype == "fp32" and work.shape is not None
+    assert plain.work("train").adapter_parameters == 0 and adapted.work("ref").adapter_parameters == 0
+    # fp32 weights, gradients and two AdamW moments of the 47104 adapter parameters: 16 * 47104 bytes;
+    # the model's own weights are held as before
+    assert adapted.memory("train", 1, gpu=True).state_gb == pytest.approx(16 * 47104 / 1e9)
+    assert adapted.memory("train", 1, gpu=True).weights_gb == plain.memory("train", 1, gpu=True).weights_gb
+    # generation keeps merged copies of the layers' weights: 2 layers * 262400 parameters * 4 bytes
+    # (a layer: q, k, v, o 4 * 128 * 128 = 65536; MLP 3 * 128 * 512 = 196608; norms 2 * 128 = 256)
+    assert adapted.memory("rollout", 1, gpu=True).cache_gb - plain.memory("rollout", 1, gpu=True).cache_gb == (
+        pytest.approx(2 * 262400 * 4 / 1e9))
+    # a step: 2 passes (forward, and a backward of one forward's FLOPs: the frozen weights get
+    # no gradients) with 2 layers' launches each, and AdamW's fp32 traffic of 28 bytes per
+    # adapter parameter
+    a100 = gpu(0, "A100", 40.0, 312.0, 1555.0)
+    flops_per_s, bytes_per_s, layer_s = adapted._rates(a100, "fp32")
+    pass_flops = forward_flops(work.shape, "policy", work.num_sequences, work.prompt_tokens + work.response_tokens)
+    steps = work.num_mini_batches * (47104 * 28 / bytes_per_s + 2 * 2 * layer_s)
+    expected = CALL_OVERHEAD_S + work.ppo_epochs * (2 * pass_flops / flops_per_s + steps)
+    assert adapted.compute_s("train", [a100], False) == pytest.approx(expected)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,9 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from flowrl.api.outputs import RunFolder
 from flowrl.api.recovery import checkpoint_problem
+from flowrl.backends.lora import (
+    ADAPTER_CONFIG, ADAPTER_DIR, ADAPTER_WEIGHTS, adapter_tensors, add_adapters, merged_weights,
+)
 from flowrl.backends.weight_files import INDEX_NAME, WEIGHTS_NAME, read_weights, shard_size_bytes
 from flowrl.errors import CheckpointError
 from flowrl.roles.state import ModelState
@@ -100,6 +104,62 @@ def test_a_checkpoint_without_weights_or_with_a_lost_shard_is_a_checkpoint_error
     (tmp_path / "cut" / _shards(tmp_path / "cut")[0]).unlink()
     with pytest.raises(CheckpointError, match="cannot read the weights of 'actor'"):
         load_model_state(state, tmp_path / "cut")
+
+
+def _adapted(seed: int = 0) -> ModelState:
+    """The tiny policy with rank-4 adapters on every linear layer of its decoder layer."""
+    module = tiny_policy(seed=0)  # the same frozen base in every copy, as loading one path gives
+    add_adapters(module, 4, 8, "all-linear")
+    state = model_state("actor", module, seed=seed)
+    state.source = "builtin:tiny-llama"
+    return state
+
+
+def test_an_adapted_policy_is_written_merged_with_its_adapters_beside_and_resumes_its_adapters(
+        tmp_path: Path) -> None:
+    saved = _trained(_adapted())
+    assert saved.optimizer is not None
+    adapters = adapter_tensors(saved.module)
+    # AdamW holds the adapters alone: the model's own weights are frozen
+    optimized = {id(parameter) for group in saved.optimizer.param_groups for parameter in group["params"]}
+    assert optimized == {id(parameter) for name, parameter in saved.module.named_parameters() if ".lora_" in name}
+    # the step moved the adapters (B was zero), so merged weights are not the base's
+    merged = merged_weights(saved.module)
+    base = tiny_policy(seed=0).state_dict()
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(merged[name], base[name])
+
+    directory = tmp_path / "actor"
+    save_model_state(saved, directory, with_state=True, max_shard_size="20KB")
+    assert len(_shards(directory)) > 1
+    assert (directory / ADAPTER_DIR / ADAPTER_WEIGHTS).is_file()
+    config = json.loads((directory / ADAPTER_DIR / ADAPTER_CONFIG).read_text())
+    assert (config["base_model_name_or_path"], config["r"], config["lora_alpha"]) == ("builtin:tiny-llama", 4, 8)
+    # a plain model directory of the merged weights
+    opened = AutoModelForCausalLM.from_pretrained(directory)
+    assert opened.state_dict().keys() == merged.keys()
+    for key, value in merged.items():
+        assert torch.equal(opened.state_dict()[key], value), key
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        torch.testing.assert_close(opened(input_ids=ids).logits, saved.module(input_ids=ids).logits,
+                                   atol=1e-5, rtol=0)
+
+    resumed = _adapted(seed=1)
+    load_model_state(resumed, directory)
+    for key, value in adapters.items():
+        assert torch.equal(adapter_tensors(resumed.module)[key], value), key
+    assert resumed.num_updates == 1 and torch.equal(resumed.generator.get_state(), saved.generator.get_state())
+    assert resumed.optimizer is not None
+    assert str(resumed.optimizer.state_dict()["state"]) == str(saved.optimizer.state_dict()["state"])
+    assert len(resumed.optimizer.state_dict()["state"]) == len(adapters)
+
+
+def test_a_checkpoint_without_adapters_cannot_resume_an_adapted_model(tmp_path: Path) -> None:
+    """Its weights are whole models' weights, and the adapters would silently restart at zero."""
+    save_model_state(_trained(model_state("actor", tiny_policy())), tmp_path / "actor", True, max_shard_size="5GB")
+    with pytest.raises(CheckpointError, match="has no adapter/adapter_model.safetensors"):
+        load_model_state(_adapted(), tmp_path / "actor")
 
 
 def test_shard_sizes_in_decimal_and_binary_units() -> None:
