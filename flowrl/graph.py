@@ -129,7 +129,7 @@ class _Checker:
             return
         if spec.kind != "policy" and self.reliable(f"models.{model}.kind"):
             self.add(path, f"'{model}' is a {spec.kind} model, and adapters are trained on policies only; "
-                           "remove lora from it (its update trains every weight)")
+                           "remove lora from it")
             return
         if spec.sharded and self.reliable(f"models.{model}.sharded"):
             self.add(path, f"'{model}' also trains sharded, and adapters train on whole copies (their gradients "

@@ -46,6 +46,7 @@ Memory (bytes):
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -222,16 +223,32 @@ ADAPTED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 """The linear layers of a decoder layer, as Llama and Qwen2 name them (``all-linear``)."""
 
 
-def adapter_parameters(shape: ModelShape, rank: int, targets: str | list[str]) -> int:
-    """Parameters of LoRA adapters of ``rank`` on ``targets`` (``all-linear`` or names): a
-    linear layer of in x out gets rank * (in + out). Names other than the decoder layers'
-    linear layers add nothing (their shapes are unknown here; the output head is refused)."""
+def _adapted_linears(shape: ModelShape, targets: str | list[str]) -> list[tuple[int, int, int]]:
+    """(in, out, layers) of each kind of linear layer that ``targets`` (``all-linear`` or
+    module names) adapts. A name is matched by its last part; one with a layer index
+    (``layers.3.self_attn.q_proj``) adapts that layer only. Names other than the decoder
+    layers' linear layers add nothing (their shapes are unknown here; the head is refused)."""
     h, kv, inner = shape.hidden_size, shape.kv_width, shape.intermediate_size
     sizes = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
              "gate_proj": (h, inner), "up_proj": (h, inner), "down_proj": (inner, h)}
-    names = ADAPTED_LINEARS if targets == "all-linear" else [name.rsplit(".", 1)[-1] for name in targets]
-    per_layer = sum(rank * (sizes[name][0] + sizes[name][1]) for name in set(names) if name in sizes)
-    return shape.num_layers * per_layer
+    layers: dict[str, int] = {}
+    for target in ADAPTED_LINEARS if targets == "all-linear" else targets:
+        name = target.rsplit(".", 1)[-1]
+        if name in sizes:
+            count = 1 if re.search(r"(^|\.)\d+\.", target) else shape.num_layers
+            layers[name] = min(shape.num_layers, max(count, layers.get(name, 0)))
+    return [(*sizes[name], count) for name, count in layers.items()]
+
+
+def adapter_parameters(shape: ModelShape, rank: int, targets: str | list[str]) -> int:
+    """Parameters of LoRA adapters of ``rank`` on ``targets``: a linear layer of in x out
+    gets rank * (in + out)."""
+    return sum(rank * (fan_in + fan_out) * layers for fan_in, fan_out, layers in _adapted_linears(shape, targets))
+
+
+def adapted_weight_parameters(shape: ModelShape, targets: str | list[str]) -> int:
+    """Weights of the layers ``targets`` adapt (the static decoder keeps merged copies)."""
+    return sum(fan_in * fan_out * layers for fan_in, fan_out, layers in _adapted_linears(shape, targets))
 
 
 ADAPTER_STATE_BYTES = 16

@@ -266,9 +266,8 @@ class EstimatedCosts:
         weights = weight_bytes(shape, kind, dtype)
         if work.work == "decode":
             cache = decoder_cache_bytes(shape, kind, dtype, share, seq_len)
-            if work.adapter_parameters:
-                # the static decoder reads merged copies of the adapted layers' weights
-                cache += shape.num_layers * shape.layer_parameters() * DTYPE_BYTES[dtype]
+            # the static decoder reads merged copies of the adapted layers' weights
+            cache += work.adapted_parameters * DTYPE_BYTES[dtype]
             return NodeMemory(weights / GB, 0.0, logits_bytes(shape, kind, share, dtype) / GB, cache / GB)
         if work.work == "train":
             micro = work.pass_sequences(min(share, work.mini_batch_sequences / max(1, width)))

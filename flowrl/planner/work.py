@@ -17,7 +17,7 @@ from flowrl.data.builtin import BUILTIN_DATASETS, BUILTIN_TASKS, PROMPT_LETTERS
 from flowrl.data.files import load_split
 from flowrl.errors import DataError
 from flowrl.graph import PipelineGraph
-from flowrl.planner.cost import ModelShape, adapter_parameters, resolve_shape
+from flowrl.planner.cost import ModelShape, adapted_weight_parameters, adapter_parameters, resolve_shape
 from flowrl.spec.schema import GenerateNode, Output, UpdateNode, Work
 
 CHARS_PER_TOKEN = 4.0
@@ -52,6 +52,8 @@ class NodeWork:
     adapter_parameters: int = 0
     """The parameters an update trains when the model has adapters (``ModelSpec.lora``),
     in fp32; 0: every parameter is trained."""
+    adapted_parameters: int = 0
+    """Weights of the layers with adapters, of which generation keeps merged copies."""
     ppo_epochs: int = 1
     num_mini_batches: int = 1
     """Optimizer steps per epoch (update nodes)."""
@@ -115,6 +117,8 @@ def node_work(
         checkpointing=bool(model and model.gradient_checkpointing),
         sharded=bool(model and model.sharded),
         adapter_parameters=(adapter_parameters(shape, model.lora.rank, model.lora.target_modules)
+                            if model is not None and model.lora is not None and shape is not None else 0),
+        adapted_parameters=(adapted_weight_parameters(shape, model.lora.target_modules)
                             if model is not None and model.lora is not None and shape is not None else 0),
         ppo_epochs=epochs,
         num_mini_batches=mini_batches,

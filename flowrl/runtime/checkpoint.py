@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from flowrl.backends.hf import save_tokenizer
-from flowrl.backends.lora import ADAPTER_DIR, has_adapters, merged_weights, read_adapter, save_adapter
+from flowrl.backends.lora import ADAPTER_DIR, adapter_tensors, has_adapters, merged_weights, read_adapter, save_adapter
 from flowrl.backends.value_model import ScalarHeadModel, scalar_model_weights
 from flowrl.backends.weight_files import INDEX_NAME, WEIGHTS_NAME, has_weights, read_weights, shard_size_bytes
 from flowrl.errors import CheckpointError, ModelLoadError
@@ -66,6 +66,13 @@ def load_model_state(state: ModelState, directory: Path, parts: tuple[str, ...] 
         # takes the adapters alone: its other weights are the frozen ones it was loaded with.
         if has_adapters(state.module):
             weights = read_adapter(directory / ADAPTER_DIR)
+            _check_adapters(state, directory, weights)
+        elif (directory / ADAPTER_DIR).is_dir():
+            raise CheckpointError(
+                f"the checkpoint of '{state.name}' in {directory} holds adapters (lora), and models.{state.name} has "
+                "none now; resume with the lora settings that wrote it, or start a new run from the merged model "
+                f"(path: {directory})"
+            )
         elif isinstance(state.module, ScalarHeadModel):
             weights = scalar_model_weights(directory)
         else:
@@ -84,3 +91,15 @@ def load_model_state(state: ModelState, directory: Path, parts: tuple[str, ...] 
         everything = {key: value for key, value in everything.items()
                       if key in parts or (key == "num_updates" and "optimizer" in parts)}
     state.restore(everything)
+
+
+def _check_adapters(state: ModelState, directory: Path, saved: dict[str, torch.Tensor]) -> None:
+    """The saved adapters must be the model's: same layers, same rank."""
+    own = {key: tuple(tensor.shape) for key, tensor in adapter_tensors(state.module).items()}
+    found = {key: tuple(tensor.shape) for key, tensor in saved.items()}
+    if own != found:
+        raise CheckpointError(
+            f"the adapters in {directory / ADAPTER_DIR} are not those of models.{state.name}.lora now ("
+            f"{len(found)} matrices saved, {len(own)} now, or of another rank); resume with the lora settings "
+            "that wrote the checkpoint"
+        )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -332,7 +333,7 @@ def test_the_costs_of_a_model_with_adapters() -> None:
     from flowrl.spec.loader import pipeline_from_dict
     from tests.planner.conftest import gpu, grpo
 
-    def costs(lora: dict[str, int] | None) -> EstimatedCosts:
+    def costs(lora: dict[str, Any] | None) -> EstimatedCosts:
         actor = {"path": "builtin:tiny-llama", "device_group": "actor_group", **({"lora": lora} if lora else {})}
         return EstimatedCosts(pipeline_from_dict(grpo(
             actor, {"path": "builtin:tiny-llama", "device_group": "ref_group"},
@@ -346,10 +347,14 @@ def test_the_costs_of_a_model_with_adapters() -> None:
     # the model's own weights are held as before
     assert adapted.memory("train", 1, gpu=True).state_gb == pytest.approx(16 * 47104 / 1e9)
     assert adapted.memory("train", 1, gpu=True).weights_gb == plain.memory("train", 1, gpu=True).weights_gb
-    # generation keeps merged copies of the layers' weights: 2 layers * 262400 parameters * 4 bytes
-    # (a layer: q, k, v, o 4 * 128 * 128 = 65536; MLP 3 * 128 * 512 = 196608; norms 2 * 128 = 256)
+    # generation keeps merged copies of the adapted layers' weights: 2 layers * 262144 parameters
+    # * 4 bytes (a layer: q, k, v, o 4 * 128 * 128 = 65536; MLP 3 * 128 * 512 = 196608)
     assert adapted.memory("rollout", 1, gpu=True).cache_gb - plain.memory("rollout", 1, gpu=True).cache_gb == (
-        pytest.approx(2 * 262400 * 4 / 1e9))
+        pytest.approx(2 * 262144 * 4 / 1e9))
+    # of q and v alone, in one layer given by its index: 2 * 128 * 128
+    one = costs({"rank": 8, "target_modules": ["model.layers.1.self_attn.q_proj", "v_proj"]})
+    assert one.work("rollout").adapted_parameters == 128 * 128 + 2 * 128 * 128
+    assert one.work("train").adapter_parameters == 8 * 256 + 2 * 8 * 256
     # a step: 2 passes (forward, and a backward of one forward's FLOPs: the frozen weights get
     # no gradients) with 2 layers' launches each, and AdamW's fp32 traffic of 28 bytes per
     # adapter parameter

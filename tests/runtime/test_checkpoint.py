@@ -162,6 +162,19 @@ def test_a_checkpoint_without_adapters_cannot_resume_an_adapted_model(tmp_path: 
         load_model_state(_adapted(), tmp_path / "actor")
 
 
+def test_a_checkpoint_of_other_adapters_or_of_adapters_into_a_plain_model_is_a_checkpoint_error(tmp_path: Path) -> None:
+    """A resume forced past a changed lora setting: what differs and what to do, not an
+    optimizer's or a tensor's error."""
+    save_model_state(_trained(_adapted()), tmp_path / "actor", True, max_shard_size="5GB")
+    other = model_state("actor", tiny_policy())
+    add_adapters(other.module, rank=8, alpha=16, target_modules="all-linear")
+    with pytest.raises(CheckpointError, match=r"are not those of models.actor.lora now \(14 matrices saved, 14 now, "
+                                              r"or of another rank\)"):
+        load_model_state(other, tmp_path / "actor")
+    with pytest.raises(CheckpointError, match="holds adapters .lora., and models.actor has none now"):
+        load_model_state(model_state("actor", tiny_policy()), tmp_path / "actor")
+
+
 def test_shard_sizes_in_decimal_and_binary_units() -> None:
     assert shard_size_bytes("5GB") == 5 * 10**9
     assert shard_size_bytes("500MB") == 500 * 10**6
