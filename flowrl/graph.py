@@ -19,7 +19,16 @@ import networkx as nx
 
 from flowrl.errors import SpecError, SpecIssue
 from flowrl.spec.messages import Issue, did_you_mean
-from flowrl.spec.schema import SOURCE_NODE, AdvantageNode, GenerateNode, NodeBase, PipelineSpec, ScoreNode, UpdateNode
+from flowrl.spec.schema import (
+    SOURCE_NODE,
+    AdvantageNode,
+    GenerateNode,
+    NodeBase,
+    PipelineSpec,
+    ReferenceLogprobNode,
+    ScoreNode,
+    UpdateNode,
+)
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
@@ -201,8 +210,27 @@ class _Checker:
             hint = did_you_mean(node.model, models) or f"; models: {', '.join(models)}"
             self.add(f"{path}.model", f"no model '{node.model}'{hint}")
         self._check_group(f"{path}.device_group", node.device_group)
+        self._check_reference_model(name)
         if self.reliable(f"{path}.inputs") and self._check_inputs(name):
             self._check_role(name)
+
+    def _check_reference_model(self, name: str) -> None:
+        """A reference is a frozen model: a trained policy serves as one only through its
+        frozen weights under adapters; without adapters its log-probs are the policy's own."""
+        node = self.spec.nodes[name]
+        model = node.model
+        if not isinstance(node, ReferenceLogprobNode) or model is None or model not in self.spec.models:
+            return
+        if not self._nodes_known() or not self.reliable(f"models.{model}.lora"):
+            return
+        updates = self._updates_of(model)
+        samples = any(isinstance(other, GenerateNode) and other.model == model for other in self.spec.nodes.values())
+        # an update of a model that generates nothing is reported as that update's mistake
+        if updates and samples and self.spec.models[model].lora is None:
+            self.add(f"nodes.{name}.model",
+                     f"update node '{updates[0]}' trains '{model}', so its log-probs are the policy's own, not a "
+                     f"reference's; give the reference a model of its own (the same path, not trained), or train "
+                     f"'{model}' with lora: its reference is then its frozen weights under the adapters")
 
     def _check_inputs(self, name: str) -> bool:
         """Report unknown, repeated and self inputs; False when an input cannot be judged."""

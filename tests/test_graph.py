@@ -379,6 +379,20 @@ def test_adapters_on_the_trained_policy_are_valid() -> None:
     assert pipeline_from_dict(data).spec.models["actor"].lora is not None
 
 
+def test_a_reference_of_the_trained_policy_needs_its_adapters() -> None:
+    """Without adapters the trained policy's log-probs are its own (a KL to itself); with them
+    the reference is its frozen weights, and the separate reference model can go."""
+    data = grpo()
+    data["nodes"]["ref"]["model"] = "actor"
+    del data["models"]["reference"]
+    assert issues(data) == [
+        "nodes.ref.model: update node 'train' trains 'actor', so its log-probs are the policy's own, not a "
+        "reference's; give the reference a model of its own (the same path, not trained), or train 'actor' with "
+        "lora: its reference is then its frozen weights under the adapters"]
+    data["models"]["actor"]["lora"] = {"rank": 8}
+    assert issues(data) == []
+
+
 @pytest.mark.parametrize(
     ("pipeline", "edit", "expected"),
     [

@@ -16,6 +16,8 @@ adapted weight plus its adapter's product, what ``from_pretrained`` opens) and
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 import torch
@@ -78,6 +80,21 @@ def is_adapted_layer(layer: torch.nn.Module) -> bool:
 
 def has_adapters(module: torch.nn.Module) -> bool:
     return getattr(module, _CONFIG_ATTRIBUTE, None) is not None
+
+
+@contextmanager
+def adapters_off(module: torch.nn.Module) -> Iterator[None]:
+    """The frozen model alone for the block: every adapter skipped (a reference node of a
+    model with adapters computes the model as it was loaded). Outside ``inference_mode``:
+    ``peft`` switches the adapters' ``requires_grad`` with them."""
+    layers: list[Any] = [layer for layer in module.modules() if is_adapted_layer(layer)]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
 
 
 def adapter_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -69,3 +69,29 @@ def test_a_resumed_run_with_adapters_ends_with_the_weights_of_an_uninterrupted_r
         assert expected.keys() == actual.keys()
         for key in expected:
             torch.testing.assert_close(actual[key], expected[key], rtol=0, atol=1e-6)
+
+
+def test_the_reference_as_the_actor_s_frozen_weights_trains_as_a_separate_reference_model(tmp_path: Path) -> None:
+    """With adapters, ``ref: {model: actor}`` computes the log-probs of the actor's frozen
+    weights: the run trains as one with a reference model of the same path, without that
+    second copy of the model."""
+
+    def pipeline(output: Path, own_reference: bool) -> Any:
+        spec = tiny_grpo(output, steps=6, kl_coef=0.05, lr=5e-3, own_ref_worker=False).to_dict()
+        spec["models"]["actor"]["lora"] = {"rank": 8}
+        if not own_reference:
+            spec["nodes"]["ref"]["model"] = "actor"
+            spec["models"].pop("reference")
+            spec["devices"].pop("ref_group", None)
+        return pipeline_from_dict(spec)
+
+    separate = run(pipeline(tmp_path / "separate", own_reference=True))
+    shared = run(pipeline(tmp_path / "shared", own_reference=False))
+    kl = shared.metric("actor/kl_loss")
+    assert kl[0] == pytest.approx(0.0, abs=1e-6) and max(kl) > 1e-4  # the policy leaves its frozen weights
+    assert kl == pytest.approx(separate.metric("actor/kl_loss"), rel=1e-4, abs=1e-7)
+    for name in ("adapter/adapter_model.safetensors", "model.safetensors"):
+        expected = load_file(str(tmp_path / "separate" / "final" / name))
+        actual = load_file(str(tmp_path / "shared" / "final" / name))
+        for key in expected:
+            torch.testing.assert_close(actual[key], expected[key], rtol=1e-4, atol=1e-6)
