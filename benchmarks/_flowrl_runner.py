@@ -29,15 +29,18 @@ def build_pipeline(job: dict[str, Any], output_dir: str) -> Any:
     on_gpu = job.get("device", "cpu") == "cuda"
     dtype = job.get("dtype", "fp32")
     p = Pipeline(f"vs-trl-{job['config']}")
-    actor = p.model("actor", path=model_path, group="actor_group", dtype=dtype)
+    lora = {"lora": {"rank": job["lora_rank"]}} if job.get("lora_rank") else {}
+    actor = p.model("actor", path=model_path, group="actor_group", dtype=dtype, **lora)
     # "planned": two groups as in the default pipeline, placed by the planner (which may let
     # them share a worker); "separate": the reference's group kept to itself (exclusive);
     # "colocated": one group for both models (on a GPU always).
     layout = job.get("layout", "planned")
     colocated = on_gpu or layout == "colocated"
-    reference = p.model("reference", path=model_path, group="actor_group" if colocated else "ref_group", dtype=dtype)
+    # with adapters the reference is the actor's frozen weights (adapters off), as in TRL with peft
+    reference = actor if lora else p.model(
+        "reference", path=model_path, group="actor_group" if colocated else "ref_group", dtype=dtype)
     p.devices("actor_group", type="gpu" if on_gpu else "cpu")
-    if not colocated:
+    if not colocated and not lora:
         p.devices("ref_group", type="cpu", exclusive=layout == "separate")
     prompts = p.source("builtin:digits", batch_size=job["prompts_per_step"])
     rollout = p.generate(

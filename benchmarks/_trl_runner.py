@@ -147,6 +147,15 @@ def run_trl(job: dict[str, Any]) -> dict[str, Any]:
     output_dir = tempfile.mkdtemp(prefix="trl-vs-flowrl-")
     started = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    peft: dict[str, Any] = {}
+    if job.get("lora_rank"):
+        from peft import LoraConfig
+
+        # as flowrl's lora: every linear layer of the decoder layers, alpha 2 x rank, no dropout;
+        # TRL then takes the reference from the model with its adapters disabled
+        rank = int(job["lora_rank"])
+        peft["peft_config"] = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules="all-linear",
+                                         task_type="CAUSAL_LM")
     trainer = GRPOTrainer(
         model=model_dir,
         reward_funcs=digits,
@@ -154,6 +163,7 @@ def run_trl(job: dict[str, Any]) -> dict[str, Any]:
         train_dataset=datasets.Dataset.from_dict({"prompt": prompts}),
         processing_class=tokenizer,
         callbacks=[clock],
+        **peft,
     )
     # disable_tqdm makes transformers print every log dict; StepClock keeps them instead.
     trainer.remove_callback(PrinterCallback)
@@ -178,8 +188,14 @@ def run_trl(job: dict[str, Any]) -> dict[str, Any]:
     reference_s: list[float] = []
     original_logps = trainer._get_per_token_logps_and_entropies
 
+    adapted = [layer for layer in trainer.model.modules() if hasattr(layer, "lora_A") and hasattr(layer, "disable_adapters")]
+
+    def reference_call(model: Any) -> bool:
+        # with peft the reference is the policy under ``disable_adapter()``
+        return model is trainer.ref_model or (bool(adapted) and all(layer.disable_adapters for layer in adapted))
+
     def timed_logps(model: Any, *args: Any, **kwargs: Any) -> Any:
-        if model is not trainer.ref_model:
+        if not reference_call(model):
             return original_logps(model, *args, **kwargs)
         sync()
         t0 = time.perf_counter()

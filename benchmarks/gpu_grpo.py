@@ -21,12 +21,16 @@ Variants (``--variants``, run interleaved: every variant once, then every varian
 - ``trl``: ``GRPOTrainer`` with plain ``generate()`` (``use_vllm=False``), dynamic cache;
 - ``trl-static``: the same with ``cache_implementation="static"``;
 - ``trl-liger``: ``trl-static`` plus Liger's kernels (``use_liger_kernel``);
-- ``trl-one-pass``: ``trl-static`` with the update as one pass of all sequences (more memory).
+- ``trl-one-pass``: ``trl-static`` with the update as one pass of all sequences (more memory);
+- ``flowrl-lora`` and ``trl-lora``: LoRA adapters of rank 16 (alpha 32, no dropout) on every
+  linear layer of the decoder layers (flowrl's ``lora``, TRL's ``peft_config``), the reference
+  being the policy with its adapters off in both (no second model); TRL with a static cache.
 
 Reported per variant: seconds per step (median of each run's steps after ``--warmup``, then
 the median over runs), seconds per node (flowrl: its own per-node timings; TRL: generate(),
 the reference forward, and the rest of the step = update and bookkeeping), peak GPU memory,
-and per TRL variant the ratio TRL / flowrl of each round's medians. The commit measured and
+and per TRL variant the ratio TRL / flowrl of each round's medians (``trl-lora`` against
+``flowrl-lora``). The commit measured and
 any uncommitted files of ``flowrl/`` and ``benchmarks/`` are recorded. The file and its summary
 are written after every run, so a command stopped from outside keeps what finished;
 ``--max-minutes`` starts no run that would end past it (estimated from its variant's longest
@@ -55,6 +59,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "trl-static": {"framework": "trl", "trl_cache": "static"},
     "trl-liger": {"framework": "trl", "trl_cache": "static", "trl_liger": True},
     "trl-one-pass": {"framework": "trl", "trl_cache": "static", "trl_micro_batch": None},
+    "flowrl-lora": {"framework": "flowrl", "lora_rank": 16},
+    "trl-lora": {"framework": "trl", "trl_cache": "static", "lora_rank": 16},
 }
 
 
@@ -243,16 +249,17 @@ def summarize(report: dict[str, Any], variants: list[str]) -> dict[str, Any]:
         engines = [run["generate_engine_s_median"] for run in good if run.get("generate_engine_s_median") is not None]
         if engines:
             out[name]["generate_engine_s_median"] = statistics.median(engines)
-    if "flowrl" in variants:
-        flowrl_by_round = {run["round"]: run for run in report["runs"]["flowrl"] if "error" not in run}
-        for name in variants:
-            if name == "flowrl":
-                continue
-            ratios = [run["step_s_median"] / flowrl_by_round[run["round"]]["step_s_median"]
-                      for run in report["runs"][name] if "error" not in run and run["round"] in flowrl_by_round]
-            if ratios:
-                out[f"{name}_over_flowrl"] = {
-                    "median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "per_round": ratios}
+    for name in variants:
+        # each TRL variant against flowrl at the same work: its LoRA variant against flowrl's
+        baseline = "flowrl-lora" if name.endswith("-lora") else "flowrl"
+        if name.startswith("flowrl") or baseline not in variants:
+            continue
+        baseline_by_round = {run["round"]: run for run in report["runs"][baseline] if "error" not in run}
+        ratios = [run["step_s_median"] / baseline_by_round[run["round"]]["step_s_median"]
+                  for run in report["runs"][name] if "error" not in run and run["round"] in baseline_by_round]
+        if ratios:
+            out[f"{name}_over_{baseline}"] = {
+                "median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "per_round": ratios}
     return out
 
 
