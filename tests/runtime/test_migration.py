@@ -20,8 +20,15 @@ SPLIT = {"rollout": "cpu-1", "reward": "cpu-1", "ref": "cpu-0", "adv": "cpu-0", 
 SWAPPED = {"rollout": "cpu-1", "reward": "cpu-1", "ref": "cpu-0", "adv": "cpu-1", "train": "cpu-1"}
 
 
-def graph(tmp_path: Path) -> PipelineGraph:
-    return tiny_grpo(tmp_path / "out", steps=6).build()
+def graph(tmp_path: Path, lora: bool = False) -> PipelineGraph:
+    pipeline = tiny_grpo(tmp_path / "out", steps=6, lr=5e-3 if lora else 5e-4)
+    if not lora:
+        return pipeline.build()
+    spec = pipeline.to_dict()
+    spec["models"]["actor"]["lora"] = {"rank": 4}  # moves carry the adapters alone
+    from flowrl.spec.loader import pipeline_from_dict
+
+    return pipeline_from_dict(spec)
 
 
 def test_moving_the_whole_actor_pulls_weights_optimizer_and_rng_from_its_old_worker(tmp_path: Path) -> None:
@@ -87,8 +94,9 @@ def _weights(session: Session, directory: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.integration
-def test_a_run_that_moves_its_roles_twice_trains_exactly_like_one_that_never_moves(tmp_path: Path) -> None:
-    pipeline = graph(tmp_path)
+@pytest.mark.parametrize("lora", [False, True], ids=["whole", "adapters"])
+def test_a_run_that_moves_its_roles_twice_trains_exactly_like_one_that_never_moves(tmp_path: Path, lora: bool) -> None:
+    pipeline = graph(tmp_path, lora)
     cluster = Cluster.start_local(2)
     try:
         still = started(cluster, pipeline, plan_for(pipeline, ALL_ON_0))
