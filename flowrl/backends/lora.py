@@ -4,9 +4,11 @@ The adapters are injected into the model in place (``peft.inject_adapter_in_mode
 model stays the transformers class every other part of flowrl reads (the fused head, the
 compiled layers, the static decoder), each adapted ``nn.Linear`` becomes a ``peft`` LoRA layer
 whose ``base_layer`` holds the frozen weight, and only the adapters' ``lora_A``/``lora_B``
-weights require gradients. The adapters are kept in fp32 whatever the model's dtype (``peft``
-computes an adapter in its weights' dtype and adds the result to the frozen layer's), so a
-bf16 model's optimizer needs no master copies of them and small steps are not rounded away.
+weights require gradients. The adapters take the model's dtype, so their products run without
+casts; a 16-bit model's optimizer steps fp32 masters of them (``flowrl.roles.master_weights``),
+so small steps are not rounded away. In fp32 instead, every adapted layer cast its input to
+fp32 and kept that copy for the backward: on an H100 at 0.4B in bf16 that cost 0.35 s per
+step and 3 GB (``benchmarks/results/gpu_grpo_lora_fp32_adapters_h100.json``).
 
 Two ways out of a trained model: :func:`merged_weights` (the plain model's names, each
 adapted weight plus its adapter's product, what ``from_pretrained`` opens) and
@@ -56,10 +58,6 @@ def add_adapters(module: torch.nn.Module, rank: int, alpha: int, target_modules:
                 "model's decoder layers (for Llama and Qwen2: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
                 "down_proj), or use all-linear"
             ) from error
-    with torch.no_grad():  # fp32 adapters whatever the model's dtype (see the module docs)
-        for name, parameter in module.named_parameters():
-            if _is_adapter_key(name):
-                parameter.data = parameter.data.float()
     get_input = getattr(module, "get_input_embeddings", None)
     get_output = getattr(module, "get_output_embeddings", None)
     for what, layer in (("input embeddings", get_input() if get_input else None),

@@ -35,8 +35,9 @@ Memory (bytes):
               chunk of FUSED_CHUNK_ELEMENTS logits at a time (16-bit logits, fp32 scaled
               copy and, training, their fp32 gradient); a model that transforms its logits
               (``ModelShape.plain_logits`` False) holds every token's; a scalar head holds T*4
-    adapters (LoRA) of A parameters: 16*A (fp32 weights, gradients and two moments) instead
-              of the model's gradients and optimizer state; the frozen layers' backward
+    adapters (LoRA) of A parameters (in the model's dtype): 16*A (weights, gradients and
+              the optimizer's state, ``ADAPTER_STATE_BYTES``) instead of the model's gradients
+              and optimizer state; the frozen layers' backward
               computes input gradients only, one forward's FLOPs instead of two
     sharded training over N devices (FSDP2) keeps the whole weights plus 1/N of the
               trained parameters, their gradients and the optimizer's state, and
@@ -252,9 +253,9 @@ def adapted_weight_parameters(shape: ModelShape, targets: str | list[str]) -> in
 
 
 ADAPTER_STATE_BYTES = 16
-"""Per adapter parameter: its fp32 weight, gradient and AdamW's two fp32 moments."""
-ADAPTER_STEP_BYTES = 28
-"""Memory traffic of one fp32 AdamW step per adapter parameter (as a fp32 model's)."""
+"""Per adapter parameter (in the model's dtype): in fp32 its weight, gradient and AdamW's two
+moments (4 + 4 + 8); in 16 bits its weight and gradient and the optimizer's fp32 master and
+moments (2 + 2 + 12). The same either way."""
 
 
 def optimizer_bytes_per_parameter(dtype: str) -> int:
@@ -263,12 +264,16 @@ def optimizer_bytes_per_parameter(dtype: str) -> int:
     return 8 if DTYPE_BYTES[dtype] >= 4 else 12
 
 
-def optimizer_step_bytes(shape: ModelShape, kind: str, dtype: str) -> float:
-    """Memory traffic of one optimizer step: fp32 AdamW reads p, g, m, v and writes p, m, v
-    (28 bytes per parameter); a 16-bit model's step also copies its gradient to fp32 (2 + 4)
+def optimizer_step_bytes_per_parameter(dtype: str) -> int:
+    """Memory traffic of one optimizer step per parameter: fp32 AdamW reads p, g, m, v and
+    writes p, m, v (28 bytes); a 16-bit model's step also copies its gradient to fp32 (2 + 4)
     and its master back (4 + 2), and its fused step runs on the fp32 master (40 in all)."""
-    per_parameter = 28 if DTYPE_BYTES[dtype] >= 4 else 40
-    return float(shape.num_parameters(kind) * per_parameter)
+    return 28 if DTYPE_BYTES[dtype] >= 4 else 40
+
+
+def optimizer_step_bytes(shape: ModelShape, kind: str, dtype: str) -> float:
+    """Memory traffic of one optimizer step over every parameter."""
+    return float(shape.num_parameters(kind) * optimizer_step_bytes_per_parameter(dtype))
 
 
 def training_state_bytes(shape: ModelShape, kind: str, dtype: str) -> float:

@@ -19,7 +19,6 @@ from flowrl.devices.inventory import Device
 from flowrl.graph import PipelineGraph
 from flowrl.planner.cost import (
     ADAPTER_STATE_BYTES,
-    ADAPTER_STEP_BYTES,
     CpuRates,
     DTYPE_BYTES,
     activation_bytes,
@@ -30,6 +29,7 @@ from flowrl.planner.cost import (
     logits_bytes,
     shared_prompt_flops,
     optimizer_step_bytes,
+    optimizer_step_bytes_per_parameter,
     sharded_training_bytes,
     training_state_bytes,
     weight_bytes,
@@ -180,7 +180,7 @@ class EstimatedCosts:
         width = max(1, len(devices))
         slowest = max((self._on_device(work, device, width) for device in devices), default=0.0)
         if work.shape is not None and width > 1 and work.work == "train":
-            grads = (work.adapter_parameters * 4.0 if work.adapter_parameters
+            grads = (work.adapter_parameters * DTYPE_BYTES[work.dtype] if work.adapter_parameters
                      else weight_bytes(work.shape, work.kind, work.dtype))
             steps = work.num_mini_batches * work.ppo_epochs
             if work.sharded:
@@ -235,7 +235,7 @@ class EstimatedCosts:
             # the input gradients only, one forward's FLOPs instead of two
             passes = (2 if work.adapter_parameters else 3) + (1 if work.checkpointing else 0)
             compute = passes * pass_flops / flops_per_s
-            optimizer = (work.adapter_parameters * ADAPTER_STEP_BYTES if work.adapter_parameters
+            optimizer = (work.adapter_parameters * optimizer_step_bytes_per_parameter(dtype) if work.adapter_parameters
                          else optimizer_step_bytes(shape, kind, dtype)) / bytes_per_s
             launches = passes * layers * layer_s
             return work.ppo_epochs * (compute + work.num_mini_batches * (optimizer + launches))

@@ -50,8 +50,8 @@ class NodeWork:
     sharded: bool = False
     """The model trains sharded over its update's devices (``ModelSpec.sharded``)."""
     adapter_parameters: int = 0
-    """The parameters an update trains when the model has adapters (``ModelSpec.lora``),
-    in fp32; 0: every parameter is trained."""
+    """The parameters an update trains when the model has adapters (``ModelSpec.lora``), in
+    the model's dtype; 0: every parameter is trained."""
     adapted_parameters: int = 0
     """Weights of the layers with adapters, of which generation keeps merged copies."""
     ppo_epochs: int = 1

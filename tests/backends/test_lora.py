@@ -267,29 +267,27 @@ def test_a_loaded_policy_with_a_lora_spec_trains_its_adapters_alone(tiny_llama_d
     assert all(parameter.grad is None for name, parameter in named.items() if ".lora_" not in name)
 
 
-def test_a_bf16_model_gets_fp32_adapters_and_a_plain_optimizer(tiny_llama_dir: Path) -> None:
-    """The adapters stay fp32 beside bf16 weights: the optimizer steps them directly (no
-    master copies), the logits stay bf16, and a step far below bf16's resolution of the
-    adapter's values is kept."""
+def test_a_bf16_model_gets_bf16_adapters_stepped_through_fp32_masters(tiny_llama_dir: Path) -> None:
+    """The adapters take the model's dtype (their products need no casts); the optimizer
+    steps fp32 masters of them, so a step far below bf16's resolution is kept."""
     from flowrl.roles.master_weights import MasterWeightAdamW
     from flowrl.roles.state import ModelState
 
     state = ModelState.load("actor", str(tiny_llama_dir), dtype="bf16", device="cpu", seed=0, base_dir=None,
                             lora=LoraSpec(rank=2))
-    dtypes = {name: p.dtype for name, p in state.module.named_parameters()}
-    assert {dtype for name, dtype in dtypes.items() if ".lora_" in name} == {torch.float32}
-    assert {dtype for name, dtype in dtypes.items() if ".lora_" not in name} == {torch.bfloat16}
+    assert {p.dtype for p in state.module.parameters()} == {torch.bfloat16}
     optimizer = state.ensure_optimizer(1e-6, (0.9, 0.999), 0.0)
-    assert type(optimizer) is torch.optim.AdamW and not isinstance(optimizer, MasterWeightAdamW)
-    out = state.module(input_ids=IDS).logits
-    assert out.dtype == torch.bfloat16
+    assert isinstance(optimizer, MasterWeightAdamW)
+    assert len(optimizer.model_params) == 2 * 2 * 7  # A and B of 7 layers in each of 2 decoder layers
     b = dict(state.module.named_parameters())["model.layers.0.self_attn.q_proj.lora_B.default.weight"]
     with torch.no_grad():
         b.fill_(0.1)
-    before = b.detach().clone()
+    optimizer.sync_masters()
     state.module(input_ids=IDS).logits.float().pow(2).mean().backward()
     optimizer.step()
     # Adam's first step moves each entry with a gradient by lr = 1e-6; bf16's spacing at 0.1
-    # is about 5e-4, so only fp32 keeps the step
-    moved = (b.detach() - before).abs()
-    assert moved.max() == pytest.approx(1e-6, rel=1e-2)
+    # is about 5e-4, so the bf16 adapter stays while its fp32 master keeps the step
+    index = next(i for i, p in enumerate(optimizer.model_params) if p is b)
+    master = optimizer.param_groups[0]["params"][index]  # the masters are what AdamW steps
+    assert torch.equal(b.detach(), torch.full_like(b, 0.1))
+    assert (master - b.detach().float()).abs().max().item() == pytest.approx(1e-6, rel=2e-2)
