@@ -61,6 +61,9 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a change to the pipeline, as on flowrl run's command line (repeatable)")
     args = parser.parse_args()
+    from vs_trl import machine  # the benchmarks folder is the script's: on sys.path
+
+    measured = machine()  # the commit and files the runs start from, before they take minutes
     runs = []
     with tempfile.TemporaryDirectory() as folder:
         cache = Path(folder) / "cache"  # fresh: the first run fits builtin:arith-llama
@@ -69,14 +72,12 @@ def main() -> None:
             runs.append(run)
             print(f"seed {seed}: accuracy {run['accuracy_start']} -> {run['accuracy_end']} "
                   f"in {run['wall_s']} s (median step {run['median_step_s']} s)", flush=True)
-    from vs_trl import machine  # the benchmarks folder is the script's: on sys.path
-
     report = {
         "benchmark": "grpo_arith",
         "command": " ".join(["flowrl run pipelines/grpo_arith.yaml trainer.seed=S", *args.set]),
         "changes": args.set,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine(),
+        "machine": measured,
         "metric": f"{KEY}: greedy accuracy on the 500 held-out problems (math_answer)",
         "runs": runs,
     }
