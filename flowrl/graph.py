@@ -20,6 +20,7 @@ import networkx as nx
 from flowrl.errors import SpecError, SpecIssue
 from flowrl.spec.messages import Issue, did_you_mean
 from flowrl.spec.schema import (
+    ADAPTER_DIR,
     SOURCE_NODE,
     AdvantageNode,
     GenerateNode,
@@ -147,6 +148,11 @@ class _Checker:
         if self._nodes_known() and not self._training_group(model)[0]:
             self.add(path, f"no update node trains '{model}', so its adapters would stay zero; remove lora, "
                            "or train the model")
+            return
+        if ADAPTER_DIR in self.spec.models and self._nodes_known() and self._training_group(ADAPTER_DIR)[0]:
+            self.add(f"models.{ADAPTER_DIR}",
+                     f"final/{ADAPTER_DIR}/ holds the adapters of '{model}', and a trained model's final weights "
+                     f"go to final/<name>/; give this model another name")
 
     def _check_fp16_training(self, model: str) -> None:
         """fp16 gradients under- and overflow without loss scaling, which the update does not do."""

@@ -420,3 +420,15 @@ def test_adapters_only_on_a_policy_an_update_trains_on_whole_copies(pipeline: An
     assert issues(data) == [expected]
     with pytest.raises(SpecError, match=re.escape(expected.split(":")[0])):
         pipeline_from_dict(data)
+
+
+def test_a_trained_model_named_like_the_adapter_folder_is_refused_beside_adapters() -> None:
+    """final/adapter/ holds the policy's adapters; a trained critic's final weights would go
+    to final/adapter/ too, and the end of the run could not write them."""
+    data = ppo()
+    data["models"]["actor"]["lora"] = {"rank": 8}
+    data["models"]["adapter"] = data["models"].pop("critic")
+    data["nodes"]["values"]["model"] = data["nodes"]["train_critic"]["model"] = "adapter"
+    assert issues(data) == [
+        "models.adapter: final/adapter/ holds the adapters of 'actor', and a trained model's final weights go to "
+        "final/<name>/; give this model another name"]

@@ -28,10 +28,20 @@ T = TypeVar("T")
 ATTRIBUTE = "_flowrl_compiled_layers"
 
 
+RECOMPILE_LIMIT = 64
+"""Compiled versions the layers' shared code may have (torch's default is 8): the versions
+multiply, by sequence length until the lengths go dynamic, by grad mode, by packed or padded
+rows and, for a model with adapters, by adapters on and off (its reference pass); past the
+limit torch runs the layers eagerly without a word."""
+
+
 class CompiledLayers:
     """The compiled call of each decoder layer of one model, made once."""
 
     def __init__(self, layers: list[torch.nn.Module], backend: str | Callable[..., Any] = "inductor") -> None:
+        import torch._dynamo
+
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         self.layers = layers
         self.calls: list[Callable[..., Any]] = [
             torch.compile(layer._call_impl, dynamic=None, backend=backend) for layer in layers

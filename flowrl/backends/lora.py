@@ -18,6 +18,7 @@ adapted weight plus its adapter's product, what ``from_pretrained`` opens) and
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,11 +26,10 @@ from typing import Any
 import torch
 
 from flowrl.errors import CheckpointError, ModelLoadError
+from flowrl.spec.schema import ADAPTER_DIR
 
 ADAPTER_NAME = "default"
 """``peft``'s name of the one adapter set a model carries."""
-ADAPTER_DIR = "adapter"
-"""The folder of a checkpoint or ``final/`` that holds the adapters alone."""
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 INIT_SEED = 0
@@ -40,11 +40,22 @@ _PEFT_PREFIX = "base_model.model."
 _CONFIG_ATTRIBUTE = "_flowrl_lora_config"
 
 
-def add_adapters(module: torch.nn.Module, rank: int, alpha: int, target_modules: str | list[str]) -> None:
+def add_adapters(module: torch.nn.Module, rank: int, alpha: int, target_modules: str | list[str],
+                 model: str = "model") -> None:
     """Give ``module`` trainable adapters of ``rank`` on ``target_modules`` (``all-linear`` or
-    module names) and freeze everything else."""
+    module names) and freeze everything else; ``model`` names it in errors."""
     from peft import LoraConfig, inject_adapter_in_model
 
+    field = f"models.{model}.lora.target_modules"
+    linear_names = sorted({name.rsplit(".", 1)[-1] for name, layer in module.named_modules()
+                           if isinstance(layer, torch.nn.Linear)})
+    if not isinstance(target_modules, str):
+        names = [name for name, _ in module.named_modules()]
+        unmatched = [target for target in target_modules
+                     if not any(name == target or name.endswith("." + target) for name in names)]
+        if unmatched:  # peft accepts a list as long as one name matches
+            raise ModelLoadError(f"{field}: {unmatched} match no module of '{model}'; its linear layers are named "
+                                 f"{linear_names}, or write all-linear")
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=target_modules, lora_dropout=0.0, bias="none")
     device = next(module.parameters()).device
     devices = [device] if device.type == "cuda" else []
@@ -54,17 +65,17 @@ def add_adapters(module: torch.nn.Module, rank: int, alpha: int, target_modules:
             inject_adapter_in_model(config, module)
         except ValueError as error:
             raise ModelLoadError(
-                f"lora.target_modules {target_modules!r} cannot be adapted: {error}; name linear layers of the "
-                "model's decoder layers (for Llama and Qwen2: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
-                "down_proj), or use all-linear"
+                f"{field}: {target_modules!r} cannot be adapted ({str(error)[:300]}); name linear layers of the "
+                f"decoder layers ({', '.join(linear_names)}), or use all-linear"
             ) from error
-    get_input = getattr(module, "get_input_embeddings", None)
-    get_output = getattr(module, "get_output_embeddings", None)
-    for what, layer in (("input embeddings", get_input() if get_input else None),
-                        ("output head", get_output() if get_output else None)):
+    for what, getter in (("input embeddings", "get_input_embeddings"), ("output head", "get_output_embeddings")):
+        try:
+            layer = getattr(module, getter)()
+        except (AttributeError, NotImplementedError):  # a model class without the accessor
+            continue
         if layer is not None and is_adapted_layer(layer):
             raise ModelLoadError(
-                f"lora.target_modules {target_modules!r} adapt the model's {what}, which cannot take adapters "
+                f"{field}: {target_modules!r} adapt the {what} of '{model}', which cannot take adapters "
                 "(generation and the log-prob head read its weight directly); leave it out of target_modules"
             )
     setattr(module, _CONFIG_ATTRIBUTE, config)
@@ -101,12 +112,16 @@ def adapter_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def merged_weight(layer: Any) -> torch.Tensor:
-    """An adapted linear layer's weight with its adapter's product added, in fp32, rounded
-    once to the weight's dtype."""
+    """An adapted linear layer's weight plus its adapter's product (alpha / rank) B A, computed
+    in fp32 and rounded once to the weight's dtype."""
     base = layer.get_base_layer().weight
     with torch.no_grad():
-        delta = layer.get_delta_weight(ADAPTER_NAME)
-        return (base.float() + delta.float()).to(base.dtype)
+        a = layer.lora_A[ADAPTER_NAME].weight.float()
+        b = layer.lora_B[ADAPTER_NAME].weight.float()
+        delta = (b @ a) * layer.scaling[ADAPTER_NAME]
+        if getattr(layer, "fan_in_fan_out", False):  # a Conv1D-style layer keeps its weight transposed
+            delta = delta.T
+        return (base.float() + delta).to(base.dtype)
 
 
 def merged_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -153,6 +168,27 @@ def read_adapter(directory: Path) -> dict[str, torch.Tensor]:
             name = name.replace(part, f"{part}{ADAPTER_NAME}.")
         weights[name] = tensor
     return weights
+
+
+def changed_settings(module: torch.nn.Module, directory: Path) -> list[str]:
+    """The settings of the adapters saved in ``directory`` (``adapter_config.json``) that
+    differ from ``module``'s, as ``name: saved -> now``; the scale (alpha / rank) changes
+    what a model's adapters compute without changing their shapes."""
+    saved = json.loads((directory / ADAPTER_CONFIG).read_text())
+    config = getattr(module, _CONFIG_ATTRIBUTE)
+
+    def targets(value: Any) -> Any:
+        return value if isinstance(value, str) else sorted(value)
+
+    changes = []
+    for key, name, now in (("r", "rank", config.r), ("lora_alpha", "alpha", config.lora_alpha),
+                           ("target_modules", "target_modules", targets(config.target_modules))):
+        before = targets(saved.get(key)) if key == "target_modules" else saved.get(key)
+        if before != now and key == "target_modules":  # peft records the layers it adapted
+            changes.append(f"{name}: {len(before or [])} adapted layers -> {len(now)}")
+        elif before != now:
+            changes.append(f"{name}: {before} -> {now}")
+    return changes
 
 
 def _is_adapter_key(key: str) -> bool:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,9 +121,10 @@ def unsupported_reason(model: Any) -> str | None:
 
 
 class _Merged:
-    """Stands in for a linear layer with an adapter (``flowrl.backends.lora``): its weight
-    merged with the adapter's product, at a fixed address, refreshed at the start of every
-    generation like the stacked copies (an update changes the adapter in place)."""
+    """Stands in for the output projection or the down projection of a layer with adapters
+    (``flowrl.backends.lora``): the weight merged with the adapter's product, at a fixed
+    address, refreshed at the start of every generation like the stacked copies (an update
+    changes the adapter in place)."""
 
     def __init__(self, layer: Any) -> None:
         self.layer = layer
@@ -133,25 +135,35 @@ class _Merged:
         self.weight.copy_(merged_weight(self.layer))
 
 
-def _linear(layer: torch.nn.Module, adapted: bool) -> Any:
-    """The layer the decoder reads weights from: itself, or a merged copy of an adapted one
-    (``adapted``: the model has adapters)."""
-    return _Merged(layer) if adapted and is_adapted_layer(layer) else layer
+@dataclass(frozen=True)
+class _Part:
+    """Stands in for q, k, v, gate or up of a layer with adapters: its rows of the layer's
+    stacked copy, which holds the merged weights (no copy of its own)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+
+def _weight(linear: Any) -> torch.Tensor:
+    """A linear layer's weight as generation uses it: merged with its adapter, if it has one."""
+    return merged_weight(linear) if is_adapted_layer(linear) else linear.weight.detach()
 
 
 @dataclass(frozen=True)
 class _Layer:
-    """One decoder layer's parameters, referenced (not copied) from the module."""
+    """One decoder layer's parameters, referenced (not copied) from the module. A linear
+    layer here is anything with ``weight`` and ``bias``: the module's own, or for a model with
+    adapters a stand-in (``_Merged``, ``_Part``)."""
 
     attn_norm: torch.nn.Module
-    q: torch.nn.Linear
-    k: torch.nn.Linear
-    v: torch.nn.Linear
-    o: torch.nn.Linear
+    q: Any
+    k: Any
+    v: Any
+    o: Any
     mlp_norm: torch.nn.Module
-    gate: torch.nn.Linear
-    up: torch.nn.Linear
-    down: torch.nn.Linear
+    gate: Any
+    up: Any
+    down: Any
 
 
 def _tensor(value: object) -> torch.Tensor:
@@ -267,6 +279,18 @@ class _Stacked:
             torch.cat(parts) if parts else None for parts in self._parts()
         )
 
+    def parts_of(self, layer: _Layer) -> _Layer:
+        """``layer`` with q, k, v, gate and up read from these stacked copies (for a layer with
+        adapters: the copies hold the merged weights)."""
+        assert self.qkv_weight is not None and self.gate_up_weight is not None
+        rows = [int(linear.weight.shape[0]) for linear in (layer.q, layer.k, layer.v)]
+        weights = self.qkv_weight.split(rows)
+        biases = self.qkv_bias.split(rows) if self.qkv_bias is not None else (None, None, None)
+        gate, up = self.gate_up_weight.chunk(2)
+        return dataclasses.replace(
+            layer, q=_Part(weights[0], biases[0]), k=_Part(weights[1], biases[1]), v=_Part(weights[2], biases[2]),
+            gate=_Part(gate, None), up=_Part(up, None))
+
     def refresh(self) -> None:
         targets = (self.qkv_weight, self.qkv_bias, self.gate_up_weight)
         for target, parts in zip(targets, self._parts()):
@@ -278,8 +302,7 @@ class _Stacked:
         layer = self.layer
         qkv = (layer.q, layer.k, layer.v)
         biases = [linear.bias.detach() for linear in qkv] if layer.q.bias is not None else []
-        return ([linear.weight.detach() for linear in qkv], biases,
-                [layer.gate.weight.detach(), layer.up.weight.detach()])
+        return ([_weight(linear) for linear in qkv], biases, [_weight(layer.gate), _weight(layer.up)])
 
 
 class _Buffers:
@@ -353,21 +376,29 @@ class StaticDecoder:
         self.embed = inner.embed_tokens
         self.final_norm = inner.norm
         self.lm_head = model.lm_head
+        # A model with adapters: the output and down projections get merged copies; q, k, v,
+        # gate and up are merged into the stacked copies the decode step reads anyway, and the
+        # prefill reads them there too.
         adapted = has_adapters(model)
+
+        def merged(linear: Any) -> Any:
+            return _Merged(linear) if adapted and is_adapted_layer(linear) else linear
+
         with torch.no_grad():
             self.layers = [
                 _Layer(
                     attn_norm=layer.input_layernorm,
-                    q=_linear(layer.self_attn.q_proj, adapted), k=_linear(layer.self_attn.k_proj, adapted),
-                    v=_linear(layer.self_attn.v_proj, adapted), o=_linear(layer.self_attn.o_proj, adapted),
+                    q=layer.self_attn.q_proj, k=layer.self_attn.k_proj,
+                    v=layer.self_attn.v_proj, o=merged(layer.self_attn.o_proj),
                     mlp_norm=layer.post_attention_layernorm,
-                    gate=_linear(layer.mlp.gate_proj, adapted), up=_linear(layer.mlp.up_proj, adapted),
-                    down=_linear(layer.mlp.down_proj, adapted),
+                    gate=layer.mlp.gate_proj, up=layer.mlp.up_proj, down=merged(layer.mlp.down_proj),
                 )
                 for layer in inner.layers
             ]
-        self._merged = [linear for layer in self.layers for linear in (layer.q, layer.k, layer.v, layer.o,
-                                                                       layer.gate, layer.up, layer.down)
+            self._stacked = [_Stacked(layer) for layer in self.layers]
+        if adapted:
+            self.layers = [stacked.parts_of(layer) for layer, stacked in zip(self.layers, self._stacked)]
+        self._merged = [linear for layer in self.layers for linear in (layer.o, layer.down)
                         if isinstance(linear, _Merged)]
         self.num_heads = int(config.num_attention_heads)
         self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
@@ -392,8 +423,6 @@ class StaticDecoder:
         self._compiled = self.use_graphs and compile_layers
         self._set_kernels(self._compiled)
         self._buffers: _Buffers | None = None
-        with torch.no_grad():
-            self._stacked = [_Stacked(layer) for layer in self.layers]
         self._shape: tuple[int, int, int] = (0, 0, 0)
         self._graphs: dict[tuple[int, int], Any] = {}
         self._graph_key: tuple[Any, ...] | None = None
@@ -665,7 +694,7 @@ class StaticDecoder:
                   generator: torch.Generator | None) -> GenerationOutput:
         input_ids, attention_mask = self._widen_prompts(input_ids, attention_mask, max_new_tokens, sampling.pad_token_id)
         batch, prompt_length = input_ids.shape
-        for merged in self._merged:  # before the stacks, which copy from them
+        for merged in self._merged:
             merged.refresh()
         for stacked in self._stacked:
             stacked.refresh()

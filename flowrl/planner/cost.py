@@ -224,32 +224,35 @@ ADAPTED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 """The linear layers of a decoder layer, as Llama and Qwen2 name them (``all-linear``)."""
 
 
-def _adapted_linears(shape: ModelShape, targets: str | list[str]) -> list[tuple[int, int, int]]:
-    """(in, out, layers) of each kind of linear layer that ``targets`` (``all-linear`` or
+def _adapted_linears(shape: ModelShape, targets: str | list[str]) -> list[tuple[str, int, int, int]]:
+    """(name, in, out, layers) of each kind of linear layer that ``targets`` (``all-linear`` or
     module names) adapts. A name is matched by its last part; one with a layer index
     (``layers.3.self_attn.q_proj``) adapts that layer only. Names other than the decoder
     layers' linear layers add nothing (their shapes are unknown here; the head is refused)."""
     h, kv, inner = shape.hidden_size, shape.kv_width, shape.intermediate_size
     sizes = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
              "gate_proj": (h, inner), "up_proj": (h, inner), "down_proj": (inner, h)}
-    layers: dict[str, int] = {}
+    every = set(range(shape.num_layers))
+    layers: dict[str, set[int]] = {}
     for target in ADAPTED_LINEARS if targets == "all-linear" else targets:
         name = target.rsplit(".", 1)[-1]
         if name in sizes:
-            count = 1 if re.search(r"(^|\.)\d+\.", target) else shape.num_layers
-            layers[name] = min(shape.num_layers, max(count, layers.get(name, 0)))
-    return [(*sizes[name], count) for name, count in layers.items()]
+            index = re.search(r"(?:^|\.)(\d+)\.", target)
+            layers.setdefault(name, set()).update({int(index.group(1))} & every if index else every)
+    return [(name, *sizes[name], len(indices)) for name, indices in layers.items()]
 
 
 def adapter_parameters(shape: ModelShape, rank: int, targets: str | list[str]) -> int:
     """Parameters of LoRA adapters of ``rank`` on ``targets``: a linear layer of in x out
     gets rank * (in + out)."""
-    return sum(rank * (fan_in + fan_out) * layers for fan_in, fan_out, layers in _adapted_linears(shape, targets))
+    return sum(rank * (fan_in + fan_out) * layers for _, fan_in, fan_out, layers in _adapted_linears(shape, targets))
 
 
 def adapted_weight_parameters(shape: ModelShape, targets: str | list[str]) -> int:
-    """Weights of the layers ``targets`` adapt (the static decoder keeps merged copies)."""
-    return sum(fan_in * fan_out * layers for fan_in, fan_out, layers in _adapted_linears(shape, targets))
+    """Weights of the output and down projections that ``targets`` adapt: the static decoder
+    keeps merged copies of those (the others it merges into the stacked copies it has anyway)."""
+    return sum(fan_in * fan_out * layers for name, fan_in, fan_out, layers in _adapted_linears(shape, targets)
+               if name in ("o_proj", "down_proj"))
 
 
 ADAPTER_STATE_BYTES = 16

@@ -175,13 +175,14 @@ class ModelState:
         else:
             raise ValueError(f"model kind '{kind}' is not one of policy, value, reward")
         if lora is not None:
-            add_adapters(module, lora.rank, lora.scale_alpha, lora.target_modules)
+            add_adapters(module, lora.rank, lora.scale_alpha, lora.target_modules, model=name)
+            if isinstance(module, PreTrainedModel):
+                # The frozen embeddings would give the first layer an input without gradient,
+                # unlike every later layer's: a checkpointed first layer would never reach its
+                # adapters in backward, and compiled layers would need a version for each kind.
+                module.enable_input_require_grads()
         if gradient_checkpointing:
             module.gradient_checkpointing_enable()
-            if lora is not None and isinstance(module, PreTrainedModel):
-                # the frozen embeddings give the first checkpointed layer an input without
-                # gradient; the adapters inside it need one to be reached in backward
-                module.enable_input_require_grads()
         generator = torch.Generator(device=device)
         generator.manual_seed(seed)
         return cls(name=name, module=module, tokenizer=tokenizer, device=torch.device(device), generator=generator,

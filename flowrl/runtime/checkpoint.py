@@ -18,7 +18,15 @@ from pathlib import Path
 import torch
 
 from flowrl.backends.hf import save_tokenizer
-from flowrl.backends.lora import ADAPTER_DIR, adapter_tensors, has_adapters, merged_weights, read_adapter, save_adapter
+from flowrl.backends.lora import (
+    ADAPTER_DIR,
+    adapter_tensors,
+    changed_settings,
+    has_adapters,
+    merged_weights,
+    read_adapter,
+    save_adapter,
+)
 from flowrl.backends.value_model import ScalarHeadModel, scalar_model_weights
 from flowrl.backends.weight_files import INDEX_NAME, WEIGHTS_NAME, has_weights, read_weights, shard_size_bytes
 from flowrl.errors import CheckpointError, ModelLoadError
@@ -94,7 +102,13 @@ def load_model_state(state: ModelState, directory: Path, parts: tuple[str, ...] 
 
 
 def _check_adapters(state: ModelState, directory: Path, saved: dict[str, torch.Tensor]) -> None:
-    """The saved adapters must be the model's: same layers, same rank."""
+    """The saved adapters must be the model's: same layers, same rank, same scale."""
+    changes = changed_settings(state.module, directory / ADAPTER_DIR)
+    if changes:
+        raise CheckpointError(
+            f"the adapters in {directory / ADAPTER_DIR} were trained with other settings than models.{state.name}"
+            f".lora now ({'; '.join(changes)}); resume with the lora settings that wrote the checkpoint"
+        )
     own = {key: tuple(tensor.shape) for key, tensor in adapter_tensors(state.module).items()}
     found = {key: tuple(tensor.shape) for key, tensor in saved.items()}
     if own != found:

@@ -30,6 +30,10 @@ SOURCE_NODE = "prompts"
 """The name of the data source's output; node inputs use it to read prompts."""
 
 
+ADAPTER_DIR = "adapter"
+"""The folder of a checkpoint or ``final/`` that holds a model's adapters alone."""
+
+
 class LoraSpec(StrictModel):
     """Low-rank adapters (LoRA, through ``peft``): the update trains two small matrices beside
     each adapted linear layer, ``W x + (alpha / rank) B A x``, and the model's own weights stay

@@ -347,14 +347,20 @@ def test_the_costs_of_a_model_with_adapters() -> None:
     # the model's own weights are held as before
     assert adapted.memory("train", 1, gpu=True).state_gb == pytest.approx(16 * 47104 / 1e9)
     assert adapted.memory("train", 1, gpu=True).weights_gb == plain.memory("train", 1, gpu=True).weights_gb
-    # generation keeps merged copies of the adapted layers' weights: 2 layers * 262144 parameters
-    # * 4 bytes (a layer: q, k, v, o 4 * 128 * 128 = 65536; MLP 3 * 128 * 512 = 196608)
+    # generation keeps merged copies of the adapted output and down projections (it merges q, k,
+    # v, gate and up into the stacked copies it has anyway): 2 layers * (128 * 128 + 512 * 128)
+    # parameters * 4 bytes
     assert adapted.memory("rollout", 1, gpu=True).cache_gb - plain.memory("rollout", 1, gpu=True).cache_gb == (
-        pytest.approx(2 * 262144 * 4 / 1e9))
-    # of q and v alone, in one layer given by its index: 2 * 128 * 128
+        pytest.approx(2 * (128 * 128 + 512 * 128) * 4 / 1e9))
+    # of q in one layer given by its index and v in both: no merged copies at all
     one = costs({"rank": 8, "target_modules": ["model.layers.1.self_attn.q_proj", "v_proj"]})
-    assert one.work("rollout").adapted_parameters == 128 * 128 + 2 * 128 * 128
+    assert one.work("rollout").adapted_parameters == 0
     assert one.work("train").adapter_parameters == 8 * 256 + 2 * 8 * 256
+    # two layers named one by one add up; a name without an index covers every layer
+    two = costs({"rank": 8, "target_modules": ["layers.0.self_attn.q_proj", "layers.1.self_attn.q_proj"]})
+    assert two.work("train").adapter_parameters == 2 * 8 * 256
+    both = costs({"rank": 8, "target_modules": ["layers.0.self_attn.q_proj", "q_proj"]})
+    assert both.work("train").adapter_parameters == 2 * 8 * 256
     # a step: 2 passes (forward, and a backward of one forward's FLOPs: the frozen weights get
     # no gradients) with 2 layers' launches each, and AdamW's fp32 traffic of 28 bytes per
     # adapter parameter

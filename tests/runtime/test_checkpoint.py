@@ -168,9 +168,17 @@ def test_a_checkpoint_of_other_adapters_or_of_adapters_into_a_plain_model_is_a_c
     save_model_state(_trained(_adapted()), tmp_path / "actor", True, max_shard_size="5GB")
     other = model_state("actor", tiny_policy())
     add_adapters(other.module, rank=8, alpha=16, target_modules="all-linear")
-    with pytest.raises(CheckpointError, match=r"are not those of models.actor.lora now \(14 matrices saved, 14 now, "
-                                              r"or of another rank\)"):
+    with pytest.raises(CheckpointError, match=r"other settings than models.actor.lora now \(rank: 4 -> 8; alpha: 8 "
+                                              r"-> 16\)"):
         load_model_state(other, tmp_path / "actor")
+    scaled = model_state("actor", tiny_policy())
+    add_adapters(scaled.module, rank=4, alpha=16, target_modules="all-linear")  # saved: alpha 8
+    with pytest.raises(CheckpointError, match=r"other settings than models.actor.lora now \(alpha: 8 -> 16\)"):
+        load_model_state(scaled, tmp_path / "actor")
+    fewer = model_state("actor", tiny_policy())
+    add_adapters(fewer.module, rank=4, alpha=8, target_modules=["q_proj", "v_proj"])
+    with pytest.raises(CheckpointError, match=r"\(target_modules: 7 adapted layers -> 2\)"):
+        load_model_state(fewer, tmp_path / "actor")
     with pytest.raises(CheckpointError, match="holds adapters .lora., and models.actor has none now"):
         load_model_state(model_state("actor", tiny_policy()), tmp_path / "actor")
 
