@@ -4,9 +4,9 @@ Weights go to safetensors through ``save_pretrained``, in files of at most
 ``trainer.max_shard_size`` (a bigger model is written as ``model-0000i-of-0000N.safetensors``
 plus ``model.safetensors.index.json``), so a checkpoint of a policy is a model directory
 ``from_pretrained`` can open and one of a critic or reward model a classifier directory (see
-:mod:`flowrl.backends.scalar_files`). A model with adapters (``lora``) is written merged,
-and its adapters alone go to ``adapter/`` (:mod:`flowrl.backends.lora`), which is what
-loading reads. Optimizer, sampling RNG and update count go to ``state.pt``, read back with
+:mod:`flowrl.backends.scalar_files`). A model with adapters (``lora``) writes its adapters
+alone to ``adapter/`` (:mod:`flowrl.backends.lora`), which is what loading reads, and its
+final model also merged. Optimizer, sampling RNG and update count go to ``state.pt``, read back with
 ``weights_only=True`` so loading never runs pickled code. The driver makes the step
 directory appear atomically (temp name, then rename).
 """
@@ -43,10 +43,12 @@ def save_model_state(state: ModelState, directory: Path, with_state: bool, max_s
     try:
         directory.mkdir(parents=True, exist_ok=True)
         if has_adapters(state.module):
-            # a plain model directory of the merged weights, and the adapters alone beside it
-            state.module.save_pretrained(directory, state_dict=merged_weights(state.module),
-                                         max_shard_size=shard_size_bytes(max_shard_size))
+            # the adapters alone; the final model also as a plain model directory of the merged
+            # weights (a checkpoint of a 7B model would otherwise write 15 GB for MBs of adapters)
             save_adapter(state.module, directory / ADAPTER_DIR, base_model=state.source)
+            if not with_state:
+                state.module.save_pretrained(directory, state_dict=merged_weights(state.module),
+                                             max_shard_size=shard_size_bytes(max_shard_size))
         else:
             state.module.save_pretrained(directory, max_shard_size=shard_size_bytes(max_shard_size))
         if state.tokenizer is not None:
@@ -63,7 +65,12 @@ def save_model_state(state: ModelState, directory: Path, with_state: bool, max_s
 def load_model_state(state: ModelState, directory: Path, parts: tuple[str, ...] | None = None) -> None:
     """Restore ``state`` from a directory :func:`save_model_state` wrote, sharded or not;
     ``parts`` limits what is taken (None: all)."""
-    if not has_weights(directory):
+    if (directory / ADAPTER_DIR).is_dir() and not has_adapters(state.module):
+        raise CheckpointError(
+            f"the checkpoint of '{state.name}' in {directory} holds adapters (lora), and models.{state.name} has "
+            "none now; resume with the lora settings that wrote it"
+        )
+    if not has_weights(directory) and not has_adapters(state.module):
         raise CheckpointError(
             f"checkpoint of '{state.name}' in {directory} has no weights: expected {WEIGHTS_NAME} "
             f"or {INDEX_NAME} with its shards; resume from another checkpoint or start afresh"
@@ -75,12 +82,6 @@ def load_model_state(state: ModelState, directory: Path, parts: tuple[str, ...] 
         if has_adapters(state.module):
             weights = read_adapter(directory / ADAPTER_DIR)
             _check_adapters(state, directory, weights)
-        elif (directory / ADAPTER_DIR).is_dir():
-            raise CheckpointError(
-                f"the checkpoint of '{state.name}' in {directory} holds adapters (lora), and models.{state.name} has "
-                "none now; resume with the lora settings that wrote it, or start a new run from the merged model "
-                f"(path: {directory})"
-            )
         elif isinstance(state.module, ScalarHeadModel):
             weights = scalar_model_weights(directory)
         else:

@@ -115,8 +115,7 @@ def _adapted(seed: int = 0) -> ModelState:
     return state
 
 
-def test_an_adapted_policy_is_written_merged_with_its_adapters_beside_and_resumes_its_adapters(
-        tmp_path: Path) -> None:
+def test_an_adapted_policy_checkpoints_its_adapters_alone_and_its_final_model_merged(tmp_path: Path) -> None:
     saved = _trained(_adapted())
     assert saved.optimizer is not None
     adapters = adapter_tensors(saved.module)
@@ -129,14 +128,18 @@ def test_an_adapted_policy_is_written_merged_with_its_adapters_beside_and_resume
     name = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(merged[name], base[name])
 
-    directory = tmp_path / "actor"
+    directory = tmp_path / "step-1" / "actor"
     save_model_state(saved, directory, with_state=True, max_shard_size="20KB")
-    assert len(_shards(directory)) > 1
-    assert (directory / ADAPTER_DIR / ADAPTER_WEIGHTS).is_file()
+    # a checkpoint: the adapters and the optimizer's state, no model weights (they are frozen)
+    assert not _shards(directory) and not (directory / WEIGHTS_NAME).exists()
+    assert (directory / ADAPTER_DIR / ADAPTER_WEIGHTS).is_file() and (directory / STATE_FILE).is_file()
     config = json.loads((directory / ADAPTER_DIR / ADAPTER_CONFIG).read_text())
     assert (config["base_model_name_or_path"], config["r"], config["lora_alpha"]) == ("builtin:tiny-llama", 4, 8)
-    # a plain model directory of the merged weights
-    opened = AutoModelForCausalLM.from_pretrained(directory)
+    # the final model: a plain model directory of the merged weights, in shards, and the adapters
+    final = tmp_path / "final"
+    save_model_state(saved, final, with_state=False, max_shard_size="20KB")
+    assert len(_shards(final)) > 1 and (final / ADAPTER_DIR / ADAPTER_WEIGHTS).is_file()
+    opened = AutoModelForCausalLM.from_pretrained(final)
     assert opened.state_dict().keys() == merged.keys()
     for key, value in merged.items():
         assert torch.equal(opened.state_dict()[key], value), key
