@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
 import torch
 
 from flowrl.errors import CheckpointError, ModelLoadError
