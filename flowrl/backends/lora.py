@@ -34,18 +34,17 @@ ADAPTER_NAME = "default"
 """``peft``'s name of the one adapter set a model carries."""
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
-INIT_SEED = 0
-"""Seed of the adapters' random A matrices (B starts at zero, so the model starts unchanged):
-fixed, so every copy and data-parallel rank of a model starts from the same adapters."""
 _PEFT_PREFIX = "base_model.model."
 """How ``peft`` names a key of the wrapped model in an adapter file."""
 _CONFIG_ATTRIBUTE = "_flowrl_lora_config"
 
 
 def add_adapters(module: torch.nn.Module, rank: int, alpha: int, target_modules: str | list[str],
-                 model: str = "model") -> None:
+                 model: str = "model", seed: int = 0) -> None:
     """Give ``module`` trainable adapters of ``rank`` on ``target_modules`` (``all-linear`` or
-    module names) and freeze everything else; ``model`` names it in errors."""
+    module names) and freeze everything else; ``model`` names it in errors. The random A
+    matrices are drawn from ``seed`` (B starts at zero, so the model starts unchanged): every
+    copy and data-parallel rank of a model, given the same seed, starts from the same adapters."""
     from peft import LoraConfig, inject_adapter_in_model
 
     field = f"models.{model}.lora.target_modules"
@@ -62,7 +61,7 @@ def add_adapters(module: torch.nn.Module, rank: int, alpha: int, target_modules:
     device = next(module.parameters()).device
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):  # the run's own random streams stay as they were
-        torch.manual_seed(INIT_SEED)
+        torch.manual_seed(seed)
         try:
             inject_adapter_in_model(config, module)
         except ValueError as error:

@@ -160,9 +160,12 @@ class ModelState:
         kind: str = "policy",
         options: HubOptions = HubOptions(),
         lora: Any = None,
+        adapter_seed: int = 0,
     ) -> "ModelState":
         """``options``: the model's hub revision and whether its own code may run; ``lora``:
-        the model's ``LoraSpec`` (adapters are added and everything else is frozen), or None."""
+        the model's ``LoraSpec`` (adapters are added and everything else is frozen), or None;
+        ``adapter_seed`` draws the adapters' initial A (every copy of a model takes the run's
+        seed, so all start equal)."""
         module: PreTrainedModel | ScalarHeadModel
         if kind == "policy":
             module, tokenizer = load_policy(path, dtype=dtype, device=device, base_dir=base_dir, options=options)
@@ -175,7 +178,7 @@ class ModelState:
         else:
             raise ValueError(f"model kind '{kind}' is not one of policy, value, reward")
         if lora is not None:
-            add_adapters(module, lora.rank, lora.scale_alpha, lora.target_modules, model=name)
+            add_adapters(module, lora.rank, lora.scale_alpha, lora.target_modules, model=name, seed=adapter_seed)
             if isinstance(module, PreTrainedModel):
                 # The frozen embeddings would give the first layer an input without gradient,
                 # unlike every later layer's: a checkpointed first layer would never reach its

@@ -93,10 +93,12 @@ class RoleHost:
         return await asyncio.get_running_loop().run_in_executor(self._compute, work, *args)
 
     # ---- models -------------------------------------------------------------------
-    async def load_model(self, name: str, spec: Any, seed: int) -> dict[str, Any]:
-        return await self._computed(self._load_model, name, spec, seed)
+    async def load_model(self, name: str, spec: Any, seed: int, adapter_seed: int = 0) -> dict[str, Any]:
+        return await self._computed(self._load_model, name, spec, seed, adapter_seed)
 
-    def _load_model(self, name: str, spec: Any, seed: int) -> dict[str, Any]:
+    def _load_model(self, name: str, spec: Any, seed: int, adapter_seed: int = 0) -> dict[str, Any]:
+        """``seed``: this copy's sampling RNG; ``adapter_seed``: the run's, for the initial
+        adapters (``spec.lora``), the same in every copy."""
         from flowrl.backends.hf import HubOptions
         from flowrl.roles.state import ModelState
 
@@ -111,6 +113,7 @@ class RoleHost:
             kind=spec.kind,
             options=HubOptions(revision=spec.revision, trust_remote_code=spec.trust_remote_code),
             lora=spec.lora,
+            adapter_seed=adapter_seed,
         )
         state.shards_training = spec.sharded
         if spec.offload_to_cpu:
@@ -199,7 +202,8 @@ class RoleHost:
         return self._staged.pop(model)
 
     async def adopt_model(
-        self, name: str, spec: Any, seed: int, sources: tuple[tuple[Any, tuple[str, ...]], ...], reseed: bool = False
+        self, name: str, spec: Any, seed: int, sources: tuple[tuple[Any, tuple[str, ...]], ...], reseed: bool = False,
+        adapter_seed: int = 0,
     ) -> dict[str, float]:
         """Take over (part of) a model's state from other hosts: load the model here if this
         host lacks it, then pull each listed part straight from the host that has it.
@@ -210,7 +214,7 @@ class RoleHost:
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
         if name not in self.models:
-            await loop.run_in_executor(self._compute, self._load_model, name, spec, seed)
+            await loop.run_in_executor(self._compute, self._load_model, name, spec, seed, adapter_seed)
         num_bytes = 0
         for source, parts in sources:
             exported = await source.export_state(name, parts)

@@ -217,7 +217,7 @@ class Session:
             spec = self.pipeline.spec.models[model]
             for slot in slots:
                 offset = stream_offset(self.pipeline, self.plan, model, slot)
-                calls.append((slot, self.hosts[slot].load_model(model, spec, seed + offset)))
+                calls.append((slot, self.hosts[slot].load_model(model, spec, seed + offset, adapter_seed=seed)))
         return self.gather(calls, self._long_s, "loading models")
 
     def run_step(
@@ -302,6 +302,7 @@ class Session:
                 seed + t.seed_offset,
                 tuple((self.hosts[source], parts) for source, parts in t.sources),
                 t.reseed,
+                adapter_seed=seed,
             ))
             for t in transfers
         ]

@@ -122,14 +122,17 @@ def test_only_the_adapters_train_and_the_model_starts_unchanged() -> None:
 
 
 def test_two_copies_get_the_same_adapters_and_the_global_rng_is_left_alone() -> None:
-    """Every copy and data-parallel rank starts from the same adapters (a fixed seed), and
-    adding them draws nothing from the run's own random stream."""
-    first, second = tiny_policy(0), tiny_policy(0)
+    """Every copy and data-parallel rank starts from the same adapters (the run's seed), and
+    adding them draws nothing from the run's own random stream; another seed, other A."""
+    first, second, other = tiny_policy(0), tiny_policy(0), tiny_policy(0)
     before = torch.get_rng_state()
-    add_adapters(first, 4, 8, "all-linear")
+    add_adapters(first, 4, 8, "all-linear", seed=3)
     assert torch.equal(torch.get_rng_state(), before)
     torch.rand(100)  # the global stream moves on: unseeded, the next A matrices would differ
-    add_adapters(second, 4, 8, "all-linear")
+    add_adapters(second, 4, 8, "all-linear", seed=3)
+    add_adapters(other, 4, 8, "all-linear", seed=4)
+    key = "model.layers.0.self_attn.q_proj.lora_A.default.weight"
+    assert not torch.equal(adapter_tensors(other)[key], adapter_tensors(first)[key])
     ours, theirs = adapter_tensors(first), adapter_tensors(second)
     assert ours.keys() == theirs.keys() and len(ours) == 14  # A and B on 7 linear layers
     for name, tensor in ours.items():
