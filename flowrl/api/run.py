@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import difflib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -250,13 +251,23 @@ def _run(pipeline: PipelineGraph | Pipeline, options: RunOptions, observer: Obse
         raise FlowrlError("--checkpoint chooses the checkpoint a resume starts from: add --resume")
     else:
         _fresh_start(folder, overwrite)
-    folder.write_config(config_text)
     resumed_data = data_before if start is not None else None  # the data of the steps resumed after
     # the pipeline as the run (re)started, for the next resume to compare with (config.yaml
     # itself may be edited before `flowrl resume`); the data fingerprint of the steps trained
     # so far stays until this run has read and checked its own data: a resume refused for
-    # changed data, or stopped before the check, must not let the next one through unchecked
-    folder.write_run_info({"base_dir": str(base_dir or Path.cwd()), "finished_steps": None, "config": config_text,
+    # changed data, or stopped before the check, must not let the next one through unchecked.
+    # Likewise a pipeline changed with --force is the run's once its checkpoint took it (a
+    # model whose saved state does not fit the change refuses the resume, and the next one
+    # compares with the pipeline that trained the checkpoint, not with the refused change).
+    recorded = before if forced and start is not None else config_text
+
+    def take_config() -> None:
+        folder.write_config(config_text)
+        folder.write_run_info({**folder.read_run_info(), "config": config_text})
+
+    if recorded == config_text:
+        folder.write_config(config_text)
+    folder.write_run_info({"base_dir": str(base_dir or Path.cwd()), "finished_steps": None, "config": recorded,
                            "data": resumed_data})
     if start is None:
         folder.reset_logs()
@@ -264,7 +275,7 @@ def _run(pipeline: PipelineGraph | Pipeline, options: RunOptions, observer: Obse
         # The workers start now and import torch while the trackers, the data and the checks
         # are set up here.
         local_cluster = PendingCluster(spec.runtime.cpu_slots, spec.runtime.dashboard, spec.runtime.pin_cpus)
-    watcher = _Watchers(folder, observer, spec.trainer.log_every)
+    watcher = _Watchers(folder, observer, spec.trainer.log_every, on_resumed=None if recorded == config_text else take_config)
     failed = True
     try:
         watcher.start_reporting(graph, config_text, start.step + 1 if start is not None else 0)
@@ -631,10 +642,13 @@ class _Watchers:
     """Everything a step's record and a run's events go to: the output folder, the terminal
     view, the experiment trackers of ``trainer.loggers`` and ``/metrics``."""
 
-    def __init__(self, folder: RunFolder, observer: Observer | None, log_every: int = 1) -> None:
+    def __init__(self, folder: RunFolder, observer: Observer | None, log_every: int = 1,
+                 on_resumed: Callable[[], None] | None = None) -> None:
         self.folder = folder
         self.observer = observer
         self.log_every = log_every
+        self.on_resumed = on_resumed
+        """Called once, at the ``resume`` event: the checkpoint was restored."""
         self.loggers: list[Logger] = []
         self.prometheus: PrometheusMetrics | None = None
         self.last: StepRecord | None = None
@@ -688,6 +702,9 @@ class _Watchers:
 
     def event(self, event: RunEvent) -> None:
         self.stopped = self.stopped or event.kind == "stopped"
+        if event.kind == "resume" and self.on_resumed is not None:
+            self.on_resumed()
+            self.on_resumed = None
         self.folder.append_event(event)
         if self.prometheus is not None:
             self.prometheus.on_event(event)

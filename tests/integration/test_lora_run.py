@@ -95,3 +95,28 @@ def test_the_reference_as_the_actor_s_frozen_weights_trains_as_a_separate_refere
         actual = load_file(str(tmp_path / "shared" / "final" / name))
         for key in expected:
             torch.testing.assert_close(actual[key], expected[key], rtol=1e-4, atol=1e-6)
+
+
+def test_a_forced_resume_its_checkpoint_refuses_leaves_the_run_as_it_was(tmp_path: Path) -> None:
+    """--force past a changed rank: the checkpoint's adapters do not fit, the resume is
+    refused, and the run keeps the pipeline that trained it (a plain resume goes on)."""
+    from flowrl.errors import CheckpointError, FlowrlError
+
+    output = tmp_path / "out"
+
+    def pipeline(steps: int, rank: int = 8) -> Any:
+        spec = tiny_grpo(output, steps=steps, kl_coef=0.0, checkpoint_every=2, lr=5e-3).to_dict()
+        spec["models"]["actor"]["lora"] = {"rank": rank}
+        spec["models"].pop("reference")
+        spec["devices"].pop("ref_group")
+        return pipeline_from_dict(spec)
+
+    run(pipeline(2))
+    config = (output / "config.yaml").read_text()
+    with pytest.raises(CheckpointError, match=r"other settings than models.actor.lora now \(rank: 8 -> 4; alpha: 16 -> 8\)"):
+        run(pipeline(4, rank=4), resume=True, force=True)
+    assert (output / "config.yaml").read_text() == config
+    with pytest.raises(FlowrlError, match=r"- +actor: .*lora: \{rank: 8.*\n.*\+ +actor: .*lora: \{rank: 4"):
+        run(pipeline(4, rank=4), resume=True)  # compared with the pipeline that trained it, rank 8
+    resumed = run(pipeline(4), resume=True)
+    assert [record.step for record in resumed.records] == [3, 4]
