@@ -57,7 +57,9 @@ def add_adapters(module: torch.nn.Module, rank: int, alpha: int, target_modules:
         if unmatched:  # peft accepts a list as long as one name matches
             raise ModelLoadError(f"{field}: {unmatched} match no module of '{model}'; its linear layers are named "
                                  f"{linear_names}, or write all-linear")
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=target_modules, lora_dropout=0.0, bias="none")
+    # task type: what peft's AutoPeftModelForCausalLM reads to open the adapter directory
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=target_modules, lora_dropout=0.0, bias="none",
+                        task_type="CAUSAL_LM")
     device = next(module.parameters()).device
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):  # the run's own random streams stay as they were

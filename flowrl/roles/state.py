@@ -14,7 +14,7 @@ from transformers import PreTrainedModel
 
 from flowrl.backends.hf import DtypeName, HubOptions
 from flowrl.backends.lora import adapter_tensors, add_adapters, has_adapters
-from flowrl.backends.models import load_policy, load_scalar
+from flowrl.backends.models import load_policy, load_scalar, resolve_model_path
 from flowrl.backends.compiled_layers import ATTRIBUTE as COMPILED_ATTRIBUTE
 from flowrl.backends.static_decode import DECODER_ATTRIBUTE
 from flowrl.backends.value_model import ScalarHeadModel
@@ -53,7 +53,8 @@ class ModelState:
     (``pending_optimizer``) for the update to cut it into shards, instead of becoming a
     whole optimizer on the device first."""
     source: str = ""
-    """Where the weights came from (``ModelSpec.path``), named in an adapter directory."""
+    """Where the weights came from (a folder's absolute path, or a hub name), named as the
+    base model in an adapter directory."""
     pending_optimizer: dict[str, Any] | None = None
     """A whole optimizer state dict (host memory) that the next update loads: restored for a
     model that trains sharded, or gathered when its sharding group went."""
@@ -188,8 +189,12 @@ class ModelState:
             module.gradient_checkpointing_enable()
         generator = torch.Generator(device=device)
         generator.manual_seed(seed)
+        # where the weights are, for an adapter directory to name its base: a builtin model's
+        # folder, a local folder as an absolute path, or the hub name
+        location = resolve_model_path(path, base_dir)
+        source = str(location.resolve()) if isinstance(location, Path) else location
         return cls(name=name, module=module, tokenizer=tokenizer, device=torch.device(device), generator=generator,
-                   kind=kind, source=path)
+                   kind=kind, source=source)
 
     def ensure_optimizer(self, lr: float, betas: tuple[float, float], weight_decay: float) -> torch.optim.Optimizer:
         """The optimizer is created by the first update, with that node's settings."""

@@ -86,9 +86,9 @@ class ModelSpec(StrictModel):
     lora: LoraSpec | None = None
     """Train low-rank adapters instead of every weight (see :class:`LoraSpec`; only for a
     policy an update trains, not together with ``sharded``). Copies of the model on other
-    devices receive only the adapters after each update; checkpoints and ``final/`` hold the
-    merged model (a plain model directory) and the adapters alone in ``adapter/`` (a ``peft``
-    adapter directory). Default None (every weight is trained)."""
+    devices receive only the adapters after each update; checkpoints hold the adapters alone
+    in ``adapter/`` (a ``peft`` adapter directory) and ``final/`` also the merged model (a plain
+    model directory). Default None (every weight is trained)."""
     revision: str | None = None
     """Branch, tag or commit of a hub model (``path: org/name``); None takes the default
     branch. Default None."""

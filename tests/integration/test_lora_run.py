@@ -45,6 +45,15 @@ def test_adapters_alone_reach_the_generator_on_another_worker_and_the_run_learns
     assert all(key.startswith("base_model.model.") for key in adapter)
     # the final model is a plain one: no adapter names among its weights
     assert not any("lora_" in key or "base_layer" in key for key in load_file(str(final / "model.safetensors")))
+    # and the adapter directory opens by itself, onto the base model it names
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(final)(input_ids=ids).logits
+        adapted = AutoPeftModelForCausalLM.from_pretrained(final / "adapter")(input_ids=ids).logits
+    torch.testing.assert_close(adapted, merged, atol=1e-5, rtol=0)
 
 
 def test_a_resumed_run_with_adapters_ends_with_the_weights_of_an_uninterrupted_run(tmp_path: Path) -> None:
