@@ -432,3 +432,21 @@ def test_a_trained_model_named_like_the_adapter_folder_is_refused_beside_adapter
     assert issues(data) == [
         "models.adapter: final/adapter/ holds the adapters of 'actor', and a trained model's final weights go to "
         "final/<name>/; give this model another name"]
+
+
+@pytest.mark.parametrize(("lora", "message"), [
+    ({"rank": 8, "dropout": 0.05}, "models.actor.lora.dropout: unknown field 'dropout'; allowed: rank, alpha, "
+                                   "target_modules"),
+    ({"rnak": 8}, "models.actor.lora.rnak: unknown field 'rnak' (did you mean 'rank'?)"),
+    ({"rank": 0}, "models.actor.lora.rank: out of range: allowed rank >= 1, found 0"),
+    ({"target_modules": "q_proj"}, "models.actor.lora.target_modules: expected all-linear or a list of module names "
+                                   "such as [q_proj, v_proj], found 'q_proj' (a list: [q_proj])"),
+    ({"target_modules": "all_linear"}, "found 'all_linear' (did you mean all-linear?)"),
+])
+def test_a_mistake_inside_lora_is_named_with_lora_s_own_fields(lora: dict[str, Any], message: str) -> None:
+    """The section inside a model is followed down: its fields, not the model's, are offered."""
+    data = grpo()
+    data["models"]["actor"]["lora"] = lora
+    with pytest.raises(SpecError) as caught:
+        pipeline_from_dict(data)
+    assert len(caught.value.issues) == 1 and message in str(caught.value)

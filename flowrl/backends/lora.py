@@ -188,7 +188,10 @@ def changed_settings(module: torch.nn.Module, directory: Path) -> list[str]:
                            ("target_modules", "target_modules", targets(config.target_modules))):
         before = targets(saved.get(key)) if key == "target_modules" else saved.get(key)
         if before != now and key == "target_modules":  # peft records the layers it adapted
-            changes.append(f"{name}: {len(before or [])} adapted layers -> {len(now)}")
+            kinds = [sorted({path.rsplit(".", 1)[-1] for path in ([paths] if isinstance(paths, str) else paths or [])})
+                     for paths in (before, now)]
+            changes.append(f"{name}: {kinds[0]} -> {kinds[1]}" if kinds[0] != kinds[1] else
+                           f"{name}: {len(before or [])} adapted layers -> {len(now)}")
         elif before != now:
             changes.append(f"{name}: {before} -> {now}")
     return changes

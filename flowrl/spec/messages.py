@@ -11,7 +11,7 @@ import difflib
 import re
 import typing
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, get_args
 
 import annotated_types
 from pydantic import BaseModel, ValidationError
@@ -65,19 +65,33 @@ def _path(loc: Sequence[Any]) -> str:
 
 
 def _owner(loc: Sequence[Any]) -> tuple[type[BaseModel] | None, str | None]:
-    """The schema class that holds the field an error is about, and the field's name."""
+    """The schema class that holds the field an error is about, and the field's name (a
+    section inside an entry, such as ``models.actor.lora``, is followed down)."""
     section = loc[0] if loc else None
     if len(loc) == 1:
         return PipelineSpec, str(section)
     if section in ("models", "devices"):
-        return (SECTION_CLASSES[section], str(loc[2])) if len(loc) >= 3 else (None, None)
+        return _nested(SECTION_CLASSES[section], loc[2:]) if len(loc) >= 3 else (None, None)
     if section == "nodes":
         if len(loc) >= 4 and loc[2] in NODE_CLASSES:
-            return NODE_CLASSES[loc[2]], str(loc[3])
+            return _nested(NODE_CLASSES[loc[2]], loc[3:])
         return None, None
     if section in SECTION_CLASSES and len(loc) >= 2:
-        return SECTION_CLASSES[str(section)], str(loc[1])
+        return _nested(SECTION_CLASSES[str(section)], loc[1:])
     return None, None
+
+
+def _nested(owner: type[BaseModel], rest: Sequence[Any]) -> tuple[type[BaseModel], str]:
+    """``rest[0]`` of ``owner``, or, where that field is itself a section (a schema class,
+    optional or not) and ``rest`` goes on into one of its fields, that field of it."""
+    field = str(rest[0])
+    while len(rest) >= 2 and field in owner.model_fields:
+        inner = [kind for kind in (owner.model_fields[field].annotation, *get_args(owner.model_fields[field].annotation))
+                 if isinstance(kind, type) and issubclass(kind, BaseModel)]
+        if not inner:
+            break
+        owner, rest, field = inner[0], rest[1:], str(rest[1])
+    return owner, field
 
 
 def _issue(loc: Sequence[Any], detail: Any) -> Issue:

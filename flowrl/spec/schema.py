@@ -30,6 +30,18 @@ SOURCE_NODE = "prompts"
 """The name of the data source's output; node inputs use it to read prompts."""
 
 
+def _check_targets(value: Any) -> Any:
+    """One message for the two kinds of value ``target_modules`` takes (a union's error would
+    name each of its branches)."""
+    if value == "all-linear":
+        return value
+    if isinstance(value, list) and value and all(isinstance(item, str) and item for item in value):
+        return value
+    hint = " (did you mean all-linear?)" if isinstance(value, str) and value.replace("_", "-").lower() == "all-linear" else (
+        f" (a list: [{value}])" if isinstance(value, str) and value else "")
+    raise ValueError(f"expected all-linear or a list of module names such as [q_proj, v_proj], found {value!r}{hint}")
+
+
 ADAPTER_DIR = "adapter"
 """The folder of a checkpoint or ``final/`` that holds a model's adapters alone."""
 
@@ -44,7 +56,7 @@ class LoraSpec(StrictModel):
     alpha: Annotated[int, Field(ge=1)] | None = None
     """Scale numerator: the adapter's output is multiplied by alpha / rank. Default None
     (= 2 x rank)."""
-    target_modules: Literal["all-linear"] | list[str] = "all-linear"
+    target_modules: Annotated[Literal["all-linear"] | list[str], BeforeValidator(_check_targets)] = "all-linear"
     """Which linear layers get adapters: ``all-linear`` (every linear layer of the decoder
     layers, not the output head) or a list of module names (``[q_proj, v_proj]``; a name matches
     the end of a module's dotted path). The embeddings and the output head cannot take
