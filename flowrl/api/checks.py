@@ -14,7 +14,9 @@ from typing import Any
 from flowrl.api.data import eval_examples, policy_formatter, training_source
 from flowrl.api.model_fit import model_fit_issues
 from flowrl.backends.cache import BUILTIN_PREFIX as MODEL_PREFIX
+from flowrl.backends.builtin import model_config
 from flowrl.backends.catalog import lookup_builtin
+from flowrl.backends.lora import target_problem
 from flowrl.backends.locations import hub_model_problem, saved_model_location, tokenizer_problem
 from flowrl.backends.model_facts import kind_problem, model_facts
 from flowrl.data import PromptExample, PromptSource
@@ -166,6 +168,7 @@ def check_inputs(graph: PipelineGraph, base_dir: Path | None, locate: Locate | N
             offered = offered_keywords(source)
     if not any(path.startswith("models.") for path, _ in issues):
         issues.extend(model_fit_issues(graph, base_dir))  # beside the data's problems, not instead
+        issues.extend(lora_issues(graph, base_dir))
     issues.extend(reward_issues(graph, base_dir, offered))
     if held_out:
         issues.extend(eval_reward_issues(graph, base_dir, call_keywords(held_out), offered))
@@ -202,9 +205,43 @@ def model_issues(graph: PipelineGraph, base_dir: Path | None) -> list[Issue]:
 
 def model_problems(graph: PipelineGraph, base_dir: Path | None) -> list[Issue]:
     """:func:`model_issues`; when every path names something, whether the models fit the
-    sequences and each other's token ids (``flowrl.api.model_fit``)."""
+    sequences and each other's token ids (``flowrl.api.model_fit``) and whether their adapters'
+    targets exist (:func:`lora_issues`)."""
     issues = model_issues(graph, base_dir)
-    return issues or model_fit_issues(graph, base_dir)
+    return issues or model_fit_issues(graph, base_dir) + lora_issues(graph, base_dir)
+
+
+def lora_issues(graph: PipelineGraph, base_dir: Path | None) -> list[Issue]:
+    """A (path, message) per model whose ``lora.target_modules`` name layers the model lacks
+    or cannot adapt, found on the model built from its config on the meta device (no
+    weights read). A model whose config cannot be read here is left to the run's own check."""
+    issues: list[Issue] = []
+    for name, model in graph.spec.models.items():
+        if model.lora is None or isinstance(model.lora.target_modules, str):
+            continue
+        skeleton = _skeleton(model.path, base_dir, model.revision, model.trust_remote_code)
+        problem = target_problem(skeleton, model.lora.target_modules, name) if skeleton is not None else None
+        if problem is not None:
+            issues.append((f"models.{name}.lora.target_modules", problem))
+    return issues
+
+
+def _skeleton(path: str, base_dir: Path | None, revision: str | None, trust_remote_code: bool) -> Any:
+    """The causal LM ``path`` names, built from its config on the meta device, or None."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        if path.startswith(MODEL_PREFIX):
+            shape = lookup_builtin(path[len(MODEL_PREFIX):])
+            config = model_config(shape, shape.vocabulary, 0, 1, 2)
+        else:
+            location = saved_model_location(path, base_dir)
+            config = AutoConfig.from_pretrained(str(location), revision=revision, trust_remote_code=trust_remote_code)
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    except Exception:  # noqa: BLE001 - unreadable here (offline, remote code): the run checks it when it loads
+        return None
 
 
 def raise_early_issues(graph: PipelineGraph, base_dir: Path | None, locate: Locate | None = None) -> None:

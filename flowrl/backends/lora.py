@@ -48,15 +48,9 @@ def add_adapters(module: torch.nn.Module, rank: int, alpha: int, target_modules:
     from peft import LoraConfig, inject_adapter_in_model
 
     field = f"models.{model}.lora.target_modules"
-    linear_names = sorted({name.rsplit(".", 1)[-1] for name, layer in module.named_modules()
-                           if isinstance(layer, torch.nn.Linear)})
-    if not isinstance(target_modules, str):
-        names = [name for name, _ in module.named_modules()]
-        unmatched = [target for target in target_modules
-                     if not any(name == target or name.endswith("." + target) for name in names)]
-        if unmatched:  # peft accepts a list as long as one name matches
-            raise ModelLoadError(f"{field}: {unmatched} match no module of '{model}'; its linear layers are named "
-                                 f"{linear_names}, or write all-linear")
+    problem = target_problem(module, target_modules, model)
+    if problem is not None:
+        raise ModelLoadError(f"{field}: {problem}")
     # task type: what peft's AutoPeftModelForCausalLM reads to open the adapter directory
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=target_modules, lora_dropout=0.0, bias="none",
                         task_type="CAUSAL_LM")
@@ -67,21 +61,65 @@ def add_adapters(module: torch.nn.Module, rank: int, alpha: int, target_modules:
         try:
             inject_adapter_in_model(config, module)
         except ValueError as error:
+            first = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
             raise ModelLoadError(
-                f"{field}: {target_modules!r} cannot be adapted ({str(error)[:300]}); name linear layers of the "
-                f"decoder layers ({', '.join(linear_names)}), or use all-linear"
+                f"{field}: {target_modules!r} cannot be adapted ({first}); name linear layers of the decoder "
+                f"layers ({', '.join(_linear_names(module))}), or use all-linear"
             ) from error
     for what, getter in (("input embeddings", "get_input_embeddings"), ("output head", "get_output_embeddings")):
-        try:
-            layer = getattr(module, getter)()
-        except (AttributeError, NotImplementedError):  # a model class without the accessor
-            continue
+        layer = _accessor(module, getter)
         if layer is not None and is_adapted_layer(layer):
             raise ModelLoadError(
                 f"{field}: {target_modules!r} adapt the {what} of '{model}', which cannot take adapters "
                 "(generation and the log-prob head read its weight directly); leave it out of target_modules"
             )
     setattr(module, _CONFIG_ATTRIBUTE, config)
+
+
+def target_problem(module: torch.nn.Module, target_modules: str | list[str], model: str = "model") -> str | None:
+    """Why ``target_modules`` cannot be adapted on ``module`` (a name that matches no module,
+    the embeddings or the output head, a module that is not a linear layer), else None. Also
+    run on a model built on the meta device by validation, before any weight is loaded."""
+    if isinstance(target_modules, str):
+        return None  # all-linear: peft leaves the output head out
+    modules = dict(module.named_modules())
+    ends = {"input embeddings": _accessor(module, "get_input_embeddings"),
+            "output head": _accessor(module, "get_output_embeddings")}
+    names = _linear_names(module)
+    unmatched = [target for target in target_modules
+                 if not any(name == target or name.endswith("." + target) for name in modules)]
+    if unmatched:  # peft accepts a list as long as one name matches
+        return f"{unmatched} match no module of '{model}'; its linear layers are named {names}, or write all-linear"
+    for target in target_modules:
+        matched = [layer for name, layer in modules.items() if name == target or name.endswith("." + target)]
+        for what, end in ends.items():
+            if end is not None and any(layer is end for layer in matched):
+                return (f"{target!r} is the {what} of '{model}', which cannot take adapters (generation "
+                        "and the log-prob head read its weight directly); leave it out of target_modules")
+        if not any(_linear_like(layer) for layer in matched):
+            return (f"{target!r} names {type(matched[0]).__name__} modules of '{model}', and adapters go on "
+                    f"linear layers: {names}")
+    return None
+
+
+def _accessor(module: torch.nn.Module, getter: str) -> torch.nn.Module | None:
+    try:
+        found = getattr(module, getter)()
+    except (AttributeError, NotImplementedError):  # a model class without the accessor
+        return None
+    return found if isinstance(found, torch.nn.Module) else None
+
+
+def _linear_like(layer: torch.nn.Module) -> bool:
+    """A linear layer adapters go on: ``nn.Linear``, or transformers' ``Conv1D`` (GPT-2's)."""
+    return isinstance(layer, torch.nn.Linear) or type(layer).__name__ == "Conv1D"
+
+
+def _linear_names(module: torch.nn.Module) -> list[str]:
+    """The short names of the model's linear layers, the embeddings and the head left out."""
+    ends = [_accessor(module, "get_input_embeddings"), _accessor(module, "get_output_embeddings")]
+    return sorted({name.rsplit(".", 1)[-1] for name, layer in module.named_modules()
+                   if name and _linear_like(layer) and not any(layer is end for end in ends)})
 
 
 def is_adapted_layer(layer: torch.nn.Module) -> bool:

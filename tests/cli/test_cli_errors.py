@@ -312,3 +312,20 @@ def test_a_column_missing_from_data_named_on_the_command_line_is_placed_at_that_
     result = _flowrl("validate", "pipelines/grpo_arith.yaml", f"eval.source={held_out}", "eval.split=train")
     _assert_user_error(result, f"command line: eval.source={held_out}: eval.prompt_key: {held_out} has no column "
                                "'prompt' (columns: question)")
+
+
+def test_adapter_targets_the_model_lacks_are_found_by_validate_at_their_line(tmp_path: Path) -> None:
+    """The targets are checked on the model built from its config (no weights), before any
+    worker starts: a typo beside a right name, the output head, a norm."""
+    text = (ROOT / "pipelines" / "grpo_tiny.yaml").read_text().replace(
+        "  actor:     {path: builtin:tiny-llama, device_group: actor_group}",
+        "  actor:     {path: builtin:tiny-llama, device_group: actor_group, lora: {target_modules: [q_proj, vproj]}}")
+    pipeline = tmp_path / "p.yaml"
+    pipeline.write_text(text)
+    line = 1 + text.splitlines().index(next(row for row in text.splitlines() if "vproj" in row))
+    _assert_user_error(_flowrl("validate", str(pipeline)),
+                       f"{pipeline}:{line}: models.actor.lora.target_modules: ['vproj'] match no module of 'actor'; its "
+                       "linear layers are named ['down_proj', 'gate_proj', 'k_proj', 'o_proj', 'q_proj', 'up_proj', "
+                       "'v_proj'], or write all-linear")
+    _assert_user_error(_flowrl("run", str(pipeline), "models.actor.lora.target_modules=[lm_head]", "-o",
+                               str(tmp_path / "out")), "'lm_head' is the output head of 'actor'")
