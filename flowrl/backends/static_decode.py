@@ -33,9 +33,9 @@ says why another model is not; callers then use the plain loop in ``generation.p
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Sequence
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
