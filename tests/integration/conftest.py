@@ -36,6 +36,21 @@ def tiny_grpo(output_dir: Path, steps: int, kl_coef: float = 0.02, checkpoint_ev
     return p
 
 
+class StopAtStep:
+    """An observer that stops the run (as Ctrl-C does) when step ``step``'s record arrives:
+    that step is lost with the driver, the checkpoints before it are on disk."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step(self, record: Any) -> None:
+        if record.step == self.step:
+            raise KeyboardInterrupt
+
+    def on_event(self, event: Any) -> None:
+        pass
+
+
 @pytest.fixture
 def make_pipeline() -> Callable[..., Pipeline]:
     return tiny_grpo

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from flowrl.api.run import run
 from flowrl.errors import FlowrlError
 from flowrl.spec.loader import load_pipeline
-from tests.integration.conftest import tiny_grpo
+from tests.integration.conftest import StopAtStep, tiny_grpo
 
 pytestmark = pytest.mark.integration
 
@@ -331,17 +331,9 @@ def test_resume_restores_the_sampling_rng_of_a_generator_on_another_worker(tmp_p
 
     run(split(tmp_path / "whole"))
 
-    class StopAfterFour:
-        def on_step(self, record: Any) -> None:
-            if record.step == 4:  # checkpoint step-3 is on disk; step 4 is lost with the driver
-                raise KeyboardInterrupt
-
-        def on_event(self, event: Any) -> None:
-            pass
-
     stopped = tmp_path / "stopped"
     with pytest.raises(KeyboardInterrupt):
-        run(split(stopped), observer=StopAfterFour())
+        run(split(stopped), observer=StopAtStep(4))  # checkpoint step-3 is on disk
     assert (stopped / "checkpoints" / "step-3" / "actor" / "generators.pt").exists()
     run(split(stopped), resume=True)
     assert _steps(stopped) == [1, 2, 3, 4, 5, 6]

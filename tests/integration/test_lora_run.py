@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from flowrl.api.run import run
 from flowrl.spec.loader import pipeline_from_dict
-from tests.integration.conftest import tiny_grpo
+from tests.integration.conftest import StopAtStep, tiny_grpo
 
 pytestmark = pytest.mark.integration
 
@@ -59,17 +59,9 @@ def test_adapters_alone_reach_the_generator_on_another_worker_and_the_run_learns
 def test_a_resumed_run_with_adapters_ends_with_the_weights_of_an_uninterrupted_run(tmp_path: Path) -> None:
     run(_split(tmp_path / "whole", steps=6))
 
-    class StopAfterFour:
-        def on_step(self, record: Any) -> None:
-            if record.step == 4:  # checkpoint step-3 is on disk; step 4 is lost with the driver
-                raise KeyboardInterrupt
-
-        def on_event(self, event: Any) -> None:
-            pass
-
     stopped = tmp_path / "stopped"
     with pytest.raises(KeyboardInterrupt):
-        run(_split(stopped, steps=6, checkpoint_every=3), observer=StopAfterFour())
+        run(_split(stopped, steps=6, checkpoint_every=3), observer=StopAtStep(4))  # checkpoint step-3 is on disk
     assert (stopped / "checkpoints" / "step-3" / "actor" / "adapter" / "adapter_model.safetensors").is_file()
     run(_split(stopped, steps=6, checkpoint_every=3), resume=True)
     for name in ("adapter/adapter_model.safetensors", "model.safetensors"):
