@@ -14,9 +14,7 @@ from typing import Any
 from flowrl.api.data import eval_examples, policy_formatter, training_source
 from flowrl.api.model_fit import model_fit_issues
 from flowrl.backends.cache import BUILTIN_PREFIX as MODEL_PREFIX
-from flowrl.backends.builtin import model_config
 from flowrl.backends.catalog import lookup_builtin
-from flowrl.backends.lora import target_problem
 from flowrl.backends.locations import hub_model_problem, saved_model_location, tokenizer_problem
 from flowrl.backends.model_facts import kind_problem, model_facts
 from flowrl.data import PromptExample, PromptSource
@@ -219,6 +217,8 @@ def lora_issues(graph: PipelineGraph, base_dir: Path | None) -> list[Issue]:
     for name, model in graph.spec.models.items():
         if model.lora is None or isinstance(model.lora.target_modules, str):
             continue
+        from flowrl.backends.lora import target_problem  # torch: only for a model with adapters
+
         skeleton = _skeleton(model.path, base_dir, model.revision, model.trust_remote_code)
         problem = target_problem(skeleton, model.lora.target_modules, name) if skeleton is not None else None
         if problem is not None:
@@ -230,6 +230,8 @@ def _skeleton(path: str, base_dir: Path | None, revision: str | None, trust_remo
     """The causal LM ``path`` names, built from its config on the meta device, or None."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from flowrl.backends.builtin import model_config
 
     try:
         if path.startswith(MODEL_PREFIX):
