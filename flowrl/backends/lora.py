@@ -64,15 +64,8 @@ def add_adapters(module: torch.nn.Module, rank: int, alpha: int, target_modules:
             first = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
             raise ModelLoadError(
                 f"{field}: {target_modules!r} cannot be adapted ({first}); name linear layers of the decoder "
-                f"layers ({', '.join(_linear_names(module))}), or use all-linear"
+                f"layers ({', '.join(_linear_names(module, _ends(module)))}), or use all-linear"
             ) from error
-    for what, getter in (("input embeddings", "get_input_embeddings"), ("output head", "get_output_embeddings")):
-        layer = _accessor(module, getter)
-        if layer is not None and is_adapted_layer(layer):
-            raise ModelLoadError(
-                f"{field}: {target_modules!r} adapt the {what} of '{model}', which cannot take adapters "
-                "(generation and the log-prob head read its weight directly); leave it out of target_modules"
-            )
     setattr(module, _CONFIG_ATTRIBUTE, config)
 
 
@@ -82,16 +75,14 @@ def target_problem(module: torch.nn.Module, target_modules: str | list[str], mod
     run on a model built on the meta device by validation, before any weight is loaded."""
     if isinstance(target_modules, str):
         return None  # all-linear: peft leaves the output head out
-    modules = dict(module.named_modules())
-    ends = {"input embeddings": _accessor(module, "get_input_embeddings"),
-            "output head": _accessor(module, "get_output_embeddings")}
-    names = _linear_names(module)
-    unmatched = [target for target in target_modules
-                 if not any(name == target or name.endswith("." + target) for name in modules)]
+    ends = _ends(module)
+    names = _linear_names(module, ends)
+    matches = {target: [layer for name, layer in module.named_modules() if name == target or name.endswith("." + target)]
+               for target in target_modules}
+    unmatched = [target for target, matched in matches.items() if not matched]
     if unmatched:  # peft accepts a list as long as one name matches
         return f"{unmatched} match no module of '{model}'; its linear layers are named {names}, or write all-linear"
-    for target in target_modules:
-        matched = [layer for name, layer in modules.items() if name == target or name.endswith("." + target)]
+    for target, matched in matches.items():
         for what, end in ends.items():
             if end is not None and any(layer is end for layer in matched):
                 return (f"{target!r} is the {what} of '{model}', which cannot take adapters (generation "
@@ -115,11 +106,16 @@ def _linear_like(layer: torch.nn.Module) -> bool:
     return isinstance(layer, torch.nn.Linear) or type(layer).__name__ == "Conv1D"
 
 
-def _linear_names(module: torch.nn.Module) -> list[str]:
-    """The short names of the model's linear layers, the embeddings and the head left out."""
-    ends = [_accessor(module, "get_input_embeddings"), _accessor(module, "get_output_embeddings")]
+def _ends(module: torch.nn.Module) -> dict[str, torch.nn.Module | None]:
+    """The modules adapters cannot go on, by what they are: the embeddings and the head."""
+    return {"input embeddings": _accessor(module, "get_input_embeddings"),
+            "output head": _accessor(module, "get_output_embeddings")}
+
+
+def _linear_names(module: torch.nn.Module, ends: dict[str, torch.nn.Module | None]) -> list[str]:
+    """The short names of the model's linear layers, ``ends`` (:func:`_ends`) left out."""
     return sorted({name.rsplit(".", 1)[-1] for name, layer in module.named_modules()
-                   if name and _linear_like(layer) and not any(layer is end for end in ends)})
+                   if name and _linear_like(layer) and not any(layer is end for end in ends.values())})
 
 
 def is_adapted_layer(layer: torch.nn.Module) -> bool:

@@ -144,9 +144,10 @@ class _Part:
     bias: torch.Tensor | None
 
 
-def _weight(linear: Any) -> torch.Tensor:
-    """A linear layer's weight as generation uses it: merged with its adapter, if it has one."""
-    return merged_weight(linear) if is_adapted_layer(linear) else linear.weight.detach()
+def _weight(linear: Any, adapted: bool) -> torch.Tensor:
+    """A linear layer's weight as generation uses it: merged with its adapter, if it has one
+    (``adapted``: the model has adapters; a model without never asks peft)."""
+    return merged_weight(linear) if adapted and is_adapted_layer(linear) else linear.weight.detach()
 
 
 @dataclass(frozen=True)
@@ -273,8 +274,9 @@ class _Stacked:
     step changes the module's weights in place; the graphs read these copies).
     """
 
-    def __init__(self, layer: _Layer) -> None:
+    def __init__(self, layer: _Layer, adapted: bool) -> None:
         self.layer = layer
+        self.adapted = adapted
         self.qkv_weight, self.qkv_bias, self.gate_up_weight = (
             torch.cat(parts) if parts else None for parts in self._parts()
         )
@@ -302,7 +304,9 @@ class _Stacked:
         layer = self.layer
         qkv = (layer.q, layer.k, layer.v)
         biases = [linear.bias.detach() for linear in qkv] if layer.q.bias is not None else []
-        return ([_weight(linear) for linear in qkv], biases, [_weight(layer.gate), _weight(layer.up)])
+        adapted = self.adapted
+        return ([_weight(linear, adapted) for linear in qkv], biases,
+                [_weight(layer.gate, adapted), _weight(layer.up, adapted)])
 
 
 class _Buffers:
@@ -395,7 +399,7 @@ class StaticDecoder:
                 )
                 for layer in inner.layers
             ]
-            self._stacked = [_Stacked(layer) for layer in self.layers]
+            self._stacked = [_Stacked(layer, adapted) for layer in self.layers]
         if adapted:
             self.layers = [stacked.parts_of(layer) for layer, stacked in zip(self.layers, self._stacked)]
         self._merged = [linear for layer in self.layers for linear in (layer.o, layer.down)
