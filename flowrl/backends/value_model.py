@@ -40,7 +40,7 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 
 from flowrl.backends.builtin import quiet_progress_bars
-from flowrl.backends.hf import TORCH_DTYPES, DtypeName, HubOptions, load_error, resolve_model_path, set_padding
+from flowrl.backends.hf import TORCH_DTYPES, DtypeName, HubOptions, load_error, set_padding
 from flowrl.backends.locations import saved_model_location
 from flowrl.backends.model_facts import classifier_of, reward_head_problem
 from flowrl.backends.scalar_files import (
@@ -61,7 +61,6 @@ __all__ = [
     "ScalarKind",
     "has_trained_head",
     "load_scalar_model",
-    "resolve_scalar_model_path",
     "save_scalar_model",
     "scalar_model_weights",
 ]

@@ -36,7 +36,7 @@ Memory (bytes):
               copy and, training, their fp32 gradient); a model that transforms its logits
               (``ModelShape.plain_logits`` False) holds every token's; a scalar head holds T*4
     adapters (LoRA) of A parameters (in the model's dtype): 16*A (weights, gradients and
-              the optimizer's state, ``ADAPTER_STATE_BYTES``) instead of the model's gradients
+              the optimizer's state, ``training_state_bytes``) instead of the model's gradients
               and optimizer state; the frozen layers' backward
               computes input gradients only, one forward's FLOPs instead of two
     sharded training over N devices (FSDP2) keeps the whole weights plus 1/N of the
@@ -255,12 +255,6 @@ def adapted_weight_parameters(shape: ModelShape, targets: str | list[str]) -> in
                if name in ("o_proj", "down_proj"))
 
 
-ADAPTER_STATE_BYTES = 16
-"""Per adapter parameter (in the model's dtype): in fp32 its weight, gradient and AdamW's two
-moments (4 + 4 + 8); in 16 bits its weight and gradient and the optimizer's fp32 master and
-moments (2 + 2 + 12). The same either way."""
-
-
 def optimizer_bytes_per_parameter(dtype: str) -> int:
     """AdamW's state per trained parameter: two moments in the parameter's dtype for fp32
     (8 bytes); for a 16-bit model an fp32 master and two fp32 moments (12 bytes)."""
@@ -274,14 +268,17 @@ def optimizer_step_bytes_per_parameter(dtype: str) -> int:
     return 28 if DTYPE_BYTES[dtype] >= 4 else 40
 
 
-def optimizer_step_bytes(shape: ModelShape, kind: str, dtype: str) -> float:
-    """Memory traffic of one optimizer step over every parameter."""
-    return float(shape.num_parameters(kind) * optimizer_step_bytes_per_parameter(dtype))
+def optimizer_step_bytes(parameters: int, dtype: str) -> float:
+    """Memory traffic of one optimizer step over ``parameters`` trained parameters."""
+    return float(parameters * optimizer_step_bytes_per_parameter(dtype))
 
 
-def training_state_bytes(shape: ModelShape, kind: str, dtype: str) -> float:
-    """Gradients (P*b) plus the optimizer's state (:func:`optimizer_bytes_per_parameter`)."""
-    return float(shape.num_parameters(kind) * (DTYPE_BYTES[dtype] + optimizer_bytes_per_parameter(dtype)))
+def training_state_bytes(parameters: int, dtype: str, adapters: bool = False) -> float:
+    """Gradients (P*b) plus the optimizer's state (:func:`optimizer_bytes_per_parameter`) of
+    ``parameters`` trained parameters; adapters add their own weights (P*b), which the
+    model's weights do not count: in fp32 4 + 4 + 8 bytes each, in 16 bits 2 + 2 + 12."""
+    per_parameter = DTYPE_BYTES[dtype] * (2 if adapters else 1) + optimizer_bytes_per_parameter(dtype)
+    return float(parameters * per_parameter)
 
 
 def sharded_training_bytes(shape: ModelShape, kind: str, dtype: str, width: int) -> tuple[float, float]:

@@ -18,7 +18,6 @@ from typing import Protocol
 from flowrl.devices.inventory import Device
 from flowrl.graph import PipelineGraph
 from flowrl.planner.cost import (
-    ADAPTER_STATE_BYTES,
     CpuRates,
     DTYPE_BYTES,
     activation_bytes,
@@ -29,7 +28,6 @@ from flowrl.planner.cost import (
     logits_bytes,
     shared_prompt_flops,
     optimizer_step_bytes,
-    optimizer_step_bytes_per_parameter,
     sharded_training_bytes,
     training_state_bytes,
     weight_bytes,
@@ -180,8 +178,7 @@ class EstimatedCosts:
         width = max(1, len(devices))
         slowest = max((self._on_device(work, device, width) for device in devices), default=0.0)
         if work.shape is not None and width > 1 and work.work == "train":
-            grads = (work.adapter_parameters * DTYPE_BYTES[work.dtype] if work.adapter_parameters
-                     else weight_bytes(work.shape, work.kind, work.dtype))
+            grads = work.trained_parameters * DTYPE_BYTES[work.dtype]
             steps = work.num_mini_batches * work.ppo_epochs
             if work.sharded:
                 # sharded: each pass gathers the parameters for its forward and again for its
@@ -235,8 +232,7 @@ class EstimatedCosts:
             # the input gradients only, one forward's FLOPs instead of two
             passes = (2 if work.adapter_parameters else 3) + (1 if work.checkpointing else 0)
             compute = passes * pass_flops / flops_per_s
-            optimizer = (work.adapter_parameters * optimizer_step_bytes_per_parameter(dtype) if work.adapter_parameters
-                         else optimizer_step_bytes(shape, kind, dtype)) / bytes_per_s
+            optimizer = optimizer_step_bytes(work.trained_parameters, dtype) / bytes_per_s
             launches = passes * layers * layer_s
             return work.ppo_epochs * (compute + work.num_mini_batches * (optimizer + launches))
         # score with a reward model, reference_logprob, value: one no-grad forward
@@ -277,8 +273,7 @@ class EstimatedCosts:
             if sharded:
                 resident, gathered = sharded_training_bytes(shape, kind, dtype, width)
                 return NodeMemory(weights / GB, resident / GB, (transient + gathered) / GB)
-            trained = (work.adapter_parameters * ADAPTER_STATE_BYTES if work.adapter_parameters
-                       else training_state_bytes(shape, kind, dtype))
+            trained = training_state_bytes(work.trained_parameters, dtype, adapters=work.adapter_parameters > 0)
             return NodeMemory(weights / GB, trained / GB, transient / GB)
         transient = inference_bytes(shape, kind, dtype, work.pass_sequences(share), seq_len)
         return NodeMemory(weights / GB, 0.0, transient / GB)

@@ -65,6 +65,13 @@ class NodeWork:
     """Samples per prompt of the rollout (its ``n``): generation prefills each prompt once,
     and a pass on a CPU that holds whole groups computes each prompt once."""
 
+    @property
+    def trained_parameters(self) -> int:
+        """The parameters an update trains: the adapters', or every parameter of the model."""
+        if self.adapter_parameters or self.shape is None:
+            return self.adapter_parameters
+        return self.shape.num_parameters(self.kind)
+
     def shares_prompts(self, on_cpu: bool) -> bool:
         """Whether this node's passes compute each prompt once per group: a policy's
         log-prob passes (reference, update) on a CPU, in one pass over the rows in rollout

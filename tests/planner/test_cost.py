@@ -58,9 +58,12 @@ def test_flops_and_memory_of_the_toy_shape() -> None:
     assert weight_bytes(TOY, "policy", "fp32") == 5920
     assert weight_bytes(TOY, "policy", "bf16") == 2960
     # gradients + two AdamW moments = 3 * weights = 17760
-    assert training_state_bytes(TOY, "policy", "fp32") == 17760
+    assert training_state_bytes(1480, "fp32") == 17760
     # bf16: gradients 2 bytes, then an fp32 master and two fp32 moments 12: 1480 * 14 = 20720
-    assert training_state_bytes(TOY, "policy", "bf16") == 20720
+    assert training_state_bytes(1480, "bf16") == 20720
+    # adapters add their own weights: fp32 4 + 4 + 8, bf16 2 + 2 + 12, 16 bytes either way
+    assert training_state_bytes(100, "fp32", adapters=True) == 1600
+    assert training_state_bytes(100, "bf16", adapters=True) == 1600
     # KV cache: per token 2 (k,v) * L 2 * kv 8 * 4 bytes = 128; 15 tokens -> 1920
     assert kv_cache_bytes(TOY, "fp32", 3, 5) == 1920
     # activations per token and layer, fp32: 4*(8h + 4I + 2kv) = 4*(64 + 64 + 16) = 576;
