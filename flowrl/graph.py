@@ -65,6 +65,7 @@ class _Checker:
         for name in self.spec.nodes:
             self._check_node(name)
         self._check_cycles()
+        self._check_final_names()
         self._check_unused()
         self._check_eval()
         self._check_groups()
@@ -149,10 +150,20 @@ class _Checker:
             self.add(path, f"no update node trains '{model}', so its adapters would stay zero; remove lora, "
                            "or train the model")
             return
-        if ADAPTER_DIR in self.spec.models and self._nodes_known() and self._training_group(ADAPTER_DIR)[0]:
+
+    def _check_final_names(self) -> None:
+        """final/ is the one trained policy's directory, its adapters in final/adapter/ and any
+        other trained model's weights in final/<name>/: a trained model named like the
+        adapters' folder would collide with them (with several policies each has a folder)."""
+        other = self.spec.models.get(ADAPTER_DIR)
+        if other is None or not self._nodes_known() or not self._training_group(ADAPTER_DIR)[0]:
+            return
+        policies = [name for name, spec in self.spec.models.items()
+                    if spec.kind == "policy" and self._training_group(name)[0]]
+        if len(policies) == 1 and policies[0] != ADAPTER_DIR and self.spec.models[policies[0]].lora is not None:
             self.add(f"models.{ADAPTER_DIR}",
-                     f"final/{ADAPTER_DIR}/ holds the adapters of '{model}', and a trained model's final weights "
-                     f"go to final/<name>/; give this model another name")
+                     f"final/{ADAPTER_DIR}/ holds the adapters of '{policies[0]}', and a trained model's final "
+                     f"weights go to final/<name>/; give this model another name")
 
     def _check_fp16_training(self, model: str) -> None:
         """fp16 gradients under- and overflow without loss scaling, which the update does not do."""

@@ -434,6 +434,18 @@ def test_a_trained_model_named_like_the_adapter_folder_is_refused_beside_adapter
         "final/<name>/; give this model another name"]
 
 
+def test_the_policy_itself_may_be_named_like_the_adapter_folder() -> None:
+    """The one trained policy's weights are final/ itself and its adapters final/adapter/:
+    nothing collides."""
+    data = grpo()
+    data["models"]["adapter"] = data["models"].pop("actor")
+    data["models"]["adapter"]["lora"] = {"rank": 8}
+    for node in data["nodes"].values():
+        if node.get("model") == "actor":
+            node["model"] = "adapter"
+    assert issues(data) == []
+
+
 @pytest.mark.parametrize(("lora", "message"), [
     ({"rank": 8, "dropout": 0.05}, "models.actor.lora.dropout: unknown field 'dropout'; allowed: rank, alpha, "
                                    "target_modules"),
