@@ -148,6 +148,35 @@ def adapter_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: tensor for name, tensor in module.state_dict().items() if _is_adapter_key(name)}
 
 
+FINGERPRINT_SAMPLES = 64
+"""Elements of each frozen tensor that :func:`base_fingerprint` reads."""
+
+
+def base_fingerprint(module: torch.nn.Module) -> str:
+    """A SHA-256 of the frozen weights an adapted model was loaded with: each tensor's name
+    and shape and ``FINGERPRINT_SAMPLES`` evenly spaced elements, rounded to bf16 (so that a
+    model loaded in another dtype from the same files matches). Weights trained or replaced
+    since change nearly every element, so the samples tell them apart without reading GBs."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    samples = []
+    names = []
+    with torch.no_grad():
+        for name, tensor in sorted(module.state_dict().items()):
+            if _is_adapter_key(name) or not tensor.is_floating_point() or tensor.numel() == 0:
+                continue
+            flat = tensor.reshape(-1)
+            picks = torch.linspace(0, flat.numel() - 1, min(FINGERPRINT_SAMPLES, flat.numel()),
+                                   device=flat.device).long()
+            samples.append(flat[picks].to(torch.bfloat16).float())
+            names.append(f"{name}{tuple(tensor.shape)}")
+    digest.update("\n".join(names).encode())
+    if samples:
+        digest.update(torch.cat(samples).cpu().numpy().tobytes())  # one copy from the device
+    return digest.hexdigest()
+
+
 def merged_weight(layer: Any) -> torch.Tensor:
     """An adapted linear layer's weight plus its adapter's product (alpha / rank) B A, computed
     in fp32 and rounded once to the weight's dtype."""

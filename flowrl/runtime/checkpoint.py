@@ -14,6 +14,7 @@ directory appear atomically (temp name, then rename).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -21,6 +22,7 @@ from flowrl.backends.hf import save_tokenizer
 from flowrl.backends.lora import (
     ADAPTER_DIR,
     adapter_tensors,
+    base_fingerprint,
     changed_settings,
     has_adapters,
     merged_weights,
@@ -33,6 +35,8 @@ from flowrl.errors import CheckpointError, ModelLoadError
 from flowrl.roles.state import ModelState
 
 STATE_FILE = "state.pt"
+BASE_FINGERPRINT = "base_fingerprint"
+"""state.pt's key for an adapted model's :func:`base_fingerprint`."""
 
 
 def save_model_state(state: ModelState, directory: Path, with_state: bool, max_shard_size: str) -> None:
@@ -54,10 +58,11 @@ def save_model_state(state: ModelState, directory: Path, with_state: bool, max_s
         if state.tokenizer is not None:
             save_tokenizer(state.tokenizer, directory)
         if with_state:
-            torch.save(
-                {"optimizer": optimizer, "generator": state.generator.get_state(), "num_updates": state.num_updates},
-                directory / STATE_FILE,
-            )
+            saved: dict[str, Any] = {"optimizer": optimizer, "generator": state.generator.get_state(),
+                                     "num_updates": state.num_updates}
+            if has_adapters(state.module):
+                saved[BASE_FINGERPRINT] = base_fingerprint(state.module)
+            torch.save(saved, directory / STATE_FILE)
     except OSError as error:
         raise CheckpointError(f"cannot write checkpoint of '{state.name}' to {directory}: {error}") from error
 
@@ -95,11 +100,25 @@ def load_model_state(state: ModelState, directory: Path, parts: tuple[str, ...] 
         saved = torch.load(state_file, weights_only=True) if state_file.exists() else {}
     except Exception as error:  # a truncated or foreign file: unpickling refused or failed
         raise CheckpointError(f"cannot read {state_file}: {error}") from error
+    if has_adapters(state.module) and BASE_FINGERPRINT in saved and (parts is None or "weights" in parts):
+        _check_base(state, directory, saved[BASE_FINGERPRINT])
     everything = {**saved, "weights": weights}
     if parts is not None:
         everything = {key: value for key, value in everything.items()
                       if key in parts or (key == "num_updates" and "optimizer" in parts)}
     state.restore(everything)
+
+
+def _check_base(state: ModelState, directory: Path, saved: str) -> None:
+    """Adapters go on with the frozen weights they were trained beside: a model whose weights
+    at ``path`` were replaced since (trained on, re-downloaded as another revision) would
+    resume other training than the checkpoint's."""
+    if base_fingerprint(state.module) != saved:
+        raise CheckpointError(
+            f"the frozen weights of models.{state.name} (from {state.source}) are not those the adapters in "
+            f"{directory / ADAPTER_DIR} were trained on: the model at that path changed since the checkpoint; "
+            "restore that model, or start afresh in another output_dir"
+        )
 
 
 def _check_adapters(state: ModelState, directory: Path, saved: dict[str, torch.Tensor]) -> None:

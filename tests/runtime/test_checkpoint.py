@@ -165,6 +165,24 @@ def test_a_checkpoint_without_adapters_cannot_resume_an_adapted_model(tmp_path: 
         load_model_state(_adapted(), tmp_path / "actor")
 
 
+def test_adapters_resume_only_beside_the_frozen_weights_they_were_trained_on(tmp_path: Path) -> None:
+    """The checkpoint holds the adapters; the frozen weights come from the model's path again.
+    The same weights in another dtype are the same base; trained or replaced ones are not."""
+    save_model_state(_trained(_adapted()), tmp_path / "actor", True, max_shard_size="5GB")
+    same_in_bf16 = _adapted()
+    same_in_bf16.module.to(torch.bfloat16)
+    load_model_state(same_in_bf16, tmp_path / "actor")  # no error
+    changed = _adapted()
+    with torch.no_grad():
+        for name, parameter in changed.module.named_parameters():
+            if ".lora_" not in name:
+                parameter.add_(0.01 * torch.randn_like(parameter))  # the base trained a little more
+    with pytest.raises(CheckpointError, match=r"the frozen weights of models.actor \(from builtin:tiny-llama\) are "
+                                              r"not those the adapters in .*actor/adapter were trained on"):
+        load_model_state(changed, tmp_path / "actor")
+    load_model_state(changed, tmp_path / "actor", parts=("generator",))  # no weights taken: nothing to compare
+
+
 def test_a_checkpoint_of_other_adapters_or_of_adapters_into_a_plain_model_is_a_checkpoint_error(tmp_path: Path) -> None:
     """A resume forced past a changed lora setting: what differs and what to do, not an
     optimizer's or a tensor's error."""
