@@ -87,6 +87,7 @@ class Watchers(Protocol):
     def evaluated(self, record: StepRecord) -> None: ...
     def rewound(self, last_step: int) -> None: ...
     def event(self, event: RunEvent) -> None: ...
+    def restored(self) -> None: ...
 
 
 class KLState(Protocol):
@@ -125,6 +126,7 @@ class Driver:
         self.initial_kl = kl.state_dict()
         self.evaluator = evaluator
         self.start = start
+        self.start_restored = False
         self.records = records
         self.evaluations = evaluations
         self.session: Session | None = None
@@ -276,8 +278,11 @@ class Driver:
             session.restore(self.snapshot)
             self.kl.load_state_dict(self.snapshot_kl)
             back_to, what = self.snapshot_step, f"the in-memory snapshot of step {self.snapshot_step}"
-        elif source in ("snapshot", "checkpoint") and (found := newest_checkpoint(self.folder.checkpoints)) is not None:
+        elif source in ("snapshot", "checkpoint") and (found := self._checkpoint_to_restore()) is not None:
             session.load_checkpoint(found.path)
+            if found is self.start:
+                self.start_restored = True
+                self.watcher.restored()
             self.kl.load_state_dict(found.trainer_state.get("kl", {}))
             if self.recovery is None:  # a resumed run: what the scheduler had learned (a live one still knows)
                 self.replanner.load_state_dict(found.trainer_state.get("scheduler", {}))
@@ -295,6 +300,13 @@ class Driver:
                 "resume", f"resumed from {self.start.path} at step {back_to + 1} "
                 f"({dropped} logged steps after it will run again)", back_to))
         return lc.Restored(back_to)
+
+    def _checkpoint_to_restore(self) -> FoundCheckpoint | None:
+        """The checkpoint a resume starts from until it is restored (a roll-back moves the later
+        ones aside only then), afterwards the newest."""
+        if self.start is not None and not self.start_restored:
+            return self.start
+        return newest_checkpoint(self.folder.checkpoints)
 
     def _evaluate_first(self) -> lc.Event:
         values, timings = self.evaluator.run(self._session(), 0, self.watcher.event)

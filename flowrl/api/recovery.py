@@ -122,12 +122,46 @@ def config_changes(old: str, new: str) -> list[str]:
     ]
 
 
-def roll_back(output_dir: Path, checkpoints: Path, step: int) -> tuple[FoundCheckpoint, Path | None]:
-    """The intact checkpoint of ``step``, to resume from instead of the newest: the
-    checkpoints after it and a final model are moved into ``rolled_back/`` (kept, and no
-    longer taken for the run's own: the run goes on from ``step`` and writes new ones), with
-    a copy of the run's logs as they were (the resume drops their lines after ``step``).
-    Returns the checkpoint and the folder they went to (None: there were none)."""
+@dataclass(frozen=True)
+class RollBack:
+    """What a resume from an earlier checkpoint moves aside once that checkpoint is restored:
+    the checkpoints after it and a final model (a resume refused or stopped before then
+    leaves the run as it was)."""
+
+    output_dir: Path
+    step: int
+    folders: tuple[Path, ...]
+
+    def move(self) -> Path:
+        """Move ``folders`` into ``rolled_back/`` with a copy of the run's logs as they were
+        (the resume drops their lines after ``step``); returns the folder they went to."""
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        moved = self.output_dir / "rolled_back" / f"after-step-{self.step}-{stamp}"
+        number = 1
+        while moved.exists():  # a second roll-back within the same second
+            number += 1
+            moved = self.output_dir / "rolled_back" / f"after-step-{self.step}-{stamp}-{number}"
+        done: list[str] = []
+        try:
+            moved.mkdir(parents=True)
+            for name in LOG_FILES:
+                if (self.output_dir / name).is_file():
+                    shutil.copy2(self.output_dir / name, moved / name)
+            for folder in self.folders:
+                folder.rename(moved / folder.name)
+                done.append(folder.name)
+        except OSError as error:
+            kept = f"; {', '.join(done)} moved there already" if done else ""
+            raise FlowrlError(f"rolling back to step-{self.step} failed moving files into {moved} ({error}){kept}") \
+                from error
+        return moved
+
+
+def roll_back(output_dir: Path, checkpoints: Path, step: int) -> tuple[FoundCheckpoint, RollBack | None]:
+    """The intact checkpoint of ``step``, to resume from instead of the newest, and what
+    moves aside once it is restored (:class:`RollBack`; None: nothing comes after it): the
+    checkpoints after it and a final model, kept in ``rolled_back/`` and no longer taken for
+    the run's own (the run goes on from ``step`` and writes new ones)."""
     written = checkpoint_dirs(checkpoints)
     path = checkpoints / f"step-{step}"
     if not path.is_dir():
@@ -139,27 +173,10 @@ def roll_back(output_dir: Path, checkpoints: Path, step: int) -> tuple[FoundChec
     later = [folder for number, folder in written if number > step]
     final = output_dir / "final"
     state = json.loads((path / TRAINER_STATE).read_text())
+    found = FoundCheckpoint(step, path, state, ())
     if not later and not final.is_dir():
-        return FoundCheckpoint(step, path, state, ()), None
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    moved = output_dir / "rolled_back" / f"after-step-{step}-{stamp}"
-    number = 1
-    while moved.exists():  # a second roll-back within the same second
-        number += 1
-        moved = output_dir / "rolled_back" / f"after-step-{step}-{stamp}-{number}"
-    done: list[str] = []
-    try:
-        moved.mkdir(parents=True)
-        for name in LOG_FILES:
-            if (output_dir / name).is_file():
-                shutil.copy2(output_dir / name, moved / name)
-        for folder in [*later, *([final] if final.is_dir() else [])]:
-            folder.rename(moved / folder.name)
-            done.append(folder.name)
-    except OSError as error:
-        kept = f"; {', '.join(done)} moved there already" if done else ""
-        raise FlowrlError(f"rolling back to step-{step} failed moving files into {moved} ({error}){kept}") from error
-    return FoundCheckpoint(step, path, state, ()), moved
+        return found, None
+    return found, RollBack(output_dir, step, (*later, *([final] if final.is_dir() else [])))
 
 
 LOG_FILES = ("metrics.jsonl", "profile.jsonl", "samples.jsonl", "events.jsonl")

@@ -22,7 +22,7 @@ from flowrl.api.outputs import (RunFolder, check_fresh_start, check_resume_start
                                 step_line)
 from flowrl.api.prometheus import PrometheusMetrics
 from flowrl.api.driver import Driver
-from flowrl.api.recovery import FoundCheckpoint, config_changes, newest_checkpoint, resume_note, roll_back
+from flowrl.api.recovery import FoundCheckpoint, RollBack, config_changes, newest_checkpoint, resume_note, roll_back
 from flowrl.api.replanning import Replanner
 from flowrl.backends.cache import BUILTIN_PREFIX, built_builtin_dir
 from flowrl.api.data import evaluates_training_prompts, policy_formatter, read_eval, training_source
@@ -228,7 +228,7 @@ def _run(pipeline: PipelineGraph | Pipeline, options: RunOptions, observer: Obse
     start: FoundCheckpoint | None = None
     earlier_run = folder.read_config() is not None
     forced: list[str] = []
-    rolled_back: Path | None = None
+    rolling_back: RollBack | None = None
     planned: int | None = None
     data_before: dict[str, Any] | None = None
     if resume:
@@ -241,7 +241,7 @@ def _run(pipeline: PipelineGraph | Pipeline, options: RunOptions, observer: Obse
             if checkpoint >= spec.trainer.steps:
                 raise FlowrlError(f"--checkpoint step-{checkpoint} is at or past the {spec.trainer.steps} steps asked "
                                   "for: resume with more steps (--steps; trainer.steps)")
-            start, rolled_back = roll_back(folder.path, folder.checkpoints, checkpoint)
+            start, rolling_back = roll_back(folder.path, folder.checkpoints, checkpoint)
         else:
             if finished is not None and finished >= spec.trainer.steps:
                 return RunResult(folder.path, already_finished=True, finished_steps=finished)
@@ -275,7 +275,18 @@ def _run(pipeline: PipelineGraph | Pipeline, options: RunOptions, observer: Obse
         # The workers start now and import torch while the trackers, the data and the checks
         # are set up here.
         local_cluster = PendingCluster(spec.runtime.cpu_slots, spec.runtime.dashboard, spec.runtime.pin_cpus)
-    watcher = _Watchers(folder, observer, spec.trainer.log_every, on_resumed=None if recorded == config_text else take_config)
+    restored: list[Callable[[], None]] = [] if recorded == config_text else [take_config]
+    if rolling_back is not None and start is not None:
+        roll_back_from = start
+
+        def move_aside() -> None:
+            assert rolling_back is not None
+            moved = rolling_back.move()
+            watcher.event(RunEvent("warning", f"rolled back to {roll_back_from.path.name}: the later checkpoints and the "
+                                              f"final model were moved to {moved}", 0))
+
+        restored.append(move_aside)
+    watcher = _Watchers(folder, observer, spec.trainer.log_every, on_restored=restored)
     failed = True
     try:
         watcher.start_reporting(graph, config_text, start.step + 1 if start is not None else 0)
@@ -283,9 +294,6 @@ def _run(pipeline: PipelineGraph | Pipeline, options: RunOptions, observer: Obse
             watcher.event(RunEvent("warning", f"trainer.steps is {spec.trainer.steps}, fewer than the {planned} steps the "
                                               f"run was started with: it ends at step {spec.trainer.steps} (resume it "
                                               "with more steps to go on)", 0))
-        if rolled_back is not None and start is not None:
-            watcher.event(RunEvent("warning", f"rolled back to {start.path.name}: the later checkpoints and the final "
-                                              f"model were moved to {rolled_back}", 0))
         if forced:
             watcher.event(RunEvent("warning", "resumed with a pipeline that differs from the one the run started with "
                                               f"(--force; - before, + now): {'; '.join(forced)}", 0, {"changes": forced}))
@@ -643,12 +651,14 @@ class _Watchers:
     view, the experiment trackers of ``trainer.loggers`` and ``/metrics``."""
 
     def __init__(self, folder: RunFolder, observer: Observer | None, log_every: int = 1,
-                 on_resumed: Callable[[], None] | None = None) -> None:
+                 on_restored: list[Callable[[], None]] | None = None) -> None:
         self.folder = folder
         self.observer = observer
         self.log_every = log_every
-        self.on_resumed = on_resumed
-        """Called once, at the ``resume`` event: the checkpoint was restored."""
+        self.on_restored = list(on_restored or [])
+        """Called once, in order, when a resumed run's checkpoint is restored (before its logs
+        are cut back to it): what a resume changes in the folder waits until then, so that one
+        refused or stopped before leaves the run as it was."""
         self.loggers: list[Logger] = []
         self.prometheus: PrometheusMetrics | None = None
         self.last: StepRecord | None = None
@@ -702,14 +712,16 @@ class _Watchers:
 
     def event(self, event: RunEvent) -> None:
         self.stopped = self.stopped or event.kind == "stopped"
-        if event.kind == "resume" and self.on_resumed is not None:
-            self.on_resumed()
-            self.on_resumed = None
         self.folder.append_event(event)
         if self.prometheus is not None:
             self.prometheus.on_event(event)
         if self.observer is not None:
             self.observer.on_event(event)
+
+    def restored(self) -> None:
+        calls, self.on_restored = self.on_restored, []
+        for call in calls:
+            call()
 
     def close(self, failed: bool = False) -> None:
         """The run's summary to every logger (the last step's metrics, the steps done and

@@ -285,6 +285,16 @@ def test_a_resume_from_an_earlier_checkpoint_rolls_back_and_trains_the_same_step
         run(pipeline, resume=True, checkpoint=3)
     with pytest.raises(FlowrlError, match="add --resume"):
         run(pipeline, checkpoint=4)
+    # a roll-back that the checkpoint then refuses (forced past adapters it does not hold)
+    # leaves the run as it was: nothing moved, the next plain resume would take step-6
+    from flowrl.spec.loader import pipeline_from_dict
+
+    adapted = pipeline.to_dict()
+    adapted["models"]["actor"]["lora"] = {"rank": 4}
+    with pytest.raises(FlowrlError, match="has no adapter/adapter_model.safetensors"):
+        run(pipeline_from_dict(adapted), resume=True, checkpoint=4, force=True)
+    assert not (out / "rolled_back").exists() and (out / "final").is_dir()
+    assert sorted(path.name for path in (out / "checkpoints").glob("step-*")) == ["step-4", "step-6"]
     import flowrl as fr
 
     again = run(pipeline, resume=True, checkpoint=4)
