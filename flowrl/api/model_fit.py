@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from flowrl.backends.cache import BUILTIN_PREFIX
+from flowrl.backends.catalog import lookup_builtin
 from flowrl.backends.locations import TOKENIZER_FILES, resolve_model_path
 from flowrl.backends.model_facts import ModelFacts, model_facts
 from flowrl.errors import ModelLoadError
@@ -163,14 +164,33 @@ def _vocabulary_issues(graph: PipelineGraph, base_dir: Path | None, facts: dict[
                            f"model '{name}' has {rows} token ids ({facts[name].source}), but {described} the "
                            f"policy '{policy}' has {tokens}: every model of a pipeline reads the policy's token "
                            "ids, so it needs the policy's tokenizer; give a model trained with it"))
-    if issues or policy_tokenizer is None:
+    if issues:
         return issues
-    policy_vocabulary = dict(policy_tokenizer.get_vocab())
+    policy_vocabulary = dict(policy_tokenizer.get_vocab()) if policy_tokenizer is not None else None
     for name in others:
         problem = _tokenizer_mismatch(graph, base_dir, policy, name, policy_vocabulary)
         if problem is not None:
             issues.append((f"models.{name}.path", problem))
     return issues
+
+
+def _is_builtin(graph: PipelineGraph, name: str) -> bool:
+    return graph.spec.models[name].path.startswith(BUILTIN_PREFIX)
+
+
+def _builtin_vocabulary(graph: PipelineGraph, name: str) -> dict[str, int] | None:
+    """Token -> id of a builtin model's character tokenizer, padded with filler tokens to its
+    embedding's rows as the builtin models' own tokenizers are; None for a name no builtin has."""
+    try:
+        shape = lookup_builtin(graph.spec.models[name].path[len(BUILTIN_PREFIX):])
+    except ModelLoadError:
+        return None
+    from flowrl.backends.tokenizer import char_vocab, filler_token
+
+    vocabulary = char_vocab()
+    base = len(vocabulary)
+    vocabulary.update({filler_token(index): base + index for index in range(shape.vocabulary - base)})
+    return vocabulary
 
 
 def _local_tokenizer(graph: PipelineGraph, base_dir: Path | None, name: str) -> Path | None:
@@ -188,22 +208,35 @@ def _local_tokenizer(graph: PipelineGraph, base_dir: Path | None, name: str) -> 
 
 
 def _tokenizer_mismatch(graph: PipelineGraph, base_dir: Path | None, policy: str, name: str,
-                        policy_vocabulary: dict[str, int]) -> str | None:
-    """Where both are local folders with tokenizers: the policy's tokens (``policy_vocabulary``)
-    that ``name``'s tokenizer gives another id (or none)."""
-    mine, theirs = _local_tokenizer(graph, base_dir, policy), _local_tokenizer(graph, base_dir, name)
-    if mine is None or theirs is None or mine.resolve() == theirs.resolve():
+                        policy_vocabulary: dict[str, int] | None) -> str | None:
+    """Where each is a local folder with a tokenizer or a builtin model (whose tokenizer is the
+    character tokenizer), and not both builtin: the policy's tokens (``policy_vocabulary``, None
+    for a builtin policy) that ``name``'s tokenizer gives another id (or none)."""
+    policy_builtin, other_builtin = _is_builtin(graph, policy), _is_builtin(graph, name)
+    if policy_builtin and other_builtin:
+        return None  # every builtin model uses the same character tokenizer
+    mine = None if policy_builtin else _local_tokenizer(graph, base_dir, policy)
+    theirs = None if other_builtin else _local_tokenizer(graph, base_dir, name)
+    if (mine is None and not policy_builtin) or (theirs is None and not other_builtin):
         return None
-    other = _load(str(theirs), None, None, False)
-    if other is None:
+    if mine is not None and theirs is not None and mine.resolve() == theirs.resolve():
         return None
-    other_vocabulary = dict(other.get_vocab())
+    if policy_vocabulary is None:
+        policy_vocabulary = _builtin_vocabulary(graph, policy)
+    if theirs is None:
+        other_vocabulary = _builtin_vocabulary(graph, name)
+    else:
+        other = _load(str(theirs), None, None, False)
+        other_vocabulary = None if other is None else dict(other.get_vocab())
+    if policy_vocabulary is None or other_vocabulary is None:
+        return None
     differ = [(token, index) for token, index in policy_vocabulary.items() if other_vocabulary.get(token) != index]
     if not differ:
         return None
     token, index = min(differ, key=lambda pair: pair[1])
     their_index = other_vocabulary.get(token)
-    return (f"the tokenizer of model '{name}' ({theirs}) is not the policy's: {len(differ)} of the "
+    where = theirs if theirs is not None else graph.spec.models[name].path
+    return (f"the tokenizer of model '{name}' ({where}) is not the policy's: {len(differ)} of the "
             f"{len(policy_vocabulary)} tokens of '{policy}' have another id there (token {token!r} is {index} "
             f"for '{policy}', {'absent' if their_index is None else their_index} for '{name}'); every model of a pipeline "
             "reads the policy's token ids, so give a model trained with the policy's tokenizer")

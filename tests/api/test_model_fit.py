@@ -162,3 +162,24 @@ def test_held_out_lengths_are_measured_against_the_evaluations_reward_models_too
     [(field, message)] = model_fit_issues(pipeline(None), None)
     assert field == "eval.max_new_tokens" and "model 'rm' takes at most 64 tokens" in message
     assert model_fit_issues(pipeline(["digits"]), None) == []  # only the policy (256 positions) reads them
+
+
+def test_a_builtin_model_beside_a_local_model_of_another_tokenizer_is_refused(tmp_path: Path) -> None:
+    # builtin models read the character tokenizer's ids (<pad> <bos> <eos> <unk> a-z ...)
+    config = {"vocab_size": 100, "max_position_embeddings": 64}
+    own = _folder(tmp_path, "own", config, _tokenizer("upeabc"))
+    [(field, message)] = model_fit_issues(_pipeline(actor=own, reference="builtin:tiny-llama"), None)
+    assert field == "models.reference.path"
+    assert "the tokenizer of model 'reference' (builtin:tiny-llama) is not the policy's" in message
+    [(field, message)] = model_fit_issues(_pipeline(actor="builtin:tiny-llama", reference=own), None)
+    assert field == "models.reference.path"
+    assert "of the 83 tokens of 'actor' have another id there" in message
+
+
+def test_a_local_copy_of_a_builtin_model_reads_the_builtin_ids(tmp_path: Path) -> None:
+    from flowrl.backends.tokenizer import build_char_tokenizer
+
+    config = {"vocab_size": 83, "max_position_embeddings": 64}
+    copy = _folder(tmp_path, "copy", config, build_char_tokenizer())
+    assert model_fit_issues(_pipeline(actor=copy, reference="builtin:tiny-llama"), None) == []
+    assert model_fit_issues(_pipeline(actor="builtin:tiny-llama", reference=copy), None) == []
