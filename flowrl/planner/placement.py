@@ -126,17 +126,26 @@ def node_group(pipeline: PipelineGraph, node: str) -> str | None:
 
 def without_slots(pipeline: PipelineGraph, plan: Plan, lost: set[str], survivors: list[str], step: int) -> Plan:
     """``plan`` with the slots in ``lost`` gone: a split node keeps its surviving shards, and a
-    node left without a slot moves to the survivor that runs the fewest nodes (first in
-    ``survivors`` on a tie). Raises PlacementError when no survivor is left."""
+    node left without a slot moves to where its model already runs on a survivor, else to the
+    survivor that runs the fewest nodes (first in ``survivors`` on a tie), and the other nodes
+    of its model follow it there: the move makes no copy of a model that an update would have
+    to push its weights to. Raises PlacementError when no survivor is left."""
     if not survivors:
         raise PlacementError(f"no worker is left to run the pipeline (lost: {', '.join(sorted(lost))}; no other "
                              "worker of the cluster answers)")
     shards = {node: [slot for slot in slots if slot not in lost] for node, slots in plan.node_shards.items()}
     load = {slot: 0 for slot in survivors}
+    home: dict[str, str] = {}
+    """Model -> the survivor its moved nodes go to: where one of its nodes stays, else where
+    the first of its moved nodes went."""
     for node, slot in plan.node_slots.items():
-        for part in shards.get(node, [slot]):
+        kept = shards.get(node, [slot] if slot not in lost else [])
+        for part in kept:
             if part in load:
                 load[part] += 1
+        model = pipeline.spec.nodes[node].model
+        if kept and model is not None:
+            home.setdefault(model, kept[0])
     node_slots: dict[str, str] = {}
     reasons = []
     for node, slot in plan.node_slots.items():
@@ -144,7 +153,12 @@ def without_slots(pipeline: PipelineGraph, plan: Plan, lost: set[str], survivors
         if kept:
             node_slots[node] = kept[0]
             continue
-        target = min(survivors, key=lambda name: (load[name], survivors.index(name)))
+        model = pipeline.spec.nodes[node].model
+        target = home.get(model) if model is not None else None
+        if target is None:
+            target = min(survivors, key=lambda name: (load[name], survivors.index(name)))
+            if model is not None:
+                home[model] = target
         load[target] += 1
         node_slots[node] = target
         reasons.append(f"{node} -> {target}: {slot} was lost")

@@ -119,15 +119,33 @@ def test_without_slots_moves_the_lost_slots_nodes_to_the_least_busy_survivor() -
         {"rollout": "cpu-0", "reward": "cpu-0", "ref": "cpu-1", "adv": "cpu-0", "train": "cpu-0"},
         node_shards={"rollout": ["cpu-0", "cpu-2"]},
     )
-    # cpu-0 is lost: rollout keeps its shard on cpu-2 (unsplit now); reward, adv and train go
-    # one by one to the survivor with the fewest nodes (cpu-1 has ref, cpu-2 has rollout).
+    # cpu-0 is lost: rollout keeps its shard on cpu-2 (unsplit now); reward and adv go one by
+    # one to the survivor with the fewest nodes (cpu-1 has ref, cpu-2 has rollout), and train
+    # to cpu-2, where its model's rollout runs.
     shrunk = without_slots(pipeline, plan, {"cpu-0"}, ["cpu-1", "cpu-2"], step=7)
-    assert shrunk.node_slots == {"rollout": "cpu-2", "reward": "cpu-1", "ref": "cpu-1", "adv": "cpu-2", "train": "cpu-1"}
+    assert shrunk.node_slots == {"rollout": "cpu-2", "reward": "cpu-1", "ref": "cpu-1", "adv": "cpu-2", "train": "cpu-2"}
     assert shrunk.node_shards == {} and shrunk.step == 7
-    assert shrunk.model_slots == {"actor": ["cpu-2", "cpu-1"], "reference": ["cpu-1"]}
+    assert shrunk.model_slots == {"actor": ["cpu-2"], "reference": ["cpu-1"]}
     assert shrunk.reasons[0] == "reward -> cpu-1: cpu-0 was lost"
     with pytest.raises(PlacementError, match="no worker is left"):
         without_slots(pipeline, plan, {"cpu-0", "cpu-1", "cpu-2"}, [], step=7)
+
+
+def test_without_slots_keeps_each_models_nodes_together() -> None:
+    # PPO with everything on cpu-0: spreading the nodes one by one over two survivors put the
+    # actor's rollout and update on different workers and the critic's value and update
+    # crosswise, so each update pushed weights to the other's worker, and both pushes waited
+    # for each other's worker
+    from flowrl.planner.placement import plan_for, without_slots
+
+    pipeline = load_pipeline(Path(__file__).resolve().parents[2] / "pipelines" / "ppo_tiny.yaml")
+    plan = plan_for(pipeline, {node: "cpu-0" for node in pipeline.spec.nodes})
+    shrunk = without_slots(pipeline, plan, {"cpu-0"}, ["cpu-1", "cpu-2"], step=3)
+    for model, slots in shrunk.model_slots.items():
+        assert len(slots) == 1, (model, slots)
+    for node in pipeline.spec.nodes:
+        assert shrunk.weight_peers(node, pipeline.spec.nodes[node].model or "") == []
+    assert set(shrunk.node_slots.values()) == {"cpu-1", "cpu-2"}
 
 
 def test_a_step_s_change_reads_in_its_unit() -> None:
