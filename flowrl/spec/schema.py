@@ -565,6 +565,20 @@ class AdvantageNode(_NodeBase):
                 f"kl_coef is {self.kl_coef}, so the KL reward penalty needs reference log-probs: add a "
                 "reference_logprob node to inputs (or set kl_coef: 0)",
             )
+        if self.kl_coef == 0 and view.reliable(f"{path}.kl_coef"):
+            for reference in view.inputs_of(ReferenceLogprobNode):
+                view.add(
+                    f"{path}.inputs",
+                    f"kl_coef is 0, so the KL reward penalty is off and the reference log-probs of '{reference}' "
+                    f"are never used here; set kl_coef > 0 or drop '{reference}' from inputs",
+                )
+            if self.kl_target is not None:
+                view.add(f"{path}.kl_target",
+                         "kl_target adapts kl_coef from its starting value, and kl_coef is 0, which stays 0; "
+                         "set kl_coef > 0 (the starting coefficient) or remove kl_target")
+        if self.kl_target is None and "kl_horizon" in self.changed_fields():
+            view.add(f"{path}.kl_horizon", "kl_horizon is read only by the adaptive KL controller, and kl_target is "
+                                           "not set; set kl_target or remove kl_horizon")
 
 
 UPDATE_FIELDS: dict[str, str] = {

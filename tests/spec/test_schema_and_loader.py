@@ -429,3 +429,34 @@ def test_a_model_an_update_trains_is_not_fp16(tmp_path: Path) -> None:
                               "and fp16 gradients underflow and overflow without loss scaling")
     # bf16 trains; fp16 serves a model that only scores or gives reference log-probs
     load_pipeline(write(tmp_path, text.replace("fp16", "bf16")))
+
+
+def _ppo(**adv: Any) -> dict[str, Any]:
+    return {
+        "name": "p",
+        "models": {"actor": {"path": "builtin:tiny-llama"}, "critic": {"path": "builtin:tiny-llama", "kind": "value"},
+                   "reference": {"path": "builtin:tiny-llama"}},
+        "nodes": {
+            "rollout": {"role": "generate", "model": "actor", "inputs": ["prompts"]},
+            "reward": {"role": "score", "fn": "digits", "inputs": ["rollout"]},
+            "ref": {"role": "reference_logprob", "model": "reference", "inputs": ["rollout"]},
+            "values": {"role": "value", "model": "critic", "inputs": ["rollout"]},
+            "adv": {"role": "advantage", "estimator": "gae", "inputs": ["reward", "values", "ref"], **adv},
+            "train_actor": {"role": "update", "model": "actor", "inputs": ["rollout", "adv"]},
+            "train_critic": {"role": "update", "model": "critic", "inputs": ["rollout", "adv", "values"]},
+        },
+        "data": {"source": "builtin:digits"},
+    }
+
+
+def test_an_advantage_whose_kl_settings_would_do_nothing_is_refused() -> None:
+    pipeline_from_dict(_ppo(kl_coef=0.02, kl_target=0.1, kl_horizon=100))
+    # the reference is computed every step and read by nothing
+    with pytest.raises(SpecError, match="nodes.adv.inputs: kl_coef is 0, so the KL reward penalty is off and the "
+                                        "reference log-probs of 'ref' are never used here"):
+        pipeline_from_dict(_ppo())
+    # an adaptive coefficient that starts at 0 stays 0
+    with pytest.raises(SpecError, match="nodes.adv.kl_target: kl_target adapts kl_coef"):
+        pipeline_from_dict(_ppo(kl_target=0.1))
+    with pytest.raises(SpecError, match="nodes.adv.kl_horizon: kl_horizon is read only by the adaptive KL controller"):
+        pipeline_from_dict(_ppo(kl_coef=0.02, kl_horizon=100))
