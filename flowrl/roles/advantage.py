@@ -89,6 +89,12 @@ def _metrics(output: Advantages, mask: torch.Tensor | None, group_size: int, est
         "critic/advantages/min": float(counted.min()) if counted.numel() else 0.0,
         "critic/rewards/mean": float(output.scores.mean()),
     }
+    if output.kl is not None and mask is not None and output.kl_coef != 0.0:
+        # verl's critic/rewards: each sequence's reward with the KL penalty in it (the sum of
+        # its token rewards), where critic/score is the score alone
+        selected = mask.bool()
+        kl_sum = torch.where(selected, output.kl, torch.zeros_like(output.kl)).sum(dim=1)
+        metrics["critic/rewards/mean"] = float((output.scores - output.kl_coef * kl_sum).mean())
     if estimator in ("grpo", "rloo"):
         groups = output.scores.view(-1, group_size)
         # Groups whose samples all scored the same teach nothing to a group baseline.

@@ -125,3 +125,19 @@ def test_policy_update_takes_token_level_advantages() -> None:
     gain = ((after - before) * rollout.completion_mask).sum(dim=1)
     assert output.metrics["actor/num_optimizer_steps"] == 4.0
     assert gain[0] > 0 and gain[2] > 0 and gain[1] < 0 and gain[3] < 0
+
+
+def test_critic_rewards_carry_the_kl_penalty_as_in_verl() -> None:
+    # One row of two real tokens, score 1, per-token KL (policy - reference) [0.5, 0.3]:
+    # the sequence's reward is 1 - 0.1 * 0.8 = 0.92 (verl's critic/rewards/mean); its score
+    # stays 1 (critic/score/mean).
+    mask = torch.tensor([[1, 1, 0]])
+    policy = torch.tensor([[-1.0, -2.0, 0.0]])
+    reference = torch.tensor([[-1.5, -2.3, 5.0]])
+    node = _node("gae", gamma=1.0, lam=1.0, whiten=False, kl_coef=0.1)
+    output = run_advantage([Scores(torch.tensor([1.0]))], torch.zeros(1, 3), reference, policy, mask, 1, node,
+                           kl_coef=0.1)
+    assert abs(output.metrics["critic/rewards/mean"] - 0.92) < 1e-6
+    assert output.value.scores.tolist() == [1.0]
+    # the rewards are the returns of the first token at gamma = lam = 1 with zero values
+    assert abs(float(output.value.returns[0, 0]) - 0.92) < 1e-6
