@@ -124,6 +124,11 @@ class Replanner:
         if not decision.accepted or decision.plan is None:
             self.emit(RunEvent("replan", f"stays ({triggers}): {decision.reason}", step, data))
             return
+        try:
+            plan = plan_from_compiled(self.graph, decision.plan, self.slots)
+        except PlacementError as error:  # a placement the runtime cannot run: the current one stays
+            self.emit(RunEvent("replan", f"stays ({triggers}): {error}", step, data))
+            return
         for move in decision.moves:
             self.emit(
                 RunEvent(
@@ -133,7 +138,6 @@ class Replanner:
                     step,
                 )
             )
-        plan = plan_from_compiled(self.graph, decision.plan, self.slots)
         old = self.plan
         # learned row shares stay with split nodes whose workers did not change
         kept = {

@@ -13,6 +13,7 @@ from flowrl.devices.groups import model_group
 from flowrl.errors import PlacementError
 from flowrl.graph import PipelineGraph
 from flowrl.planner.compiled import CompiledPlan
+from flowrl.planner.pushes import push_cycle
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,9 @@ def plan_for(
                 group_slots[group].append(slot)
             if model is not None and slot not in model_slots.setdefault(model, []):
                 model_slots[model].append(slot)
+    deadlock = push_cycle(pipeline, every)
+    if deadlock is not None:
+        raise PlacementError(deadlock)
     return Plan(step, group_slots, model_slots, dict(node_slots), list(reasons or []), shards)
 
 

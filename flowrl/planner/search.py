@@ -45,6 +45,7 @@ from flowrl.errors import PlacementError
 from flowrl.graph import PipelineGraph
 from flowrl.planner.costs import CostSource
 from flowrl.devices.groups import model_group
+from flowrl.planner.pushes import push_cycle
 from flowrl.planner.simulate import Placement, Schedule, device_memory_gb, simulate
 
 
@@ -88,8 +89,11 @@ class Evaluation:
     schedule: Schedule
     memory_gb: dict[str, float]
     feasible: bool
+    """The memory fits with its reserve, and no weight pushes wait for each other."""
     headroom: float
     """Smallest share of any used device's memory left free (after nothing is reserved)."""
+    deadlock: str | None = None
+    """Why the updates' weight pushes would wait for each other (:func:`push_cycle`)."""
 
     @property
     def key(self) -> tuple[bool, float, float]:
@@ -254,7 +258,8 @@ def evaluate(
     schedule = simulate(pipeline, placement, inventory, costs)
     memory = device_memory_gb(pipeline, placement, inventory, costs)
     feasible, headroom = fits(memory, inventory, reserve)
-    return Evaluation(placement, schedule, memory, feasible, headroom)
+    deadlock = push_cycle(pipeline, {node: placed.devices for node, placed in placement.items()})
+    return Evaluation(placement, schedule, memory, feasible and deadlock is None, headroom, deadlock)
 
 
 def fits(memory: Mapping[str, float], inventory: Inventory, reserve: float) -> tuple[bool, float]:
@@ -295,7 +300,7 @@ def search(
     _, (_, best) = fewest_cpu_slots([(result.best, (index, result)) for index, result in enumerate(results)],
                                     best.best, inventory, lambda item: (item[0].key, item[1][0]))
     if not best.best.feasible:
-        raise PlacementError(_memory_message(best.best, inventory, options.memory_reserve, pipeline))
+        raise PlacementError(best.best.deadlock or _memory_message(best.best, inventory, options.memory_reserve, pipeline))
     return replace(best, num_evaluated=evaluated)
 
 

@@ -156,3 +156,40 @@ def test_a_step_s_change_reads_in_its_unit() -> None:
     assert _signed_duration(42.04) == "+42.0 s"
     # a 7B reference on a CPU slot: 382,780.6 s
     assert _signed_duration(382780.6) == "+106.3 h"
+
+
+def _crosswise(exclusive: bool) -> dict[str, Any]:
+    """PPO whose actor trains in gb and generates in ga, and whose critic trains in ga and
+    computes values in gb."""
+    ppo = load_pipeline(Path(__file__).resolve().parents[2] / "pipelines" / "ppo_tiny.yaml").spec.model_dump(
+        mode="json", exclude_unset=True
+    )
+    ppo["devices"] = {"ga": {"type": "cpu", "exclusive": exclusive}, "gb": {"type": "cpu", "exclusive": exclusive}}
+    for model in ppo["models"].values():
+        model["device_group"] = "ga"
+    ppo["nodes"]["values"]["device_group"] = "gb"
+    ppo["nodes"]["train_actor"]["device_group"] = "gb"
+    return ppo
+
+
+def test_updates_that_push_weights_to_each_other_s_workers_are_refused_or_share_a_slot() -> None:
+    # on two exclusive slots each update would wait for the other worker (busy with its own
+    # update) to take its weights: every step would hang until the node timeout
+    message = (r"'actor' trains on cpu-1 \(train_actor\) and sends its weights to its copy on cpu-0 \(rollout\); "
+               r"'critic' trains on cpu-0 \(train_critic\) and sends its weights to its copy on cpu-1 \(values\): "
+               r"each update would wait for a worker busy with the other update")
+    with pytest.raises(PlacementError, match=message):
+        _place(_crosswise(exclusive=True), cpu(0), cpu(1))
+    # groups that may share a device: the planner puts them on one slot, and nothing is pushed
+    plan = _place(_crosswise(exclusive=False), cpu(0), cpu(1))
+    assert plan.weight_peers("train_actor", "actor") == [] and plan.weight_peers("train_critic", "critic") == []
+    # a runtime plan made from node slots directly (a re-plan, a recovery) is refused too
+    from flowrl.planner.placement import plan_for
+
+    pipeline = pipeline_from_dict(_crosswise(exclusive=True))
+    slots = {node: "cpu-0" for node in pipeline.spec.nodes} | {"values": "cpu-1", "train_actor": "cpu-1"}
+    with pytest.raises(PlacementError, match="each update would wait"):
+        plan_for(pipeline, slots)
+    # one way only (the actor generates elsewhere, the critic stays whole) is no cycle
+    plan = plan_for(pipeline, {node: "cpu-0" for node in pipeline.spec.nodes} | {"rollout": "cpu-1"})
+    assert plan.weight_peers("train_actor", "actor") == ["cpu-1"]
