@@ -117,6 +117,12 @@ def has_final_model(output_dir: Path) -> bool:
     return final.is_dir() and any(final.iterdir())
 
 
+def rewound_name(name: str) -> str:
+    """Where :meth:`RunFolder.truncate_logs` keeps the lines of steps run again: metrics.jsonl
+    -> metrics.rewound.jsonl."""
+    return name.replace(".jsonl", ".rewound.jsonl")
+
+
 class RunFolder:
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -153,16 +159,19 @@ class RunFolder:
         """A fresh run starts the line files anew (a resumed run appends)."""
         for name in ("metrics.jsonl", "profile.jsonl", "events.jsonl", "samples.jsonl"):
             (self.path / name).write_text("")
+            (self.path / rewound_name(name)).unlink(missing_ok=True)
 
     def truncate_logs(self, last_step: int) -> int:
-        """Drop the metric, profile and sample lines of steps after ``last_step`` (they will be run
-        again), so the files never hold a step twice; returns how many metric lines went."""
+        """Move the metric, profile and sample lines of steps after ``last_step`` (they will be
+        run again) out of the run's files, so these never hold a step twice, into
+        ``NAME.rewound.jsonl`` beside them (appended: a run that stops before it trains those
+        steps again keeps their history); returns how many metric lines went."""
         dropped = 0
         for name in ("metrics.jsonl", "profile.jsonl", "samples.jsonl"):
             path = self.path / name
             if not path.is_file():
                 continue
-            kept = []
+            kept, moved = [], []
             for line in path.read_text().splitlines():
                 try:
                     step = step_line(line)[0]
@@ -170,8 +179,13 @@ class RunFolder:
                     continue  # a line cut short by a killed process
                 if step <= last_step:
                     kept.append(line)
-                elif name == "metrics.jsonl":
-                    dropped += 1
+                else:
+                    moved.append(line)
+            if moved:
+                with (self.path / rewound_name(name)).open("a") as aside:
+                    aside.write("".join(line + "\n" for line in moved))
+                if name == "metrics.jsonl":
+                    dropped = len(moved)
             path.write_text("".join(line + "\n" for line in kept))
         return dropped
 

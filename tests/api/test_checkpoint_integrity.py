@@ -71,6 +71,11 @@ def test_truncating_logs_drops_later_steps_and_cut_lines(tmp_path: Path) -> None
     assert folder.truncate_logs(2) == 1
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
     assert (tmp_path / "profile.jsonl").read_text() == '{"step": 2, "type": "node"}\n'
+    # the dropped lines are kept aside (a run that stops before running them again keeps them)
+    assert (tmp_path / "metrics.rewound.jsonl").read_text() == '{"step": 3}\n'
+    assert (tmp_path / "profile.rewound.jsonl").read_text() == '{"step": 3, "type": "node"}\n'
+    assert folder.truncate_logs(1) == 1  # appended
+    assert (tmp_path / "metrics.rewound.jsonl").read_text() == '{"step": 3}\n{"step": 2}\n'
 
 
 def test_config_changes_are_listed_as_a_diff() -> None:
