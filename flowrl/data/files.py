@@ -116,7 +116,7 @@ def _load_file(path: Path, source: str, split: str) -> Any:
         )
     if _empty_file(path):
         example = ", e.g. one JSON object per line" if builder == "json" else ""
-        raise DataError(f"data file {source} is empty; write one example per row{example}")
+        raise DataError(f"data file {source} is empty (it has no rows); write one example per row{example}")
     if builder == "json":
         # Checked before pyarrow reads it: pyarrow's JSON reader crashes the process (a
         # segmentation fault, pyarrow 26) on a line that is not an object, such as `null`.
@@ -128,9 +128,21 @@ def _load_file(path: Path, source: str, split: str) -> Any:
 
 
 def _empty_file(path: Path) -> bool:
-    """No rows: no bytes, or (a text format) only white space."""
-    return path.stat().st_size == 0 or (FILE_BUILDERS.get(path.suffix.lower()) != "parquet"
-                                        and not path.read_bytes().strip())
+    """No rows: no bytes, a text format with only white space, a CSV file with its header
+    line alone, or a Parquet file whose footer counts no row (``datasets`` says only
+    "corresponds to no data" or a reader's batch-size error for these)."""
+    if path.stat().st_size == 0:
+        return True
+    builder = FILE_BUILDERS.get(path.suffix.lower())
+    if builder == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            return bool(pq.ParquetFile(path).metadata.num_rows == 0)
+        except Exception:  # noqa: BLE001 - not a Parquet file: the reader's own error says so
+            return False
+    lines = [line for line in path.read_bytes().splitlines() if line.strip()]
+    return not lines or (builder == "csv" and len(lines) == 1)
 
 
 def _load_folder(path: Path, source: str, split: str) -> Any:

@@ -348,6 +348,16 @@ def test_missing_empty_and_odd_sources(tmp_path: Path) -> None:
     (tmp_path / "empty.jsonl").write_text("\n  \n")
     with pytest.raises(DataError, match=r"data file empty\.jsonl is empty"):
         PromptSource("empty.jsonl", 1, 0, base_dir=tmp_path)
+    # a CSV file with its header alone, a Parquet file of no rows: named as empty too
+    (tmp_path / "header.csv").write_text("prompt,answer\n")
+    with pytest.raises(DataError, match=r"data file header\.csv is empty \(it has no rows\)"):
+        PromptSource("header.csv", 1, 0, base_dir=tmp_path)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), tmp_path / "none.parquet")
+    with pytest.raises(DataError, match=r"data file none\.parquet is empty \(it has no rows\)"):
+        PromptSource("none.parquet", 1, 0, base_dir=tmp_path)
     (tmp_path / "folder").mkdir()
     with pytest.raises(DataError, match="holds neither a dataset written by save_to_disk nor data files"):
         PromptSource("folder", 1, 0, base_dir=tmp_path)
