@@ -230,6 +230,32 @@ class _Checker:
         self._check_reference_model(name)
         if self.reliable(f"{path}.inputs") and self._check_inputs(name):
             self._check_role(name)
+            self._check_mini_batch(name)
+
+    def _check_mini_batch(self, name: str) -> None:
+        """A rollout splits into whole mini-batches (as verl asks): a size that does not divide
+        it leaves a last optimizer step on the few sequences left over, with the weight of a
+        whole one, and a size above it is one step over the rollout, not what was asked."""
+        node = self.spec.nodes[name]
+        size = getattr(node, "mini_batch_size", None)
+        path = f"nodes.{name}.mini_batch_size"
+        if size is None or not self.reliable(path) or not self.reliable("data.batch_size"):
+            return
+        rollouts = [self.spec.nodes[item] for item in node.inputs if isinstance(self.spec.nodes.get(item), GenerateNode)]
+        if len(rollouts) != 1:
+            return
+        rollout = rollouts[0]
+        assert isinstance(rollout, GenerateNode)
+        rows = self.spec.data.batch_size * rollout.n
+        where = f"the {rows} sequences of a rollout (data.batch_size {self.spec.data.batch_size} x n {rollout.n})"
+        if size > rows:
+            self.add(path, f"mini_batch_size {size} is more than {where}; set at most {rows}, or remove it (one "
+                           "optimizer step over the whole rollout)")
+        elif rows % size:
+            divisors = [d for d in range(1, rows + 1) if rows % d == 0]
+            shown = ", ".join(map(str, divisors[:12])) + (", ..." if len(divisors) > 12 else "")
+            self.add(path, f"mini_batch_size {size} does not divide {where}: the last optimizer step would hold "
+                           f"{rows % size} sequence(s); choose a divisor of {rows} ({shown})")
 
     def _check_reference_model(self, name: str) -> None:
         """A reference is a frozen model: a trained policy serves as one only through its

@@ -462,3 +462,19 @@ def test_a_mistake_inside_lora_is_named_with_lora_s_own_fields(lora: dict[str, A
     with pytest.raises(SpecError) as caught:
         pipeline_from_dict(data)
     assert len(caught.value.issues) == 1 and message in str(caught.value)
+
+
+def test_a_mini_batch_size_must_split_the_rollout_into_whole_mini_batches() -> None:
+    data = grpo()
+    data["data"] = {"source": "builtin:digits", "batch_size": 4}
+    data["nodes"]["rollout"]["n"] = 4  # 16 sequences
+    data["nodes"]["train"]["mini_batch_size"] = 8
+    assert issues(data) == []
+    data["nodes"]["train"]["mini_batch_size"] = 5
+    assert issues(data) == [
+        "nodes.train.mini_batch_size: mini_batch_size 5 does not divide the 16 sequences of a rollout (data.batch_size "
+        "4 x n 4): the last optimizer step would hold 1 sequence(s); choose a divisor of 16 (1, 2, 4, 8, 16)"]
+    data["nodes"]["train"]["mini_batch_size"] = 64
+    assert issues(data) == [
+        "nodes.train.mini_batch_size: mini_batch_size 64 is more than the 16 sequences of a rollout (data.batch_size 4 "
+        "x n 4); set at most 16, or remove it (one optimizer step over the whole rollout)"]
