@@ -88,6 +88,10 @@ def _metrics(output: Advantages, mask: torch.Tensor | None, group_size: int, est
         "critic/advantages/max": float(counted.max()) if counted.numel() else 0.0,
         "critic/advantages/min": float(counted.min()) if counted.numel() else 0.0,
         "critic/rewards/mean": float(output.scores.mean()),
+        # the extremes of the sequences' total score (several score nodes' sum): the score
+        # nodes' own extremes do not add up to them
+        "critic/score/max": float(output.scores.max()) if output.scores.numel() else 0.0,
+        "critic/score/min": float(output.scores.min()) if output.scores.numel() else 0.0,
     }
     if output.kl is not None and mask is not None and output.kl_coef != 0.0:
         # verl's critic/rewards: each sequence's reward with the KL penalty in it (the sum of

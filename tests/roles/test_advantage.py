@@ -33,6 +33,8 @@ def test_grpo_from_the_schema_node_equals_the_plain_function() -> None:
     assert torch.equal(result.scores, torch.tensor([1.0, 1.0, 0.5, 0.25]))
     torch.testing.assert_close(result.advantages, grpo_advantages(result.scores, 2))
     assert output.metrics["critic/zero_std_groups"] == 0.5
+    # the total score's extremes: 1 and 0.25 (neither node's own, 1/0.5 and 1/0)
+    assert (output.metrics["critic/score/max"], output.metrics["critic/score/min"]) == (1.0, 0.25)
 
 
 def test_rloo_by_hand() -> None:
