@@ -170,7 +170,9 @@ class PromptFormatter:
         if value is None:
             return "", False, f"no '{prompt_key}' in this row"
         if isinstance(value, str):
-            return (value, False, None) if value else ("", False, f"an empty '{prompt_key}'")
+            if not value.strip():  # nothing to generate from (a tokenizer may give it no token at all)
+                return "", False, f"an empty '{prompt_key}'" if not value else f"only white space in '{prompt_key}'"
+            return value, False, None
         if isinstance(value, list):
             why = _chat_problem(value)
             if why is not None:

@@ -316,16 +316,17 @@ def test_every_bad_line_and_row_is_reported(tmp_path: Path) -> None:
     assert lines[1].startswith("  data.jsonl:2: expected a JSON object, found invalid JSON (Unterminated string")
     assert lines[2] == "  data.jsonl:3: expected a JSON object, found an array: [1, 2]"
     (tmp_path / "rows.jsonl").write_text(
-        "\n".join(['{"prompt": "fine"}', '{"question": "q"}', '{"prompt": 12}', '{"prompt": ""}'])
+        "\n".join(['{"prompt": "fine"}', '{"question": "q"}', '{"prompt": 12}', '{"prompt": ""}', '{"prompt": " \\n "}'])
     )
     with pytest.raises(DataError) as caught:
         PromptSource("rows.jsonl", 1, 0, base_dir=tmp_path)
     lines = str(caught.value).splitlines()
-    assert lines[0] == "3 bad rows in rows.jsonl (each row needs a non-empty string or a list of chat messages in 'prompt'):"
+    assert lines[0] == "4 bad rows in rows.jsonl (each row needs a non-empty string or a list of chat messages in 'prompt'):"
     assert lines[1:] == [
         "  rows.jsonl: row 2: no 'prompt' in this row",
         "  rows.jsonl: row 3: 'prompt' is int 12",
         "  rows.jsonl: row 4: an empty 'prompt'",
+        "  rows.jsonl: row 5: only white space in 'prompt'",
     ]
     _write_jsonl(tmp_path / "q.jsonl", [{"question": "q"}])
     with pytest.raises(DataError, match=r"q\.jsonl has no column 'prompt' \(columns: question\); set data.prompt_key"):
