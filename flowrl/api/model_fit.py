@@ -25,7 +25,7 @@ from flowrl.backends.model_facts import ModelFacts, model_facts
 from flowrl.errors import ModelLoadError
 from flowrl.graph import PipelineGraph
 from flowrl.spec.messages import Issue
-from flowrl.spec.schema import GenerateNode, eval_score_nodes
+from flowrl.spec.schema import GenerateNode, ScoreNode, eval_score_nodes
 
 
 @dataclass(frozen=True)
@@ -156,14 +156,17 @@ def _vocabulary_issues(graph: PipelineGraph, base_dir: Path | None, facts: dict[
     described = "the tokenizer of" if tokens is not None else "the embedding of"
     if tokens is None and policy in facts:
         tokens = facts[policy].vocabulary
-    others = [name for name in graph.spec.models if name != policy]
+    # a reward model that reads the texts with its own tokenizer (retokenize) needs none of the policy's ids
+    own_tokens = {node.model for node in graph.spec.nodes.values()
+                  if isinstance(node, ScoreNode) and node.retokenize and node.model is not None}
+    others = [name for name in graph.spec.models if name != policy and name not in own_tokens]
     for name in others:
         rows = facts[name].vocabulary if name in facts else None
         if tokens is not None and rows is not None and rows < tokens:
             issues.append((f"models.{name}.path",
                            f"model '{name}' has {rows} token ids ({facts[name].source}), but {described} the "
                            f"policy '{policy}' has {tokens}: every model of a pipeline reads the policy's token "
-                           "ids, so it needs the policy's tokenizer; give a model trained with it"))
+                           f"ids, so it needs the policy's tokenizer; give a model trained with it{_retokenize_hint(graph, name)}"))
     if issues:
         return issues
     policy_vocabulary = dict(policy_tokenizer.get_vocab()) if policy_tokenizer is not None else None
@@ -239,7 +242,17 @@ def _tokenizer_mismatch(graph: PipelineGraph, base_dir: Path | None, policy: str
     return (f"the tokenizer of model '{name}' ({where}) is not the policy's: {len(differ)} of the "
             f"{len(policy_vocabulary)} tokens of '{policy}' have another id there (token {token!r} is {index} "
             f"for '{policy}', {'absent' if their_index is None else their_index} for '{name}'); every model of a pipeline "
-            "reads the policy's token ids, so give a model trained with the policy's tokenizer")
+            f"reads the policy's token ids, so give a model trained with the policy's tokenizer"
+            f"{_retokenize_hint(graph, name)}")
+
+
+def _retokenize_hint(graph: PipelineGraph, name: str) -> str:
+    """The other way out for a reward model: its score nodes read the texts with its own tokenizer."""
+    scorers = [node for node, spec in graph.spec.nodes.items() if isinstance(spec, ScoreNode) and spec.model == name]
+    if graph.spec.models[name].kind != "reward" or not scorers:
+        return ""
+    return (f", or set retokenize: true on score node '{scorers[0]}' (it then reads each prompt and completion as "
+            "text with the reward model's own tokenizer)")
 
 
 def _model_tokenizer(graph: PipelineGraph, base_dir: Path | None, name: str) -> Any:

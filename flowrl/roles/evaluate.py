@@ -98,13 +98,13 @@ def run_evaluation(
 
 
 def score_held_out(state: ModelState, node: str, rollouts: Sequence[Any], n: int,
-                   micro_batch_tokens: int | None) -> NodeOutput:
+                   micro_batch_tokens: int | None, retokenize: bool = False) -> NodeOutput:
     """A reward model's ``val/<node>/*`` over an evaluation's completions (``rollouts`` in
     prompt order), as a reward function's (its weight not applied)."""
     values: list[float] = []
     tokens_in = 0
     for rollout in rollouts:
-        scores = run_reward_model(state, rollout, 1.0, micro_batch_tokens)
+        scores = run_reward_model(state, rollout, 1.0, micro_batch_tokens, retokenize)
         values.extend(scores.value.values.tolist())
         tokens_in += scores.tokens_in
     # no pass@n: "a completion scoring above 0" is a verdict for a checker's scores, not for a

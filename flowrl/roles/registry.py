@@ -122,7 +122,8 @@ class Score:
     def run(self, context: RoleContext, inputs: Inputs, call: RoleCall[ScoreNode]) -> NodeOutput:
         spec, rollout = call.spec, _rollout(inputs)
         if spec.model is not None:
-            return run_reward_model(context.model(call), rollout, spec.weight, pass_tokens(spec.micro_batch_tokens))
+            return run_reward_model(context.model(call), rollout, spec.weight, pass_tokens(spec.micro_batch_tokens),
+                                    spec.retokenize)
         assert spec.fn is not None  # the schema wants fn or model
         return run_score(rollout, context.rewards.get(spec.fn), spec.weight, spec.on_error, spec.fn_name, spec.params)
 

@@ -1,13 +1,16 @@
 """The ``score`` role backed by a reward model: one scalar per completion, read at its end.
 
 The reward model (a :class:`~flowrl.backends.value_model.ScalarHeadModel`) reads the
-rollout's token ids, so it must share the policy's tokenizer (true of the builtin models).
+rollout's token ids, so it must share the policy's tokenizer (true of the builtin models),
+or, with ``retokenize``, the prompts and completions as text through its own tokenizer.
 Its score is the scalar at the last real token of prompt + completion, the end-of-sequence
 token when generation stopped there: prompts are left-padded and completions right-padded,
 so that is the last column where the joined attention mask is 1, whatever the padding.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -52,13 +55,50 @@ def _scores(module: torch.nn.Module, rollout: Rollout, device: torch.device) -> 
     return scalars[torch.arange(scalars.shape[0], device=scalars.device), last]
 
 
+def reward_texts(rollout: Rollout, tokenizer: Any) -> tuple[list[str], bool]:
+    """Each row's prompt and completion as one text for a reward model's own tokenizer, and
+    whether those texts hold their special tokens already: a chat prompt and its completion as
+    an assistant message through the tokenizer's chat template when it has one (its special
+    tokens written by the template), else the prompt text and the completion joined."""
+    completions = list(rollout.completions)
+    if rollout.chat and rollout.data_prompts and getattr(tokenizer, "chat_template", None):
+        texts = [tokenizer.apply_chat_template([*messages, {"role": "assistant", "content": completion}],
+                                               tokenize=False)
+                 for messages, completion in zip(rollout.data_prompts, completions)]
+        return texts, True
+    return [prompt + completion for prompt, completion in zip(rollout.prompts, completions)], False
+
+
+def retokenized_scores(module: torch.nn.Module, tokenizer: Any, rollout: Rollout, device: torch.device,
+                       micro_batch_tokens: int | None = None) -> torch.Tensor:
+    """``[N]`` float32 scores of a rollout read as text by the reward model's ``tokenizer``
+    (:func:`reward_texts`), in passes of at most ``micro_batch_tokens`` of the policy's tokens."""
+
+    def scores(part: Rollout) -> torch.Tensor:
+        texts, templated = reward_texts(part, tokenizer)
+        encoded = tokenizer(texts, add_special_tokens=not templated, padding=True, return_tensors="pt")
+        mask = encoded["attention_mask"]
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # whichever side the tokenizer pads
+        scalars = module(input_ids=to_device(encoded["input_ids"], device), attention_mask=to_device(mask, device),
+                         position_ids=to_device(positions, device)).float()
+        last = to_device(last_token_index(mask), scalars.device)
+        return scalars[torch.arange(scalars.shape[0], device=scalars.device), last]
+
+    return in_micro_batches(rollout, micro_batch_tokens, scores).cpu()
+
+
 def run_reward_model(
-    state: ModelState, rollout: Rollout, weight: float, micro_batch_tokens: int | None = None
+    state: ModelState, rollout: Rollout, weight: float, micro_batch_tokens: int | None = None,
+    retokenize: bool = False,
 ) -> NodeOutput:
-    """Scores times ``weight``, as :func:`flowrl.roles.score.run_score` returns them."""
+    """Scores times ``weight``, as :func:`flowrl.roles.score.run_score` returns them; with
+    ``retokenize``, of the texts read by the reward model's own tokenizer."""
     state.module.eval()
     with torch.inference_mode():
-        values = sequence_scores(state.module, rollout, state.device, micro_batch_tokens)
+        if retokenize:
+            values = retokenized_scores(state.module, state.tokenizer, rollout, state.device, micro_batch_tokens)
+        else:
+            values = sequence_scores(state.module, rollout, state.device, micro_batch_tokens)
     scores = Scores(values=values.clone() * weight, num_failed=0)
     return NodeOutput(
         value=scores,

@@ -92,6 +92,8 @@ class HeldOutScoreCall:
     """The hosts that generated the completions, in prompt order (None: this host)."""
     n: int
     """Completions per prompt (consecutive)."""
+    retokenize: bool = False
+    """The reward model reads the texts with its own tokenizer (``ScoreNode.retokenize``)."""
 
 
 @dataclass(frozen=True)

@@ -354,7 +354,7 @@ class RoleHost:
             started = time.perf_counter()
             state = self.models[call.model]
             with state.paged_in():  # an offloaded reward model's weights are on the device only now
-                output = score_held_out(state, call.node, rollouts, call.n, call.micro_batch_tokens)
+                output = score_held_out(state, call.node, rollouts, call.n, call.micro_batch_tokens, call.retokenize)
             return output, time.perf_counter() - started
 
         output, compute_s = await asyncio.get_running_loop().run_in_executor(self._compute, work)

@@ -277,7 +277,8 @@ class Session:
             assert isinstance(spec, ScoreNode) and spec.model is not None
             slot = self.plan.slots_of(node)[0]
             call = HeldOutScoreCall(step, node, spec.model, pass_tokens(spec.micro_batch_tokens),
-                                    tuple(None if source == slot else self.hosts[source] for source in sources), n)
+                                    tuple(None if source == slot else self.hosts[source] for source in sources), n,
+                                    retokenize=spec.retokenize)
             futures.append((slot, self.hosts[slot].score_held_out(call)))
         return self.gather(futures, timeout_s, "evaluation's reward models")
 

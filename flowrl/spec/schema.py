@@ -415,6 +415,11 @@ class ScoreNode(_NodeBase):
     """With a reward model: most padded tokens (rows x longest row) in one forward pass, rows
     sorted by length; ``auto``: the largest pass that the planner's memory model fits (as on
     reference_logprob nodes). None: the whole batch in one pass. Default None."""
+    retokenize: bool = False
+    """With a reward model whose tokenizer is not the policy's: read each prompt and completion
+    as text with the reward model's own tokenizer (a chat prompt and its completion as an
+    assistant message through its chat template, when it has one) instead of the policy's
+    token ids. Default false."""
 
     @field_serializer("fn")
     def _fn_as_text(self, fn: str | PythonFunction | None) -> str | None:
@@ -449,6 +454,9 @@ class ScoreNode(_NodeBase):
         if self.model is None and self.micro_batch_tokens is not None:
             raise ValueError("micro_batch_tokens bounds a reward model's forward passes; this score calls "
                              "a function ('fn'): leave micro_batch_tokens out")
+        if self.model is None and self.retokenize:
+            raise ValueError("retokenize reads the texts with a reward model's own tokenizer; this score calls "
+                             "a function ('fn'), which gets the texts anyway: leave retokenize out")
         if self.model is not None:
             function_only = [name for name in ("params", "on_error") if name in self.changed_fields()]
             if function_only:

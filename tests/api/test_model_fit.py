@@ -183,3 +183,43 @@ def test_a_local_copy_of_a_builtin_model_reads_the_builtin_ids(tmp_path: Path) -
     copy = _folder(tmp_path, "copy", config, build_char_tokenizer())
     assert model_fit_issues(_pipeline(actor=copy, reference="builtin:tiny-llama"), None) == []
     assert model_fit_issues(_pipeline(actor="builtin:tiny-llama", reference=copy), None) == []
+
+
+def test_a_reward_model_of_another_tokenizer_reads_the_texts_with_retokenize(tmp_path: Path) -> None:
+    rm = _folder(tmp_path, "rm", {"vocab_size": 100, "max_position_embeddings": 64, "num_labels": 1,
+                                  "architectures": ["LlamaForSequenceClassification"]}, _tokenizer("upeabc"))
+
+    def pipeline(retokenize: bool) -> Any:
+        return pipeline_from_dict({
+            "name": "p",
+            "models": {"actor": {"path": "builtin:tiny-llama"}, "rm": {"path": rm, "kind": "reward"}},
+            "nodes": {
+                "rollout": {"role": "generate", "model": "actor", "inputs": ["prompts"], "n": 2, "max_new_tokens": 16},
+                "score": {"role": "score", "model": "rm", "inputs": ["rollout"], "retokenize": retokenize},
+                "adv": {"role": "advantage", "inputs": ["score"]},
+                "train": {"role": "update", "model": "actor", "inputs": ["rollout", "adv"]},
+            },
+            "data": {"source": "builtin:digits"},
+        })
+
+    [(field, message)] = model_fit_issues(pipeline(False), None)
+    assert field == "models.rm.path" and "is not the policy's" in message
+    assert message.endswith("or set retokenize: true on score node 'score' (it then reads each prompt and completion "
+                            "as text with the reward model's own tokenizer)")
+    assert model_fit_issues(pipeline(True), None) == []
+
+
+def test_retokenize_belongs_to_a_reward_model() -> None:
+    from flowrl.errors import SpecError
+
+    with pytest.raises(SpecError, match="retokenize reads the texts with a reward model's own tokenizer"):
+        pipeline_from_dict({
+            "name": "p", "models": {"actor": {"path": "builtin:tiny-llama"}},
+            "nodes": {
+                "rollout": {"role": "generate", "model": "actor", "inputs": ["prompts"]},
+                "score": {"role": "score", "fn": "digits", "inputs": ["rollout"], "retokenize": True},
+                "adv": {"role": "advantage", "inputs": ["score"]},
+                "train": {"role": "update", "model": "actor", "inputs": ["rollout", "adv"]},
+            },
+            "data": {"source": "builtin:digits"},
+        })

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any
+
 import torch
 
 from flowrl.backends.tokenizer import build_char_tokenizer
 from flowrl.roles.batch import Rollout, Scores
-from flowrl.roles.reward_model import last_token_index, run_reward_model
+from flowrl.roles.reward_model import last_token_index, reward_texts, run_reward_model
 from tests.tiny_models import model_state, tiny_scalar_model
 
 
@@ -120,3 +123,52 @@ def test_a_token_budget_splits_the_forward_and_keeps_each_rows_score() -> None:
     # the probe model's scores are exact: the same ids as without a budget, row by row
     probe = run_reward_model(model_state("reward", ProbeModel()), rollout, weight=1.0, micro_batch_tokens=12)
     assert probe.value.values.tolist() == [float(ids("5")), float(tokenizer.eos_token_id), float(ids("9")), float(ids("="))]
+
+
+def _own_tokenizer() -> Any:
+    """A character tokenizer with other ids than the policy's (and its own special tokens)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocabulary = {"<unk>": 0, "<pad>": 1, "</s>": 2}
+    vocabulary.update({char: 3 + index for index, char in enumerate("|=9876543210zyxwvutsrqponmlkjihgfedcba")})
+    backend = Tokenizer(models.WordLevel(vocab=vocabulary, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>", eos_token="</s>")
+
+
+def test_retokenize_reads_prompt_and_completion_texts_with_the_reward_model_s_tokenizer() -> None:
+    policy = build_char_tokenizer()
+    ids = policy.convert_tokens_to_ids
+    own = _own_tokenizer()
+    rollout = _rollout(["ab=", "q="], [[ids("1"), ids("2")], [ids("7"), policy.eos_token_id]])
+    state = model_state("reward", ProbeModel())
+    # the policy's ids: the last real token of each row, "2" and the end-of-sequence token
+    plain = run_reward_model(state, rollout, weight=1.0).value.values.tolist()
+    assert plain == [float(ids("2")), float(policy.eos_token_id)]
+    # the texts "ab=12" and "q=7" through the reward model's tokenizer: its ids of "2" and "7"
+    state.tokenizer = own
+    texts = run_reward_model(state, rollout, weight=1.0, retokenize=True).value.values.tolist()
+    assert texts == [float(own.convert_tokens_to_ids("2")), float(own.convert_tokens_to_ids("7"))]
+    # chats through the reward model's chat template: "ab=|12|" ends with its "|"
+    own.chat_template = "{% for message in messages %}{{ message['content'] }}|{% endfor %}"
+    chats = replace(rollout, chat=True, data_prompts=[[{"role": "user", "content": "ab="}],
+                                                      [{"role": "user", "content": "q="}]])
+    assert reward_texts(chats, own) == (["ab=|12|", "q=|7|"], True)
+    templated = run_reward_model(state, chats, weight=1.0, retokenize=True).value.values.tolist()
+    assert templated == [float(own.convert_tokens_to_ids("|"))] * 2
+    # a real model: a token budget splits the passes and keeps each row's score
+    model = tiny_scalar_model()
+    torch.nn.init.normal_(model.head.weight, std=0.3)
+    scalar = model_state("reward", model)
+    scalar.tokenizer = own
+    whole = run_reward_model(scalar, rollout, weight=1.0, retokenize=True).value.values
+    split = run_reward_model(scalar, rollout, weight=1.0, micro_batch_tokens=6, retokenize=True).value.values
+    torch.testing.assert_close(split, whole, atol=1e-5, rtol=1e-5)
+    # each row alone, tokenized by hand, scores the same as in the padded batch
+    for row, text in enumerate(["ab=12", "q=7"]):
+        encoded = own(text, return_tensors="pt")
+        with torch.no_grad():
+            alone = model(input_ids=encoded["input_ids"], attention_mask=encoded["attention_mask"],
+                          position_ids=torch.arange(encoded["input_ids"].shape[1]).unsqueeze(0))[0, -1]
+        torch.testing.assert_close(whole[row], alone.float(), atol=1e-5, rtol=1e-5)
