@@ -167,9 +167,11 @@ def base_fingerprint(module: torch.nn.Module) -> str:
             if _is_adapter_key(name) or not tensor.is_floating_point() or tensor.numel() == 0:
                 continue
             flat = tensor.reshape(-1)
-            picks = torch.linspace(0, flat.numel() - 1, min(FINGERPRINT_SAMPLES, flat.numel()),
-                                   device=flat.device).long()
-            samples.append(flat[picks].to(torch.bfloat16).float())
+            # integer positions, the same on every device (float positions round past the end
+            # of a tensor of more than 2^24 elements, and differently on a GPU and a CPU)
+            count = min(FINGERPRINT_SAMPLES, flat.numel())
+            picks = torch.arange(count) * (flat.numel() - 1) // max(count - 1, 1)
+            samples.append(flat[picks.to(flat.device)].to(torch.bfloat16).float())
             names.append(f"{name}{tuple(tensor.shape)}")
     digest.update("\n".join(names).encode())
     if samples:

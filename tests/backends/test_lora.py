@@ -299,3 +299,15 @@ def test_a_bf16_model_gets_bf16_adapters_stepped_through_fp32_masters(tiny_llama
     master = optimizer.param_groups[0]["params"][index]  # the masters are what AdamW steps
     assert torch.equal(b.detach(), torch.full_like(b, 0.1))
     assert (master - b.detach().float()).abs().max().item() == pytest.approx(1e-6, rel=2e-2)
+
+
+def test_the_base_fingerprint_samples_large_tensors_up_to_their_last_element() -> None:
+    """More than 2^24 elements (a real model's embedding): positions computed in floats would
+    round past the end; the last element is one of the samples."""
+    from flowrl.backends.lora import base_fingerprint
+
+    module = torch.nn.Embedding(4097, 4096).to(torch.bfloat16)
+    before = base_fingerprint(module)
+    with torch.no_grad():
+        module.weight[-1, -1] += 1.0
+    assert base_fingerprint(module) != before
