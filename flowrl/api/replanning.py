@@ -66,8 +66,9 @@ class Replanner:
 
     def shrink(self, step: int, gone: list[str], survivors: list[str]) -> Plan:
         """The plan without the slots in ``gone`` (their workers did not come back): the
-        policy re-plans when it can (it then knows the devices are gone), else each node
-        of a lost slot moves to the survivor that runs the fewest. The next session runs it."""
+        policy re-plans when it can (it then knows the devices are gone), else the nodes of a
+        lost slot move to the survivors (``without_slots``: with their model's other nodes, on
+        the survivor that runs the fewest). The next session runs it."""
         for decision in self.policy.decide(step, [DeviceLost(slot) for slot in gone]):
             if decision.accepted and decision.plan is not None:
                 try:
@@ -124,11 +125,9 @@ class Replanner:
         if not decision.accepted or decision.plan is None:
             self.emit(RunEvent("replan", f"stays ({triggers}): {decision.reason}", step, data))
             return
-        try:
-            plan = plan_from_compiled(self.graph, decision.plan, self.slots)
-        except PlacementError as error:  # a placement the runtime cannot run: the current one stays
-            self.emit(RunEvent("replan", f"stays ({triggers}): {error}", step, data))
-            return
+        # (the policy's search counts a placement whose weight pushes wait for each other as
+        # infeasible, so it never accepts one)
+        plan = plan_from_compiled(self.graph, decision.plan, self.slots)
         for move in decision.moves:
             self.emit(
                 RunEvent(

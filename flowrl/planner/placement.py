@@ -133,7 +133,9 @@ def without_slots(pipeline: PipelineGraph, plan: Plan, lost: set[str], survivors
     node left without a slot moves to where its model already runs on a survivor, else to the
     survivor that runs the fewest nodes (first in ``survivors`` on a tie), and the other nodes
     of its model follow it there: the move makes no copy of a model that an update would have
-    to push its weights to. Raises PlacementError when no survivor is left."""
+    to push its weights to. Where those homes would make two updates push weights to each
+    other's workers (:func:`push_cycle`), every moved node goes to one survivor that makes no
+    such cycle. Raises PlacementError when no survivor is left, or every choice deadlocks."""
     if not survivors:
         raise PlacementError(f"no worker is left to run the pipeline (lost: {', '.join(sorted(lost))}; no other "
                              "worker of the cluster answers)")
@@ -152,11 +154,13 @@ def without_slots(pipeline: PipelineGraph, plan: Plan, lost: set[str], survivors
             home.setdefault(model, kept[0])
     node_slots: dict[str, str] = {}
     reasons = []
+    moved: list[str] = []
     for node, slot in plan.node_slots.items():
         kept = shards.get(node, [slot] if slot not in lost else [])
         if kept:
             node_slots[node] = kept[0]
             continue
+        moved.append(node)
         model = pipeline.spec.nodes[node].model
         target = home.get(model) if model is not None else None
         if target is None:
@@ -167,4 +171,17 @@ def without_slots(pipeline: PipelineGraph, plan: Plan, lost: set[str], survivors
         node_slots[node] = target
         reasons.append(f"{node} -> {target}: {slot} was lost")
     kept_shards = {node: slots for node, slots in shards.items() if len(slots) > 1}
+
+    def layout(slots: dict[str, str]) -> dict[str, list[str]]:
+        return {node: kept_shards.get(node, [slot]) for node, slot in slots.items()}
+
+    if moved and push_cycle(pipeline, layout(node_slots)) is not None:
+        # the models' homes made updates push weights to each other's workers: every moved
+        # node on one survivor instead, the least busy first, where that makes no such cycle
+        for target in sorted(survivors, key=lambda name: (load[name], survivors.index(name))):
+            together = {**node_slots, **{node: target for node in moved}}
+            if push_cycle(pipeline, layout(together)) is None:
+                node_slots = together
+                reasons = [f"{node} -> {target}: {plan.node_slots[node]} was lost" for node in moved]
+                break
     return plan_for(pipeline, node_slots, step, reasons, kept_shards)

@@ -193,3 +193,19 @@ def test_updates_that_push_weights_to_each_other_s_workers_are_refused_or_share_
     # one way only (the actor generates elsewhere, the critic stays whole) is no cycle
     plan = plan_for(pipeline, {node: "cpu-0" for node in pipeline.spec.nodes} | {"rollout": "cpu-1"})
     assert plan.weight_peers("train_actor", "actor") == ["cpu-1"]
+
+
+def test_without_slots_sends_the_moved_nodes_where_no_weight_pushes_wait_for_each_other() -> None:
+    # rollout split over cpu-1 and cpu-2, the critic's values on cpu-1 and its update on cpu-2,
+    # the actor's update on cpu-0: no cycle. Losing cpu-0, the actor's home would be cpu-1 (its
+    # rollout's first shard): the actor trained on cpu-1 pushing to cpu-2 and the critic
+    # trained on cpu-2 pushing to cpu-1 would wait for each other. cpu-2 makes no cycle.
+    from flowrl.planner.placement import plan_for, without_slots
+    from flowrl.planner.pushes import push_cycle
+
+    pipeline = load_pipeline(Path(__file__).resolve().parents[2] / "pipelines" / "ppo_tiny.yaml")
+    slots = {node: "cpu-1" for node in pipeline.spec.nodes} | {"train_critic": "cpu-2", "train_actor": "cpu-0"}
+    plan = plan_for(pipeline, slots, node_shards={"rollout": ["cpu-1", "cpu-2"]})
+    shrunk = without_slots(pipeline, plan, {"cpu-0"}, ["cpu-1", "cpu-2"], step=3)
+    assert shrunk.node_slots["train_actor"] == "cpu-2"
+    assert push_cycle(pipeline, {node: shrunk.slots_of(node) for node in shrunk.node_slots}) is None
