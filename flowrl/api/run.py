@@ -197,9 +197,14 @@ def run(
             local_cluster.discard()  # a run that stopped before taking it
 
 
-def _kept_before_steps(folder: RunFolder, start: FoundCheckpoint | None) -> str:
+def _kept_before_steps(folder: RunFolder, start: FoundCheckpoint | None, rolling_back: bool = False) -> str:
     """What a run stopped before its first step leaves: the checkpoint it was to resume from,
-    untouched, or nothing."""
+    untouched, or nothing; a roll-back stopped before its checkpoint was restored moved nothing."""
+    if start is not None and rolling_back:
+        newest = newest_checkpoint(folder.checkpoints)
+        return (f"nothing was rolled back or moved: `flowrl resume {folder.path}` goes on from "
+                f"{newest.path.name if newest is not None else 'the start'}, and `--checkpoint {start.path.name}` "
+                "rolls back again")
     if start is not None:
         return f"its newest checkpoint is still {start.path.name} (`flowrl resume {folder.path}` goes on from it)"
     return "no checkpoint was written, so a rerun starts from step 1"
@@ -267,8 +272,10 @@ def _run(pipeline: PipelineGraph | Pipeline, options: RunOptions, observer: Obse
 
     if recorded == config_text:
         folder.write_config(config_text)
-    folder.write_run_info({"base_dir": str(base_dir or Path.cwd()), "finished_steps": None, "config": recorded,
-                           "data": resumed_data})
+    # a roll-back's run is unfinished once its checkpoint is restored (until then the run stays as it was)
+    finished_before = folder.read_run_info().get("finished_steps") if rolling_back is not None else None
+    folder.write_run_info({"base_dir": str(base_dir or Path.cwd()), "finished_steps": finished_before,
+                           "config": recorded, "data": resumed_data})
     if start is None:
         folder.reset_logs()
     if local_cluster is None and not spec.runtime.scheduler_address:
@@ -282,6 +289,7 @@ def _run(pipeline: PipelineGraph | Pipeline, options: RunOptions, observer: Obse
         def move_aside() -> None:
             assert rolling_back is not None
             moved = rolling_back.move()
+            folder.write_run_info({**folder.read_run_info(), "finished_steps": None})
             watcher.event(RunEvent("warning", f"rolled back to {roll_back_from.path.name}: the later checkpoints and the "
                                               f"final model were moved to {moved}", 0))
 
@@ -307,7 +315,8 @@ def _run(pipeline: PipelineGraph | Pipeline, options: RunOptions, observer: Obse
         # a stop signal outside the steps (the driver says its own during them): while the run
         # started, or while it wound up after its last step
         if type(error) is KeyboardInterrupt:
-            where = (f"while the run started, before step {done + 1}; {_kept_before_steps(folder, start)}"
+            pending = rolling_back is not None and bool(watcher.on_restored)
+            where = (f"while the run started, before step {done + 1}; {_kept_before_steps(folder, start, pending)}"
                      if watcher.last is None else
                      f"after step {done}, while the run wound up{resume_note(folder.checkpoints, 'if it did not finish')}")
             error = RunInterrupted(f"stopped {where}", stopping_for() or "SIGINT")

@@ -294,6 +294,7 @@ def test_a_resume_from_an_earlier_checkpoint_rolls_back_and_trains_the_same_step
     with pytest.raises(FlowrlError, match="has no adapter/adapter_model.safetensors"):
         run(pipeline_from_dict(adapted), resume=True, checkpoint=4, force=True)
     assert not (out / "rolled_back").exists() and (out / "final").is_dir()
+    assert json.loads((out / "run.json").read_text())["finished_steps"] == 6  # still a finished run
     assert sorted(path.name for path in (out / "checkpoints").glob("step-*")) == ["step-4", "step-6"]
     import flowrl as fr
 
