@@ -157,8 +157,11 @@ def _vocabulary_issues(graph: PipelineGraph, base_dir: Path | None, facts: dict[
     if tokens is None and policy in facts:
         tokens = facts[policy].vocabulary
     # a reward model that reads the texts with its own tokenizer (retokenize) needs none of the policy's ids
-    own_tokens = {node.model for node in graph.spec.nodes.values()
-                  if isinstance(node, ScoreNode) and node.retokenize and node.model is not None}
+    readers: dict[str, list[bool]] = {}
+    for node in graph.spec.nodes.values():
+        if node.model is not None:
+            readers.setdefault(node.model, []).append(isinstance(node, ScoreNode) and node.retokenize)
+    own_tokens = {model for model, retokenized in readers.items() if all(retokenized)}
     others = [name for name in graph.spec.models if name != policy and name not in own_tokens]
     for name in others:
         rows = facts[name].vocabulary if name in facts else None
@@ -216,6 +219,8 @@ def _tokenizer_mismatch(graph: PipelineGraph, base_dir: Path | None, policy: str
     character tokenizer), and not both builtin: the policy's tokens (``policy_vocabulary``, None
     for a builtin policy) that ``name``'s tokenizer gives another id (or none)."""
     policy_builtin, other_builtin = _is_builtin(graph, policy), _is_builtin(graph, name)
+    if policy_vocabulary is None and not policy_builtin:
+        return None  # a local policy whose tokenizer cannot be loaded here: nothing to compare
     if policy_builtin and other_builtin:
         return None  # every builtin model uses the same character tokenizer
     mine = None if policy_builtin else _local_tokenizer(graph, base_dir, policy)

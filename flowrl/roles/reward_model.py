@@ -61,22 +61,30 @@ def reward_texts(rollout: Rollout, tokenizer: Any) -> tuple[list[str], bool]:
     an assistant message through the tokenizer's chat template when it has one (its special
     tokens written by the template), else the prompt text and the completion joined."""
     completions = list(rollout.completions)
-    if rollout.chat and rollout.data_prompts and getattr(tokenizer, "chat_template", None):
-        texts = [tokenizer.apply_chat_template([*messages, {"role": "assistant", "content": completion}],
-                                               tokenize=False)
-                 for messages, completion in zip(rollout.data_prompts, completions)]
-        return texts, True
-    return [prompt + completion for prompt, completion in zip(rollout.prompts, completions)], False
+    chats = rollout.data_prompts if rollout.chat and rollout.data_prompts else [None] * len(completions)
+    if not getattr(tokenizer, "chat_template", None) or not all(isinstance(chat, list) for chat in chats):
+        # a mixed batch too: the chat rows' prompts as the policy's template rendered them
+        return [prompt + completion for prompt, completion in zip(rollout.prompts, completions)], False
+    texts = [tokenizer.apply_chat_template([*chat, {"role": "assistant", "content": completion}], tokenize=False)
+             for chat, completion in zip(chats, completions)]
+    return texts, True
 
 
 def retokenized_scores(module: torch.nn.Module, tokenizer: Any, rollout: Rollout, device: torch.device,
                        micro_batch_tokens: int | None = None) -> torch.Tensor:
     """``[N]`` float32 scores of a rollout read as text by the reward model's ``tokenizer``
     (:func:`reward_texts`), in passes of at most ``micro_batch_tokens`` of the policy's tokens."""
+    longest = _positions(module)
 
     def scores(part: Rollout) -> torch.Tensor:
         texts, templated = reward_texts(part, tokenizer)
-        encoded = tokenizer(texts, add_special_tokens=not templated, padding=True, return_tensors="pt")
+        # a text longer than the model's positions keeps its end, where the score is read
+        side, tokenizer.truncation_side = tokenizer.truncation_side, "left"
+        try:
+            encoded = tokenizer(texts, add_special_tokens=not templated, padding=True, return_tensors="pt",
+                                truncation=longest is not None, max_length=longest)
+        finally:
+            tokenizer.truncation_side = side
         mask = encoded["attention_mask"]
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # whichever side the tokenizer pads
         scalars = module(input_ids=to_device(encoded["input_ids"], device), attention_mask=to_device(mask, device),
@@ -85,6 +93,13 @@ def retokenized_scores(module: torch.nn.Module, tokenizer: Any, rollout: Rollout
         return scalars[torch.arange(scalars.shape[0], device=scalars.device), last]
 
     return in_micro_batches(rollout, micro_batch_tokens, scores).cpu()
+
+
+def _positions(module: torch.nn.Module) -> int | None:
+    """The most positions the reward model reads (its config's), None when it does not say."""
+    config = getattr(getattr(module, "backbone", module), "config", None)
+    value = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    return int(value) if value else None
 
 
 def run_reward_model(

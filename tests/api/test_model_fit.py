@@ -207,6 +207,12 @@ def test_a_reward_model_of_another_tokenizer_reads_the_texts_with_retokenize(tmp
     assert message.endswith("or set retokenize: true on score node 'score' (it then reads each prompt and completion "
                             "as text with the reward model's own tokenizer)")
     assert model_fit_issues(pipeline(True), None) == []
+    # a second score node of the same model that reads the policy's ids: checked again
+    both = pipeline(True).spec.model_dump(mode="json", exclude_unset=True)
+    both["nodes"]["again"] = {"role": "score", "model": "rm", "inputs": ["rollout"]}
+    both["nodes"]["adv"]["inputs"].append("again")
+    [(field, message)] = model_fit_issues(pipeline_from_dict(both), None)
+    assert field == "models.rm.path" and "is not the policy's" in message
 
 
 def test_retokenize_belongs_to_a_reward_model() -> None:

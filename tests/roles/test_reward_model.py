@@ -172,3 +172,26 @@ def test_retokenize_reads_prompt_and_completion_texts_with_the_reward_model_s_to
             alone = model(input_ids=encoded["input_ids"], attention_mask=encoded["attention_mask"],
                           position_ids=torch.arange(encoded["input_ids"].shape[1]).unsqueeze(0))[0, -1]
         torch.testing.assert_close(whole[row], alone.float(), atol=1e-5, rtol=1e-5)
+
+
+def test_retokenized_texts_past_the_positions_keep_their_end_and_mixed_batches_read_plain() -> None:
+    policy = build_char_tokenizer()
+    ids = policy.convert_tokens_to_ids
+    own = _own_tokenizer()
+    own.chat_template = "{% for message in messages %}{{ message['content'] }}|{% endfor %}"
+    rollout = _rollout(["ab=", "q="], [[ids("1"), ids("2")], [ids("7")]])
+    # one chat row and one plain prompt: every row read as prompt text + completion
+    mixed = replace(rollout, chat=True, data_prompts=[[{"role": "user", "content": "ab="}], "q="])
+    assert reward_texts(mixed, own) == (["ab=12", "q=7"], False)
+    # 72 characters through a model of 64 positions: the last 64 tokens, where the score is read
+    model = tiny_scalar_model()
+    torch.nn.init.normal_(model.head.weight, std=0.3)
+    state = model_state("reward", model)
+    state.tokenizer = own
+    long = _rollout(["a" * 70 + "="], [[ids("5")]])
+    score = run_reward_model(state, long, weight=1.0, retokenize=True).value.values
+    end = own("a" * 70 + "=5", return_tensors="pt")["input_ids"][:, -64:]
+    with torch.no_grad():
+        alone = model(input_ids=end, attention_mask=torch.ones_like(end), position_ids=torch.arange(64).unsqueeze(0))
+    torch.testing.assert_close(score[0], alone[0, -1].float(), atol=1e-5, rtol=1e-5)
+    assert own.truncation_side == "right"  # the tokenizer's own setting is left as it was
