@@ -298,8 +298,8 @@ class Driver:
         elif self.start is not None:
             self.watcher.event(RunEvent(
                 "resume", f"resumed from {self.start.path} at step {back_to + 1} "
-                f"({dropped} logged steps after it will run again; their lines moved to metrics.rewound.jsonl)",
-                back_to))
+                f"({dropped} logged steps after it will run again"
+                f"{'; their lines moved to metrics.rewound.jsonl' if dropped else ''})", back_to))
         return lc.Restored(back_to)
 
     def _checkpoint_to_restore(self) -> FoundCheckpoint | None:
@@ -570,7 +570,8 @@ class Driver:
         self.watcher.event(RunEvent(
             "recovered",
             f"step {recovery.step}: roles rebuilt on {', '.join(sorted(session.hosts))}{more}, state from {source}; "
-            f"running again from step {back_to + 1} ({dropped} logged step(s) moved to metrics.rewound.jsonl){how}; "
+            f"running again from step {back_to + 1} ({dropped} logged step(s)"
+            f"{' moved to metrics.rewound.jsonl' if dropped else ' dropped'}){how}; "
             f"{lost_s:.1f} s lost "
             f"({recovery.workers_s:.1f} s getting workers, {recovery.build_s:.1f} s starting role hosts and "
             f"loading models, {restore_s:.1f} s restoring state)",

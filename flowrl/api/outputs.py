@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from flowrl.api.recovery import TRAINER_STATE, checkpoint_dirs, file_digests
+from flowrl.api.recovery import TRAINER_STATE, checkpoint_dirs, file_digests, rewound_name
 from flowrl.errors import CheckpointError, FlowrlError
 from flowrl.profiler import NodeSummary
 from flowrl.records import NodeTiming, RunEvent, StepRecord, slowest_part_medians
@@ -115,12 +115,6 @@ def has_final_model(output_dir: Path) -> bool:
     """Whether an earlier run left its trained model in ``output_dir/final``."""
     final = output_dir / "final"
     return final.is_dir() and any(final.iterdir())
-
-
-def rewound_name(name: str) -> str:
-    """Where :meth:`RunFolder.truncate_logs` keeps the lines of steps run again: metrics.jsonl
-    -> metrics.rewound.jsonl."""
-    return name.replace(".jsonl", ".rewound.jsonl")
 
 
 class RunFolder:

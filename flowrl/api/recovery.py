@@ -144,7 +144,7 @@ class RollBack:
         done: list[str] = []
         try:
             moved.mkdir(parents=True)
-            for name in LOG_FILES:
+            for name in (*LOG_FILES, *map(rewound_name, LOG_FILES)):
                 if (self.output_dir / name).is_file():
                     shutil.copy2(self.output_dir / name, moved / name)
             for folder in self.folders:
@@ -177,6 +177,12 @@ def roll_back(output_dir: Path, checkpoints: Path, step: int) -> tuple[FoundChec
     if not later and not final.is_dir():
         return found, None
     return found, RollBack(output_dir, step, (*later, *([final] if final.is_dir() else [])))
+
+
+def rewound_name(name: str) -> str:
+    """Where ``RunFolder.truncate_logs`` keeps the lines of steps run again: metrics.jsonl ->
+    metrics.rewound.jsonl."""
+    return name.replace(".jsonl", ".rewound.jsonl")
 
 
 LOG_FILES = ("metrics.jsonl", "profile.jsonl", "samples.jsonl", "events.jsonl")

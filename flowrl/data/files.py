@@ -141,8 +141,13 @@ def _empty_file(path: Path) -> bool:
             return bool(pq.ParquetFile(path).metadata.num_rows == 0)
         except Exception:  # noqa: BLE001 - not a Parquet file: the reader's own error says so
             return False
-    lines = [line for line in path.read_bytes().splitlines() if line.strip()]
-    return not lines or (builder == "csv" and len(lines) == 1)
+    filled = 0
+    with path.open("rb") as lines:
+        for line in lines:  # two lines with text are enough to know
+            filled += bool(line.strip())
+            if filled == 2:
+                return False
+    return filled == 0 or builder == "csv"
 
 
 def _load_folder(path: Path, source: str, split: str) -> Any:

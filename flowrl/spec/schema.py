@@ -584,7 +584,7 @@ class AdvantageNode(_NodeBase):
                 view.add(f"{path}.kl_target",
                          "kl_target adapts kl_coef from its starting value, and kl_coef is 0, which stays 0; "
                          "set kl_coef > 0 (the starting coefficient) or remove kl_target")
-        if self.kl_target is None and "kl_horizon" in self.changed_fields():
+        if self.kl_target is None and "kl_horizon" in self.changed_fields() and view.reliable(f"{path}.kl_target"):
             view.add(f"{path}.kl_horizon", "kl_horizon is read only by the adaptive KL controller, and kl_target is "
                                            "not set; set kl_target or remove kl_horizon")
 
