@@ -19,8 +19,9 @@ from flowrl.graph import PipelineGraph
 
 
 def push_cycle(pipeline: PipelineGraph, node_devices: Mapping[str, Sequence[str]]) -> str | None:
-    """Why the placement ``node_devices`` (node -> the devices or slots it runs on) would
-    deadlock its weight pushes, or None when no updates push to each other's workers."""
+    """Why the placement ``node_devices`` (node -> the devices or slots it runs on, a split
+    node's first device first) would deadlock its weight pushes, or None when no updates push
+    to each other's workers."""
     spec = pipeline.spec
     holders: dict[str, set[str]] = {}
     users: dict[tuple[str, str], list[str]] = {}
@@ -36,9 +37,10 @@ def push_cycle(pipeline: PipelineGraph, node_devices: Mapping[str, Sequence[str]
         model = spec.nodes[node].model
         if model is None or not spec.nodes[node].trains:
             continue
+        # the first device (rank 0 of a data-parallel update) pushes; the other ranks are
+        # free once their part of the update is done
         for peer in sorted(holders.get(model, set()) - set(devices)):
-            for device in devices:
-                pushes.add_edge(device, peer, model=model, node=node)
+            pushes.add_edge(devices[0], peer, model=model, node=node)
     try:
         cycle = nx.find_cycle(pushes)
     except nx.NetworkXNoCycle:

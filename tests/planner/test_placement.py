@@ -209,3 +209,16 @@ def test_without_slots_sends_the_moved_nodes_where_no_weight_pushes_wait_for_eac
     shrunk = without_slots(pipeline, plan, {"cpu-0"}, ["cpu-1", "cpu-2"], step=3)
     assert shrunk.node_slots["train_actor"] == "cpu-2"
     assert push_cycle(pipeline, {node: shrunk.slots_of(node) for node in shrunk.node_slots}) is None
+
+
+def test_only_the_first_rank_of_a_data_parallel_update_pushes_weights() -> None:
+    # the actor trains over cpu-0 and cpu-1 and generates on cpu-2; the critic trains on cpu-2
+    # and computes values on cpu-1: rank 0 (cpu-0) pushes to cpu-2, cpu-2 pushes to cpu-1, and
+    # cpu-1 is free once its part of the actor's update is done: no cycle
+    from flowrl.planner.placement import plan_for
+
+    pipeline = load_pipeline(Path(__file__).resolve().parents[2] / "pipelines" / "ppo_tiny.yaml")
+    slots = {node: "cpu-2" for node in pipeline.spec.nodes} | {"values": "cpu-1"}
+    plan = plan_for(pipeline, slots, node_shards={"train_actor": ["cpu-0", "cpu-1"]})
+    assert plan.weight_peers("train_actor", "actor") == ["cpu-2"]
+    assert plan.weight_peers("train_critic", "critic") == ["cpu-1"]
