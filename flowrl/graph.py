@@ -233,29 +233,18 @@ class _Checker:
             self._check_mini_batch(name)
 
     def _check_mini_batch(self, name: str) -> None:
-        """A rollout splits into whole mini-batches (as verl asks): a size that does not divide
-        it leaves a last optimizer step on the few sequences left over, with the weight of a
-        whole one, and a size above it is one step over the rollout, not what was asked."""
+        """A mini-batch larger than the rollout is one optimizer step over the whole rollout,
+        not what was asked (one that does not divide it is a warning when the run starts:
+        ``uneven_mini_batches``)."""
         node = self.spec.nodes[name]
         size = getattr(node, "mini_batch_size", None)
         path = f"nodes.{name}.mini_batch_size"
         if size is None or not self.reliable(path) or not self.reliable("data.batch_size"):
             return
-        rollouts = [self.spec.nodes[item] for item in node.inputs if isinstance(self.spec.nodes.get(item), GenerateNode)]
-        if len(rollouts) != 1:
-            return
-        rollout = rollouts[0]
-        assert isinstance(rollout, GenerateNode)
-        rows = self.spec.data.batch_size * rollout.n
-        where = f"the {rows} sequences of a rollout (data.batch_size {self.spec.data.batch_size} x n {rollout.n})"
-        if size > rows:
-            self.add(path, f"mini_batch_size {size} is more than {where}; set at most {rows}, or remove it (one "
-                           "optimizer step over the whole rollout)")
-        elif rows % size:
-            divisors = [d for d in range(1, rows + 1) if rows % d == 0]
-            shown = ", ".join(map(str, divisors[:12])) + (", ..." if len(divisors) > 12 else "")
-            self.add(path, f"mini_batch_size {size} does not divide {where}: the last optimizer step would hold "
-                           f"{rows % size} sequence(s); choose a divisor of {rows} ({shown})")
+        rows = rollout_rows(self.spec, name)
+        if rows is not None and size > rows:
+            self.add(path, f"mini_batch_size {size} is more than {_rows_text(self.spec, name, rows)}; set at most "
+                           f"{rows}, or remove it (one optimizer step over the whole rollout)")
 
     def _check_reference_model(self, name: str) -> None:
         """A reference is a frozen model: a trained policy serves as one only through its
@@ -521,3 +510,34 @@ def _rollout_of(graph: nx.DiGraph, order: list[str], node: str) -> str | None:
         return listed
     ancestors = nx.ancestors(graph, node)
     return next((name for name in order if name in ancestors and generates(name)), None)
+
+
+def rollout_rows(spec: PipelineSpec, name: str) -> int | None:
+    """The sequences of the rollout that update node ``name`` reads (data.batch_size x n), or
+    None when it reads no single generate node."""
+    node = spec.nodes[name]
+    rollouts = [spec.nodes[item] for item in node.inputs if isinstance(spec.nodes.get(item), GenerateNode)]
+    if len(rollouts) != 1 or not isinstance(rollouts[0], GenerateNode):
+        return None
+    return spec.data.batch_size * rollouts[0].n
+
+
+def _rows_text(spec: PipelineSpec, name: str, rows: int) -> str:
+    node = spec.nodes[name]
+    rollout = next(spec.nodes[item] for item in node.inputs if isinstance(spec.nodes.get(item), GenerateNode))
+    assert isinstance(rollout, GenerateNode)
+    return f"the {rows} sequences of a rollout (data.batch_size {spec.data.batch_size} x n {rollout.n})"
+
+
+def uneven_mini_batches(spec: PipelineSpec) -> list[str]:
+    """A warning per update whose mini_batch_size does not divide its rollout: the last
+    optimizer step of each epoch holds the few sequences left over, with a whole step's weight."""
+    warnings = []
+    for name, node in spec.nodes.items():
+        size = getattr(node, "mini_batch_size", None)
+        rows = rollout_rows(spec, name) if size is not None else None
+        if size is not None and rows is not None and size <= rows and rows % size:
+            warnings.append(f"nodes.{name}.mini_batch_size: {size} does not divide {_rows_text(spec, name, rows)}: "
+                            f"the last optimizer step of each epoch holds {rows % size} sequence(s) with a whole step's "
+                            f"weight; a divisor of {rows} gives equal steps")
+    return warnings

@@ -464,16 +464,20 @@ def test_a_mistake_inside_lora_is_named_with_lora_s_own_fields(lora: dict[str, A
     assert len(caught.value.issues) == 1 and message in str(caught.value)
 
 
-def test_a_mini_batch_size_must_split_the_rollout_into_whole_mini_batches() -> None:
+def test_a_mini_batch_size_above_the_rollout_is_refused_and_an_uneven_one_is_warned_of() -> None:
+    from flowrl.graph import uneven_mini_batches
+
     data = grpo()
     data["data"] = {"source": "builtin:digits", "batch_size": 4}
     data["nodes"]["rollout"]["n"] = 4  # 16 sequences
     data["nodes"]["train"]["mini_batch_size"] = 8
-    assert issues(data) == []
+    assert issues(data) == [] and uneven_mini_batches(PipelineSpec.model_validate(data)) == []
     data["nodes"]["train"]["mini_batch_size"] = 5
-    assert issues(data) == [
-        "nodes.train.mini_batch_size: mini_batch_size 5 does not divide the 16 sequences of a rollout (data.batch_size "
-        "4 x n 4): the last optimizer step would hold 1 sequence(s); choose a divisor of 16 (1, 2, 4, 8, 16)"]
+    assert issues(data) == []
+    assert uneven_mini_batches(PipelineSpec.model_validate(data)) == [
+        "nodes.train.mini_batch_size: 5 does not divide the 16 sequences of a rollout (data.batch_size 4 x n 4): the "
+        "last optimizer step of each epoch holds 1 sequence(s) with a whole step's weight; a divisor of 16 gives "
+        "equal steps"]
     data["nodes"]["train"]["mini_batch_size"] = 64
     assert issues(data) == [
         "nodes.train.mini_batch_size: mini_batch_size 64 is more than the 16 sequences of a rollout (data.batch_size 4 "

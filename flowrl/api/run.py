@@ -36,7 +36,7 @@ from flowrl.devices.inventory import detect_local
 from flowrl.devices.matching import match_groups
 from flowrl.devices.report import inventory_lines, match_lines
 from flowrl.errors import FlowrlError, RunInterrupted, SpecError, SpecIssue
-from flowrl.graph import PipelineGraph
+from flowrl.graph import PipelineGraph, uneven_mini_batches
 from flowrl.planner.cost import measure_cpu_rates
 from flowrl.planner.costs import EstimatedCosts
 from flowrl.planner.micro_batches import resolve_micro_batches, resolved_json
@@ -378,6 +378,8 @@ def _run_watched(graph: PipelineGraph, folder: RunFolder, watcher: "_Watchers", 
     watcher.event(RunEvent("data", source.describe(reward_functions), 0))
     if (too_large := source.batch_warning()) is not None:
         watcher.event(RunEvent("warning", too_large, 0))
+    for uneven in uneven_mini_batches(spec):
+        watcher.event(RunEvent("warning", uneven, 0))
     if held_out:
         if evaluates_training_prompts(graph, base_dir or Path.cwd()):
             watcher.event(RunEvent(
