@@ -241,10 +241,11 @@ class _Checker:
         path = f"nodes.{name}.mini_batch_size"
         if size is None or not self.reliable(path) or not self.reliable("data.batch_size"):
             return
-        rows = rollout_rows(self.spec, name)
-        if rows is not None and size > rows:
-            self.add(path, f"mini_batch_size {size} is more than {_rows_text(self.spec, name, rows)}; set at most "
-                           f"{rows}, or remove it (one optimizer step over the whole rollout)")
+        found = _rollout_size(self.spec, name)
+        if found is not None and size > found[0]:
+            rows, described = found
+            self.add(path, f"mini_batch_size {size} is more than {described}; set at most {rows}, or remove it "
+                           "(one optimizer step over the whole rollout)")
 
     def _check_reference_model(self, name: str) -> None:
         """A reference is a frozen model: a trained policy serves as one only through its
@@ -512,21 +513,14 @@ def _rollout_of(graph: nx.DiGraph, order: list[str], node: str) -> str | None:
     return next((name for name in order if name in ancestors and generates(name)), None)
 
 
-def rollout_rows(spec: PipelineSpec, name: str) -> int | None:
-    """The sequences of the rollout that update node ``name`` reads (data.batch_size x n), or
-    None when it reads no single generate node."""
-    node = spec.nodes[name]
-    rollouts = [spec.nodes[item] for item in node.inputs if isinstance(spec.nodes.get(item), GenerateNode)]
+def _rollout_size(spec: PipelineSpec, name: str) -> tuple[int, str] | None:
+    """The sequences of the rollout that update node ``name`` reads (data.batch_size x n) and
+    how a message names them, or None when it reads no single generate node."""
+    rollouts = [spec.nodes[item] for item in spec.nodes[name].inputs if isinstance(spec.nodes.get(item), GenerateNode)]
     if len(rollouts) != 1 or not isinstance(rollouts[0], GenerateNode):
         return None
-    return spec.data.batch_size * rollouts[0].n
-
-
-def _rows_text(spec: PipelineSpec, name: str, rows: int) -> str:
-    node = spec.nodes[name]
-    rollout = next(spec.nodes[item] for item in node.inputs if isinstance(spec.nodes.get(item), GenerateNode))
-    assert isinstance(rollout, GenerateNode)
-    return f"the {rows} sequences of a rollout (data.batch_size {spec.data.batch_size} x n {rollout.n})"
+    rows = spec.data.batch_size * rollouts[0].n
+    return rows, f"the {rows} sequences of a rollout (data.batch_size {spec.data.batch_size} x n {rollouts[0].n})"
 
 
 def uneven_mini_batches(spec: PipelineSpec) -> list[str]:
@@ -535,9 +529,12 @@ def uneven_mini_batches(spec: PipelineSpec) -> list[str]:
     warnings = []
     for name, node in spec.nodes.items():
         size = getattr(node, "mini_batch_size", None)
-        rows = rollout_rows(spec, name) if size is not None else None
-        if size is not None and rows is not None and size <= rows and rows % size:
-            warnings.append(f"nodes.{name}.mini_batch_size: {size} does not divide {_rows_text(spec, name, rows)}: "
+        found = _rollout_size(spec, name) if size is not None else None
+        if size is None or found is None:
+            continue
+        rows, described = found
+        if size <= rows and rows % size:
+            warnings.append(f"nodes.{name}.mini_batch_size: {size} does not divide {described}: "
                             f"the last optimizer step of each epoch holds {rows % size} sequence(s) with a whole step's "
                             f"weight; a divisor of {rows} gives equal steps")
     return warnings
