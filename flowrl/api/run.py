@@ -236,6 +236,7 @@ def _run(pipeline: PipelineGraph | Pipeline, options: RunOptions, observer: Obse
     rolling_back: RollBack | None = None
     planned: int | None = None
     data_before: dict[str, Any] | None = None
+    finished: int | None = None
     if resume:
         data_before = folder.read_run_info(strict=True).get("data")
         finished = finished_steps(folder.path)
@@ -273,8 +274,8 @@ def _run(pipeline: PipelineGraph | Pipeline, options: RunOptions, observer: Obse
     if recorded == config_text:
         folder.write_config(config_text)
     # a roll-back's run is unfinished once its checkpoint is restored (until then the run stays as it was)
-    finished_before = folder.read_run_info().get("finished_steps") if rolling_back is not None else None
-    folder.write_run_info({"base_dir": str(base_dir or Path.cwd()), "finished_steps": finished_before,
+    folder.write_run_info({"base_dir": str(base_dir or Path.cwd()),
+                           "finished_steps": finished if rolling_back is not None else None,
                            "config": recorded, "data": resumed_data})
     if start is None:
         folder.reset_logs()
