@@ -61,7 +61,7 @@ def model_facts(path: str, base_dir: Path | None = None, revision: str | None = 
     architectures = config.get("architectures")
     labels = config.get("id2label")
     return ModelFacts(
-        _positions(text), _number(text.get("vocab_size")), "its config.json",
+        config_positions(text), _number(text.get("vocab_size")), "its config.json",
         tuple(name for name in architectures if isinstance(name, str)) if isinstance(architectures, list) else (),
         len(labels) if isinstance(labels, dict) else _number(config.get("num_labels")),
         (config_file.parent / SCALAR_MARKER).is_file(),
@@ -115,7 +115,8 @@ def _config_file(location: Path | str, revision: str | None) -> Path | None:
     return Path(cached) if isinstance(cached, str) else None
 
 
-def _positions(config: dict[str, Any]) -> int | None:
+def config_positions(config: dict[str, Any]) -> int | None:
+    """The longest sequence a model of this config (as a dict) reads, None when it does not say."""
     positions = next((value for key in POSITION_KEYS if (value := _number(config.get(key))) is not None), None)
     # A scaled rotary embedding (YaRN, dynamic, linear) reaches past the trained positions:
     # ``rope_scaling`` before transformers 5, ``rope_parameters`` since. On the side of

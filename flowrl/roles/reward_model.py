@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from flowrl.backends.model_facts import config_positions
 from flowrl.backends.transfer import to_device
 from flowrl.roles.batch import NodeOutput, Rollout, Scores
 from flowrl.roles.forward import in_micro_batches
@@ -96,10 +97,10 @@ def retokenized_scores(module: torch.nn.Module, tokenizer: Any, rollout: Rollout
 
 
 def _positions(module: torch.nn.Module) -> int | None:
-    """The most positions the reward model reads (its config's), None when it does not say."""
+    """The most positions the reward model reads (its config's, as validation reads them),
+    None when it does not say."""
     config = getattr(getattr(module, "backbone", module), "config", None)
-    value = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    return int(value) if value else None
+    return config_positions(config.to_dict()) if config is not None else None
 
 
 def run_reward_model(
