@@ -57,3 +57,14 @@ def text_rollout(tokenizer: Any, prompts: list[str], completions: list[str], gro
         group_size=group_size, prompts=prompts, completions=completions, answers=[None] * len(prompts),
         max_new_tokens=max_new_tokens, temperature=1.0,
     )
+
+
+def ordered_char_tokenizer(order: str) -> Any:
+    """A tokenizer of one token per character of ``order``, its id the character's position;
+    'u', 'p' and 'e' are its unknown, pad and end-of-sequence tokens (so texts leave them out)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel(vocab={token: index for index, token in enumerate(order)}, unk_token="u"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="u", pad_token="p", eos_token="e")

@@ -11,6 +11,7 @@ import pytest
 
 from flowrl.api.model_fit import model_fit_issues, prompt_room
 from flowrl.spec.loader import pipeline_from_dict
+from tests.tiny_models import ordered_char_tokenizer
 
 
 def _pipeline(actor: str = "builtin:tiny-llama", reference: str = "builtin:tiny-llama", new_tokens: int = 16,
@@ -108,7 +109,7 @@ def test_a_model_with_fewer_token_ids_than_the_policy_has_tokens_is_refused(tmp_
     assert model_fit_issues(_pipeline(actor="builtin:tiny-llama", reference="builtin:qwen2-0.4b"), None) == []
     # an embedding padded past the tokenizer (Qwen2.5 7B's 152064 rows, 3B's 151936, one
     # tokenizer): the policy's tokenizer counts, not its embedding
-    tokenizer = _tokenizer("upeabc")
+    tokenizer = ordered_char_tokenizer("upeabc")
     padded = _folder(tmp_path, "padded", {"vocab_size": 64, "max_position_embeddings": 64}, tokenizer)
     smaller = _folder(tmp_path, "smaller", {"vocab_size": 8, "max_position_embeddings": 64}, tokenizer)
     assert model_fit_issues(_pipeline(actor=padded, reference=smaller), None) == []
@@ -117,17 +118,8 @@ def test_a_model_with_fewer_token_ids_than_the_policy_has_tokens_is_refused(tmp_
     assert "has 5 token ids" in message and "the tokenizer of the policy 'actor' has 6" in message
 
 
-def _tokenizer(order: str) -> Any:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    backend = Tokenizer(models.WordLevel(vocab={token: index for index, token in enumerate(order)}, unk_token="u"))
-    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="u", pad_token="p", eos_token="e")
-
-
 def test_a_tokenizer_that_gives_the_policy_tokens_other_ids_is_refused(tmp_path: Path) -> None:
-    tokenizer = _tokenizer
+    tokenizer = ordered_char_tokenizer
     config = {"vocab_size": 6, "max_position_embeddings": 64}
     actor = _folder(tmp_path, "actor", config, tokenizer("upeabc"))
     same = _folder(tmp_path, "same", config, tokenizer("upeabc"))
@@ -167,7 +159,7 @@ def test_held_out_lengths_are_measured_against_the_evaluations_reward_models_too
 def test_a_builtin_model_beside_a_local_model_of_another_tokenizer_is_refused(tmp_path: Path) -> None:
     # builtin models read the character tokenizer's ids (<pad> <bos> <eos> <unk> a-z ...)
     config = {"vocab_size": 100, "max_position_embeddings": 64}
-    own = _folder(tmp_path, "own", config, _tokenizer("upeabc"))
+    own = _folder(tmp_path, "own", config, ordered_char_tokenizer("upeabc"))
     [(field, message)] = model_fit_issues(_pipeline(actor=own, reference="builtin:tiny-llama"), None)
     assert field == "models.reference.path"
     assert "the tokenizer of model 'reference' (builtin:tiny-llama) is not the policy's" in message
@@ -187,7 +179,7 @@ def test_a_local_copy_of_a_builtin_model_reads_the_builtin_ids(tmp_path: Path) -
 
 def test_a_reward_model_of_another_tokenizer_reads_the_texts_with_retokenize(tmp_path: Path) -> None:
     rm = _folder(tmp_path, "rm", {"vocab_size": 100, "max_position_embeddings": 64, "num_labels": 1,
-                                  "architectures": ["LlamaForSequenceClassification"]}, _tokenizer("upeabc"))
+                                  "architectures": ["LlamaForSequenceClassification"]}, ordered_char_tokenizer("upeabc"))
 
     def pipeline(retokenize: bool) -> Any:
         return pipeline_from_dict({

@@ -10,7 +10,7 @@ import torch
 from flowrl.backends.tokenizer import build_char_tokenizer
 from flowrl.roles.batch import Rollout, Scores
 from flowrl.roles.reward_model import last_token_index, reward_texts, run_reward_model
-from tests.tiny_models import model_state, tiny_scalar_model
+from tests.tiny_models import model_state, ordered_char_tokenizer, tiny_scalar_model
 
 
 class ProbeModel(torch.nn.Module):
@@ -127,14 +127,7 @@ def test_a_token_budget_splits_the_forward_and_keeps_each_rows_score() -> None:
 
 def _own_tokenizer() -> Any:
     """A character tokenizer with other ids than the policy's (and its own special tokens)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocabulary = {"<unk>": 0, "<pad>": 1, "</s>": 2}
-    vocabulary.update({char: 3 + index for index, char in enumerate("|=9876543210zyxwvutsrqponmlkjihgfedcba")})
-    backend = Tokenizer(models.WordLevel(vocab=vocabulary, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>", eos_token="</s>")
+    return ordered_char_tokenizer("upe|=9876543210zyxwvtsrqonmlkjihgfdcba")
 
 
 def test_retokenize_reads_prompt_and_completion_texts_with_the_reward_model_s_tokenizer() -> None:
