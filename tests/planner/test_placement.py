@@ -15,6 +15,9 @@ from flowrl.spec.loader import load_pipeline, pipeline_from_dict
 from tests.planner.conftest import cpu, gpu, inventory
 
 
+PPO_TINY = Path(__file__).resolve().parents[2] / "pipelines" / "ppo_tiny.yaml"
+
+
 def _data(**overrides: Any) -> dict[str, Any]:
     data: dict[str, Any] = {
         "name": "p",
@@ -91,7 +94,7 @@ def test_gpu_group_on_cpu_workers_is_refused_with_a_fix_and_a_critic_trains_over
     gpu_data = _data(devices={"actor_group": {"type": "gpu"}, "ref_group": {"type": "cpu"}})
     with pytest.raises(PlacementError, match="type: cpu"):
         _place(gpu_data, gpu(0, "A100-40GB", 40, 312, 1555), cpu(0), cpu(1))
-    ppo = load_pipeline(Path(__file__).resolve().parents[2] / "pipelines" / "ppo_tiny.yaml").spec.model_dump(
+    ppo = load_pipeline(PPO_TINY).spec.model_dump(
         mode="json", exclude_unset=True
     )
     ppo["devices"]["critic_group"]["count"] = 2
@@ -138,7 +141,7 @@ def test_without_slots_keeps_each_models_nodes_together() -> None:
     # for each other's worker
     from flowrl.planner.placement import plan_for, without_slots
 
-    pipeline = load_pipeline(Path(__file__).resolve().parents[2] / "pipelines" / "ppo_tiny.yaml")
+    pipeline = load_pipeline(PPO_TINY)
     plan = plan_for(pipeline, {node: "cpu-0" for node in pipeline.spec.nodes})
     shrunk = without_slots(pipeline, plan, {"cpu-0"}, ["cpu-1", "cpu-2"], step=3)
     for model, slots in shrunk.model_slots.items():
@@ -161,7 +164,7 @@ def test_a_step_s_change_reads_in_its_unit() -> None:
 def _crosswise(exclusive: bool) -> dict[str, Any]:
     """PPO whose actor trains in gb and generates in ga, and whose critic trains in ga and
     computes values in gb."""
-    ppo = load_pipeline(Path(__file__).resolve().parents[2] / "pipelines" / "ppo_tiny.yaml").spec.model_dump(
+    ppo = load_pipeline(PPO_TINY).spec.model_dump(
         mode="json", exclude_unset=True
     )
     ppo["devices"] = {"ga": {"type": "cpu", "exclusive": exclusive}, "gb": {"type": "cpu", "exclusive": exclusive}}
@@ -203,7 +206,7 @@ def test_without_slots_sends_the_moved_nodes_where_no_weight_pushes_wait_for_eac
     from flowrl.planner.placement import plan_for, without_slots
     from flowrl.planner.pushes import push_cycle
 
-    pipeline = load_pipeline(Path(__file__).resolve().parents[2] / "pipelines" / "ppo_tiny.yaml")
+    pipeline = load_pipeline(PPO_TINY)
     slots = {node: "cpu-1" for node in pipeline.spec.nodes} | {"train_critic": "cpu-2", "train_actor": "cpu-0"}
     plan = plan_for(pipeline, slots, node_shards={"rollout": ["cpu-1", "cpu-2"]})
     shrunk = without_slots(pipeline, plan, {"cpu-0"}, ["cpu-1", "cpu-2"], step=3)
@@ -217,7 +220,7 @@ def test_only_the_first_rank_of_a_data_parallel_update_pushes_weights() -> None:
     # cpu-1 is free once its part of the actor's update is done: no cycle
     from flowrl.planner.placement import plan_for
 
-    pipeline = load_pipeline(Path(__file__).resolve().parents[2] / "pipelines" / "ppo_tiny.yaml")
+    pipeline = load_pipeline(PPO_TINY)
     slots = {node: "cpu-2" for node in pipeline.spec.nodes} | {"values": "cpu-1"}
     plan = plan_for(pipeline, slots, node_shards={"train_actor": ["cpu-0", "cpu-1"]})
     assert plan.weight_peers("train_actor", "actor") == ["cpu-2"]
