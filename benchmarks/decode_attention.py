@@ -13,6 +13,8 @@ Two sections:
   for the shares the engine chooses (``decode_attention.window_shares``), one share always,
   and shares of 128 columns always (the rule before the choice by the card's processors);
   and their mean over the decode steps of one generation.
+- ``launches``: per batch size, the mean microseconds per decode step of the kernel (one
+  share) for each launch of ``--launch-grid`` (columns per block, warps, pipeline stages).
 - ``decode``: milliseconds per decode step of the static-cache engine (24 layers, the
   prefill included) with the chosen shares and with shares of 128 columns, interleaved
   ``--repeats`` times per batch size.
@@ -111,6 +113,41 @@ def section_kernel(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+@contextlib.contextmanager
+def launch(block_columns: int, warps: int, stages: int) -> Iterator[None]:
+    saved = attention.BLOCK_COLUMNS, attention.NUM_WARPS, attention.NUM_STAGES
+    attention.BLOCK_COLUMNS, attention.NUM_WARPS, attention.NUM_STAGES = block_columns, warps, stages
+    try:
+        yield
+    finally:
+        attention.BLOCK_COLUMNS, attention.NUM_WARPS, attention.NUM_STAGES = saved
+
+
+def section_launches(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from triton.testing import do_bench_cudagraph
+
+    steps = windows(args.prompt_tokens, args.new_tokens)
+    columns = args.prompt_tokens + args.new_tokens
+    grid = [tuple(int(v) for v in item.split("/")) for item in args.launch_grid.split(",")]
+    rows = []
+    for batch in args.batch_list:
+        results = {}
+        for block_columns, warps, stages in grid:
+            times = {}
+            with rule("one_share"), launch(block_columns, warps, stages):
+                for window in steps:
+                    call = kernel_us(batch, window, columns)
+                    call()
+                    times[window] = do_bench_cudagraph(call, rep=args.rep_ms) * 1e3
+            mean = sum(times[w] * n for w, n in steps.items()) / sum(steps.values())
+            results[f"{block_columns}/{warps}/{stages}"] = {"us_per_window": times, "us_per_step_mean": mean}
+        best = min(results, key=lambda name: results[name]["us_per_step_mean"])
+        rows.append({"batch": batch, "windows": steps, "launches": results, "fastest": best})
+        print(f"launches batch {batch}: fastest {best} {results[best]['us_per_step_mean']:.2f} us; "
+              + " | ".join(f"{name} {item['us_per_step_mean']:.2f}" for name, item in results.items()), flush=True)
+    return rows
+
+
 def section_decode(args: argparse.Namespace) -> list[dict[str, Any]]:
     from decode import EOS, VOCAB, build_model
 
@@ -157,7 +194,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rep-ms", type=int, default=20, help="milliseconds of replays per kernel timing")
-    parser.add_argument("--sections", default="kernel,decode")
+    parser.add_argument("--sections", default="kernel,decode", help="of kernel, launches, decode")
+    parser.add_argument("--launch-grid", default="64/4/2,64/2/2,64/8/2,64/4/1,64/4/3,32/2/2,32/4/3,128/4/2,128/8/2,"
+                        "128/8/3", help="columns per block / warps / stages, comma-separated")
     parser.add_argument("--output", type=Path, default=REPO / "benchmarks" / "results" / "decode_attention.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -170,9 +209,10 @@ def main() -> None:
         "machine": machine(), "flowrl_commit": commit, "flowrl_uncommitted_files": dirty,
         "device": torch.cuda.get_device_name(), "settings": {k: v for k, v in vars(args).items() if k != "output"},
         "constants": {name: getattr(attention, name) for name in (
-            "BLOCK_COLUMNS", "MIN_SHARE_COLUMNS", "CUT_BELOW", "FILL_PER_PROCESSOR", "MAX_SPLITS")},
+            "BLOCK_COLUMNS", "NUM_WARPS", "NUM_STAGES", "MIN_SHARE_COLUMNS", "CUT_BELOW", "FILL_PER_PROCESSOR",
+            "MAX_SPLITS")},
     }
-    sections = {"kernel": section_kernel, "decode": section_decode}
+    sections = {"kernel": section_kernel, "launches": section_launches, "decode": section_decode}
     for name in args.sections.split(","):
         report[name] = sections[name](args)
         args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -31,6 +31,10 @@ import torch.nn.functional as F
 
 BLOCK_COLUMNS = 64
 """Cached columns one loop iteration of the kernel reads."""
+NUM_WARPS = 4
+NUM_STAGES = 2
+"""The attention kernel's launch: warps per program, and loads in flight in its loop over
+blocks (Triton's software pipelining)."""
 MIN_SHARE_COLUMNS = 128
 """The fewest columns a share of a cut window is given (rounded up to whole blocks): on an
 H100 at a batch of 256 with windows up to 160 columns, shares of 128 took 0.25 ms per decode
@@ -158,7 +162,7 @@ def _triton_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k
         valid.stride(0), window, per_share, scaling,
         KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_GROUP=block_group,
         BLOCK_COLUMNS=BLOCK_COLUMNS, SHARES=shares, EXACT=qkv.dtype == torch.float32,
-        num_warps=4, num_stages=2,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     if shares > 1:
         merge_kernel[(programs,)](best, total, acc, out, GROUP=group, HEAD_DIM=head_dim,

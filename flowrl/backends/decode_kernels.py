@@ -77,11 +77,16 @@ def attention_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, column_ptr, valid_
     # bound computed from the program's id.
     for block in tl.range(0, per_share, BLOCK_COLUMNS):
         columns = start + block + tl.arange(0, BLOCK_COLUMNS)
-        valid = tl.load(valid_ptr + row * valid_stride + columns, mask=columns < stop, other=0) != 0
+        inside = columns < stop
+        valid = tl.load(valid_ptr + row * valid_stride + columns, mask=inside, other=0) != 0
         valid = valid & (columns != column)
+        # The keys and values are read by the window alone, not by ``valid``: a load masked by
+        # another load's result waits for it, one more trip to memory per block. A column
+        # that is not valid gets weight exp2(-inf) = 0; the cache starts zeroed and only ever
+        # holds computed keys and values, so what such a column holds is finite and adds 0.
         offsets = cache + columns[:, None] * stride_column + dims[None, :]
-        kc = tl.load(k_ptr + offsets, mask=valid[:, None], other=0.0)
-        vc = tl.load(v_ptr + offsets, mask=valid[:, None], other=0.0)
+        kc = tl.load(k_ptr + offsets, mask=inside[:, None], other=0.0)
+        vc = tl.load(v_ptr + offsets, mask=inside[:, None], other=0.0)
         scores = _dot(rq, tl.trans(kc), EXACT) * scale
         scores = tl.where(valid[None, :], scores, float("-inf"))
         new_best = tl.maximum(best, tl.max(scores, axis=1))

@@ -39,13 +39,20 @@ def step_inputs(device: str, dtype: torch.dtype, window: int, seed: int = 0) -> 
     valid[0, :window // 2] = False
     valid[1, :3] = False
     valid[2, :column] = False  # only the new column
+    keys, values = draw(batch + 2, KV_HEADS, columns, HEAD_DIM), draw(batch + 2, KV_HEADS, columns, HEAD_DIM)
+    # Columns a row does not attend to hold large values (stale keys and values of earlier
+    # rows): they must add nothing.
+    stale = torch.zeros(batch + 2, 1, columns, 1, dtype=torch.bool)
+    stale[:batch, 0, :window, 0] = ~valid
+    keys = torch.where(stale.to(device), keys * 1000, keys)
+    values = torch.where(stale.to(device), values * 1000, values)
     return {
         "qkv": draw(batch, (KV_HEADS * GROUP + 2 * KV_HEADS) * HEAD_DIM),
         "angles": angles,
         "cos": torch.cat((angles, angles), -1).cos().to(device=device, dtype=dtype),
         "sin": torch.cat((angles, angles), -1).sin().to(device=device, dtype=dtype),
-        "keys": draw(batch + 2, KV_HEADS, columns, HEAD_DIM),
-        "values": draw(batch + 2, KV_HEADS, columns, HEAD_DIM),
+        "keys": keys,
+        "values": values,
         "column": torch.tensor([column], device=device),
         "valid": valid.to(device),
     }
