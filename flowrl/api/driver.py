@@ -350,14 +350,20 @@ class Driver:
         num_steps = self.graph.spec.trainer.steps
         step_started = time.perf_counter()
         batch = self.source.next_batch(step - 1)
-        reports = session.run_step(step, batch, self.kl.coefs())
+        trainer = self.graph.spec.trainer
+        profile_dir = ""
+        if step in trainer.torch_profile:
+            profile_dir = str(self.folder.path.resolve() / "torch_profile" / f"step-{step}")
+        reports = session.run_step(step, batch, self.kl.coefs(), profile_dir)
         step_s = time.perf_counter() - step_started
         devices = session.sample_devices()
         values: dict[str, float] = {}
         timings: list[Any] = []
         if self.evaluator.due(step):
             values, timings = self.evaluator.run(session, step, self.watcher.event)
-        trainer = self.graph.spec.trainer
+        if profile_dir:
+            self.watcher.event(RunEvent("profile", f"torch profile of step {step}: {profile_dir} (NODE.txt, "
+                                                   "NODE.trace.json on each node's machine)", step))
         samples: list[dict[str, Any]] = []
         if trainer.log_samples and (step % trainer.log_samples_every == 0 or step == num_steps):
             samples = session.samples(step, trainer.log_samples, self.graph.spec.runtime.node_timeout_s)

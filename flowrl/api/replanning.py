@@ -55,8 +55,11 @@ class Replanner:
             self._carry_out(step, decision)
 
     def after_step(self, record: StepRecord, step_s: float) -> None:
-        self.profile.observe(record.nodes)
-        self.policy.observe(record.step, record.nodes, record.devices, step_s)
+        # A step run under torch.profiler (trainer.torch_profile) is slower than the others:
+        # its times would mislead the estimates and the policy.
+        if record.step not in self.graph.spec.trainer.torch_profile:
+            self.profile.observe(record.nodes)
+            self.policy.observe(record.step, record.nodes, record.devices, step_s)
         every = self.graph.spec.scheduler.every_steps
         if record.step % every == 0 or record.step == record.num_steps:
             self.folder.append_smoothed(record.step, list(self.profile.summary().values()))

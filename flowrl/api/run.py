@@ -504,9 +504,10 @@ def _train(
         driver.run()
     finally:
         driver.close()
-        folder.add_measured_to_plans(result.records)
-        calibrated = calibrated_prediction(graph, compiled, inventory, costs,
-                                           folder.governed_by_first_plan(result.records))
+        # steps run under torch.profiler are slower than the others: not a measurement of the plan
+        timed = [record for record in result.records if record.step not in spec.trainer.torch_profile]
+        folder.add_measured_to_plans(timed)
+        calibrated = calibrated_prediction(graph, compiled, inventory, costs, folder.governed_by_first_plan(timed))
         if calibrated is not None:
             folder.add_to_plan(0, "calibrated", calibrated)
     return result

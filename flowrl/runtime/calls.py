@@ -50,6 +50,9 @@ class NodeCall:
     ranks of a data-parallel update all use them."""
     threads: int = 0
     """Torch threads for this call (``flowrl.runtime.threads``); 0: the worker's own setting."""
+    profile_dir: str = ""
+    """Where the call writes its ``torch.profiler`` trace and table (``trainer.torch_profile``);
+    empty: not profiled."""
 
     @property
     def part_shares(self) -> tuple[float, ...]:

@@ -45,23 +45,25 @@ class StepExecutor:
         worker's own setting."""
 
     def run_step(
-        self, step: int, prompts: Sequence[Any], kl_coefs: dict[str, float] | None = None
+        self, step: int, prompts: Sequence[Any], kl_coefs: dict[str, float] | None = None, profile_dir: str = ""
     ) -> dict[str, NodeReport]:
-        """Run every node of ``step``; ``kl_coefs`` gives advantage nodes their KL penalty."""
+        """Run every node of ``step``; ``kl_coefs`` gives advantage nodes their KL penalty;
+        ``profile_dir``: every call runs under ``torch.profiler`` and writes there."""
         kl_coefs = kl_coefs or {}
         calls: dict[str, list[Any]] = {}
         for node in self._order:
             slots = self.plan.slots_of(node)
             kl_coef = kl_coefs.get(node, 0.0)
             if len(slots) == 1:
-                calls[node] = [self.hosts[slots[0]].run_node(self._call(step, node, prompts, kl_coef, slots[0]))]
+                call = self._call(step, node, prompts, kl_coef, slots[0], profile_dir)
+                calls[node] = [self.hosts[slots[0]].run_node(call)]
                 continue
             # Split by rows: shard 0 joins the others' parts and serves the whole result; the
             # ranks of a data-parallel update each train on their rows, rank 0 pushes weights.
             peers = tuple(self.hosts[slot] for slot in slots[1:])
             calls[node] = []
             for index, slot in enumerate(slots):
-                call = replace(self._call(step, node, prompts, kl_coef, slot), shard=(index, len(slots)),
+                call = replace(self._call(step, node, prompts, kl_coef, slot, profile_dir), shard=(index, len(slots)),
                                shard_peers=peers if index == 0 else (), shares=self.plan.shares_of(node))
                 if index > 0:
                     call = replace(call, weight_peers=())
@@ -114,7 +116,8 @@ class StepExecutor:
             slots, node,
         )
 
-    def _call(self, step: int, node: str, prompts: Sequence[Any], kl_coef: float, slot: str) -> NodeCall:
+    def _call(self, step: int, node: str, prompts: Sequence[Any], kl_coef: float, slot: str,
+              profile_dir: str = "") -> NodeCall:
         """The call of ``node`` as the host on ``slot`` runs it (inputs held there are local)."""
         spec = self.pipeline.spec.nodes[node]
         inputs = []
@@ -140,6 +143,7 @@ class StepExecutor:
             kl_coef=kl_coef,
             lr=self._lr(spec, step),
             threads=self.threads.get((node, slot), 0),
+            profile_dir=profile_dir,
         )
 
     def _lr(self, spec: NodeBase, step: int) -> float | None:

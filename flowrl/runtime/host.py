@@ -16,6 +16,7 @@ another worker can fetch a finished batch while this host computes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
@@ -38,6 +39,7 @@ from flowrl.runtime.calls import EVAL_KEY, EvalCall, HeldOutScoreCall, NodeCall,
 from flowrl.runtime.malloc import undo_nanny_malloc_trim
 from flowrl.runtime.packing import Packed, pack
 from flowrl.runtime.serialization import register
+from flowrl.runtime.torch_profile import file_stem, profiled
 
 if TYPE_CHECKING:
     from flowrl.roles.state import ModelState
@@ -389,10 +391,11 @@ class RoleHost:
             torch.set_num_threads(call.threads)
         started = time.perf_counter()
         state = self.models.get(call.model) if call.model is not None else None
-        if state is not None:
-            with state.paged_in():  # an offloaded model's weights are on the device only now
-                output = self._dispatch(call, inputs)
-        else:
+        with contextlib.ExitStack() as stack:
+            if call.profile_dir:
+                stack.enter_context(profiled(call.profile_dir, file_stem(call.node, call.shard), on_gpu))
+            if state is not None:
+                stack.enter_context(state.paged_in())  # an offloaded model's weights are on the device only now
             output = self._dispatch(call, inputs)
         if on_gpu:
             free, total = torch.cuda.mem_get_info()

@@ -221,9 +221,9 @@ class Session:
         return self.gather(calls, self._long_s, "loading models")
 
     def run_step(
-        self, step: int, prompts: Sequence[Any], kl_coefs: dict[str, float] | None = None
+        self, step: int, prompts: Sequence[Any], kl_coefs: dict[str, float] | None = None, profile_dir: str = ""
     ) -> dict[str, NodeReport]:
-        return self.executor.run_step(step, prompts, kl_coefs)
+        return self.executor.run_step(step, prompts, kl_coefs, profile_dir)
 
     def samples(self, step: int, rows: int, timeout_s: float) -> list[dict[str, Any]]:
         """The first ``rows`` rows of step ``step``'s rollout with their rewards and

@@ -894,6 +894,21 @@ class TrainerSpec(StrictModel):
         return self
     keep_checkpoints: int = Field(default=2, ge=1)
     """Newest checkpoints kept on disk. Default 2."""
+    torch_profile: Annotated[tuple[Annotated[int, Field(ge=1)], ...], Field(strict=False)] = ()  # a list stands for it
+    """Steps whose node calls run under ``torch.profiler``: each call writes
+    ``OUTPUT_DIR/torch_profile/step-N/NODE.trace.json`` (a Chrome trace: open it in
+    https://ui.perfetto.dev) and ``NODE.txt`` (its operators and GPU kernels by their own
+    time), on the machine of the worker that ran it. A profiled step is slower: its times are
+    left out of the profiler's averages, the dynamic scheduler's measurements and the plan's
+    measured and calibrated sections. Default none."""
+
+    @model_validator(mode="after")
+    def _profiled_steps_run(self) -> TrainerSpec:
+        late = [step for step in self.torch_profile if step > self.steps]
+        if late:
+            raise ValueError(f"torch_profile names step {late[0]}, past the run's {self.steps} steps; name steps "
+                             f"from 1 to {self.steps}")
+        return self
     max_nonfinite_updates: int = Field(default=3, ge=1)
     """An update whose loss or gradient is NaN or infinite is skipped with a warning; this many
     in a row stop the run (the newest checkpoint stays). Default 3."""

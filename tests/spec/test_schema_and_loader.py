@@ -460,3 +460,12 @@ def test_an_advantage_whose_kl_settings_would_do_nothing_is_refused() -> None:
         pipeline_from_dict(_ppo(kl_target=0.1))
     with pytest.raises(SpecError, match="nodes.adv.kl_horizon: kl_horizon is read only by the adaptive KL controller"):
         pipeline_from_dict(_ppo(kl_coef=0.02, kl_horizon=100))
+
+
+def test_a_profiled_step_past_the_run_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "pipeline.yaml"
+    (problem,) = problems(write(tmp_path, GOOD + "trainer: {steps: 4, torch_profile: [2, 9]}\n"))
+    assert problem.startswith(f"{path}:12: trainer: torch_profile names step 9, past the run's 4 steps; name steps "
+                              "from 1 to 4")
+    (problem,) = problems(write(tmp_path, GOOD + "trainer: {steps: 4, torch_profile: [0]}\n"))
+    assert problem == f"{path}:12: trainer.torch_profile.0: out of range: allowed torch_profile >= 1, found 0"

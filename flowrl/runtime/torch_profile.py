@@ -1,0 +1,43 @@
+"""A node call under ``torch.profiler`` (``trainer.torch_profile``).
+
+The run's own profiler says how long each node takes; this says where the time goes inside
+one: every operator and, on a GPU, every kernel, as a Chrome trace and as a table by own
+time. Files go to the call's ``profile_dir`` on the worker's machine:
+``NODE.trace.json`` and ``NODE.txt`` (``NODE-partK`` for part K of a node split over
+devices).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+TABLE_ROWS = 60
+"""Operators and kernels in the table, the most expensive first."""
+
+
+def file_stem(node: str, shard: tuple[int, int]) -> str:
+    index, count = shard
+    return node if count == 1 else f"{node}-part{index}"
+
+
+@contextlib.contextmanager
+def profiled(directory: str, stem: str, on_gpu: bool) -> Iterator[None]:
+    """Profile the block; on leaving it without an error, write the trace and the table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=activities) as recorded:
+        yield
+        if on_gpu:
+            torch.cuda.synchronize()  # the block's kernels finish inside the profile
+    folder = Path(directory)
+    folder.mkdir(parents=True, exist_ok=True)
+    recorded.export_chrome_trace(str(folder / f"{stem}.trace.json"))
+    # A GPU call's time is its kernels'; a CPU call's is its operators' own.
+    order = "self_device_time_total" if on_gpu else "self_cpu_time_total"
+    table = recorded.key_averages().table(sort_by=order, row_limit=TABLE_ROWS, max_name_column_width=90)
+    (folder / f"{stem}.txt").write_text(table + "\n")
