@@ -454,8 +454,9 @@ class Driver:
         if missing:
             self.watcher.event(RunEvent(
                 "waiting", f"waiting up to {runtime.recovery_timeout_s:g} s (runtime.recovery_timeout_s) for "
-                f"{', '.join(missing)} to come back (a worker started again under the same name takes its slot); "
-                "after that the run goes on without them", self.machine.step))
+                f"{', '.join(missing)} to come back (a worker started again under the same name takes its slot, "
+                "and so does a worker that joins the cluster now: a CPU worker for a CPU slot, one serving the "
+                "same GPU model for a GPU slot); after that the run goes on without them", self.machine.step))
         while not wanted <= self.cluster.alive() and time.monotonic() < deadline:
             time.sleep(0.1)
             taken += self.cluster.take_over(wanted, set())
@@ -464,7 +465,8 @@ class Driver:
         if self.recovery is not None:
             self.recovery.workers_s += time.perf_counter() - started
             if taken:
-                self.recovery.what.append(f"spare worker for {', '.join(sorted(set(taken)))}")
+                takers = ", ".join(f"{slot} (worker {self.cluster.worker_of(slot)})" for slot in sorted(set(taken)))
+                self.recovery.what.append(f"spare worker for {takers}")
             if added:
                 self.recovery.what.append(f"new worker(s) {', '.join(added)} started")
         if wanted <= self.cluster.alive():

@@ -61,6 +61,17 @@ class WorkerSlot:
     """GPU slots: the card's NVML index (its worker sees only it, as cuda:0)."""
 
 
+@dataclass(frozen=True)
+class _Newcomer:
+    """A worker that joined a joined cluster after the run started."""
+
+    kind: str
+    """The kind of slot it can take (``Cluster._kind``)."""
+    inventory: Inventory
+    gpu_index: int | None
+    """Its card's NVML index on its machine; None for a CPU worker."""
+
+
 class Cluster:
     def __init__(self, client: Client, slots: list[WorkerSlot], local: SpecCluster | None,
                  reports: dict[str, Inventory] | None = None) -> None:
@@ -70,6 +81,8 @@ class Cluster:
         self._added = 0
         self._reports = reports or {}
         """Cluster mode: what each worker (by slot name) found on its machine."""
+        self._newcomers: dict[str, _Newcomer] = {}
+        """Cluster mode: workers that joined after the run started, by name, as probed."""
         self._claimed = False
         self.reconnect_s = 0.0
         """A joined cluster: how long the client tries to reach a scheduler it lost (its
@@ -279,6 +292,10 @@ class Cluster:
         by_name = {str(info["name"]): address for address, info in registered_workers(self.client).items()}
         return {slot.name: by_name[str(slot.worker)] for slot in self.slots if str(slot.worker) in by_name}
 
+    def worker_of(self, slot_name: str) -> str:
+        """The name of the Dask worker serving slot ``slot_name`` now."""
+        return next(str(slot.worker) for slot in self.slots if slot.name == slot_name)
+
     def alive(self) -> set[str]:
         """The slots whose worker is registered with the scheduler right now."""
         return set(self.addresses())
@@ -315,12 +332,48 @@ class Cluster:
         return started
 
     def spares(self) -> dict[str, str]:
-        """Registered workers of a local cluster that serve no slot: name -> slot kind."""
-        if self._local is None:
-            return {}
+        """Registered workers that serve no slot: name -> the kind of slot each can take
+        (:meth:`_kind`). A local cluster's are its standby workers; a joined cluster's are the
+        workers that joined after the run started, such as a lost worker's replacement that a
+        batch system or an operator started under a new name."""
         serving = {str(slot.worker) for slot in self.slots}
-        names = {str(info["name"]) for info in registered_workers(self.client).values()}
-        return {name: _worker_kind(name) for name in sorted(names - serving)}
+        workers = {str(info["name"]): address for address, info in registered_workers(self.client).items()}
+        if self._local is not None:
+            return {name: _worker_kind(name) for name in sorted(set(workers) - serving)}
+        spares = {}
+        for name, address in sorted(workers.items()):
+            if name in serving:
+                continue
+            if name not in self._newcomers:
+                newcomer = self._probe(address)
+                if newcomer is None:  # not answering yet (still starting): asked again next time
+                    continue
+                self._newcomers[name] = newcomer
+            spares[name] = self._newcomers[name].kind
+        return spares
+
+    def _probe(self, address: str) -> _Newcomer | None:
+        """A joined newcomer's machine and card, asked of it as every worker was at the start."""
+        try:
+            raw = self.client.run(_report_devices, workers=[address])[address]
+            inventory = inventory_from_dict(raw)
+            started = raw.get("started_with", {})
+            gpu = claimed_gpu(inventory, started.get("cuda_visible_devices"), float(started.get("gpu_resource", 0)))
+        except Exception:  # noqa: BLE001 - a worker still starting, gone again, or started wrongly
+            return None
+        return _Newcomer(kind="cpu" if gpu is None else f"gpu:{gpu.name}", inventory=inventory,
+                         gpu_index=None if gpu is None else gpu.index)
+
+    def _kind(self, slot: WorkerSlot) -> str:
+        """What a spare must be to take ``slot``'s place. A local cluster: ``cpu`` or
+        ``gpu-<index>`` (a GPU worker sees one card, fixed when its process starts). A joined
+        one: ``cpu``, or ``gpu:<model>``, a worker serving a card of the same model on any
+        machine (the plan's memory and speed hold for it)."""
+        if self._local is not None or slot.kind != "gpu":
+            return _slot_kind(slot)
+        card = next((device for device in self._reports[slot.name].devices
+                     if device.kind == "gpu" and device.index == slot.gpu_index), None)
+        return f"gpu:{card.name if card is not None else '?'}"
 
     def take_over(self, names: set[str], hung: set[str]) -> list[str]:
         """Give each slot of ``names`` whose worker is gone, and each ``hung`` one, a
@@ -332,14 +385,21 @@ class Cluster:
         for index, slot in enumerate(self.slots):
             if slot.name not in names or (slot.name in registered and slot.name not in hung):
                 continue
-            spare = next((name for name, kind in free.items() if kind == _slot_kind(slot)), None)
+            spare = next((name for name, kind in free.items() if kind == self._kind(slot)), None)
             if spare is None:
                 continue
             del free[spare]
             if slot.name in hung:
                 threading.Thread(target=self.restart_workers, args=([slot.worker], 60.0), daemon=True).start()
             address = self._address_of(spare)
-            self.slots[index] = replace(slot, worker=spare, address=address or slot.address)
+            taker = replace(slot, worker=spare, address=address or slot.address)
+            newcomer = self._newcomers.get(spare)
+            if newcomer is not None:  # a joined worker: its own machine and card from now on
+                info = registered_workers(self.client).get(address, {}) if address else {}
+                taker = replace(taker, host=str(info.get("host", slot.host)), gpu_index=newcomer.gpu_index,
+                                cores=None)
+                self._reports[slot.name] = newcomer.inventory
+            self.slots[index] = taker
             taken.append(slot.name)
         return taken
 

@@ -194,3 +194,60 @@ def _children_listening(address: str) -> Iterator[Any]:
                 yield process
         except (psutil.AccessDenied, psutil.NoSuchProcess):
             continue
+
+
+def _kill_worker(name: str) -> None:
+    """SIGKILL the `dask worker` started as ``--name name`` and its worker process, as a lost
+    machine would: its nanny does not bring it back."""
+    import psutil
+
+    for process in psutil.process_iter(["cmdline"]):
+        command = process.info["cmdline"] or []
+        if "distributed.cli.dask_worker" in command and command[command.index("--name") + 1] == name:
+            children = process.children(recursive=True)
+            process.kill()
+            for child in children:
+                child.kill()
+            return
+    raise AssertionError(f"no dask worker named {name}")
+
+
+def test_a_worker_that_joins_after_a_loss_takes_the_lost_slot(tmp_path: Path, make_pipeline) -> None:
+    """A joined worker and its nanny are killed mid-run; another worker joins under a new
+    name (as a batch system starts a replacement): it takes the lost slot at once, without
+    waiting out runtime.recovery_timeout_s, and the run finishes every step."""
+    from distributed import Client
+
+    output = tmp_path / "out"
+    pipeline = make_pipeline(output, steps=40, runtime={"recovery_timeout_s": 600})
+    path = _write(pipeline, tmp_path)
+    with dask_processes(tmp_path, {"node-a": ({}, []), "node-b": ({}, [])}) as address:
+        with Client(address, timeout=30) as client:
+            client.wait_for_workers(2, timeout=60)
+        process = subprocess.Popen([str(BIN / "flowrl"), "run", str(path), "--scheduler", address, "--plain"],
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert process.stdout is not None
+        for line in process.stdout:
+            if line.startswith("step 3/"):
+                break
+        plan = json.loads((output / "plan-0.json").read_text())
+        lost = plan["runtime"]["node_slots"]["ref"]  # the reference's own worker
+        _kill_worker(lost)
+        with open(tmp_path / "node-c.log", "w") as log:
+            newcomer = subprocess.Popen(
+                [*DASK, "distributed.cli.dask_worker", address, "--name", "node-c", "--nthreads", "1",
+                 "--memory-limit", "0", "--no-dashboard", "--host", "127.0.0.1"],
+                stdout=log, stderr=subprocess.STDOUT)
+            try:
+                rest, _ = process.communicate(timeout=400)
+            finally:
+                newcomer.terminate()
+                newcomer.wait(timeout=30)
+    assert process.returncode == 0, rest
+    steps = [json.loads(line)["step"] for line in (output / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 41))
+    events = [json.loads(line) for line in (output / "events.jsonl").read_text().splitlines()]
+    (recovered,) = [event for event in events if event["kind"] == "recovered"]
+    assert f"spare worker for {lost} (worker node-c)" in recovered["message"], recovered["message"]
+    assert recovered["data"]["workers_s"] < 120, recovered["message"]
+    assert not [event for event in events if event["kind"] == "replan"], events

@@ -79,3 +79,16 @@ def test_two_workers_on_one_card_are_refused() -> None:
     other = [slot("w1", "a"), replace(slot("w2", "b"))]
     kinds = _gpu_slots(other, {"w1": machine("a", 1), "w2": machine("b", 1)}, {"w1": started("0"), "w2": started("0")})
     assert [s.kind for s in kinds] == ["gpu", "gpu"]
+
+
+def test_a_lost_joined_gpu_slot_is_taken_by_a_card_of_the_same_model_on_any_machine() -> None:
+    """The kind a replacement must have: a joined GPU slot names its card's model (a
+    newcomer on another machine, at another index, serves as well); a CPU slot any CPU
+    worker; a local cluster's GPU slot its card's index."""
+    reports = {"w1": machine("a", 2), "w2": machine("b", 1)}
+    gpu_slot = replace(slot("w1", "a"), kind="gpu", gpu_index=1)
+    joined = Cluster(None, [gpu_slot, slot("w2", "b")], None, reports)  # type: ignore[arg-type]
+    assert joined._kind(gpu_slot) == "gpu:H100-80GB"
+    assert joined._kind(slot("w2", "b")) == "cpu"
+    local = Cluster(None, [gpu_slot], object(), {})  # type: ignore[arg-type]
+    assert local._kind(gpu_slot) == "gpu-1"
