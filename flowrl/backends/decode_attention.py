@@ -106,6 +106,10 @@ def _plain_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ke
     # attention over that group's cached keys, so the cache is never repeated per head.
     bias = torch.zeros(key_valid.shape, dtype=q.dtype, device=q.device)
     bias.masked_fill_(~key_valid, torch.finfo(q.dtype).min)
+    # A column not attended to may hold a stale non-finite key or value (an overflow in an
+    # earlier generation): masked by the bias alone it would still make the row NaN.
+    hidden = ~key_valid[:, None, :, None]
+    keys, values = keys.masked_fill(hidden, 0.0), values.masked_fill(hidden, 0.0)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias[:, None, None, :], scale=scaling)
 
 

@@ -81,12 +81,14 @@ def attention_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, column_ptr, valid_
         valid = tl.load(valid_ptr + row * valid_stride + columns, mask=inside, other=0) != 0
         valid = valid & (columns != column)
         # The keys and values are read by the window alone, not by ``valid``: a load masked by
-        # another load's result waits for it, one more trip to memory per block. A column
-        # that is not valid gets weight exp2(-inf) = 0; the cache starts zeroed and only ever
-        # holds computed keys and values, so what such a column holds is finite and adds 0.
+        # another load's result waits for it, one more trip to memory per block. What a column
+        # that is not valid holds (a stale key or value, non-finite after an overflow) is then
+        # replaced in registers: its score by -inf below, its value by 0 (weight 0 times an
+        # infinite value would still be NaN).
         offsets = cache + columns[:, None] * stride_column + dims[None, :]
         kc = tl.load(k_ptr + offsets, mask=inside[:, None], other=0.0)
         vc = tl.load(v_ptr + offsets, mask=inside[:, None], other=0.0)
+        vc = tl.where(valid[:, None], vc, 0.0)
         scores = _dot(rq, tl.trans(kc), EXACT) * scale
         scores = tl.where(valid[None, :], scores, float("-inf"))
         new_best = tl.maximum(best, tl.max(scores, axis=1))

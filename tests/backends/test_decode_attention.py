@@ -41,11 +41,14 @@ def step_inputs(device: str, dtype: torch.dtype, window: int, seed: int = 0) -> 
     valid[2, :column] = False  # only the new column
     keys, values = draw(batch + 2, KV_HEADS, columns, HEAD_DIM), draw(batch + 2, KV_HEADS, columns, HEAD_DIM)
     # Columns a row does not attend to hold large values (stale keys and values of earlier
-    # rows): they must add nothing.
+    # rows), and some of them inf or NaN (a stale overflow): they must add nothing.
     stale = torch.zeros(batch + 2, 1, columns, 1, dtype=torch.bool)
     stale[:batch, 0, :window, 0] = ~valid
     keys = torch.where(stale.to(device), keys * 1000, keys)
     values = torch.where(stale.to(device), values * 1000, values)
+    keys[3, :, column + 3] = float("inf")  # after the new column, unwritten by this generation
+    values[3, :, column + 2] = float("nan")
+    values[0, :, 1] = float("inf")  # in row 0's left padding
     return {
         "qkv": draw(batch, (KV_HEADS * GROUP + 2 * KV_HEADS) * HEAD_DIM),
         "angles": angles,
