@@ -162,19 +162,25 @@ def run(
         _start_warm_server()
     from flowrl.spec.loader import issue_locator, load_pipeline
 
-    graph = load_pipeline(pipeline_file, overrides or [])
     if overwrite and resume:
         raise FlowrlError("--overwrite starts over and --resume continues: give one of them")
     _one_setting(overrides or [], {"steps": ("--steps", "trainer.steps"), "output_dir": ("--output-dir", "trainer.output_dir"),
                                    "scheduler": ("--scheduler", "runtime.scheduler_address"),
                                    "cpu_slots": ("--cpu-slots", "runtime.cpu_slots"), "seed": ("--seed", "trainer.seed")},
                  {"steps": steps, "output_dir": output_dir, "scheduler": scheduler, "cpu_slots": cpu_slots, "seed": seed})
+    graph = load_pipeline(pipeline_file, _with_steps(overrides, steps))
     # a run's own config.yaml reads its paths from the folder of the file the run started from
     base_dir = _pipeline_folder(pipeline_file) or pipeline_file.resolve().parent
     _train(graph, base_dir, plain, resume, force, overwrite=overwrite,
            locate=issue_locator(pipeline_file, overrides or []),
            steps=steps, output_dir=output_dir, scheduler_address=scheduler, cpu_slots=cpu_slots, seed=seed,
            checkpoint=_checkpoint_step(checkpoint))
+
+
+def _with_steps(overrides: list[str] | None, steps: int | None) -> list[str]:
+    """The overrides, plus ``--steps`` as ``trainer.steps``: the pipeline is validated with the
+    run's length (what depends on it, such as ``trainer.torch_profile``, is checked against it)."""
+    return [*(overrides or []), *([f"trainer.steps={steps}"] if steps is not None else [])]
 
 
 @app.command()
@@ -204,8 +210,8 @@ def resume(
         raise FlowrlError(f"{output_dir}: no such folder{hint}; give the output folder of a flowrl run")
     if not config.is_file():
         raise FlowrlError(f"{output_dir} holds no config.yaml: it is not the output folder of a flowrl run")
-    graph = load_pipeline(config, overrides or [])
     _one_setting(overrides or [], {"steps": ("--steps", "trainer.steps")}, {"steps": steps})
+    graph = load_pipeline(config, _with_steps(overrides, steps))
     if any(text.partition("=")[0].strip() == "trainer.output_dir" for text in overrides or []):
         raise FlowrlError(f"a resume goes on in its own folder, {output_dir}: remove the override trainer.output_dir")
     base_dir = _pipeline_folder(config) or output_dir.resolve()

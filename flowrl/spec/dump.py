@@ -98,8 +98,9 @@ def _dump_one(value: Any) -> str:
     return text.strip()[1:-1]
 
 
-RESUME_MAY_CHANGE = ("steps", "output_dir")
-"""trainer fields a resumed run may change freely: it may run longer, and its folder may move."""
+RESUME_MAY_CHANGE = ("steps", "output_dir", "torch_profile")
+"""trainer fields a resumed run may change freely: it may run longer, its folder may move, and
+other steps may be profiled."""
 
 
 def resumable_form(config_text: str) -> Any:

@@ -38,3 +38,21 @@ def test_a_profiled_step_writes_each_nodes_trace_and_table_and_is_not_a_measurem
     calibrated = json.loads((output / "plan-0.json").read_text())["calibrated"]
     assert calibrated["learned_from_steps"] == [2, 4]
     assert calibrated["judged_on_steps"] == [5, 6]
+
+
+def test_profiled_steps_are_checked_against_the_steps_asked_on_the_command_line(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from flowrl.cli.main import app
+
+    pipeline = tmp_path / "pipeline.yaml"
+    pipeline.write_text(PIPELINE.read_text().replace("steps: 120", "steps: 2"))
+    assert "steps: 2" in pipeline.read_text()
+    out = tmp_path / "out"
+    short = CliRunner().invoke(app, ["run", str(pipeline), "-o", str(out), "--plain", "trainer.torch_profile=[3]"])
+    assert short.exit_code == 2, short.output
+    assert "torch_profile names step 3, past the run's 2 steps" in " ".join(short.output.split())
+    longer = CliRunner().invoke(app, ["run", str(pipeline), "-o", str(out), "--plain", "--steps", "3",
+                                      "trainer.torch_profile=[3]"])
+    assert longer.exit_code == 0, longer.output
+    assert (out / "torch_profile" / "step-3" / "train.txt").is_file()
