@@ -38,6 +38,7 @@ from flowrl.errors import (CheckpointError, FlowrlError, NodeTimeout, PlacementE
                            RunStopped, WorkerLost, error_chain)
 from flowrl.graph import PipelineGraph
 from flowrl.records import RunEvent, StepRecord
+from flowrl.runtime.torch_profile import fallback_folder
 from flowrl.runtime.cluster import Cluster, call_within
 from flowrl.runtime.interrupts import note_stop_signal, repeated_signal, stopping_for
 from flowrl.runtime.session import PendingSnapshot, Session
@@ -107,6 +108,11 @@ class Recovery:
     workers_s: float = 0.0
     build_s: float = 0.0
     faults: int = 0
+
+
+JOINED_TAKERS = (", and so does a worker that joins the cluster now: a CPU worker for a CPU slot, one serving the "
+                 "same GPU model for a GPU slot")
+"""On a joined cluster, who else takes a lost slot (``Cluster.take_over``)."""
 
 
 class Driver:
@@ -265,8 +271,11 @@ class Driver:
         steps' times."""
         if self.snapshot_interval_s is None or not self.machine.snapshot_every:
             return
-        recent = [record.metrics["timing_s/step"] for record in self.records[-RETUNE_WINDOW_STEPS:]]
-        self.machine.snapshot_every = snapshot_every_for(self.snapshot_interval_s, statistics.median(recent))
+        profiled = self.graph.spec.trainer.torch_profile  # slower steps, not the run's pace
+        recent = [record.metrics["timing_s/step"] for record in self.records[-RETUNE_WINDOW_STEPS:]
+                  if record.step not in profiled]
+        if recent:
+            self.machine.snapshot_every = snapshot_every_for(self.snapshot_interval_s, statistics.median(recent))
 
     def _restore(self, source: str) -> lc.Event:
         session = self._session()
@@ -363,7 +372,9 @@ class Driver:
             values, timings = self.evaluator.run(session, step, self.watcher.event)
         if profile_dir:
             self.watcher.event(RunEvent("profile", f"torch profile of step {step}: {profile_dir} (NODE.txt, "
-                                                   "NODE.trace.json on each node's machine)", step))
+                                                   "NODE.trace.json on each node's machine; a worker that cannot "
+                                                   "write there writes to its temporary folder, "
+                                                   f"{fallback_folder(profile_dir)})", step))
         samples: list[dict[str, Any]] = []
         if trainer.log_samples and (step % trainer.log_samples_every == 0 or step == num_steps):
             samples = session.samples(step, trainer.log_samples, self.graph.spec.runtime.node_timeout_s)
@@ -454,12 +465,14 @@ class Driver:
         if missing:
             self.watcher.event(RunEvent(
                 "waiting", f"waiting up to {runtime.recovery_timeout_s:g} s (runtime.recovery_timeout_s) for "
-                f"{', '.join(missing)} to come back (a worker started again under the same name takes its slot, "
-                "and so does a worker that joins the cluster now: a CPU worker for a CPU slot, one serving the "
-                "same GPU model for a GPU slot); after that the run goes on without them", self.machine.step))
+                f"{', '.join(missing)} to come back (a worker started again under the same name takes its slot"
+                f"{JOINED_TAKERS if self.cluster.joined else ''}); after that the run goes on without them",
+                self.machine.step))
         while not wanted <= self.cluster.alive() and time.monotonic() < deadline:
             time.sleep(0.1)
             taken += self.cluster.take_over(wanted, set())
+            for note in self.cluster.take_notes():
+                self.watcher.event(RunEvent("warning", note, self.machine.step))
             if not added and time.monotonic() > new_after:
                 added = self.cluster.add_workers(wanted - self.cluster.alive())
         if self.recovery is not None:

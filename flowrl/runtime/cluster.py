@@ -70,6 +70,17 @@ class _Newcomer:
     inventory: Inventory
     gpu_index: int | None
     """Its card's NVML index on its machine; None for a CPU worker."""
+    host: str = ""
+    """Its host, as the scheduler knows it (as a slot's ``host``)."""
+    refused: str = ""
+    """Why it can take no slot (started wrongly for a GPU); empty: it can."""
+
+
+PROBE_S = 5.0
+"""The longest a joined newcomer's answer about its devices is waited for."""
+PROBE_AGAIN_S = 2.0
+"""A newcomer that did not answer is asked again after this long (lost slots look for one
+every 0.1 s)."""
 
 
 class Cluster:
@@ -81,8 +92,12 @@ class Cluster:
         self._added = 0
         self._reports = reports or {}
         """Cluster mode: what each worker (by slot name) found on its machine."""
-        self._newcomers: dict[str, _Newcomer] = {}
-        """Cluster mode: workers that joined after the run started, by name, as probed."""
+        self._newcomers: dict[tuple[str, str], _Newcomer] = {}
+        """Cluster mode: workers that joined after the run started, by (name, address), as probed."""
+        self._ask_again: dict[tuple[str, str], float] = {}
+        """Cluster mode: newcomers that did not answer yet, and when to ask them again."""
+        self._notes: list[str] = []
+        """Newcomers refused, to be told once (:meth:`take_notes`)."""
         self._claimed = False
         self.reconnect_s = 0.0
         """A joined cluster: how long the client tries to reach a scheduler it lost (its
@@ -342,27 +357,49 @@ class Cluster:
             return {name: _worker_kind(name) for name in sorted(set(workers) - serving)}
         spares = {}
         for name, address in sorted(workers.items()):
-            if name in serving:
+            key = (name, address)
+            if name in serving or time.monotonic() < self._ask_again.get(key, 0.0):
                 continue
-            if name not in self._newcomers:
-                newcomer = self._probe(address)
-                if newcomer is None:  # not answering yet (still starting): asked again next time
+            if key not in self._newcomers:
+                newcomer = self._probe(name, address)
+                if newcomer is None:  # not answering yet (still starting, or stopped)
+                    self._ask_again[key] = time.monotonic() + PROBE_AGAIN_S
                     continue
-                self._newcomers[name] = newcomer
-            spares[name] = self._newcomers[name].kind
+                self._newcomers[key] = newcomer
+                if newcomer.refused:
+                    self._notes.append(newcomer.refused)
+            if not self._newcomers[key].refused:
+                spares[name] = self._newcomers[key].kind
         return spares
 
-    def _probe(self, address: str) -> _Newcomer | None:
-        """A joined newcomer's machine and card, asked of it as every worker was at the start."""
-        try:
-            raw = self.client.run(_report_devices, workers=[address])[address]
-            inventory = inventory_from_dict(raw)
-            started = raw.get("started_with", {})
-            gpu = claimed_gpu(inventory, started.get("cuda_visible_devices"), float(started.get("gpu_resource", 0)))
-        except Exception:  # noqa: BLE001 - a worker still starting, gone again, or started wrongly
+    def _probe(self, name: str, address: str) -> _Newcomer | None:
+        """A joined newcomer's machine and card, asked of it as every worker was at the start;
+        None when it does not answer within ``PROBE_S`` (a wedged or stopped worker never
+        does); a refused one when it cannot serve a slot as started."""
+        outcome = call_within(lambda: self.client.run(_report_devices, workers=[address]), PROBE_S, "flowrl-probe")
+        if not outcome.finished or outcome.error is not None:
             return None
+        raw = outcome.result[address]
+        inventory = inventory_from_dict(raw)
+        started = raw.get("started_with", {})
+        host = str(registered_workers(self.client).get(address, {}).get("host", ""))
+        try:
+            gpu = claimed_gpu(inventory, started.get("cuda_visible_devices"), float(started.get("gpu_resource", 0)))
+        except ClusterError as error:
+            return _Newcomer(kind="", inventory=inventory, gpu_index=None, host=host,
+                             refused=f"worker {name} joined the cluster but cannot take a lost slot: {error}")
         return _Newcomer(kind="cpu" if gpu is None else f"gpu:{gpu.name}", inventory=inventory,
-                         gpu_index=None if gpu is None else gpu.index)
+                         gpu_index=None if gpu is None else gpu.index, host=host)
+
+    def take_notes(self) -> list[str]:
+        """What to tell the user about newcomers refused since the last call."""
+        notes, self._notes = self._notes, []
+        return notes
+
+    @property
+    def joined(self) -> bool:
+        """Whether the run joined a running scheduler (else it started a local cluster)."""
+        return self._local is None
 
     def _kind(self, slot: WorkerSlot) -> str:
         """What a spare must be to take ``slot``'s place. A local cluster: ``cpu`` or
@@ -385,7 +422,11 @@ class Cluster:
         for index, slot in enumerate(self.slots):
             if slot.name not in names or (slot.name in registered and slot.name not in hung):
                 continue
-            spare = next((name for name, kind in free.items() if kind == self._kind(slot)), None)
+            # a card that a slot still served by its worker has: never two workers on one card
+            served = {(other.host, other.gpu_index) for other in self.slots
+                      if other.kind == "gpu" and other.name in registered and other.name != slot.name}
+            spare = next((name for name, kind in free.items() if kind == self._kind(slot)
+                          and not self._on_served_card(name, served)), None)
             if spare is None:
                 continue
             del free[spare]
@@ -393,15 +434,17 @@ class Cluster:
                 threading.Thread(target=self.restart_workers, args=([slot.worker], 60.0), daemon=True).start()
             address = self._address_of(spare)
             taker = replace(slot, worker=spare, address=address or slot.address)
-            newcomer = self._newcomers.get(spare)
+            newcomer = self._newcomers.get((spare, address or ""))
             if newcomer is not None:  # a joined worker: its own machine and card from now on
-                info = registered_workers(self.client).get(address, {}) if address else {}
-                taker = replace(taker, host=str(info.get("host", slot.host)), gpu_index=newcomer.gpu_index,
-                                cores=None)
+                taker = replace(taker, host=newcomer.host or slot.host, gpu_index=newcomer.gpu_index, cores=None)
                 self._reports[slot.name] = newcomer.inventory
             self.slots[index] = taker
             taken.append(slot.name)
         return taken
+
+    def _on_served_card(self, name: str, served: set[tuple[str, int | None]]) -> bool:
+        newcomer = next((item for (known, _), item in self._newcomers.items() if known == name), None)
+        return newcomer is not None and newcomer.gpu_index is not None and (newcomer.host, newcomer.gpu_index) in served
 
     def _address_of(self, worker: str) -> str | None:
         for address, info in registered_workers(self.client).items():

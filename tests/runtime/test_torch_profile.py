@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+import torch
+
 from flowrl.api.run import run
 from flowrl.spec.loader import load_pipeline
 
@@ -56,3 +59,19 @@ def test_profiled_steps_are_checked_against_the_steps_asked_on_the_command_line(
                                       "trainer.torch_profile=[3]"])
     assert longer.exit_code == 0, longer.output
     assert (out / "torch_profile" / "step-3" / "train.txt").is_file()
+
+
+def test_a_profile_that_cannot_be_written_where_asked_goes_to_the_temporary_folder(tmp_path: Path) -> None:
+    from flowrl.runtime.torch_profile import fallback_folder, profiled
+
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    asked = str(blocked / "step-7")  # under a file: no folder can be made there
+    with pytest.warns(UserWarning, match="could not write the torch profile of adv"):
+        with profiled(asked, "adv", on_gpu=False):
+            torch.ones(3).sum()
+    fallback = fallback_folder(asked)
+    assert fallback.name == "step-7"
+    assert (fallback / "adv.txt").is_file() and (fallback / "adv.trace.json").is_file()
+    (fallback / "adv.txt").unlink()
+    (fallback / "adv.trace.json").unlink()
