@@ -71,6 +71,8 @@ class RoleHost:
         hf_logging.disable_progress_bar()
         hf_logging.set_verbosity_error()
         torch.set_num_threads(max(1, torch_threads))
+        self.torch_threads = max(1, torch_threads)
+        """The worker's own setting: calls that name no thread count run with it."""
         self.device_name = device_name
         self.device = device
         self.seed = seed
@@ -387,8 +389,10 @@ class RoleHost:
             # Node calls run one after another on the compute thread: the peak between two
             # resets is this call's own.
             torch.cuda.reset_peak_memory_stats()
-        if call.threads and call.threads != torch.get_num_threads():
-            torch.set_num_threads(call.threads)
+        # A call that names no count gets the worker's own, also after one that named another.
+        wanted = call.threads or self.torch_threads
+        if wanted != torch.get_num_threads():
+            torch.set_num_threads(wanted)
         started = time.perf_counter()
         state = self.models.get(call.model) if call.model is not None else None
         with contextlib.ExitStack() as stack:

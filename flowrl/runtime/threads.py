@@ -13,7 +13,8 @@ once costs every parallel region a wake-up (the default pipeline's update took 4
 34-39 ms spinning).
 
 A node "may compute beside" another when neither depends on the other and both do model work;
-a score function or an advantage estimate is light and counted as nothing.
+a score function or an advantage estimate is light and counted as nothing. Light nodes are not
+listed: they run on one thread wherever they are (``StepExecutor``, ``LIGHT_THREADS``).
 """
 
 from __future__ import annotations
@@ -31,21 +32,23 @@ def heavy(pipeline: PipelineGraph, node: str) -> bool:
 
 
 def call_threads(pipeline: PipelineGraph, plan: Plan, cores: int, shared: set[str]) -> dict[tuple[str, str], int]:
-    """(node, slot) -> torch threads for that call, for the slots in ``shared`` (unpinned CPU
-    workers of one machine with ``cores`` cores). Calls on other slots are not listed."""
+    """(node, slot) -> torch threads for that call of a node with a model, for the slots in
+    ``shared`` (unpinned CPU workers of one machine with ``cores`` cores). Calls on other
+    slots, and light nodes' calls, are not listed."""
     graph = pipeline.graph
     related = {node: nx.ancestors(graph, node) | nx.descendants(graph, node) | {node}
                for node in plan.node_slots}
     threads: dict[tuple[str, str], int] = {}
     for node in plan.node_slots:
+        if not heavy(pipeline, node):
+            continue
         for slot in plan.slots_of(node):
             if slot not in shared:
                 continue
             company = {other_slot for other_slot in plan.slots_of(node) if other_slot != slot}
-            if heavy(pipeline, node):
-                for other in plan.node_slots:
-                    if other in related[node] or not heavy(pipeline, other):
-                        continue
-                    company.update(s for s in plan.slots_of(other) if s != slot)
+            for other in plan.node_slots:
+                if other in related[node] or not heavy(pipeline, other):
+                    continue
+                company.update(s for s in plan.slots_of(other) if s != slot)
             threads[node, slot] = max(1, cores // (1 + len(company & shared)))
     return threads

@@ -963,8 +963,10 @@ class RuntimeSpec(StrictModel):
     tls_key: str | None = None
     """The private key of ``tls_cert`` (PEM). Default None."""
     torch_threads: Annotated[int, Field(ge=1)] | None = None
-    """Torch threads per worker; None uses all cores of the host (a step's nodes mostly run
-    one after another). Default None."""
+    """Torch threads per worker for the nodes that run a model; None uses all cores of the
+    host (a step's nodes mostly run one after another). Nodes without a model (reward
+    functions, advantages) run their torch operations on one thread: their tensors are small,
+    and waking many threads for each operation costs more than it saves. Default None."""
     node_timeout_s: float = Field(default=600.0, gt=0)
     """Longest one node may run, in seconds; a node past it counts as a hung worker, which is
     restarted and the step run again. Default 600."""

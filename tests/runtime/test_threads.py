@@ -16,9 +16,7 @@ def test_grpo_nodes_that_run_one_after_another_get_every_core() -> None:
     pipeline = load_pipeline(PIPELINES / "grpo_tiny.yaml")
     # the models on cpu-0; the score and the advantage (light: no model) on cpu-1
     plan = plan_for(pipeline, {"rollout": "cpu-0", "reward": "cpu-1", "ref": "cpu-0", "adv": "cpu-1", "train": "cpu-0"})
-    assert call_threads(pipeline, plan, 2, SLOTS) == {
-        ("rollout", "cpu-0"): 2, ("reward", "cpu-1"): 2, ("ref", "cpu-0"): 2, ("adv", "cpu-1"): 2,
-        ("train", "cpu-0"): 2}
+    assert call_threads(pipeline, plan, 2, SLOTS) == {("rollout", "cpu-0"): 2, ("ref", "cpu-0"): 2, ("train", "cpu-0"): 2}
     # the reference on a worker of its own: generation and the update depend on it or it on
     # them, so nothing runs beside it
     plan = plan_for(pipeline, {"rollout": "cpu-0", "reward": "cpu-0", "ref": "cpu-1", "adv": "cpu-0", "train": "cpu-0"})
@@ -31,7 +29,7 @@ def test_ppo_calls_that_may_run_at_once_on_two_workers_share_the_cores() -> None
                                "adv": "cpu-0", "train_actor": "cpu-0", "train_critic": "cpu-1"})
     threads = call_threads(pipeline, plan, 4, SLOTS)
     assert threads[("rollout", "cpu-0")] == 4  # everything else waits for the rollout
-    assert threads[("adv", "cpu-0")] == 4  # light
+    assert ("adv", "cpu-0") not in threads  # light: one thread wherever it runs
     # ref, the reward model and the values read the rollout side by side on both workers;
     # the two updates after the advantages likewise
     for call in (("ref", "cpu-0"), ("reward", "cpu-1"), ("values", "cpu-1"), ("train_actor", "cpu-0"),
@@ -53,3 +51,14 @@ def test_the_parts_of_a_split_node_share_the_cores_and_three_workers_leave_one_e
     assert [threads[("ref", slot)] for slot in ("cpu-0", "cpu-1", "cpu-2")] == [1, 1, 1]
     assert threads[("train", "cpu-0")] == 3
     assert call_threads(pipeline, plan, 2, {"cpu-0", "cpu-1", "cpu-2"})[("ref", "cpu-2")] == 1  # never 0
+
+
+def test_light_calls_run_on_one_thread_and_model_calls_on_their_share() -> None:
+    from flowrl.runtime.executor import LIGHT_THREADS, StepExecutor
+
+    pipeline = load_pipeline(PIPELINES / "grpo_tiny.yaml")
+    plan = plan_for(pipeline, {node: "cpu-0" for node in pipeline.spec.nodes})
+    executor = StepExecutor(pipeline, plan, {}, 60.0, threads=call_threads(pipeline, plan, 4, SLOTS))
+    threads = {node: executor._call(1, node, [], 0.0, "cpu-0").threads for node in pipeline.spec.nodes}
+    assert LIGHT_THREADS == 1
+    assert threads == {"rollout": 4, "reward": 1, "ref": 4, "adv": 1, "train": 4}
