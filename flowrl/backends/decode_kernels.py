@@ -77,18 +77,16 @@ def attention_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, column_ptr, valid_
     # bound computed from the program's id.
     for block in tl.range(0, per_share, BLOCK_COLUMNS):
         columns = start + block + tl.arange(0, BLOCK_COLUMNS)
-        inside = columns < stop
-        valid = tl.load(valid_ptr + row * valid_stride + columns, mask=inside, other=0) != 0
+        valid = tl.load(valid_ptr + row * valid_stride + columns, mask=columns < stop, other=0) != 0
         valid = valid & (columns != column)
-        # The keys and values are read by the window alone, not by ``valid``: a load masked by
-        # another load's result waits for it, one more trip to memory per block. What a column
-        # that is not valid holds (a stale key or value, non-finite after an overflow) is then
-        # replaced in registers: its score by -inf below, its value by 0 (weight 0 times an
-        # infinite value would still be NaN).
+        # Only the valid columns are read: a batch's padding and the window's unwritten end
+        # cost no memory traffic, and what they hold (stale, even non-finite after an
+        # overflow) never enters. Reading by the window alone, so that these loads need not
+        # wait for ``valid``'s, was 3 % slower per decode step at 256 rows on an H100
+        # (``benchmarks/results/decode_cache_loads_h100.json``).
         offsets = cache + columns[:, None] * stride_column + dims[None, :]
-        kc = tl.load(k_ptr + offsets, mask=inside[:, None], other=0.0)
-        vc = tl.load(v_ptr + offsets, mask=inside[:, None], other=0.0)
-        vc = tl.where(valid[:, None], vc, 0.0)
+        kc = tl.load(k_ptr + offsets, mask=valid[:, None], other=0.0)
+        vc = tl.load(v_ptr + offsets, mask=valid[:, None], other=0.0)
         scores = _dot(rq, tl.trans(kc), EXACT) * scale
         scores = tl.where(valid[None, :], scores, float("-inf"))
         new_best = tl.maximum(best, tl.max(scores, axis=1))
