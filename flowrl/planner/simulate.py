@@ -25,6 +25,7 @@ from flowrl.devices.inventory import Device, Inventory
 from flowrl.graph import PipelineGraph
 from flowrl.planner.cost import compile_benchmark_bytes, matmul_workspace_bytes, weight_bytes
 from flowrl.planner.costs import GB, CostSource, transfer_s
+from flowrl.planner.sharing import core_shares
 from flowrl.spec.schema import SOURCE_NODE, GenerateNode, NodeBase, UpdateNode
 
 GPU_CONTEXT_GB = 0.5
@@ -78,6 +79,8 @@ def simulate(
     devices = {device.id: device for device in inventory.devices}
     free_at: dict[str, tuple[float, str | None]] = {}
     tasks: dict[str, Task] = {}
+    # model nodes that may run at once on CPU slots of one machine divide its cores
+    shares = core_shares(pipeline, {node: [devices[i] for i in where.devices] for node, where in placement.items()})
     for node in pipeline.topological_order():
         chosen = placement[node]
         here = [devices[i] for i in chosen.devices]
@@ -91,7 +94,7 @@ def simulate(
             if arrival > ready or after is None:
                 ready, after = arrival, producer
         start, after = _device_start(chosen.devices, free_at, ready, after)
-        end = start + costs.compute_s(node, here, chosen.offloaded)
+        end = start + costs.compute_s(node, here, chosen.offloaded) * shares.get(node, 1.0)
         tasks[node] = Task(node, "node", chosen.devices, start, end, after)
         for device_id in chosen.devices:
             free_at[device_id] = (end, node)

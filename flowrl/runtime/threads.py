@@ -19,25 +19,18 @@ listed: they run on one thread wherever they are (``StepExecutor``, ``LIGHT_THRE
 
 from __future__ import annotations
 
-import networkx as nx
-
 from flowrl.graph import PipelineGraph
 from flowrl.planner.placement import Plan
-
-
-def heavy(pipeline: PipelineGraph, node: str) -> bool:
-    """A node that runs a model (generation, a forward, an update): light nodes are not
-    counted as company."""
-    return pipeline.spec.nodes[node].model is not None
+from flowrl.planner.sharing import company, heavy, related_nodes
 
 
 def call_threads(pipeline: PipelineGraph, plan: Plan, cores: int, shared: set[str]) -> dict[tuple[str, str], int]:
     """(node, slot) -> torch threads for that call of a node with a model, for the slots in
     ``shared`` (unpinned CPU workers of one machine with ``cores`` cores). Calls on other
-    slots, and light nodes' calls, are not listed."""
-    graph = pipeline.graph
-    related = {node: nx.ancestors(graph, node) | nx.descendants(graph, node) | {node}
-               for node in plan.node_slots}
+    slots, and light nodes' calls, are not listed. The planner predicts the same division
+    (``flowrl.planner.sharing``)."""
+    related = related_nodes(pipeline)
+    node_slots = {node: tuple(plan.slots_of(node)) for node in plan.node_slots}
     threads: dict[tuple[str, str], int] = {}
     for node in plan.node_slots:
         if not heavy(pipeline, node):
@@ -45,10 +38,6 @@ def call_threads(pipeline: PipelineGraph, plan: Plan, cores: int, shared: set[st
         for slot in plan.slots_of(node):
             if slot not in shared:
                 continue
-            company = {other_slot for other_slot in plan.slots_of(node) if other_slot != slot}
-            for other in plan.node_slots:
-                if other in related[node] or not heavy(pipeline, other):
-                    continue
-                company.update(s for s in plan.slots_of(other) if s != slot)
-            threads[node, slot] = max(1, cores // (1 + len(company & shared)))
+            beside = company(pipeline, node_slots, node, slot, related)
+            threads[node, slot] = max(1, cores // (1 + len(beside & shared)))
     return threads

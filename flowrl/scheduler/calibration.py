@@ -43,6 +43,7 @@ from flowrl.devices.inventory import Device, Inventory
 from flowrl.graph import PipelineGraph
 from flowrl.planner.compiled import CompiledPlan
 from flowrl.planner.costs import CostSource, NodeMemory
+from flowrl.planner.sharing import core_shares
 from flowrl.planner.simulate import Placement, simulate
 from flowrl.planner.work import NodeWork
 from flowrl.records import NodeTiming, StepRecord, slowest_part_medians
@@ -101,11 +102,15 @@ class DeviceCalibration:
         timings: Sequence[NodeTiming],
         node_devices: Mapping[str, Sequence[Device]],
         offloaded: Mapping[str, bool],
+        shares: Mapping[str, float] | None = None,
     ) -> None:
         """Fold one step's node calls (one ``NodeTiming`` per node and device) in.
 
         ``node_devices`` says where each node ran, so that its prediction is the one of
-        the placement that was measured.
+        the placement that was measured; ``shares``: how many times slower each node ran
+        for sharing its machine's cores in that placement (``planner.sharing.core_shares``,
+        which ``simulate`` applies too), so that a factor learned in one placement holds
+        in another.
         """
         measured: dict[str, float] = {}
         predicted: dict[str, float] = {}
@@ -118,6 +123,7 @@ class DeviceCalibration:
             if not devices:
                 continue
             expected = self.base.compute_s(timing.node, devices, offloaded.get(timing.node, False))
+            expected *= (shares or {}).get(timing.node, 1.0)
             if calibrating and expected > 0:
                 # the median: one step disturbed by something else on the machine must not
                 # set the baseline every later step is judged against
@@ -213,8 +219,9 @@ def calibrated_prediction(
     calibration.observe_step([], {}, {})  # the warm-up step was left out above
     devices = {node: [by_id[d] for d in where.devices if d in by_id] for node, where in placement.items()}
     offloaded = {node: where.offloaded for node, where in placement.items()}
+    shares = core_shares(pipeline, devices)
     for record in learn:
-        calibration.observe_step(record.nodes, devices, offloaded)
+        calibration.observe_step(record.nodes, devices, offloaded, shares)
     schedule = simulate(pipeline, placement, inventory, calibration)
     measured = slowest_part_medians((t.node, r.step, t.compute_s) for r in judge for t in r.nodes)
     step_times = [r.metrics["timing_s/step"] for r in judge if math.isfinite(r.metrics.get("timing_s/step", math.nan))]
