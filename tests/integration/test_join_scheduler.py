@@ -155,22 +155,29 @@ def _write(pipeline, folder: Path) -> Path:
     return path
 
 
+def _run_to_step_3(pipeline: Path, address: str) -> subprocess.Popen[str]:
+    """`flowrl run` on the scheduler at ``address`` once both its workers are there, read
+    until step 3 is logged; the rest of its output is the caller's."""
+    from distributed import Client
+
+    with Client(address, timeout=30) as client:
+        client.wait_for_workers(2, timeout=60)
+    process = subprocess.Popen([str(BIN / "flowrl"), "run", str(pipeline), "--scheduler", address, "--plain"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert process.stdout is not None
+    for line in process.stdout:
+        if line.startswith("step 3/"):
+            break
+    return process
+
+
 def test_a_lost_scheduler_stops_the_run_with_one_message(tmp_path: Path, make_pipeline) -> None:
     """The scheduler is killed mid-run: no worker can be asked or replaced, so the run stops
     (exit 1) saying so and what it kept, without a traceback."""
-    from distributed import Client
-
     output = tmp_path / "out"
     pipeline = _write(make_pipeline(output, steps=2000), tmp_path)
     with dask_processes(tmp_path, {"node-a": ({}, []), "node-b": ({}, [])}) as address:
-        with Client(address, timeout=30) as client:
-            client.wait_for_workers(2, timeout=60)
-        process = subprocess.Popen([str(BIN / "flowrl"), "run", str(pipeline), "--scheduler", address, "--plain"],
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        assert process.stdout is not None
-        for line in process.stdout:
-            if line.startswith("step 3/"):
-                break
+        process = _run_to_step_3(pipeline, address)
         scheduler = next(child for child in _children_listening(address))
         scheduler.terminate()
         rest, _ = process.communicate(timeout=240)
@@ -216,20 +223,11 @@ def test_a_worker_that_joins_after_a_loss_takes_the_lost_slot(tmp_path: Path, ma
     """A joined worker and its nanny are killed mid-run; another worker joins under a new
     name (as a batch system starts a replacement): it takes the lost slot at once, without
     waiting out runtime.recovery_timeout_s, and the run finishes every step."""
-    from distributed import Client
-
     output = tmp_path / "out"
     pipeline = make_pipeline(output, steps=40, runtime={"recovery_timeout_s": 600})
     path = _write(pipeline, tmp_path)
     with dask_processes(tmp_path, {"node-a": ({}, []), "node-b": ({}, [])}) as address:
-        with Client(address, timeout=30) as client:
-            client.wait_for_workers(2, timeout=60)
-        process = subprocess.Popen([str(BIN / "flowrl"), "run", str(path), "--scheduler", address, "--plain"],
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        assert process.stdout is not None
-        for line in process.stdout:
-            if line.startswith("step 3/"):
-                break
+        process = _run_to_step_3(path, address)
         plan = json.loads((output / "plan-0.json").read_text())
         lost = plan["runtime"]["node_slots"]["ref"]  # the reference's own worker
         _kill_worker(lost)
