@@ -4,7 +4,7 @@ The workers of a local cluster are not pinned by default: each node call on a CP
 the machine's cores divided by the workers that may compute beside it (``flowrl.runtime.threads``),
 so two model nodes that run at once on two slots of one machine each take about twice as long
 as alone. The planner predicts the same: a node's compute time on such a slot is multiplied
-by :func:`core_shares`, so a placement that spreads a pipeline over the slots of one machine
+by :func:`core_shares` (the machine's cores over the threads the call gets), so a placement that spreads a pipeline over the slots of one machine
 is not predicted faster than it runs (on 2 cores, ``ppo_tiny``'s critic on a slot of its own
 was predicted at 31 ms per step against 48 ms beside the actor, and measured 149 against 136).
 
@@ -14,11 +14,12 @@ a score function or an advantage estimate is light and counted as nothing.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 
 import networkx as nx
 
-from flowrl.devices.inventory import Device
+from flowrl.devices.inventory import Device, Inventory
 from flowrl.graph import PipelineGraph
 
 
@@ -28,10 +29,17 @@ def heavy(pipeline: PipelineGraph, node: str) -> bool:
 
 
 def related_nodes(pipeline: PipelineGraph) -> dict[str, set[str]]:
-    """Per node: itself, its ancestors and its descendants (nodes that never run beside it)."""
-    graph = pipeline.graph
-    return {node: nx.ancestors(graph, node) | nx.descendants(graph, node) | {node}
-            for node in pipeline.spec.nodes}
+    """Per node: itself, its ancestors and its descendants (nodes that never run beside it);
+    computed once per graph (a search simulates many placements of one pipeline)."""
+    return _related(tuple(pipeline.spec.nodes), frozenset(pipeline.graph.edges))
+
+
+@functools.lru_cache(maxsize=32)
+def _related(nodes: tuple[str, ...], edges: frozenset[tuple[str, str]]) -> dict[str, set[str]]:
+    graph: nx.DiGraph[str] = nx.DiGraph()
+    graph.add_nodes_from(nodes)
+    graph.add_edges_from(edges)
+    return {node: nx.ancestors(graph, node) | nx.descendants(graph, node) | {node} for node in nodes}
 
 
 def company(pipeline: PipelineGraph, node_slots: Mapping[str, Sequence[str]], node: str, slot: str,
@@ -46,29 +54,47 @@ def company(pipeline: PipelineGraph, node_slots: Mapping[str, Sequence[str]], no
     return others
 
 
+def divided_threads(cores: int, beside: int) -> int:
+    """Torch threads of a call with ``beside`` other slots of its machine's ``cores`` that
+    may compute at the same time: the runtime's division (``flowrl.runtime.threads``)."""
+    return max(1, cores // (1 + beside))
+
+
 def cores_shared(pipeline: PipelineGraph) -> bool:
-    """Whether node calls on unpinned CPU slots divide the cores (the default): not with
-    ``runtime.pin_cpus`` (each slot has its own) or a fixed ``runtime.torch_threads``."""
+    """Whether node calls on unpinned CPU slots divide the cores (the default): not with a
+    fixed ``runtime.torch_threads``, nor with ``runtime.pin_cpus`` on a local cluster (each
+    slot has its own cores; a joined cluster's workers are not pinned by flowrl)."""
     runtime = pipeline.spec.runtime
-    return not runtime.pin_cpus and not runtime.torch_threads
+    pinned = runtime.pin_cpus and runtime.scheduler_address is None
+    return not pinned and not runtime.torch_threads
 
 
-def core_shares(pipeline: PipelineGraph, node_devices: Mapping[str, Sequence[Device]]) -> dict[str, float]:
-    """Per model node on CPU slots: 1 + the most CPU slots of one of its slots' machine that
-    may compute beside it (its time is multiplied by this); 1.0 for every other node."""
+def host_cores(inventory: Inventory) -> dict[str, int]:
+    """Cores of each host of ``inventory``."""
+    return {host.name: host.cores for host in inventory.hosts}
+
+
+def core_shares(pipeline: PipelineGraph, node_devices: Mapping[str, Sequence[Device]],
+                cores: Mapping[str, int] | None = None) -> dict[str, float]:
+    """Per model node on CPU slots: how many times longer it takes than alone, its machine's
+    ``cores`` (per host; unknown: as many as the slots beside it and itself) divided by the
+    threads the runtime gives it beside the most CPU slots of that machine that may compute
+    at the same time; 1.0 for every other node."""
     shares = {node: 1.0 for node in node_devices}
-    if not cores_shared(pipeline):
+    on_cpu = [node for node, devices in node_devices.items()
+              if heavy(pipeline, node) and any(device.kind == "cpu" for device in devices)]
+    if not on_cpu or not cores_shared(pipeline):
         return shares
     related = related_nodes(pipeline)
     slots = {node: tuple(device.id for device in devices) for node, devices in node_devices.items()}
     by_id = {device.id: device for devices in node_devices.values() for device in devices}
-    for node, devices in node_devices.items():
-        if not heavy(pipeline, node):
-            continue
-        for device in devices:
+    for node in on_cpu:
+        for device in node_devices[node]:
             if device.kind != "cpu":
                 continue
             beside = company(pipeline, slots, node, device.id, related)
-            same_machine = {other for other in beside if by_id[other].kind == "cpu" and by_id[other].host == device.host}
-            shares[node] = max(shares[node], 1.0 + len(same_machine))
+            same_machine = sum(1 for other in beside if by_id[other].kind == "cpu" and by_id[other].host == device.host)
+            machine_cores = (cores or {}).get(device.host, 1 + same_machine)
+            slower = machine_cores / divided_threads(machine_cores, same_machine)
+            shares[node] = max(shares[node], slower)
     return shares

@@ -25,7 +25,7 @@ from flowrl.devices.inventory import Device, Inventory
 from flowrl.graph import PipelineGraph
 from flowrl.planner.cost import compile_benchmark_bytes, matmul_workspace_bytes, weight_bytes
 from flowrl.planner.costs import GB, CostSource, transfer_s
-from flowrl.planner.sharing import core_shares
+from flowrl.planner.sharing import core_shares, host_cores
 from flowrl.spec.schema import SOURCE_NODE, GenerateNode, NodeBase, UpdateNode
 
 GPU_CONTEXT_GB = 0.5
@@ -80,7 +80,8 @@ def simulate(
     free_at: dict[str, tuple[float, str | None]] = {}
     tasks: dict[str, Task] = {}
     # model nodes that may run at once on CPU slots of one machine divide its cores
-    shares = core_shares(pipeline, {node: [devices[i] for i in where.devices] for node, where in placement.items()})
+    shares = core_shares(pipeline, {node: [devices[i] for i in where.devices] for node, where in placement.items()},
+                         host_cores(inventory))
     for node in pipeline.topological_order():
         chosen = placement[node]
         here = [devices[i] for i in chosen.devices]

@@ -389,18 +389,22 @@ class RoleHost:
             # Node calls run one after another on the compute thread: the peak between two
             # resets is this call's own.
             torch.cuda.reset_peak_memory_stats()
-        # A call that names no count gets the worker's own, also after one that named another.
-        wanted = call.threads or self.torch_threads
-        if wanted != torch.get_num_threads():
-            torch.set_num_threads(wanted)
+        # The call's own thread count for the call only: whatever else runs on the compute
+        # thread after it (evaluation, weight pushes, checkpoints) gets the worker's own.
+        if call.threads and call.threads != torch.get_num_threads():
+            torch.set_num_threads(call.threads)
         started = time.perf_counter()
         state = self.models.get(call.model) if call.model is not None else None
-        with contextlib.ExitStack() as stack:
-            if call.profile_dir:
-                stack.enter_context(profiled(call.profile_dir, file_stem(call.node, call.shard), on_gpu))
-            if state is not None:
-                stack.enter_context(state.paged_in())  # an offloaded model's weights are on the device only now
-            output = self._dispatch(call, inputs)
+        try:
+            with contextlib.ExitStack() as stack:
+                if call.profile_dir:
+                    stack.enter_context(profiled(call.profile_dir, file_stem(call.node, call.shard), on_gpu))
+                if state is not None:
+                    stack.enter_context(state.paged_in())  # an offloaded model's weights are on the device only now
+                output = self._dispatch(call, inputs)
+        finally:
+            if torch.get_num_threads() != self.torch_threads:
+                torch.set_num_threads(self.torch_threads)
         if on_gpu:
             free, total = torch.cuda.mem_get_info()
             output = replace(output, peak_memory_gb=torch.cuda.max_memory_allocated() / 1e9,

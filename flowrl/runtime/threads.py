@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from flowrl.graph import PipelineGraph
 from flowrl.planner.placement import Plan
-from flowrl.planner.sharing import company, heavy, related_nodes
+from flowrl.planner.sharing import company, divided_threads, heavy, related_nodes
 
 
 def call_threads(pipeline: PipelineGraph, plan: Plan, cores: int, shared: set[str]) -> dict[tuple[str, str], int]:
@@ -39,5 +39,5 @@ def call_threads(pipeline: PipelineGraph, plan: Plan, cores: int, shared: set[st
             if slot not in shared:
                 continue
             beside = company(pipeline, node_slots, node, slot, related)
-            threads[node, slot] = max(1, cores // (1 + len(beside & shared)))
+            threads[node, slot] = divided_threads(cores, len(beside & shared))
     return threads

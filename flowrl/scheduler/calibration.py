@@ -43,7 +43,7 @@ from flowrl.devices.inventory import Device, Inventory
 from flowrl.graph import PipelineGraph
 from flowrl.planner.compiled import CompiledPlan
 from flowrl.planner.costs import CostSource, NodeMemory
-from flowrl.planner.sharing import core_shares
+from flowrl.planner.sharing import core_shares, host_cores
 from flowrl.planner.simulate import Placement, simulate
 from flowrl.planner.work import NodeWork
 from flowrl.records import NodeTiming, StepRecord, slowest_part_medians
@@ -219,7 +219,7 @@ def calibrated_prediction(
     calibration.observe_step([], {}, {})  # the warm-up step was left out above
     devices = {node: [by_id[d] for d in where.devices if d in by_id] for node, where in placement.items()}
     offloaded = {node: where.offloaded for node, where in placement.items()}
-    shares = core_shares(pipeline, devices)
+    shares = core_shares(pipeline, devices, host_cores(inventory))
     for record in learn:
         calibration.observe_step(record.nodes, devices, offloaded, shares)
     schedule = simulate(pipeline, placement, inventory, calibration)

@@ -41,7 +41,7 @@ from flowrl.graph import PipelineGraph
 from flowrl.planner.compiled import CompiledPlan, compile_plan
 from flowrl.planner.costs import CostSource, EstimatedCosts
 from flowrl.planner.search import evaluate
-from flowrl.planner.sharing import core_shares
+from flowrl.planner.sharing import core_shares, host_cores
 from flowrl.planner.simulate import node_call_memory_gb
 from flowrl.records import DeviceSample, NodeTiming
 from flowrl.scheduler.calibration import DeviceCalibration
@@ -218,7 +218,8 @@ class DynamicPolicy:
             item.node: [by_id[d] for d in item.devices if d in by_id] for item in self._plan.nodes
         }
         offloaded = {item.node: item.offloaded for item in self._plan.nodes}
-        self.calibration.observe_step(timings, node_devices, offloaded, core_shares(self.pipeline, node_devices))
+        self.calibration.observe_step(timings, node_devices, offloaded,
+                                      core_shares(self.pipeline, node_devices, host_cores(self.inventory)))
         planned = {d for item in self._plan.nodes for d in item.devices}
         if any(timing.peak_memory_gb > 0 for timing in timings) and planned <= set(by_id):
             predicted = node_call_memory_gb(self.pipeline, placement_of(self._plan), self.inventory,

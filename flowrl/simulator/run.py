@@ -35,6 +35,7 @@ from flowrl.planner.cost import CpuRates
 from flowrl.planner.compiled import CompiledPlan
 from flowrl.planner.costs import CostSource, EstimatedCosts, NodeMemory
 from flowrl.planner.micro_batches import resolve_micro_batches
+from flowrl.planner.sharing import core_shares, host_cores
 from flowrl.planner.simulate import Placement, simulate
 from flowrl.planner.work import NodeWork
 from flowrl.records import DeviceSample, NodeTiming
@@ -223,9 +224,13 @@ def _run_step(
             busy[device_id] += task.end_s - task.start_s
     utilization = {d: busy[d] / step_s if step_s > 0 else 0.0 for d in present}
     timings = []
+    # what the node calls measure: slowed, as in the schedule, by sharing a machine's cores
+    shares = core_shares(pipeline, {item.node: [present[d] for d in item.devices] for item in plan.nodes},
+                         host_cores(cluster))
     for item in plan.nodes:
         devices = [present[d] for d in item.devices]
         nominal = truth.compute_s(item.node, devices, item.offloaded) * noise.get(item.node, 1.0)
+        nominal *= shares.get(item.node, 1.0)
         for device in devices:
             seconds = nominal / speeds.get(device.id, 1.0)
             timings.append(NodeTiming(item.node, item.role, device.id, seconds, seconds, 0.0, 0, 0,

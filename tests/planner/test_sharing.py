@@ -89,3 +89,39 @@ def test_a_factor_learned_while_sharing_the_cores_holds_alone() -> None:
     calibration.observe_step([], devices, {})  # warm-up
     calibration.observe_step(step, devices, {}, core_shares(pipeline, devices))
     assert calibration.factor("values") == pytest.approx(1.5)
+
+
+def test_the_simulator_measures_nodes_slowed_as_its_schedule_is() -> None:
+    """The cluster simulator's node timings carry the same core sharing as its step time,
+    so a policy that calibrates on them learns the model's error, not the sharing."""
+    from types import SimpleNamespace
+
+    from flowrl.simulator.run import _run_step
+
+    pipeline = load_pipeline(PPO)
+    items = [SimpleNamespace(node=node, role=pipeline.spec.nodes[node].role, devices=(slot,), offloaded=False)
+             for node, slot in CRITIC_APART.items()]
+    seen: dict[str, object] = {}
+
+    class Recording:
+        plan = SimpleNamespace(nodes=items, iteration_s=0.0, devices=[])
+
+        def observe(self, step: int, timings: list[NodeTiming], samples: object, step_s: float) -> None:
+            seen["timings"] = {timing.node: timing.compute_s for timing in timings}
+            seen["step_s"] = step_s
+
+    _run_step(pipeline, Recording(), inventory(cpu(0), cpu(1)), OneSecond(), {}, {}, 1, 0.0, 0)  # type: ignore[arg-type]
+    assert seen["step_s"] == pytest.approx(8.003)
+    assert seen["timings"] == {"rollout": 1.0, "reward": 2.0, "ref": 2.0, "values": 2.0, "adv": 1.0,
+                               "train_actor": 2.0, "train_critic": 2.0}
+
+
+def test_the_share_is_the_cores_over_the_threads_the_runtime_gives() -> None:
+    pipeline = load_pipeline(PPO)
+    devices = devices_of(CRITIC_APART, {"cpu-0": cpu(0), "cpu-1": cpu(1)})
+    # 3 cores, one slot beside: each call gets 3 // 2 = 1 thread, a third of the machine
+    assert core_shares(pipeline, devices, {"node-0": 3})["values"] == 3.0
+    assert core_shares(pipeline, devices, {"node-0": 16})["values"] == 2.0
+    # pin_cpus pins a local cluster's workers only: a joined cluster's still divide the cores
+    joined = load_pipeline(PPO, ["runtime.pin_cpus=true", "runtime.scheduler_address=tcp://10.0.0.1:8786"])
+    assert core_shares(joined, devices)["values"] == 2.0

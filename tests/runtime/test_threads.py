@@ -62,3 +62,36 @@ def test_light_calls_run_on_one_thread_and_model_calls_on_their_share() -> None:
     threads = {node: executor._call(1, node, [], 0.0, "cpu-0").threads for node in pipeline.spec.nodes}
     assert LIGHT_THREADS == 1
     assert threads == {"rollout": 4, "reward": 1, "ref": 4, "adv": 1, "train": 4}
+
+
+def test_a_light_call_runs_on_one_thread_and_leaves_the_worker_its_own() -> None:
+    """A reward function's call gets one thread; what the compute thread runs next (an
+    evaluation, a weight push, a checkpoint) has the worker's own count again."""
+    import asyncio
+
+    import torch
+
+    from flowrl.runtime.calls import InputRef, NodeCall, store_key
+    from flowrl.runtime.host import RoleHost
+    from tests.tiny_models import build_char_tokenizer, text_rollout
+
+    pipeline = load_pipeline(PIPELINES / "grpo_tiny.yaml")
+    host = RoleHost("cpu-0", "cpu", 2, 0, None, sample_interval_s=60.0)
+    seen: list[int] = []
+    rollout = text_rollout(build_char_tokenizer(), ["1+1=", "2+2="], ["2", "5"], 2, 4)
+    rollout.answers = ["2", "4"]
+    key = store_key(1, "rollout", 0)
+    host.store[key] = rollout
+    host._event(key).set()
+    call = NodeCall(step=1, node="reward", role="score", spec=pipeline.spec.nodes["reward"], model=None,
+                    inputs=(InputRef("rollout", "generate", key, None, rollout=True),), group_size=2, threads=1)
+    original = host._dispatch
+
+    def dispatch(call: NodeCall, inputs: dict) -> object:
+        seen.append(torch.get_num_threads())
+        return original(call, inputs)
+
+    host._dispatch = dispatch  # type: ignore[method-assign]
+    report = asyncio.run(host.run_node(call))
+    assert seen == [1] and report.metrics
+    assert host._compute.submit(torch.get_num_threads).result() == 2
