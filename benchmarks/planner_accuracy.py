@@ -18,8 +18,11 @@ run starts with empty compile caches, as a first run on a machine does.
 Candidates (``--candidates``): every way of putting the pipeline's device groups on the CPU
 slots (``devices.G.device_ids``, the first group on slot 0) is run for real, ``--repeats``
 rounds interleaved; the planner's own choice (the default run's placement of each group) is
-marked, and its measured median step is compared with the fastest candidate's. Each candidate
-is also predicted by the planner (``flowrl plan`` with the same pins) before it runs.
+marked, and its measured median step is compared with the fastest candidate's, and within each
+round with every other candidate's (``per_round``: the median over rounds of the ratio; a
+machine whose speed drifts between rounds moves the medians, not a round's ratio). Each
+candidate is also predicted by the planner (``flowrl plan`` with the same pins) before it runs.
+``--summarize FILE`` prints the per-round comparison of an existing result file.
 Writes JSON with the commit measured; never asserts.
 """
 
@@ -155,6 +158,33 @@ def layout_of(result: dict[str, Any], pipeline: Path) -> dict[str, int] | None:
     return layout
 
 
+def per_round(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The planner's choice against each other candidate within each round (the candidates of
+    a round run one after another, so a machine that drifts over minutes moves both sides):
+    per candidate, the median over rounds of choice / candidate; and the largest of them, what
+    the choice loses to the candidate it loses to most (1.0 or less: it is the fastest)."""
+    mine = next((item for item in runs if item["planner_choice"]), None)
+    if mine is None:
+        return {}
+    ratios: dict[str, float] = {}
+    for item in runs:
+        if item is mine:
+            continue
+        pairs = [m / c for m, c in zip(mine["measured_step_s"], item["measured_step_s"]) if m and c]
+        if pairs:
+            ratios[json.dumps(item["layout"], sort_keys=True)] = statistics.median(pairs)
+    worst = max(ratios, key=lambda key: ratios[key]) if ratios else None
+    return {"choice_over_each_per_round": ratios, "choice_over_fastest_per_round": ratios[worst] if worst else None,
+            "fastest_per_round": json.loads(worst) if worst and ratios[worst] > 1.0 else mine["layout"]}
+
+
+def summarize(path: Path) -> None:
+    """Print the per-round comparison of a result file's candidates (``per_round``)."""
+    result = json.loads(path.read_text())
+    for name, item in result.get("candidates", {}).items():
+        print(name, json.dumps(per_round(item["runs"])))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pipelines", default="grpo_tiny,ppo_tiny,grpo_data_parallel")
@@ -163,8 +193,14 @@ def main() -> None:
     parser.add_argument("--candidate-steps", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--slots", type=int, default=2)
-    parser.add_argument("--output", type=Path, required=True)
+    parser.add_argument("--output", type=Path)
+    parser.add_argument("--summarize", type=Path, help="print the per-round comparison of this result file and stop")
     args = parser.parse_args()
+    if args.summarize:
+        summarize(args.summarize)
+        return
+    if args.output is None:
+        parser.error("--output is required")
     result: dict[str, Any] = {"benchmark": "planner_accuracy", "command": " ".join(sys.argv),
                               "machine": machine(), "pipelines": {}, "candidates": {}}
     with tempfile.TemporaryDirectory() as scratch:
@@ -199,6 +235,7 @@ def main() -> None:
                 "fastest": fastest["layout"] if fastest else None,
                 "choice_over_fastest": mine["median_s"] / fastest["median_s"]
                 if mine and fastest and mine["median_s"] else None,
+                **per_round(runs),
             }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=1) + "\n")
