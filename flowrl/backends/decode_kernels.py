@@ -81,9 +81,7 @@ def attention_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, column_ptr, valid_
         valid = valid & (columns != column)
         # Only the valid columns are read: a batch's padding and the window's unwritten end
         # cost no memory traffic, and what they hold (stale, even non-finite after an
-        # overflow) never enters. Reading by the window alone, so that these loads need not
-        # wait for ``valid``'s, was 3 % slower per decode step at 256 rows on an H100
-        # (``benchmarks/results/decode_cache_loads_h100.json``).
+        # overflow) never enters.
         offsets = cache + columns[:, None] * stride_column + dims[None, :]
         kc = tl.load(k_ptr + offsets, mask=valid[:, None], other=0.0)
         vc = tl.load(v_ptr + offsets, mask=valid[:, None], other=0.0)
