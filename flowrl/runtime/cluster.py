@@ -352,16 +352,17 @@ class Cluster:
         workers that joined after the run started, such as a lost worker's replacement that a
         batch system or an operator started under a new name."""
         serving = {str(slot.worker) for slot in self.slots}
-        workers = {str(info["name"]): address for address, info in registered_workers(self.client).items()}
+        workers = {str(info["name"]): (address, str(info.get("host", "")))
+                   for address, info in registered_workers(self.client).items()}
         if self._local is not None:
             return {name: _worker_kind(name) for name in sorted(set(workers) - serving)}
         spares = {}
-        for name, address in sorted(workers.items()):
+        for name, (address, host) in sorted(workers.items()):
             key = (name, address)
             if name in serving or time.monotonic() < self._ask_again.get(key, 0.0):
                 continue
             if key not in self._newcomers:
-                newcomer = self._probe(name, address)
+                newcomer = self._probe(name, address, host)
                 if newcomer is None:  # not answering yet (still starting, or stopped)
                     self._ask_again[key] = time.monotonic() + PROBE_AGAIN_S
                     continue
@@ -372,7 +373,7 @@ class Cluster:
                 spares[name] = self._newcomers[key].kind
         return spares
 
-    def _probe(self, name: str, address: str) -> _Newcomer | None:
+    def _probe(self, name: str, address: str, host: str) -> _Newcomer | None:
         """A joined newcomer's machine and card, asked of it as every worker was at the start;
         None when it does not answer within ``PROBE_S`` (a wedged or stopped worker never
         does); a refused one when it cannot serve a slot as started."""
@@ -382,7 +383,6 @@ class Cluster:
         raw = outcome.result[address]
         inventory = inventory_from_dict(raw)
         started = raw.get("started_with", {})
-        host = str(registered_workers(self.client).get(address, {}).get("host", ""))
         try:
             gpu = claimed_gpu(inventory, started.get("cuda_visible_devices"), float(started.get("gpu_resource", 0)))
         except ClusterError as error:
