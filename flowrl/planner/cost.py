@@ -298,6 +298,16 @@ def sharded_training_bytes(shape: ModelShape, kind: str, dtype: str, width: int)
 FUSED_CHUNK_ELEMENTS = 1 << 25
 """Logits in one chunk of the fused output head (``flowrl.algorithms.logprobs``, same value)."""
 
+CHUNK_ROW_MULTIPLE = 64
+"""Its chunks' rows are a multiple of this (``flowrl.algorithms.logprobs``, same value)."""
+
+
+def fused_chunk_rows(vocab: int) -> int:
+    """Rows per chunk of the fused output head (``flowrl.algorithms.logprobs.fused_chunk_rows``,
+    restated here so that planning does not import torch)."""
+    rows = FUSED_CHUNK_ELEMENTS // max(vocab, 1)
+    return max(CHUNK_ROW_MULTIPLE, rows - rows % CHUNK_ROW_MULTIPLE)
+
 
 def logits_bytes(shape: ModelShape, kind: str, tokens: float, dtype: str = "fp32",
                  training: bool = False) -> float:
@@ -307,7 +317,7 @@ def logits_bytes(shape: ModelShape, kind: str, tokens: float, dtype: str = "fp32
     vocab = shape.output_size(kind)
     if vocab == 1:
         return float(tokens * 4)
-    rows = min(tokens, max(64, FUSED_CHUNK_ELEMENTS // vocab)) if shape.plain_logits else tokens
+    rows = min(tokens, fused_chunk_rows(vocab)) if shape.plain_logits else tokens
     per_logit = DTYPE_BYTES[dtype] + 4 + (4 if training else 0)
     return float(rows * vocab * per_logit)
 

@@ -13,6 +13,7 @@ from flowrl.planner.cost import (
     KNOWN_SHAPES,
     ModelShape,
     FUSED_CHUNK_ELEMENTS,
+    fused_chunk_rows,
     activation_bytes,
     adapter_parameters,
     decoder_cache_bytes,
@@ -102,8 +103,13 @@ def test_sharded_training_memory_of_the_toy_shape() -> None:
 
 def test_the_fused_head_chunk_is_the_one_the_log_probs_use() -> None:
     from flowrl.algorithms.logprobs import FUSED_CHUNK_ELEMENTS as used
+    from flowrl.algorithms.logprobs import fused_chunk_rows as rows_used
 
     assert FUSED_CHUNK_ELEMENTS == used
+    # 2^25 / 32000 = 1048.576 -> 1024; / 151936 = 220.8 -> 192; / 10^6 = 33 -> 64 (the least)
+    assert [fused_chunk_rows(v) for v in (32000, 151936, 10 ** 6, 64)] == [1024, 192, 64, 524288]
+    assert [rows_used(v) for v in (32000, 151936, 10 ** 6, 64, 1000)] == [
+        fused_chunk_rows(v) for v in (32000, 151936, 10 ** 6, 64, 1000)]
 
 
 @pytest.mark.parametrize(("dtype", "kind", "compiled"), [
