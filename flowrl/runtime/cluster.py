@@ -301,10 +301,12 @@ class Cluster:
     def dashboard_link(self) -> str | None:
         return self.client.dashboard_link if self._local is not None and self._local.dashboard_link else None
 
-    def addresses(self) -> dict[str, str]:
+    def addresses(self, listing: dict[str, Any] | None = None) -> dict[str, str]:
         """Slot -> the address of its worker registered right now (absent: none is). A worker
-        that was replaced has a new address under the same name."""
-        by_name = {str(info["name"]): address for address, info in registered_workers(self.client).items()}
+        that was replaced has a new address under the same name. ``listing``: the scheduler's
+        worker listing (``registered_workers``) when the caller has just read it."""
+        listing = registered_workers(self.client) if listing is None else listing
+        by_name = {str(info["name"]): address for address, info in listing.items()}
         return {slot.name: by_name[str(slot.worker)] for slot in self.slots if str(slot.worker) in by_name}
 
     def worker_of(self, slot_name: str) -> str:
@@ -346,14 +348,15 @@ class Cluster:
             self._local.scale(len(self._local.worker_spec))
         return started
 
-    def spares(self) -> dict[str, str]:
+    def spares(self, listing: dict[str, Any] | None = None) -> dict[str, str]:
         """Registered workers that serve no slot: name -> the kind of slot each can take
         (:meth:`_kind`). A local cluster's are its standby workers; a joined cluster's are the
         workers that joined after the run started, such as a lost worker's replacement that a
-        batch system or an operator started under a new name."""
+        batch system or an operator started under a new name. ``listing`` as for
+        :meth:`addresses`."""
         serving = {str(slot.worker) for slot in self.slots}
-        workers = {str(info["name"]): (address, str(info.get("host", "")))
-                   for address, info in registered_workers(self.client).items()}
+        listing = registered_workers(self.client) if listing is None else listing
+        workers = {str(info["name"]): (address, str(info.get("host", ""))) for address, info in listing.items()}
         if self._local is not None:
             return {name: _worker_kind(name) for name in sorted(set(workers) - serving)}
         spares = {}
@@ -416,8 +419,10 @@ class Cluster:
         """Give each slot of ``names`` whose worker is gone, and each ``hung`` one, a
         registered spare of its kind; returns the slots that got one. A hung worker that
         lost its slot is restarted in the background (it comes back as a spare)."""
-        registered = self.addresses()
-        free = self.spares()
+        listing = registered_workers(self.client)  # one listing serves the whole pass
+        registered = self.addresses(listing)
+        free = self.spares(listing)
+        address_of = {str(info["name"]): str(address) for address, info in listing.items()}
         taken = []
         for index, slot in enumerate(self.slots):
             if slot.name not in names or (slot.name in registered and slot.name not in hung):
@@ -432,7 +437,7 @@ class Cluster:
             del free[spare]
             if slot.name in hung:
                 threading.Thread(target=self.restart_workers, args=([slot.worker], 60.0), daemon=True).start()
-            address = self._address_of(spare)
+            address = address_of.get(spare)
             taker = replace(slot, worker=spare, address=address or slot.address)
             newcomer = self._newcomers.get((spare, address or ""))
             if newcomer is not None:  # a joined worker: its own machine and card from now on
@@ -445,12 +450,6 @@ class Cluster:
     def _on_served_card(self, name: str, served: set[tuple[str, int | None]]) -> bool:
         newcomer = next((item for (known, _), item in self._newcomers.items() if known == name), None)
         return newcomer is not None and newcomer.gpu_index is not None and (newcomer.host, newcomer.gpu_index) in served
-
-    def _address_of(self, worker: str) -> str | None:
-        for address, info in registered_workers(self.client).items():
-            if str(info["name"]) == worker:
-                return str(address)
-        return None
 
     def restart_workers(self, workers: list[Any], timeout_s: float) -> None:
         try:
