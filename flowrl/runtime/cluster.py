@@ -309,6 +309,15 @@ class Cluster:
         by_name = {str(info["name"]): address for address, info in listing.items()}
         return {slot.name: by_name[str(slot.worker)] for slot in self.slots if str(slot.worker) in by_name}
 
+    def cores_of(self, slot_name: str) -> int:
+        """Logical cores of the machine serving ``slot_name``: what its worker reported (the
+        machines of a joined cluster may differ from each other and from this one), else
+        this machine's (a local cluster's workers run here)."""
+        report = self._reports.get(slot_name)
+        if self._local is None and report is not None and report.hosts:
+            return max(1, report.hosts[0].cores)
+        return max(1, os.cpu_count() or 1)
+
     def worker_of(self, slot_name: str) -> str:
         """The name of the Dask worker serving slot ``slot_name`` now."""
         return next(str(slot.worker) for slot in self.slots if slot.name == slot_name)

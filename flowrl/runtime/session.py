@@ -6,7 +6,6 @@ new plan, ``apply_plan`` carries it out between two steps (see ``migration.py``)
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -186,9 +185,9 @@ class Session:
         for name, slot in self._slots.items():
             if slot.kind == "cpu" and not slot.cores:
                 shared.setdefault(slot.host, set()).add(name)
-        cores = max(1, os.cpu_count() or 1)
         threads: dict[tuple[str, str], int] = {}
         for names in shared.values():
+            cores = self.cluster.cores_of(min(names))  # the slots of one host: its cores
             threads.update(call_threads(self.pipeline, plan, cores, names))
         return threads
 
@@ -200,7 +199,7 @@ class Session:
         GPU worker a few, the card computes."""
         if slot.cores:
             return len(slot.cores)
-        cores = max(1, os.cpu_count() or 1)
+        cores = self.cluster.cores_of(slot.name)
         if slot.kind == "gpu":
             share = max(1, cores // sum(1 for other in self._slots.values() if other.host == slot.host))
             return min(4, share)  # a few threads feed the card and run its CPU-side work

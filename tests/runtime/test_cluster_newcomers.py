@@ -88,3 +88,16 @@ def test_a_newcomer_on_a_card_another_slot_serves_does_not_take_a_slot(monkeypat
     cluster._reports["w3"] = machine("a", 2)
     assert cluster.take_over({"w1"}, set()) == []
     assert [(s.host, s.gpu_index) for s in cluster.slots if s.kind == "gpu"] == [("a", 0), ("a", 1)]
+
+
+def test_a_slot_counts_the_cores_of_the_machine_its_worker_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Threads per call are divided by the cores of the slot's own machine: 32 on host a (as
+    reported), 8 on a newcomer's machine c once it took the slot."""
+    small = machine("c", 2)
+    small = replace(small, hosts=(replace(small.hosts[0], cores=8),))
+    client = Answers(lambda address: {**small.to_dict(), "started_with": {"cuda_visible_devices": "",
+                                                                           "gpu_resource": 0.0}})
+    cluster = joined(client, [("w1", "a"), ("cpu-new", "c")], monkeypatch)
+    assert (cluster.cores_of("w1"), cluster.cores_of("w2")) == (32, 32)
+    assert cluster.take_over({"w2"}, set()) == ["w2"]
+    assert cluster.cores_of("w2") == 8
