@@ -9,7 +9,10 @@ is not predicted faster than it runs (on 2 cores, ``ppo_tiny``'s critic on a slo
 was predicted at 31 ms per step against 48 ms beside the actor, and measured 149 against 136).
 
 A node "may compute beside" another when neither depends on the other and both run a model;
-a score function or an advantage estimate is light and counted as nothing.
+a score function or an advantage estimate is light and counted as nothing. With a fixed
+``runtime.torch_threads`` every call takes that many threads whatever runs beside it: the
+calls slow each other only when together they ask for more threads than the machine has
+cores.
 """
 
 from __future__ import annotations
@@ -61,12 +64,22 @@ def divided_threads(cores: int, beside: int) -> int:
 
 
 def cores_shared(pipeline: PipelineGraph) -> bool:
-    """Whether node calls on unpinned CPU slots divide the cores (the default): not with a
-    fixed ``runtime.torch_threads``, nor with ``runtime.pin_cpus`` on a local cluster (each
-    slot has its own cores; a joined cluster's workers are not pinned by flowrl)."""
+    """Whether node calls on CPU slots of one machine share its cores: not with
+    ``runtime.pin_cpus`` on a local cluster (each slot has its own cores; a joined cluster's
+    workers are not pinned by flowrl)."""
     runtime = pipeline.spec.runtime
-    pinned = runtime.pin_cpus and runtime.scheduler_address is None
-    return not pinned and not runtime.torch_threads
+    return not (runtime.pin_cpus and runtime.scheduler_address is None)
+
+
+def slowdown(cores: int, beside: int, fixed_threads: int | None) -> float:
+    """How many times longer a call takes with ``beside`` other slots of its machine's
+    ``cores`` computing at once than with the machine to itself: the cores over the threads
+    the runtime gives it; with ``fixed_threads`` per call (``runtime.torch_threads``), the
+    threads all the calls ask for over the cores, when that is more than 1 (oversubscribed
+    threads take turns)."""
+    if fixed_threads:
+        return max(1.0, (1 + beside) * fixed_threads / max(1, cores))
+    return cores / divided_threads(cores, beside)
 
 
 def host_cores(inventory: Inventory) -> dict[str, int]:
@@ -76,10 +89,10 @@ def host_cores(inventory: Inventory) -> dict[str, int]:
 
 def core_shares(pipeline: PipelineGraph, node_devices: Mapping[str, Sequence[Device]],
                 cores: Mapping[str, int] | None = None) -> dict[str, float]:
-    """Per model node on CPU slots: how many times longer it takes than alone, its machine's
-    ``cores`` (per host; unknown: as many as the slots beside it and itself) divided by the
-    threads the runtime gives it beside the most CPU slots of that machine that may compute
-    at the same time; 1.0 for every other node."""
+    """Per model node on CPU slots: how many times longer it takes than alone beside the
+    most CPU slots of its machine that may compute at the same time (:func:`slowdown`, from
+    the machine's ``cores`` per host; unknown: as many as the threads of those calls); 1.0
+    for every other node."""
     shares = {node: 1.0 for node in node_devices}
     on_cpu = [node for node, devices in node_devices.items()
               if heavy(pipeline, node) and any(device.kind == "cpu" for device in devices)]
@@ -94,7 +107,9 @@ def core_shares(pipeline: PipelineGraph, node_devices: Mapping[str, Sequence[Dev
                 continue
             beside = company(pipeline, slots, node, device.id, related)
             same_machine = sum(1 for other in beside if by_id[other].kind == "cpu" and by_id[other].host == device.host)
-            machine_cores = (cores or {}).get(device.host, 1 + same_machine)
-            slower = machine_cores / divided_threads(machine_cores, same_machine)
+            fixed = pipeline.spec.runtime.torch_threads
+            # unknown cores: as many as the threads of the calls that may run at once
+            machine_cores = (cores or {}).get(device.host, (1 + same_machine) * (fixed or 1))
+            slower = slowdown(machine_cores, same_machine, fixed)
             shares[node] = max(shares[node], slower)
     return shares

@@ -125,3 +125,18 @@ def test_the_share_is_the_cores_over_the_threads_the_runtime_gives() -> None:
     # pin_cpus pins a local cluster's workers only: a joined cluster's still divide the cores
     joined = load_pipeline(PPO, ["runtime.pin_cpus=true", "runtime.scheduler_address=tcp://10.0.0.1:8786"])
     assert core_shares(joined, devices)["values"] == 2.0
+
+
+def test_calls_of_a_fixed_thread_count_slow_each_other_only_past_the_cores() -> None:
+    """runtime.torch_threads: 2 calls of 2 threads on 2 cores take turns (2x); of 1 thread
+    each on 2 cores, or 2 threads each on 16 cores, they do not; pinned slots never do."""
+    devices = devices_of(CRITIC_APART, {"cpu-0": cpu(0), "cpu-1": cpu(1)})
+    two = load_pipeline(PPO, ["runtime.torch_threads=2"])
+    assert core_shares(two, devices, {"node-0": 2})["values"] == 2.0
+    assert core_shares(two, devices, {"node-0": 3})["values"] == pytest.approx(4 / 3)
+    assert core_shares(two, devices, {"node-0": 16})["values"] == 1.0
+    assert core_shares(two, devices)["values"] == 1.0  # cores unknown: taken as enough
+    one = load_pipeline(PPO, ["runtime.torch_threads=1"])
+    assert core_shares(one, devices, {"node-0": 2})["values"] == 1.0
+    pinned = load_pipeline(PPO, ["runtime.torch_threads=2", "runtime.pin_cpus=true"])
+    assert set(core_shares(pinned, devices, {"node-0": 2}).values()) == {1.0}
