@@ -32,8 +32,8 @@ Memory (bytes):
               gated activation in the backward (fitted on four Qwen2 shapes with that
               partitioner, within 0.5 %). With checkpointing: L*T*h*b plus one layer's
     output head  a causal LM's log-probs run through the fused head, which holds one
-              chunk of FUSED_CHUNK_ELEMENTS logits at a time (16-bit logits, fp32 scaled
-              copy and, training, their fp32 gradient); a model that transforms its logits
+              chunk of at most FUSED_CHUNK_ELEMENTS logits at a time, of a multiple of 64
+              rows (16-bit logits, fp32 scaled copy and, training, their fp32 gradient); a model that transforms its logits
               (``ModelShape.plain_logits`` False) holds every token's; a scalar head holds T*4
     adapters (LoRA) of A parameters (in the model's dtype): 16*A (weights, gradients and
               the optimizer's state, ``training_state_bytes``) instead of the model's gradients

@@ -76,9 +76,9 @@ def slowdown(cores: int, beside: int, fixed_threads: int | None) -> float:
     ``cores`` computing at once than with the machine to itself: the cores over the threads
     the runtime gives it; with ``fixed_threads`` per call (``runtime.torch_threads``), the
     threads all the calls ask for over the cores, when that is more than 1 (oversubscribed
-    threads take turns)."""
+    threads take turns), a call counting at most the cores (what it has alone)."""
     if fixed_threads:
-        return max(1.0, (1 + beside) * fixed_threads / max(1, cores))
+        return max(1.0, (1 + beside) * min(fixed_threads, cores) / max(1, cores))
     return cores / divided_threads(cores, beside)
 
 

@@ -77,7 +77,7 @@ def test_flops_and_memory_of_the_toy_shape() -> None:
 
 
 def test_output_head_and_generation_memory_of_the_toy_shape() -> None:
-    # the fused head holds one chunk: rows = max(64, 2**25 // 10) = 3355443, capped by the 15
+    # the fused head holds one chunk: rows = 2**25 // 10 = 3355443 rounded down to 3355392, capped by the 15
     # tokens; per logit bf16 2 + fp32 4 (+ fp32 gradient 4 when training)
     assert logits_bytes(TOY, "policy", 15, "bf16") == 15 * 10 * 6
     assert logits_bytes(TOY, "policy", 15, "bf16", training=True) == 15 * 10 * 10
@@ -187,7 +187,7 @@ def test_a_model_that_transforms_its_logits_holds_every_tokens_logits() -> None:
     capped = shape_from_config({**config, "final_logit_softcapping": 30.0})  # Gemma 2
     assert plain.plain_logits and not capped.plain_logits
     assert shape_from_config({**config, "logit_scale": 1.0}).plain_logits  # a scale of 1 changes nothing
-    # the fused head's chunk: max(64, 2**25 // 2**20) = 64 of the 1000 tokens; bf16 2 + fp32 4
+    # the fused head's chunk: 2**25 // 2**20 = 32, at least 64, of the 1000 tokens; bf16 2 + fp32 4
     assert logits_bytes(plain, "policy", 1000, "bf16") == 64 * 2**20 * 6
     assert logits_bytes(capped, "policy", 1000, "bf16") == 1000 * 2**20 * 6
 

@@ -138,5 +138,10 @@ def test_calls_of_a_fixed_thread_count_slow_each_other_only_past_the_cores() -> 
     assert core_shares(two, devices)["values"] == 1.0  # cores unknown: taken as enough
     one = load_pipeline(PPO, ["runtime.torch_threads=1"])
     assert core_shares(one, devices, {"node-0": 2})["values"] == 1.0
+    # 4 threads each on 2 cores: alone a call already has every core (1x), beside one 2x
+    four = load_pipeline(PPO, ["runtime.torch_threads=4"])
+    assert set(core_shares(four, devices_of({node: "cpu-0" for node in CRITIC_APART},
+                                            {"cpu-0": cpu(0)}), {"node-0": 2}).values()) == {1.0}
+    assert core_shares(four, devices, {"node-0": 2})["values"] == 2.0
     pinned = load_pipeline(PPO, ["runtime.torch_threads=2", "runtime.pin_cpus=true"])
     assert set(core_shares(pinned, devices, {"node-0": 2}).values()) == {1.0}
