@@ -140,7 +140,7 @@ def section_decode(args: argparse.Namespace) -> dict[str, Any]:
         buffers = eager._buffers
         assert buffers is not None
         middle = args.prompt + args.new_tokens // 2
-        sampling = _Sampling(False, 0, 1.0, eos, 0)
+        sampling = _Sampling(False, 0, 1.0, (eos,), 0)
         window = min(-(-(middle + 1) // 64) * 64, args.prompt + args.new_tokens)
 
         def step() -> None:
