@@ -7,8 +7,7 @@ The head of a pass of the 0.4B GRPO job: per ``--rows`` count (the completion to
 pass: 64 sequences of 256 by default, and a count that is no multiple of 64) and per
 ``--vocab`` size (32,000; Qwen's 151,936), that many hidden states of size 896 against the
 head, bf16. Each ``--chunk-rows`` entry ("auto": the engine's own choice,
-``fused_chunk_rows``; "unrounded": 2^25 / vocabulary rows, the rule before chunks were a
-multiple of 64; or a number) is timed for forward + backward (the update) and forward alone
+``fused_chunk_rows``; "half" and "double": half and twice its rows; or a number) is timed for forward + backward (the update) and forward alone
 under ``no_grad`` (the reference pass), in milliseconds per pass, as the median of CUDA-event
 timings; the entries take turns ``--repeats`` times. Writes JSON with the commit measured;
 never asserts. Needs a CUDA GPU.
@@ -29,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from flowrl.algorithms.logprobs import FUSED_CHUNK_ELEMENTS, fused_chunk_rows, linear_token_logprobs  # noqa: E402
+from flowrl.algorithms.logprobs import fused_chunk_rows, linear_token_logprobs  # noqa: E402
 
 
 def pass_ms(call: Callable[[], Any], calls: int) -> float:
@@ -47,8 +46,8 @@ def pass_ms(call: Callable[[], Any], calls: int) -> float:
 def chunk_rows(name: str, vocab: int) -> int:
     if name == "auto":
         return fused_chunk_rows(vocab)
-    if name == "unrounded":
-        return max(64, FUSED_CHUNK_ELEMENTS // vocab)
+    if name in ("half", "double"):
+        return max(1, fused_chunk_rows(vocab) // 2) if name == "half" else 2 * fused_chunk_rows(vocab)
     return int(name)
 
 
@@ -96,8 +95,8 @@ def main() -> None:
     parser.add_argument("--rows", default="16384,16000", help="comma-separated token counts")
     parser.add_argument("--hidden", type=int, default=896)
     parser.add_argument("--vocab", default="32000,151936", help="comma-separated vocabulary sizes")
-    parser.add_argument("--chunk-rows", default="auto,unrounded",
-                        help="comma-separated: auto (the engine's), unrounded, or numbers")
+    parser.add_argument("--chunk-rows", default="auto,half,double",
+                        help="comma-separated: auto (the engine's), half, double (of auto's rows), or numbers")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--calls", type=int, default=5, help="passes per timing")
     parser.add_argument("--output", type=Path, default=REPO / "benchmarks" / "results" / "fused_head.json")

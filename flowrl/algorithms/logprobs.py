@@ -178,22 +178,18 @@ def token_entropy(
 
 
 FUSED_CHUNK_ELEMENTS = 1 << 25
-"""Logits per chunk of :func:`linear_token_logprobs` (rows x vocabulary): at most 128 MB per
-fp32 scratch tensor up to a vocabulary of 2^19 (1,024 rows at 32k, 192 at 152k; past 2^19,
-the least chunk of 64 rows). The backward's
-chunks come on top of every activation of the pass (it runs first), so they stay small."""
+"""Logits per chunk of :func:`linear_token_logprobs` (rows x vocabulary): 128 MB per fp32
+scratch tensor whatever the vocabulary (1,048 rows at 32k, 220 at 152k). The backward's
+chunks come on top of every activation of the pass (it runs first), so they stay small.
 
-CHUNK_ROW_MULTIPLE = 64
-"""Chunks have a multiple of this many rows: the chunk's row count is a dimension of all
-three of its matrix products (the inner one of the weight gradient's), and a count off the
-GPU's tiles leaves a ragged tile in each full chunk (at 32k, with 1,048 rows, an H100 profile
-showed cuBLAS on Ampere-generation kernels for the head's products)."""
+Rounding the rows down to a multiple of 64 (1,024 and 192) was timed against these on an H100
+(``benchmarks/fused_head.py``): the same at 32k, 8-11 % slower at 152k, where each chunk's
+backward also adds a whole fp32 weight gradient and more chunks cost more."""
 
 
 def fused_chunk_rows(vocab_size: int) -> int:
     """Rows per chunk of :func:`linear_token_logprobs` for a vocabulary of ``vocab_size``."""
-    rows = FUSED_CHUNK_ELEMENTS // max(vocab_size, 1)
-    return max(CHUNK_ROW_MULTIPLE, rows - rows % CHUNK_ROW_MULTIPLE)
+    return max(64, FUSED_CHUNK_ELEMENTS // max(vocab_size, 1))
 
 
 class _LinearTokenLogprobs(torch.autograd.Function):

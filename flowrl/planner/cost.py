@@ -32,8 +32,8 @@ Memory (bytes):
               gated activation in the backward (fitted on four Qwen2 shapes with that
               partitioner, within 0.5 %). With checkpointing: L*T*h*b plus one layer's
     output head  a causal LM's log-probs run through the fused head, which holds one
-              chunk of at most FUSED_CHUNK_ELEMENTS logits at a time, of a multiple of 64
-              rows (16-bit logits, fp32 scaled copy and, training, their fp32 gradient); a model that transforms its logits
+              chunk of FUSED_CHUNK_ELEMENTS logits at a time (16-bit logits, fp32 scaled
+              copy and, training, their fp32 gradient); a model that transforms its logits
               (``ModelShape.plain_logits`` False) holds every token's; a scalar head holds T*4
     adapters (LoRA) of A parameters (in the model's dtype): 16*A (weights, gradients and
               the optimizer's state, ``training_state_bytes``) instead of the model's gradients
@@ -298,15 +298,11 @@ def sharded_training_bytes(shape: ModelShape, kind: str, dtype: str, width: int)
 FUSED_CHUNK_ELEMENTS = 1 << 25
 """Logits in one chunk of the fused output head (``flowrl.algorithms.logprobs``, same value)."""
 
-CHUNK_ROW_MULTIPLE = 64
-"""Its chunks' rows are a multiple of this (``flowrl.algorithms.logprobs``, same value)."""
-
 
 def fused_chunk_rows(vocab: int) -> int:
     """Rows per chunk of the fused output head (``flowrl.algorithms.logprobs.fused_chunk_rows``,
     restated here so that planning does not import torch)."""
-    rows = FUSED_CHUNK_ELEMENTS // max(vocab, 1)
-    return max(CHUNK_ROW_MULTIPLE, rows - rows % CHUNK_ROW_MULTIPLE)
+    return max(64, FUSED_CHUNK_ELEMENTS // max(vocab, 1))
 
 
 def logits_bytes(shape: ModelShape, kind: str, tokens: float, dtype: str = "fp32",

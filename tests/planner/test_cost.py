@@ -77,7 +77,7 @@ def test_flops_and_memory_of_the_toy_shape() -> None:
 
 
 def test_output_head_and_generation_memory_of_the_toy_shape() -> None:
-    # the fused head holds one chunk: rows = 2**25 // 10 = 3355443 rounded down to 3355392, capped by the 15
+    # the fused head holds one chunk: rows = max(64, 2**25 // 10) = 3355443, capped by the 15
     # tokens; per logit bf16 2 + fp32 4 (+ fp32 gradient 4 when training)
     assert logits_bytes(TOY, "policy", 15, "bf16") == 15 * 10 * 6
     assert logits_bytes(TOY, "policy", 15, "bf16", training=True) == 15 * 10 * 10
@@ -106,8 +106,8 @@ def test_the_fused_head_chunk_is_the_one_the_log_probs_use() -> None:
     from flowrl.algorithms.logprobs import fused_chunk_rows as rows_used
 
     assert FUSED_CHUNK_ELEMENTS == used
-    # 2^25 / 32000 = 1048.576 -> 1024; / 151936 = 220.8 -> 192; / 10^6 = 33 -> 64 (the least)
-    assert [fused_chunk_rows(v) for v in (32000, 151936, 10 ** 6, 64)] == [1024, 192, 64, 524288]
+    # 2^25 / 32000 = 1048.6 -> 1048; / 151936 = 220.8 -> 220; / 10^6 = 33 -> 64 (the least)
+    assert [fused_chunk_rows(v) for v in (32000, 151936, 10 ** 6, 64)] == [1048, 220, 64, 524288]
     assert [rows_used(v) for v in (32000, 151936, 10 ** 6, 64, 1000)] == [
         fused_chunk_rows(v) for v in (32000, 151936, 10 ** 6, 64, 1000)]
 
@@ -187,7 +187,7 @@ def test_a_model_that_transforms_its_logits_holds_every_tokens_logits() -> None:
     capped = shape_from_config({**config, "final_logit_softcapping": 30.0})  # Gemma 2
     assert plain.plain_logits and not capped.plain_logits
     assert shape_from_config({**config, "logit_scale": 1.0}).plain_logits  # a scale of 1 changes nothing
-    # the fused head's chunk: 2**25 // 2**20 = 32, at least 64, of the 1000 tokens; bf16 2 + fp32 4
+    # the fused head's chunk: max(64, 2**25 // 2**20) = 64 of the 1000 tokens; bf16 2 + fp32 4
     assert logits_bytes(plain, "policy", 1000, "bf16") == 64 * 2**20 * 6
     assert logits_bytes(capped, "policy", 1000, "bf16") == 1000 * 2**20 * 6
 
