@@ -1,5 +1,6 @@
-"""The fused output head (``linear_token_logprobs``) at several chunk sizes: forward and
-backward of one training pass's head, interleaved repeats in one process.
+"""The fused output head (``linear_token_logprobs``) at several chunk sizes, and with its
+backward walking rows as the forward does: forward and backward of one training pass's head,
+interleaved repeats in one process.
 
     python benchmarks/fused_head.py --output benchmarks/results/fused_head_h200.json
 
@@ -7,10 +8,13 @@ The head of a pass of the 0.4B GRPO job: per ``--rows`` count (the completion to
 pass: 64 sequences of 256 by default, and a count that is no multiple of 64) and per
 ``--vocab`` size (32,000; Qwen's 151,936), that many hidden states of size 896 against the
 head, bf16. Each ``--chunk-rows`` entry ("auto": the engine's own choice,
-``fused_chunk_rows``; "half" and "double": half and twice its rows; or a number) is timed for forward + backward (the update) and forward alone
-under ``no_grad`` (the reference pass), in milliseconds per pass, as the median of CUDA-event
-timings; the entries take turns ``--repeats`` times. Writes JSON with the commit measured;
-never asserts. Needs a CUDA GPU.
+``fused_chunk_rows``; "half" and "double": half and twice its rows; a number; "rows": the
+engine's chunks with the backward by chunks of rows, each adding its part of the weight
+gradient to an fp32 [V, H] sum, as the engine did before its backward walked the vocabulary)
+is timed for forward + backward (the update) and forward alone under ``no_grad`` (the
+reference pass), in milliseconds per pass, as the median of CUDA-event timings; the entries
+take turns ``--repeats`` times. Writes JSON with the commit measured; never asserts. Needs a
+CUDA GPU.
 """
 
 from __future__ import annotations
@@ -28,7 +32,29 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from flowrl.algorithms import logprobs  # noqa: E402
 from flowrl.algorithms.logprobs import fused_chunk_rows, linear_token_logprobs  # noqa: E402
+
+
+class RowsBackward(logprobs._LinearTokenLogprobs):
+    """The fused head with its backward by chunks of rows (no entropy, no bias): each chunk's
+    weight gradient is added to an fp32 sum of the whole weight's shape."""
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor | None, grad_entropy: torch.Tensor | None = None) -> Any:
+        hidden, weight, _, labels, logsumexp, _ = ctx.saved_tensors
+        assert grad_out is not None
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        upstream = grad_out.to(torch.float32)
+        for start in range(0, hidden.shape[0], ctx.chunk_rows):
+            rows = slice(start, start + ctx.chunk_rows)
+            logits = torch.nn.functional.linear(hidden[rows], weight)
+            grad_logits, _ = logprobs._chunk_backward(logits, logsumexp[rows], labels[rows, None],
+                                                      upstream[rows, None], ctx.temperature, False)
+            grad_hidden[rows] = grad_logits @ weight
+            grad_weight += (grad_logits.t() @ hidden[rows]).to(torch.float32)
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None
 
 
 def pass_ms(call: Callable[[], Any], calls: int) -> float:
@@ -44,7 +70,7 @@ def pass_ms(call: Callable[[], Any], calls: int) -> float:
 
 
 def chunk_rows(name: str, vocab: int) -> int:
-    if name == "auto":
+    if name in ("auto", "rows"):
         return fused_chunk_rows(vocab)
     if name in ("half", "double"):
         return max(1, fused_chunk_rows(vocab) // 2) if name == "half" else 2 * fused_chunk_rows(vocab)
@@ -61,10 +87,14 @@ def measure(rows: int, hidden_size: int, vocab: int, names: list[str], repeats: 
     leaf = hidden.clone().requires_grad_(True)
     choices = {name: chunk_rows(name, vocab) for name in names}
 
-    def training(size: int) -> Callable[[], None]:
+    def training(name: str, size: int) -> Callable[[], None]:
         def call() -> None:
             leaf.grad = weight.grad = None
-            linear_token_logprobs(leaf, weight, labels, chunk_rows=size).sum().backward()
+            if name == "rows":
+                values = RowsBackward.apply(leaf, weight, None, labels, 1.0, size, False)[0]
+            else:
+                values = linear_token_logprobs(leaf, weight, labels, chunk_rows=size)
+            values.sum().backward()
         return call
 
     def reference(size: int) -> Callable[[], None]:
@@ -74,12 +104,12 @@ def measure(rows: int, hidden_size: int, vocab: int, names: list[str], repeats: 
         return call
 
     timings: dict[str, dict[str, list[float]]] = {name: {"train": [], "forward": []} for name in choices}
-    for size in choices.values():  # warm-up: cuBLAS picks its kernels per shape
-        training(size)()
+    for name, size in choices.items():  # warm-up: cuBLAS picks its kernels per shape
+        training(name, size)()
         reference(size)()
     for _ in range(repeats):
         for name, size in choices.items():
-            timings[name]["train"].append(pass_ms(training(size), calls))
+            timings[name]["train"].append(pass_ms(training(name, size), calls))
             timings[name]["forward"].append(pass_ms(reference(size), calls))
     medians = {name: {kind: statistics.median(values) for kind, values in kinds.items()}
                for name, kinds in timings.items()}
@@ -95,8 +125,9 @@ def main() -> None:
     parser.add_argument("--rows", default="16384,16000", help="comma-separated token counts")
     parser.add_argument("--hidden", type=int, default=896)
     parser.add_argument("--vocab", default="32000,151936", help="comma-separated vocabulary sizes")
-    parser.add_argument("--chunk-rows", default="auto,half,double",
-                        help="comma-separated: auto (the engine's), half, double (of auto's rows), or numbers")
+    parser.add_argument("--chunk-rows", default="auto,rows,half,double",
+                        help="comma-separated: auto (the engine's), rows (its chunks, the backward by rows), "
+                        "half, double (of auto's rows), or numbers")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--calls", type=int, default=5, help="passes per timing")
     parser.add_argument("--output", type=Path, default=REPO / "benchmarks" / "results" / "fused_head.json")

@@ -40,12 +40,14 @@ def _chunk_logprobs(scaled: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
     return logsumexp, scaled.gather(-1, labels).squeeze(-1) - logsumexp
 
 
-def _chunk_grad(scaled: Tensor, logsumexp: Tensor, labels: Tensor, scale: Tensor) -> Tensor:
+def _chunk_grad(scaled: Tensor, logsumexp: Tensor, labels: Tensor, scale: Tensor, hit: Tensor | None = None) -> Tensor:
     """Gradient in the scaled logits of one chunk, fp32: ``scale * (onehot(label) - softmax)``,
     since d/dz [z_label - logsumexp(z)] = onehot(label) - softmax(z), z = logits / t; ``labels``
-    and ``scale`` (upstream gradient / t) are ``[R, 1]``."""
+    and ``scale`` (upstream gradient / t) are ``[R, 1]``. A chunk of some of the vocabulary's
+    columns: ``labels`` are the column within the chunk, ``hit`` ``[R, 1]`` 1.0 where the row's
+    label is one of the chunk's columns, else 0.0 (no onehot in that row)."""
     grad = torch.exp(scaled - logsumexp[:, None]).neg_()
-    grad.scatter_add_(-1, labels, torch.ones_like(scale))
+    grad.scatter_add_(-1, labels, torch.ones_like(scale) if hit is None else hit)
     return grad.mul_(scale)
 
 
@@ -64,21 +66,22 @@ def _logits_forward_entropy(logits: Tensor, labels: Tensor, temperature: float) 
 
 
 def _logits_backward(logits: Tensor, logsumexp: Tensor, labels: Tensor, grad_out: Tensor,
-                     temperature: float, with_sum: bool) -> tuple[Tensor, Tensor | None]:
+                     temperature: float, with_sum: bool, hit: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """Gradient in one chunk of logits (their dtype) from the upstream gradient ``grad_out``
-    ``[R, 1]`` fp32; with ``with_sum``, also its fp32 sum over the rows (a bias gradient)."""
-    grad = _chunk_grad(logits.to(torch.float32) / temperature, logsumexp, labels, grad_out / temperature)
+    ``[R, 1]`` fp32; with ``with_sum``, also its fp32 sum over the rows (a bias gradient);
+    ``hit`` as for :func:`_chunk_grad`."""
+    grad = _chunk_grad(logits.to(torch.float32) / temperature, logsumexp, labels, grad_out / temperature, hit)
     return grad.to(logits.dtype), grad.sum(dim=0) if with_sum else None
 
 
 def _logits_backward_entropy(logits: Tensor, logsumexp: Tensor, entropy: Tensor, labels: Tensor, grad_out: Tensor,
                              grad_entropy: Tensor, temperature: float,
-                             with_sum: bool) -> tuple[Tensor, Tensor | None]:
+                             with_sum: bool, hit: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """:func:`_logits_backward` with an upstream gradient ``grad_entropy`` ``[R, 1]`` of the
     rows' entropies ``entropy`` ``[R]`` too: with p = softmax(z), dH/dz = -p * (z - lse + H)
     (H = -sum p log p and log p = z - lse), added to the log-prob's onehot - p."""
     scaled = logits.to(torch.float32) / temperature
-    grad = _chunk_grad(scaled, logsumexp, labels, grad_out / temperature)
+    grad = _chunk_grad(scaled, logsumexp, labels, grad_out / temperature, hit)
     probs = torch.exp(scaled - logsumexp[:, None])
     grad -= (grad_entropy / temperature) * probs * (scaled - (logsumexp - entropy)[:, None])
     return grad.to(logits.dtype), grad.sum(dim=0) if with_sum else None
@@ -183,8 +186,8 @@ scratch tensor whatever the vocabulary (1,048 rows at 32k, 220 at 152k). The bac
 chunks come on top of every activation of the pass (it runs first), so they stay small.
 
 Rounding the rows down to a multiple of 64 (1,024 and 192) was timed against these on an H100
-(``benchmarks/fused_head.py``): the same at 32k, 8-11 % slower at 152k, where each chunk's
-backward also adds a whole fp32 weight gradient and more chunks cost more."""
+(``benchmarks/fused_head.py``, commit efb9b33): the same at 32k, 8-11 % slower at 152k, when
+the backward walked rows too and each of its chunks added a whole fp32 weight gradient."""
 
 
 def fused_chunk_rows(vocab_size: int) -> int:
@@ -194,7 +197,8 @@ def fused_chunk_rows(vocab_size: int) -> int:
 
 class _LinearTokenLogprobs(torch.autograd.Function):
     """``log_softmax((hidden @ weight.T + bias) / t)[label]`` chunk by chunk; the logits of a
-    chunk exist only while that chunk is computed, in the forward and again in the backward."""
+    chunk exist only while that chunk is computed, in the forward (chunks of rows) and again in
+    the backward (chunks of vocabulary columns over every row, from the forward's log-sum-exp)."""
 
     @staticmethod
     def forward(
@@ -224,37 +228,52 @@ class _LinearTokenLogprobs(torch.autograd.Function):
     def backward(ctx: Any, grad_out: Tensor | None, grad_entropy: Tensor | None = None) -> tuple[Tensor | None, ...]:
         hidden, weight, bias, labels, logsumexp, entropy = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-        temperature, chunk_rows = ctx.temperature, ctx.chunk_rows
-        grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        # Weight gradients of the chunks add up in fp32 (each chunk's product is rounded to
-        # the weight's dtype once, before the sum).
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
-        grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_bias else None
-        upstream = (torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device) if grad_out is None
-                    else grad_out.to(torch.float32))
-        entropy_upstream = None if grad_entropy is None else grad_entropy.to(torch.float32)
-        for start in range(0, hidden.shape[0], chunk_rows):
-            rows = slice(start, start + chunk_rows)
-            logits = F.linear(hidden[rows], weight, bias)
+        temperature = ctx.temperature
+        vocab = weight.shape[0]
+        columns = backward_columns(hidden.shape[0], vocab, ctx.chunk_rows)
+        # The backward walks the vocabulary, not the rows: each chunk of columns gives its
+        # part of the weight (and bias) gradient whole, in one product over every row, and
+        # adds a [R, H] part to the hidden states' gradient. By rows, every chunk would add
+        # a whole [V, H] fp32 weight gradient: at a 152k vocabulary and hidden size 896,
+        # 0.5 GB read and written per chunk of 220 rows, most of the pass's time.
+        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_hidden else None
+        grad_weight = torch.empty_like(weight) if need_weight else None
+        grad_bias = torch.empty(vocab, dtype=torch.float32, device=weight.device) if need_bias else None
+        upstream = (torch.zeros(hidden.shape[0], 1, dtype=torch.float32, device=hidden.device) if grad_out is None
+                    else grad_out.to(torch.float32)[:, None])
+        entropy_upstream = None if grad_entropy is None else grad_entropy.to(torch.float32)[:, None]
+        for start in range(0, vocab, columns):
+            part = slice(start, start + columns)
+            width = min(columns, vocab - start)
+            logits = F.linear(hidden, weight[part], None if bias is None else bias[part])
+            local = labels - start
+            hit = ((local >= 0) & (local < width)).to(torch.float32)[:, None]
+            index = local.clamp(0, width - 1)[:, None]
             if entropy_upstream is None:
-                grad_logits, row_sum = _chunk_backward(logits, logsumexp[rows], labels[rows, None],
-                                                       upstream[rows, None], temperature, grad_bias is not None)
+                grad_logits, column_sum = _chunk_backward(logits, logsumexp, index, upstream, temperature,
+                                                          grad_bias is not None, hit)
             else:
-                grad_logits, row_sum = _chunk_backward_entropy(
-                    logits, logsumexp[rows], entropy[rows], labels[rows, None], upstream[rows, None],
-                    entropy_upstream[rows, None], temperature, grad_bias is not None)
+                grad_logits, column_sum = _chunk_backward_entropy(
+                    logits, logsumexp, entropy, index, upstream, entropy_upstream, temperature,
+                    grad_bias is not None, hit)
             if grad_hidden is not None:
-                grad_hidden[rows] = grad_logits @ weight
+                grad_hidden += grad_logits @ weight[part]  # each part's product rounded once, summed in fp32
             if grad_weight is not None:
-                grad_weight += (grad_logits.t() @ hidden[rows]).to(torch.float32)
-            if grad_bias is not None and row_sum is not None:
-                grad_bias += row_sum
+                grad_weight[part] = grad_logits.t() @ hidden
+            if grad_bias is not None and column_sum is not None:
+                grad_bias[part] = column_sum
         return (
-            grad_hidden,
-            None if grad_weight is None else grad_weight.to(weight.dtype),
+            None if grad_hidden is None else grad_hidden.to(hidden.dtype),
+            grad_weight,
             None if grad_bias is None else grad_bias.to(weight.dtype),
             None, None, None, None,
         )
+
+
+def backward_columns(rows: int, vocab: int, chunk_rows: int) -> int:
+    """Vocabulary columns per chunk of the fused head's backward over ``rows`` rows: as many
+    logits per chunk as the forward's chunks of ``chunk_rows`` rows hold (the same memory)."""
+    return max(1, min(vocab, chunk_rows * vocab // max(rows, 1)))
 
 
 def linear_token_logprobs(

@@ -140,6 +140,39 @@ def test_fused_head_matches_linear_then_log_softmax(chunk_rows: int, with_bias: 
         torch.testing.assert_close(mine.grad, reference.grad, atol=1e-5, rtol=1e-5)
 
 
+def test_the_fused_heads_backward_walks_the_vocabulary_in_chunks_of_the_forwards_size() -> None:
+    from flowrl.algorithms.logprobs import backward_columns
+
+    # 1,048 rows x 32,000 per forward chunk over 16,384 rows: 2,046 columns per backward chunk
+    assert backward_columns(16384, 32000, 1048) == 2046
+    assert backward_columns(16384, 151936, 220) == 2040
+    assert backward_columns(13, 17, 4) == 5  # 68 logits over 13 rows: 5 columns, 4 chunks
+    assert backward_columns(2, 17, 64) == 17  # never more than the vocabulary
+    assert backward_columns(100, 17, 1) == 1  # never less than one column
+
+
+def test_fused_head_in_bf16_on_a_cpu_matches_the_plain_head() -> None:
+    """bf16 weights and hidden states, labels in every chunk of columns and a chunk with none:
+    the weight gradient (one product per chunk of columns) and the hidden states' (summed over
+    the chunks in fp32) stay within bf16's rounding of the plain head's."""
+    generator = torch.Generator().manual_seed(21)
+    hidden = torch.randn(40, 16, generator=generator).to(torch.bfloat16)
+    weight = (torch.randn(300, 16, generator=generator) * 0.3).to(torch.bfloat16)
+    labels = torch.randint(0, 100, (40,), generator=generator)  # columns 100-299 hold no label
+    upstream = torch.randn(40, generator=generator)
+    ours_h, ours_w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    their_h, their_w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    ours = linear_token_logprobs(ours_h, ours_w, labels, chunk_rows=8)  # 60 columns per backward chunk
+    expected = _linear_reference(their_h, their_w, None, labels, 1.0)
+    torch.testing.assert_close(ours, expected.float(), atol=2e-2, rtol=0)
+    (ours * upstream).sum().backward()
+    (expected.float() * upstream).sum().backward()
+    assert ours_h.grad is not None and their_h.grad is not None and ours_h.grad.dtype == torch.bfloat16
+    assert ours_w.grad is not None and their_w.grad is not None and ours_w.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(ours_h.grad.float(), their_h.grad.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(ours_w.grad.float(), their_w.grad.float(), atol=2e-2, rtol=2e-2)
+
+
 def test_fused_head_hand_example() -> None:
     # hidden [1, 0] against rows [0, 0] and [ln 3, 0]: logits [0, ln 3] -> ln 0.75 for label 1;
     # d/dlogits = onehot - softmax = [-1/4, 1/4], so d/dhidden = [-1/4 * 0 + 1/4 * ln 3, 0].
