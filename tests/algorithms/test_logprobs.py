@@ -307,6 +307,17 @@ def test_compiled_chunk_steps_match_the_plain_ones_over_changing_shapes() -> Non
                                                          0.7, True)
         torch.testing.assert_close(grad, plain_grad)
         torch.testing.assert_close(summed, plain_sum)
+        # a chunk of vocabulary columns (the fused head's backward): rows whose label is not
+        # one of its columns get no onehot
+        hit = (torch.arange(rows) % 2 == 0).to(torch.float32)[:, None]
+        grad, summed = backward(logits, lse, labels, upstream, 0.7, True, hit)
+        plain_grad, plain_sum = _logits_backward(logits, lse, labels, upstream, 0.7, True, hit)
+        torch.testing.assert_close(grad, plain_grad)
+        torch.testing.assert_close(summed, plain_sum)
+        grad, _ = entropy_backward(logits, lse, entropy, labels, upstream, entropy_upstream, 0.7, False, hit)
+        plain_grad, _ = _logits_backward_entropy(logits, lse, entropy, labels, upstream, entropy_upstream,
+                                                 0.7, False, hit)
+        torch.testing.assert_close(grad, plain_grad)
     assert forward.compiled is not None and not forward.failed
     assert entropy_backward.compiled is not None and not entropy_backward.failed
 
