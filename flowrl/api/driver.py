@@ -43,6 +43,7 @@ from flowrl.runtime.cluster import Cluster, call_within
 from flowrl.runtime.interrupts import note_stop_signal, repeated_signal, stopping_for
 from flowrl.runtime.session import PendingSnapshot, Session
 from flowrl.runtime.waiting import lost_slots
+from flowrl.scheduler.events import DeviceEvent, DeviceReplaced
 from flowrl.spec.schema import ScoreNode
 
 LOSS_NOTICE_S = 15.0
@@ -475,6 +476,7 @@ class Driver:
                 self.watcher.event(RunEvent("warning", note, self.machine.step))
             if not added and time.monotonic() > new_after:
                 added = self.cluster.add_workers(wanted - self.cluster.alive())
+        self._note_machines(set(taken))
         if self.recovery is not None:
             self.recovery.workers_s += time.perf_counter() - started
             if taken:
@@ -485,6 +487,21 @@ class Driver:
         if wanted <= self.cluster.alive():
             return lc.WorkersJoined(instruction.slots)
         return lc.DeadlinePassed(tuple(sorted(wanted - self.cluster.alive())))
+
+    def _note_machines(self, taken: set[str]) -> None:
+        """On a joined cluster, tell the policy each slot's device and machine as the worker
+        that took it reports them: it may be another machine (cores, speed), and the
+        planner's sharing of cores and its calibration go by the machine."""
+        if not taken or not self.cluster.joined:
+            return
+        inventory = self.cluster.inventory()
+        hosts = {host.name: host for host in inventory.hosts}
+        events: list[DeviceEvent] = []
+        for slot in sorted(taken):
+            device = inventory.by_id(slot)
+            if device is not None and device.host in hosts:
+                events.append(DeviceReplaced(device, hosts[device.host]))
+        self.replanner.note(events)
 
     def _shrink(self, gone: tuple[str, ...]) -> lc.Event:
         """The replacements did not come in time: place the plan again onto the survivors."""

@@ -25,7 +25,7 @@ from flowrl.profiler import NodeProfile, alpha_for_window
 from flowrl.records import RunEvent, StepRecord
 from flowrl.runtime.session import Session
 from flowrl.scheduler import Decision, SchedulerPolicy
-from flowrl.scheduler.events import DeviceLost
+from flowrl.scheduler.events import DeviceEvent, DeviceLost
 from flowrl.scheduler.shares import rebalanced
 
 
@@ -49,9 +49,17 @@ class Replanner:
         self.slots = slots
         self.profile = NodeProfile(alpha_for_window(graph.spec.profiler.ewma_window))
         self.labels = status_labels(graph)
+        self._events: list[DeviceEvent] = []
+        """Device events to tell the policy before the next step (``note``)."""
+
+    def note(self, events: list[DeviceEvent]) -> None:
+        """Events the policy hears before the next step: a recovery tells of slots that a
+        worker on another machine took (``DeviceReplaced``) while no step runs."""
+        self._events.extend(events)
 
     def before_step(self, step: int) -> None:
-        for decision in self.policy.decide(step, []):
+        events, self._events = self._events, []
+        for decision in self.policy.decide(step, events):
             self._carry_out(step, decision)
 
     def after_step(self, record: StepRecord, step_s: float) -> None:

@@ -6,6 +6,7 @@ from flowrl.scheduler.events import (
     DeviceAdded,
     DeviceEvent,
     DeviceLost,
+    DeviceReplaced,
     DeviceThrottled,
     Move,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "DeviceCalibration",
     "DeviceEvent",
     "DeviceLost",
+    "DeviceReplaced",
     "DeviceThrottled",
     "DynamicPolicy",
     "Move",

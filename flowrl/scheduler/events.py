@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Union
 
-from flowrl.devices.inventory import Device
+from flowrl.devices.inventory import Device, Host
 from flowrl.planner.compiled import CompiledPlan
 
 
@@ -35,7 +35,16 @@ class DeviceThrottled:
     device: str
 
 
-DeviceEvent = Union[DeviceLost, DeviceAdded, DeviceThrottled]
+@dataclass(frozen=True)
+class DeviceReplaced:
+    """A device's slot is served by another worker now, perhaps on another machine (a
+    joined cluster's replacement): the device as that worker reports it, and its machine."""
+
+    device: Device
+    host: Host
+
+
+DeviceEvent = Union[DeviceLost, DeviceAdded, DeviceThrottled, DeviceReplaced]
 
 
 @dataclass(frozen=True)

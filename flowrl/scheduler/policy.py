@@ -51,6 +51,7 @@ from flowrl.scheduler.events import (
     DeviceAdded,
     DeviceEvent,
     DeviceLost,
+    DeviceReplaced,
     DeviceThrottled,
     Move,
 )
@@ -280,6 +281,7 @@ class DynamicPolicy:
     def decide(self, step: int, events: Sequence[DeviceEvent]) -> list[Decision]:
         flags = self._flags
         triggers, lost, added = list(flags.pending), [], []
+        events = [event for event in events if not (isinstance(event, DeviceReplaced) and self._same_machine(event))]
         for event in events:
             if isinstance(event, DeviceLost):
                 lost.append(event.device)
@@ -289,6 +291,9 @@ class DynamicPolicy:
                 triggers.append(f"{event.device.id} added ({event.device.name})")
             elif isinstance(event, DeviceThrottled):
                 triggers.append(f"{event.device} reports throttling")
+            elif isinstance(event, DeviceReplaced):
+                added.append(event.device.id)
+                triggers.append(f"{event.device.id} now on {event.host.name}")
         self._apply_inventory(events)
         every = self.settings.every_steps
         if step > 1 and (step - 1) % every == 0:
@@ -304,8 +309,16 @@ class DynamicPolicy:
             self._plan = decision.plan
         return [decision]
 
+    def _same_machine(self, event: DeviceReplaced) -> bool:
+        """Whether a replaced device's new worker runs on the machine its old one did (same
+        host name and cores): then nothing the policy knows changes."""
+        known = self.inventory.by_id(event.device.id)
+        host = next((h for h in self.inventory.hosts if h.name == event.host.name), None)
+        return known is not None and known.host == event.device.host and host is not None and host.cores == event.host.cores
+
     def _apply_inventory(self, events: Sequence[DeviceEvent]) -> None:
         devices = list(self.inventory.devices)
+        hosts = list(self.inventory.hosts)
         for event in events:
             if isinstance(event, DeviceLost):
                 devices = [d for d in devices if d.id != event.device]
@@ -313,9 +326,15 @@ class DynamicPolicy:
                 self._flags.slow.discard(event.device)
             elif isinstance(event, DeviceAdded) and all(d.id != event.device.id for d in devices):
                 devices.append(event.device)
+            elif isinstance(event, DeviceReplaced):
+                # another machine: what was learned of the device's speed no longer holds
+                devices = [event.device if d.id == event.device.id else d for d in devices]
+                hosts = [h for h in hosts if h.name != event.host.name] + [event.host]
+                self.calibration.forget(event.device.id)
+                self._flags.slow.discard(event.device.id)
         order = {"gpu": 0, "cpu": 1}
         devices.sort(key=lambda d: (order[d.kind], d.number))
-        self.inventory = replace(self.inventory, devices=tuple(devices))
+        self.inventory = replace(self.inventory, devices=tuple(devices), hosts=tuple(hosts))
 
     def _replan(self, step: int, triggers: tuple[str, ...], suspects: list[str],
                 lost: list[str], added: list[str]) -> Decision | None:

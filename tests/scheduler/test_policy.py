@@ -26,6 +26,7 @@ from flowrl.records import NodeTiming
 from flowrl.scheduler import (
     DeviceAdded,
     DeviceLost,
+    DeviceReplaced,
     DynamicPolicy,
     PolicySettings,
     StaticPolicy,
@@ -192,6 +193,26 @@ def test_an_added_device_is_matched_when_moving_there_pays() -> None:
     assert decision.accepted
     assert decision.moves[0].to_devices == ("gpu-1",)
     assert actor_devices(target) == ["gpu-1"]
+
+
+def test_a_slot_taken_on_another_machine_takes_that_machine_and_forgets_the_old_speed() -> None:
+    """gpu-0 measured twice as slow; its slot taken by a worker on node-1 (8 cores): the
+    inventory has gpu-0 on node-1 and that host, the measured ratio is forgotten, and the
+    actor stays with no record (gpu-0 and gpu-1 predicted equal: nothing to gain)."""
+    target = policy(1.0)
+    measure(target, {"gpu-0": 2.0})
+    assert target.calibration.ratios["gpu-0"] == pytest.approx(2.0)
+    moved = Device("gpu-0", "node-1", 0, "gpu", "A100-40GB", "ampere", 40.0, family="a100",
+                   tflops_bf16=312.0, bandwidth_gbs=1555.0, l2_cache_mib=40.0)
+    assert target.decide(2, [DeviceReplaced(moved, Host("node-1", 8, 32.0))]) == []
+    assert actor_devices(target) == ["gpu-0"]
+    assert target.inventory.by_id("gpu-0") == moved
+    assert {host.name: host.cores for host in target.inventory.hosts} == {"node-0": 16, "node-1": 8}
+    assert "gpu-0" not in target.calibration.ratios
+    # the same machine again changes nothing: a ratio learned since stays
+    measure(target, {"gpu-0": 1.0}, step=3)
+    assert target.decide(4, [DeviceReplaced(moved, Host("node-1", 8, 32.0))]) == []
+    assert target.calibration.ratios["gpu-0"] == pytest.approx(1.0)
 
 
 def test_static_policy_never_replans() -> None:
