@@ -34,6 +34,17 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from flowrl.algorithms import logprobs  # noqa: E402
 from flowrl.algorithms.logprobs import fused_chunk_rows, linear_token_logprobs  # noqa: E402
+from flowrl.backends.compiled_layers import CompiledFunction  # noqa: E402
+
+
+def _rows_chunk_backward(*args: Any) -> Any:
+    """The engine's chunk gradient under a compiled function of its own, so that the dynamic
+    shapes its calls by rows bring do not change the engine's compiled version (nor the
+    other way round)."""
+    return logprobs._logits_backward(*args)
+
+
+ROWS_CHUNK_BACKWARD = CompiledFunction(_rows_chunk_backward, "the backward by rows")
 
 
 class RowsBackward(logprobs._LinearTokenLogprobs):
@@ -50,8 +61,8 @@ class RowsBackward(logprobs._LinearTokenLogprobs):
         for start in range(0, hidden.shape[0], ctx.chunk_rows):
             rows = slice(start, start + ctx.chunk_rows)
             logits = torch.nn.functional.linear(hidden[rows], weight)
-            grad_logits, _ = logprobs._chunk_backward(logits, logsumexp[rows], labels[rows, None],
-                                                      upstream[rows, None], ctx.temperature, False)
+            grad_logits, _ = ROWS_CHUNK_BACKWARD(logits, logsumexp[rows], labels[rows, None],
+                                                 upstream[rows, None], ctx.temperature, False)
             grad_hidden[rows] = grad_logits @ weight
             grad_weight += (grad_logits.t() @ hidden[rows]).to(torch.float32)
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None

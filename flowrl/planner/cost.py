@@ -33,7 +33,9 @@ Memory (bytes):
               partitioner, within 0.5 %). With checkpointing: L*T*h*b plus one layer's
     output head  a causal LM's log-probs run through the fused head, which holds one
               chunk of FUSED_CHUNK_ELEMENTS logits at a time (16-bit logits, fp32 scaled
-              copy and, training, their fp32 gradient); a model that transforms its logits
+              copy and, training, their fp32 gradient) and, training, the fp32 gradient of
+              the hidden states its backward sums over its chunks of columns (T*h*4); a
+              model that transforms its logits
               (``ModelShape.plain_logits`` False) holds every token's; a scalar head holds T*4
     adapters (LoRA) of A parameters (in the model's dtype): 16*A (weights, gradients and
               the optimizer's state, ``training_state_bytes``) instead of the model's gradients
@@ -315,7 +317,8 @@ def logits_bytes(shape: ModelShape, kind: str, tokens: float, dtype: str = "fp32
         return float(tokens * 4)
     rows = min(tokens, fused_chunk_rows(vocab)) if shape.plain_logits else tokens
     per_logit = DTYPE_BYTES[dtype] + 4 + (4 if training else 0)
-    return float(rows * vocab * per_logit)
+    summed = 4 * tokens * shape.hidden_size if training and shape.plain_logits else 0
+    return float(rows * vocab * per_logit + summed)
 
 
 def layer_activation_bytes(shape: ModelShape, dtype: str, compiled: bool = False) -> float:

@@ -80,7 +80,8 @@ def test_output_head_and_generation_memory_of_the_toy_shape() -> None:
     # the fused head holds one chunk: rows = max(64, 2**25 // 10) = 3355443, capped by the 15
     # tokens; per logit bf16 2 + fp32 4 (+ fp32 gradient 4 when training)
     assert logits_bytes(TOY, "policy", 15, "bf16") == 15 * 10 * 6
-    assert logits_bytes(TOY, "policy", 15, "bf16", training=True) == 15 * 10 * 10
+    # training: + the fp32 gradient of the 15 tokens' hidden states (8 each), summed over chunks
+    assert logits_bytes(TOY, "policy", 15, "bf16", training=True) == 15 * 10 * 10 + 15 * 8 * 4
     # a scalar head: fp32 per token
     assert logits_bytes(TOY, "value", 15, "bf16") == 60
     # the decoder keeps: KV 1920 (fp32, above) + noise 3 rows * 10 * 4 = 120 + stacked
