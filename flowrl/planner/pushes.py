@@ -23,15 +23,17 @@ def push_cycle(pipeline: PipelineGraph, node_devices: Mapping[str, Sequence[str]
     node's first device first) would deadlock its weight pushes, or None when no updates push
     to each other's workers."""
     spec = pipeline.spec
-    holders: dict[str, set[str]] = {}
     users: dict[tuple[str, str], list[str]] = {}
     """(model, device) -> the nodes that use the model's copy there."""
     for node, devices in node_devices.items():
         model = spec.nodes[node].model
         if model is not None:
-            holders.setdefault(model, set()).update(devices)
             for device in devices:
                 users.setdefault((model, device), []).append(node)
+    holders: dict[str, set[str]] = {}
+    """Model -> the devices that hold a copy of it."""
+    for model, device in users:
+        holders.setdefault(model, set()).add(device)
     pushes: nx.MultiDiGraph = nx.MultiDiGraph()
     for node, devices in node_devices.items():
         model = spec.nodes[node].model
