@@ -43,7 +43,7 @@ from flowrl.runtime.cluster import Cluster, call_within
 from flowrl.runtime.interrupts import note_stop_signal, repeated_signal, stopping_for
 from flowrl.runtime.session import PendingSnapshot, Session
 from flowrl.runtime.waiting import lost_slots
-from flowrl.scheduler.events import DeviceEvent, DeviceReplaced
+from flowrl.scheduler.events import DeviceReplaced
 from flowrl.spec.schema import ScoreNode
 
 LOSS_NOTICE_S = 15.0
@@ -495,12 +495,11 @@ class Driver:
         if not taken or not self.cluster.joined:
             return
         inventory = self.cluster.inventory()
-        hosts = {host.name: host for host in inventory.hosts}
-        events: list[DeviceEvent] = []
+        events: list[DeviceReplaced] = []
         for slot in sorted(taken):
-            device = inventory.by_id(slot)
-            if device is not None and device.host in hosts:
-                events.append(DeviceReplaced(device, hosts[device.host]))
+            device, machine = inventory.by_id(slot), self.cluster.machine_of(slot)
+            if device is not None and machine is not None:
+                events.append(DeviceReplaced(device, machine))
         self.replanner.note(events)
 
     def _shrink(self, gone: tuple[str, ...]) -> lc.Event:

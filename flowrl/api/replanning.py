@@ -25,7 +25,7 @@ from flowrl.profiler import NodeProfile, alpha_for_window
 from flowrl.records import RunEvent, StepRecord
 from flowrl.runtime.session import Session
 from flowrl.scheduler import Decision, SchedulerPolicy
-from flowrl.scheduler.events import DeviceEvent, DeviceLost
+from flowrl.scheduler.events import DeviceEvent, DeviceLost, DeviceReplaced
 from flowrl.scheduler.shares import rebalanced
 
 
@@ -49,17 +49,23 @@ class Replanner:
         self.slots = slots
         self.profile = NodeProfile(alpha_for_window(graph.spec.profiler.ewma_window))
         self.labels = status_labels(graph)
-        self._events: list[DeviceEvent] = []
+        self._events: list[DeviceReplaced] = []
         """Device events to tell the policy before the next step (``note``)."""
 
-    def note(self, events: list[DeviceEvent]) -> None:
-        """Events the policy hears before the next step: a recovery tells of slots that a
-        worker on another machine took (``DeviceReplaced``) while no step runs."""
-        self._events.extend(events)
+    def note(self, events: list[DeviceReplaced]) -> None:
+        """Events the policy hears before the next step (or the next shrink): a recovery tells
+        of slots that a worker on another machine took while no step ran. Of a slot taken
+        twice before then, only the last taker counts."""
+        for event in events:
+            self._events = [e for e in self._events if e.device.id != event.device.id] + [event]
+
+    def _take_events(self, gone: set[str] | None = None) -> list[DeviceEvent]:
+        events: list[DeviceEvent] = [e for e in self._events if e.device.id not in (gone or set())]
+        self._events = []
+        return events
 
     def before_step(self, step: int) -> None:
-        events, self._events = self._events, []
-        for decision in self.policy.decide(step, events):
+        for decision in self.policy.decide(step, self._take_events()):
             self._carry_out(step, decision)
 
     def after_step(self, record: StepRecord, step_s: float) -> None:
@@ -80,7 +86,8 @@ class Replanner:
         policy re-plans when it can (it then knows the devices are gone), else the nodes of a
         lost slot move to the survivors (``without_slots``: with their model's other nodes, on
         the survivor that runs the fewest). The next session runs it."""
-        for decision in self.policy.decide(step, [DeviceLost(slot) for slot in gone]):
+        events = [*self._take_events(set(gone)), *(DeviceLost(slot) for slot in gone)]
+        for decision in self.policy.decide(step, events):
             if decision.accepted and decision.plan is not None:
                 try:
                     self.plan = plan_from_compiled(self.graph, decision.plan, survivors)

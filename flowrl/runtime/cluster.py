@@ -27,6 +27,7 @@ from distributed import Client, Nanny, Scheduler, SpecCluster
 
 from flowrl.devices.inventory import (
     Device,
+    Host,
     Inventory,
     detect_local,
     inventory_from_dict,
@@ -309,14 +310,20 @@ class Cluster:
         by_name = {str(info["name"]): address for address, info in listing.items()}
         return {slot.name: by_name[str(slot.worker)] for slot in self.slots if str(slot.worker) in by_name}
 
-    def cores_of(self, slot_name: str) -> int:
-        """Logical cores of the machine serving ``slot_name``: what its worker reported (the
-        machines of a joined cluster may differ from each other and from this one), else
-        this machine's (a local cluster's workers run here)."""
+    def machine_of(self, slot_name: str) -> Host | None:
+        """The machine serving ``slot_name`` as its worker reported it on a joined cluster (the
+        machines of a joined cluster may differ from each other and from this one); None on a
+        local cluster (its workers run here) or without a report."""
         report = self._reports.get(slot_name)
         if self._local is None and report is not None and report.hosts:
-            return max(1, report.hosts[0].cores)
-        return max(1, os.cpu_count() or 1)
+            return report.hosts[0]
+        return None
+
+    def cores_of(self, slot_name: str) -> int:
+        """Logical cores of the machine serving ``slot_name`` (:meth:`machine_of`), else this
+        machine's."""
+        machine = self.machine_of(slot_name)
+        return max(1, machine.cores if machine is not None else (os.cpu_count() or 1))
 
     def worker_of(self, slot_name: str) -> str:
         """The name of the Dask worker serving slot ``slot_name`` now."""

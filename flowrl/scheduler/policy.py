@@ -281,7 +281,7 @@ class DynamicPolicy:
     def decide(self, step: int, events: Sequence[DeviceEvent]) -> list[Decision]:
         flags = self._flags
         triggers, lost, added = list(flags.pending), [], []
-        events = [event for event in events if not (isinstance(event, DeviceReplaced) and self._same_machine(event))]
+        events = [event for event in events if not (isinstance(event, DeviceReplaced) and self._nothing_new(event))]
         for event in events:
             if isinstance(event, DeviceLost):
                 lost.append(event.device)
@@ -309,12 +309,16 @@ class DynamicPolicy:
             self._plan = decision.plan
         return [decision]
 
-    def _same_machine(self, event: DeviceReplaced) -> bool:
-        """Whether a replaced device's new worker runs on the machine its old one did (same
-        host name and cores): then nothing the policy knows changes."""
+    def _nothing_new(self, event: DeviceReplaced) -> bool:
+        """Whether a replaced device tells the policy nothing: a device it no longer has (lost
+        since), or the same card or slot on the same machine (host name and cores) as its old
+        worker's."""
         known = self.inventory.by_id(event.device.id)
+        if known is None:
+            return True
         host = next((h for h in self.inventory.hosts if h.name == event.host.name), None)
-        return known is not None and known.host == event.device.host and host is not None and host.cores == event.host.cores
+        return (known.host == event.device.host and known.uuid == event.device.uuid
+                and host is not None and host.cores == event.host.cores)
 
     def _apply_inventory(self, events: Sequence[DeviceEvent]) -> None:
         devices = list(self.inventory.devices)
@@ -331,7 +335,10 @@ class DynamicPolicy:
                 devices = [event.device if d.id == event.device.id else d for d in devices]
                 hosts = [h for h in hosts if h.name != event.host.name] + [event.host]
                 self.calibration.forget(event.device.id)
-                self._flags.slow.discard(event.device.id)
+                flags = self._flags
+                for marked in (flags.slow, flags.low_util, flags.high_memory):
+                    marked.discard(event.device.id)
+                flags.low_util_s.pop(event.device.id, None)
         order = {"gpu": 0, "cpu": 1}
         devices.sort(key=lambda d: (order[d.kind], d.number))
         self.inventory = replace(self.inventory, devices=tuple(devices), hosts=tuple(hosts))

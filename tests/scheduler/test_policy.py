@@ -215,6 +215,20 @@ def test_a_slot_taken_on_another_machine_takes_that_machine_and_forgets_the_old_
     assert target.calibration.ratios["gpu-0"] == pytest.approx(1.0)
 
 
+def test_a_replacement_with_other_cores_on_a_host_of_that_name_counts_and_a_lost_device_is_ignored() -> None:
+    target = policy(1.0)
+    measure(target, {"gpu-1": 1.0})
+    same_name = Host("node-0", 4, 64.0)  # another machine answering to the same name
+    target.decide(2, [DeviceReplaced(gpu(1), same_name)])
+    assert "gpu-1" not in target.calibration.ratios
+    assert {host.name: host.cores for host in target.inventory.hosts} == {"node-0": 4}
+    target.decide(3, [DeviceLost("gpu-1")])
+    hosts = target.inventory.hosts
+    # gpu-1 is gone: a replacement queued for it before is nothing new
+    assert target.decide(4, [DeviceReplaced(gpu(1), Host("node-9", 8, 32.0))]) == []
+    assert target.inventory.by_id("gpu-1") is None and target.inventory.hosts == hosts
+
+
 def test_static_policy_never_replans() -> None:
     target = StaticPolicy(PIPELINE, inventory(gpu(0), gpu(1)), TableCosts())
     assert target.decide(5, [DeviceLost("gpu-0")]) == []
