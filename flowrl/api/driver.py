@@ -476,7 +476,13 @@ class Driver:
                 self.watcher.event(RunEvent("warning", note, self.machine.step))
             if not added and time.monotonic() > new_after:
                 added = self.cluster.add_workers(wanted - self.cluster.alive())
-        self._note_machines(set(taken))
+        back: list[str] = []
+        if self.cluster.joined and wanted <= self.cluster.alive():
+            # workers back under their own names: perhaps restarted on another machine
+            back = self.cluster.returned(wanted - set(taken))
+            for note in self.cluster.take_notes():
+                self.watcher.event(RunEvent("warning", note, self.machine.step))
+        self._note_machines(set(taken) | set(back))
         if self.recovery is not None:
             self.recovery.workers_s += time.perf_counter() - started
             if taken:

@@ -463,6 +463,36 @@ class Cluster:
             taken.append(slot.name)
         return taken
 
+    def returned(self, names: set[str]) -> list[str]:
+        """Of the slots ``names`` on a joined cluster, those whose worker came back under its
+        own name at a new address (a batch system that restarts it with the same ``--name``,
+        perhaps on another machine): each is asked about its devices once, as newcomers are,
+        and the slot takes the machine and card it reports. Returns the slots updated; one
+        that does not answer within ``PROBE_S``, or is not the kind of worker the slot needs
+        (another card model, no card), keeps what it had (the latter with a note)."""
+        if self._local is not None:
+            return []
+        listing = registered_workers(self.client)
+        current = {str(info["name"]): (str(address), str(info.get("host", ""))) for address, info in listing.items()}
+        updated = []
+        for index, slot in enumerate(self.slots):
+            found = current.get(str(slot.worker))
+            if slot.name not in names or found is None or found[0] == slot.address:
+                continue
+            address, host = found
+            back = self._probe(str(slot.worker), address, host)
+            if back is None:
+                continue
+            if back.refused or back.kind != self._kind(slot):
+                self._notes.append(back.refused or f"worker {slot.worker} came back as a {back.kind} worker where "
+                                   f"slot {slot.name} is {self._kind(slot)}: the run keeps planning it as before")
+                continue
+            self.slots[index] = replace(slot, address=address, host=back.host or slot.host, gpu_index=back.gpu_index,
+                                        cores=None)
+            self._reports[slot.name] = back.inventory
+            updated.append(slot.name)
+        return updated
+
     def _on_served_card(self, name: str, served: set[tuple[str, int | None]]) -> bool:
         newcomer = next((item for (known, _), item in self._newcomers.items() if known == name), None)
         return newcomer is not None and newcomer.gpu_index is not None and (newcomer.host, newcomer.gpu_index) in served

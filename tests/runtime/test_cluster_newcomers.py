@@ -101,3 +101,24 @@ def test_a_slot_counts_the_cores_of_the_machine_its_worker_reported(monkeypatch:
     assert (cluster.cores_of("w1"), cluster.cores_of("w2")) == (32, 32)
     assert cluster.take_over({"w2"}, set()) == ["w2"]
     assert cluster.cores_of("w2") == 8
+
+
+def test_a_worker_back_under_its_own_name_elsewhere_is_asked_where_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """w2 restarted under its name on machine c (8 cores): asked once, the slot takes c; one
+    still at its old address is not asked; a GPU slot's worker back without a card keeps the
+    slot's facts, with a note."""
+    small = machine("c", 0)
+    small = replace(small, hosts=(replace(small.hosts[0], cores=8),))
+    client = Answers(lambda address: {**small.to_dict(), "started_with": {"cuda_visible_devices": "",
+                                                                           "gpu_resource": 0.0}})
+    cluster = joined(client, [("w1", "a"), ("w2", "c")], monkeypatch)
+    cluster.slots = [replace(s, address=f"tcp://a:{s.name}") for s in cluster.slots]  # as first registered
+    assert cluster.returned({"w1"}) == [] and client.calls == 0  # w1 at the address it had
+    assert cluster.returned({"w2"}) == ["w2"] and client.calls == 1
+    assert (cluster.slots[1].host, cluster.cores_of("w2")) == ("c", 8)
+    assert cluster.returned({"w2"}) == [] and client.calls == 1  # known at its new address now
+    monkeypatch.setattr(cluster_module, "registered_workers",
+                        lambda _client: {"tcp://c:w1": {"name": "w1", "host": "c"}})
+    assert cluster.returned({"w1"}) == []
+    assert cluster.slots[0].host == "a" and cluster.slots[0].gpu_index == 0
+    assert "came back as a cpu worker" in cluster.take_notes()[0]
