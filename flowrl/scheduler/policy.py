@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from flowrl.devices.groups import pipeline_groups
-from flowrl.devices.inventory import Inventory
+from flowrl.devices.inventory import Device, Inventory
 from flowrl.devices.matching import Match, match_groups
 from flowrl.errors import PlacementError
 from flowrl.graph import PipelineGraph
@@ -263,13 +263,26 @@ class DynamicPolicy:
 
     def state_dict(self) -> dict[str, Any]:
         """What the policy learned (device calibration, the measured move cost), for a
-        checkpoint: a resumed run judges devices as the interrupted one did."""
-        return {"calibration": self.calibration.state_dict(), "restart_s": self._restart_s}
+        checkpoint: a resumed run judges devices as the interrupted one did. With it, the
+        machine each device was on, so that a resumed run whose device of the same name is
+        elsewhere does not take its speed."""
+        return {"calibration": self.calibration.state_dict(), "restart_s": self._restart_s,
+                "machines": {device.id: self._machine(device) for device in self.inventory.devices}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.calibration.load_state_dict(state.get("calibration", {}))
         if isinstance(state.get("restart_s"), (int, float)):
             self._restart_s = float(state["restart_s"])
+        machines = state.get("machines")
+        if isinstance(machines, dict):  # absent in checkpoints written before it was kept
+            for device in self.inventory.devices:
+                if device.id in machines and list(machines[device.id]) != self._machine(device):
+                    self.calibration.forget(device.id)
+
+    def _machine(self, device: Device) -> list[Any]:
+        """[host, cores, card uuid] of ``device`` (JSON-ready)."""
+        cores = next((host.cores for host in self.inventory.hosts if host.name == device.host), None)
+        return [device.host, cores, device.uuid]
 
     def _raise(self, trigger: str, device_id: str) -> None:
         self._flags.pending.append(trigger)

@@ -229,6 +229,24 @@ def test_a_replacement_with_other_cores_on_a_host_of_that_name_counts_and_a_lost
     assert target.inventory.by_id("gpu-1") is None and target.inventory.hosts == hosts
 
 
+def test_a_resumed_run_keeps_a_learned_speed_only_for_a_device_on_the_same_machine() -> None:
+    target = policy(1.0)
+    measure(target, {"gpu-0": 2.0})  # the actor's device: the one measured
+    saved = target.state_dict()
+    again = policy(1.0)
+    again.load_state_dict(saved)
+    assert again.calibration.ratios == pytest.approx({"gpu-0": 2.0})
+    elsewhere = Device("gpu-0", "node-1", 0, "gpu", "A100-40GB", "ampere", 40.0, family="a100",
+                       tflops_bf16=312.0, bandwidth_gbs=1555.0, l2_cache_mib=40.0)
+    moved = policy(1.0, elsewhere, gpu(1))
+    moved.load_state_dict(saved)
+    assert "gpu-0" not in moved.calibration.ratios
+    # a checkpoint from before machines were kept: every ratio as saved
+    older = policy(1.0, elsewhere, gpu(1))
+    older.load_state_dict({key: value for key, value in saved.items() if key != "machines"})
+    assert older.calibration.ratios["gpu-0"] == pytest.approx(2.0)
+
+
 def test_static_policy_never_replans() -> None:
     target = StaticPolicy(PIPELINE, inventory(gpu(0), gpu(1)), TableCosts())
     assert target.decide(5, [DeviceLost("gpu-0")]) == []
