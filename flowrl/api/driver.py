@@ -477,8 +477,8 @@ class Driver:
             if not added and time.monotonic() > new_after:
                 added = self.cluster.add_workers(wanted - self.cluster.alive())
         back: list[str] = []
-        if self.cluster.joined and wanted <= self.cluster.alive():
-            # workers back under their own names: perhaps restarted on another machine
+        if wanted <= self.cluster.alive():
+            # a joined cluster's workers back under their own names: perhaps on another machine
             back = self.cluster.returned(wanted - set(taken))
             for note in self.cluster.take_notes():
                 self.watcher.event(RunEvent("warning", note, self.machine.step))

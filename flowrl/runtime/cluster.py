@@ -306,9 +306,8 @@ class Cluster:
         """Slot -> the address of its worker registered right now (absent: none is). A worker
         that was replaced has a new address under the same name. ``listing``: the scheduler's
         worker listing (``registered_workers``) when the caller has just read it."""
-        listing = registered_workers(self.client) if listing is None else listing
-        by_name = {str(info["name"]): address for address, info in listing.items()}
-        return {slot.name: by_name[str(slot.worker)] for slot in self.slots if str(slot.worker) in by_name}
+        by_name = workers_by_name(registered_workers(self.client) if listing is None else listing)
+        return {slot.name: by_name[str(slot.worker)][0] for slot in self.slots if str(slot.worker) in by_name}
 
     def machine_of(self, slot_name: str) -> Host | None:
         """The machine serving ``slot_name`` as its worker reported it on a joined cluster (the
@@ -371,8 +370,7 @@ class Cluster:
         batch system or an operator started under a new name. ``listing`` as for
         :meth:`addresses`."""
         serving = {str(slot.worker) for slot in self.slots}
-        listing = registered_workers(self.client) if listing is None else listing
-        workers = {str(info["name"]): (address, str(info.get("host", ""))) for address, info in listing.items()}
+        workers = workers_by_name(registered_workers(self.client) if listing is None else listing)
         if self._local is not None:
             return {name: _worker_kind(name) for name in sorted(set(workers) - serving)}
         spares = {}
@@ -438,7 +436,7 @@ class Cluster:
         listing = registered_workers(self.client)  # one listing serves the whole pass
         registered = self.addresses(listing)
         free = self.spares(listing)
-        address_of = {str(info["name"]): str(address) for address, info in listing.items()}
+        by_name = workers_by_name(listing)
         taken = []
         for index, slot in enumerate(self.slots):
             if slot.name not in names or (slot.name in registered and slot.name not in hung):
@@ -453,12 +451,11 @@ class Cluster:
             del free[spare]
             if slot.name in hung:
                 threading.Thread(target=self.restart_workers, args=([slot.worker], 60.0), daemon=True).start()
-            address = address_of.get(spare)
+            address = by_name[spare][0] if spare in by_name else None
             taker = replace(slot, worker=spare, address=address or slot.address)
             newcomer = self._newcomers.get((spare, address or ""))
             if newcomer is not None:  # a joined worker: its own machine and card from now on
-                taker = replace(taker, host=newcomer.host or slot.host, gpu_index=newcomer.gpu_index, cores=None)
-                self._reports[slot.name] = newcomer.inventory
+                taker = self._on_machine_of(taker, newcomer)
             self.slots[index] = taker
             taken.append(slot.name)
         return taken
@@ -472,8 +469,7 @@ class Cluster:
         (another card model, no card), keeps what it had (the latter with a note)."""
         if self._local is not None:
             return []
-        listing = registered_workers(self.client)
-        current = {str(info["name"]): (str(address), str(info.get("host", ""))) for address, info in listing.items()}
+        current = workers_by_name(registered_workers(self.client))
         updated = []
         for index, slot in enumerate(self.slots):
             found = current.get(str(slot.worker))
@@ -487,11 +483,15 @@ class Cluster:
                 self._notes.append(back.refused or f"worker {slot.worker} came back as a {back.kind} worker where "
                                    f"slot {slot.name} is {self._kind(slot)}: the run keeps planning it as before")
                 continue
-            self.slots[index] = replace(slot, address=address, host=back.host or slot.host, gpu_index=back.gpu_index,
-                                        cores=None)
-            self._reports[slot.name] = back.inventory
+            self.slots[index] = self._on_machine_of(replace(slot, address=address), back)
             updated.append(slot.name)
         return updated
+
+    def _on_machine_of(self, slot: WorkerSlot, worker: _Newcomer) -> WorkerSlot:
+        """``slot`` served by ``worker`` (probed: a newcomer, or its own worker back at a new
+        address): the worker's machine, card and report from now on."""
+        self._reports[slot.name] = worker.inventory
+        return replace(slot, host=worker.host or slot.host, gpu_index=worker.gpu_index, cores=None)
 
     def _on_served_card(self, name: str, served: set[tuple[str, int | None]]) -> bool:
         newcomer = next((item for (known, _), item in self._newcomers.items() if known == name), None)
@@ -769,6 +769,11 @@ def _gpu_slots(slots: list[WorkerSlot], reports: dict[str, Inventory],
         owners[card] = slot.name
         out.append(replace(slot, kind="gpu", gpu_index=gpu.index))
     return out
+
+
+def workers_by_name(listing: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    """A scheduler's worker listing (``registered_workers``) by worker name: (address, host)."""
+    return {str(info["name"]): (str(address), str(info.get("host", ""))) for address, info in listing.items()}
 
 
 def registered_workers(client: Client) -> dict[str, Any]:

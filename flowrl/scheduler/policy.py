@@ -327,11 +327,7 @@ class DynamicPolicy:
         since), or the same card or slot on the same machine (host name and cores) as its old
         worker's."""
         known = self.inventory.by_id(event.device.id)
-        if known is None:
-            return True
-        host = next((h for h in self.inventory.hosts if h.name == event.host.name), None)
-        return (known.host == event.device.host and known.uuid == event.device.uuid
-                and host is not None and host.cores == event.host.cores)
+        return known is None or self._machine(known) == [event.device.host, event.host.cores, event.device.uuid]
 
     def _apply_inventory(self, events: Sequence[DeviceEvent]) -> None:
         devices = list(self.inventory.devices)
