@@ -101,13 +101,13 @@ def core_shares(pipeline: PipelineGraph, node_devices: Mapping[str, Sequence[Dev
     related = related_nodes(pipeline)
     slots = {node: tuple(device.id for device in devices) for node, devices in node_devices.items()}
     by_id = {device.id: device for devices in node_devices.values() for device in devices}
+    fixed = pipeline.spec.runtime.torch_threads
     for node in on_cpu:
         for device in node_devices[node]:
             if device.kind != "cpu":
                 continue
             beside = company(pipeline, slots, node, device.id, related)
             same_machine = sum(1 for other in beside if by_id[other].kind == "cpu" and by_id[other].host == device.host)
-            fixed = pipeline.spec.runtime.torch_threads
             # unknown cores: as many as the threads of the calls that may run at once
             machine_cores = (cores or {}).get(device.host, (1 + same_machine) * (fixed or 1))
             slower = slowdown(machine_cores, same_machine, fixed)

@@ -281,8 +281,7 @@ class DynamicPolicy:
 
     def _machine(self, device: Device) -> list[Any]:
         """[host, cores, card uuid] of ``device`` (JSON-ready)."""
-        cores = next((host.cores for host in self.inventory.hosts if host.name == device.host), None)
-        return [device.host, cores, device.uuid]
+        return [device.host, host_cores(self.inventory).get(device.host), device.uuid]
 
     def _raise(self, trigger: str, device_id: str) -> None:
         self._flags.pending.append(trigger)
