@@ -94,6 +94,7 @@ def run_once(pipeline: Path, steps: int, output: Path, overrides: list[str]) -> 
                                  "predicted_gb": node["memory_gb"],
                                  "measured_peak_gb": node_peak.get(node["node"])} for node in plan["nodes"]},
         "devices": devices,
+        "node_steps": node_steps(output / "profile.jsonl"),
         "calibrated": calibrated,
         "calibrated_step_error": (calibrated["iteration_s"] / calibrated["measured_step_s_median"] - 1)
         if calibrated.get("measured_step_s_median") else None,
@@ -115,6 +116,18 @@ def peaks_after_first_step(profile: Path) -> dict[str, float]:
         if line["step"] > first:
             peaks[line["node"]] = max(peaks.get(line["node"], 0.0), line["peak_memory_gb"])
     return peaks
+
+
+def node_steps(profile: Path) -> dict[str, list[dict[str, Any]]]:
+    """Each node's calls in step order (compute, waiting and wall seconds, device, tokens, arrival): a
+    node whose time drifts over the run shows how, where a median hides it."""
+    steps: dict[str, list[dict[str, Any]]] = {}
+    for text in profile.read_text().splitlines() if profile.is_file() else []:
+        line = json.loads(text)
+        if line.get("type") == "node":
+            fields = ("step", "device", "compute_s", "wait_s", "wall_s", "tokens_in", "arrived_at")
+            steps.setdefault(line["node"], []).append({key: line.get(key) for key in fields})
+    return steps
 
 
 def group_layouts(pipeline: Path, slots: int) -> list[dict[str, int]]:
