@@ -10,13 +10,17 @@ a CPU, where it is slow: use a small ``--layers`` there). Prompts of ``--prompt-
 tokens; sampling at temperature 1 with an end-of-sequence id outside the vocabulary (so every
 run decodes exactly ``--new-tokens`` steps). Per engine and batch size: milliseconds per decode step (the whole
 call divided by the number of new tokens, the prefill included), generated tokens/s, peak GPU
-memory; the median of ``--repeats`` runs after one warm-up, and the flowrl/transformers ratio
-of the medians with its range over the repeats. Writes JSON; never asserts.
+memory; the median of ``--repeats`` runs after one warm-up (timed: the first call compiles,
+captures and, for the static engine, measures cuBLAS against the Triton products), and the
+flowrl/transformers ratio of the medians with its range over the repeats; for the static engine,
+the launch it chose for each product. ``flowrl_static_cublas`` is the static engine with every
+product by cuBLAS. Writes JSON; never asserts.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import statistics
@@ -33,7 +37,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from flowrl.backends.generation import generate_tokens  # noqa: E402
-from flowrl.backends.static_decode import decoder_for  # noqa: E402
+from flowrl.backends.static_decode import StaticDecoder, decoder_for  # noqa: E402
 
 VOCAB = 32_000
 EOS = VOCAB
@@ -70,6 +74,26 @@ def run_static(model: Any, ids: torch.Tensor, mask: torch.Tensor, new_tokens: in
                      generator=generator.manual_seed(0))
 
 
+_CUBLAS: dict[int, StaticDecoder] = {}
+
+
+def run_static_cublas(model: Any, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int) -> None:
+    """The static engine with every product by cuBLAS (no Triton products measured or run)."""
+    decoder = _CUBLAS.setdefault(id(model), StaticDecoder(model, triton_products=False))
+    generator = _GENERATORS.setdefault(f"{ids.device}-cublas", torch.Generator(device=ids.device))
+    decoder.generate(ids, mask, max_new_tokens=new_tokens, eos_token_id=EOS, pad_token_id=0,
+                     generator=generator.manual_seed(0))
+
+
+def launches(model: Any, batch: int) -> dict[str, Any] | None:
+    """The launch the static engine chose for each product at ``batch`` rows (None: cuBLAS)."""
+    decoder = decoder_for(model)
+    chosen = decoder._launches.get(batch) if decoder is not None else None
+    if chosen is None:
+        return None
+    return {kind: None if launch is None else dataclasses.asdict(launch) for kind, launch in chosen.items()}
+
+
 def run_loop(model: Any, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int) -> None:
     generate_tokens(model, ids, mask, max_new_tokens=new_tokens, eos_token_id=EOS, pad_token_id=0,
                     generator=torch.Generator(device=ids.device).manual_seed(0))
@@ -83,8 +107,11 @@ def run_hf(model: Any, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int) -
 def measure(engine: Any, model: Any, batch: int, args: argparse.Namespace, device: str) -> dict[str, Any]:
     ids = torch.randint(1, VOCAB - 1, (batch, args.prompt_tokens), device=device)
     mask = torch.ones_like(ids)
+    started = time.perf_counter()
     with torch.inference_mode():  # warm-up at full length: a short one leaves the first timed run 4x slower
         engine(model, ids, mask, args.new_tokens)
+    sync(device)
+    warm_up_s = time.perf_counter() - started
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times = []
@@ -101,6 +128,7 @@ def measure(engine: Any, model: Any, batch: int, args: argparse.Namespace, devic
         "ms_per_decode_step_all": per_step,
         "tokens_per_s": batch * args.new_tokens / statistics.median(times),
         "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else None,
+        "warm_up_s": warm_up_s,
     }
 
 
@@ -112,20 +140,24 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--engines", default="flowrl_static,flowrl_loop,transformers",
-                        help="comma-separated, from flowrl_static, flowrl_loop, transformers")
+                        help="comma-separated, from flowrl_static, flowrl_static_cublas (every product by "
+                             "cuBLAS), flowrl_loop, transformers")
     parser.add_argument("--output", type=Path, default=REPO / "benchmarks" / "results" / "decode.json")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = build_model(args.layers, device)
     rows = []
-    every = {"flowrl_static": run_static, "flowrl_loop": run_loop, "transformers": run_hf}
+    every = {"flowrl_static": run_static, "flowrl_static_cublas": run_static_cublas, "flowrl_loop": run_loop,
+             "transformers": run_hf}
     engines = {name: every[name] for name in args.engines.split(",")}
     for batch in [int(b) for b in args.batches.split(",")]:
         row: dict[str, Any] = {"batch": batch}
         for name, engine in engines.items():
             row[name] = measure(engine, model, batch, args, device)
+        if "flowrl_static" in row:
+            row["flowrl_static"]["launches"] = launches(model, batch)
         hf_times = row["transformers"]["ms_per_decode_step_all"] if "transformers" in row else []
-        for name in [n for n in ("flowrl_static", "flowrl_loop") if n in row and hf_times]:
+        for name in [n for n in ("flowrl_static", "flowrl_static_cublas", "flowrl_loop") if n in row and hf_times]:
             ratios = [f / h for f, h in zip(row[name]["ms_per_decode_step_all"], hf_times)]
             row[f"ratio_{name}_over_transformers"] = {
                 "median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}

@@ -1,6 +1,8 @@
-"""The Triton kernels of ``decode_attention`` (imported only where one runs: a CUDA device with
+"""The Triton kernels of a decode step (imported only where one runs: a CUDA device with
 Triton installed). ``attention_kernel``: the attention of one share of the window for a
-(row, KV head); ``merge_kernel``: the shares' partial softmax sums merged into the output."""
+(row, KV head); ``merge_kernel``: the shares' partial softmax sums merged into the output
+(``decode_attention``); ``product_kernel``: a block of a matrix product over one slice of its
+inner dimension, or of the gated product of an MLP (``decode_products``)."""
 
 from __future__ import annotations
 
@@ -124,3 +126,41 @@ def merge_kernel(best_ptr, total_ptr, acc_ptr, out_ptr, GROUP: tl.constexpr, HEA
                                          other=0.0)
     out = out_ptr + ((program * GROUP + queries) * HEAD_DIM)[:, None] + dims[None, :]
     tl.store(out, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def product_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, rows, outputs, per_split, x_stride, w_stride,
+                   split_stride, out_stride, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+                   EXACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+    # out[split, m, n] = sum of x[m, k] * w[n, k] over the split's slice of k (``per_split``
+    # columns, a whole number of blocks), plus bias[n] in split 0. GATED: w holds the gate
+    # rows [0, outputs) and then the up rows [outputs, 2 outputs), and the block stores
+    # silu(gate) * up from its two float32 sums (one split only).
+    block_n = tl.program_id(0)
+    split = tl.program_id(1)
+    block_m = tl.program_id(2)
+    ms = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    ns = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = split * per_split + tl.arange(0, BLOCK_K)
+    m_mask = ms < rows
+    n_mask = ns < outputs
+    x_block = x_ptr + ms[:, None] * x_stride + ks[None, :]
+    # The weight's rows are outputs, contiguous along k: read as a [k, n] block.
+    w_block = w_ptr + ns[None, :] * w_stride + ks[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k in tl.range(0, per_split, BLOCK_K):
+        a = tl.load(x_block + k, mask=m_mask[:, None], other=0.0)
+        b = tl.load(w_block + k, mask=n_mask[None, :], other=0.0)
+        acc += _dot(a, b, EXACT)
+        if GATED:
+            u = tl.load(w_block + outputs * w_stride + k, mask=n_mask[None, :], other=0.0)
+            up += _dot(a, u, EXACT)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + ns, mask=n_mask, other=0.0).to(tl.float32)
+        acc += tl.where(split == 0, bias, 0.0)[None, :]
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * up
+    out = out_ptr + split * split_stride + ms[:, None] * out_stride + ns[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])

@@ -20,7 +20,9 @@ attention needs no copy of the cache.
 A decode step's products have one row per sequence: the MLP's down projection, whose inner
 dimension is several times its output, is cut into partial sums over slices of that dimension
 (more tiles of work for the processors, each walking a slice) that the next layer's residual
-addition sums (``_split_product``).
+addition sums (``_split_product``). With graphs, each product of a layer runs by cuBLAS or by a
+Triton kernel, whichever was measured faster on the card for that shape and batch
+(``decode_products``); the Triton kernel of the MLP's gated product also applies the gating.
 
 Rows that finish early: the batch is compacted into a smaller captured graph once at most half
 of the rows still run (the live rows' cache rows move to the front), so a long tail of a few
@@ -35,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from flowrl.backends.decode_attention import decode_attention, rotate
+from flowrl.backends.decode_products import KINDS, Launch, choose_launch, most_splits, triton_product
 from flowrl.backends.generation import (
     GenerationOutput,
     check_arguments,
@@ -184,40 +187,33 @@ def _rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
     return _rms_norm_weights(x, _tensor(norm.weight), _number(norm.variance_epsilon))
 
 
-def _decode_qkv(x: torch.Tensor, pending: torch.Tensor, attn_norm: torch.Tensor, attn_eps: float,
-                qkv_weight: torch.Tensor, qkv_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A layer's first half for one new token per row: the previous layer's MLP output
-    ``pending`` added to the residual stream ``x``, then the norm and the q/k/v projections
-    (``qkv_weight`` stacks the three: one matrix product). Returns the residual stream and
-    [B, q + k + v]."""
+def _attention_norm(x: torch.Tensor, pending: torch.Tensor, weight: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's first element-wise step for one new token per row: the previous layer's MLP
+    output ``pending`` (or its partial sums) added to the residual stream ``x``, then the norm
+    the q/k/v product reads. Returns the residual stream and the normed rows."""
     x = _residual(x, pending)
-    return x, F.linear(_rms_norm_weights(x, attn_norm, attn_eps), qkv_weight, qkv_bias)
+    return x, _rms_norm_weights(x, weight, eps)
 
 
-def _decode_attention_out(
-    x: torch.Tensor, attended: torch.Tensor, o_weight: torch.Tensor,
-    mlp_norm: torch.Tensor, mlp_eps: float, gate_up_weight: torch.Tensor, down_weight: torch.Tensor,
-    gate_up_splits: int = 1, down_splits: int = 1,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A layer's second half: output projection and residual, then the MLP (``gate_up_weight``
-    stacks the gate and up projections). Returns the residual stream and the MLP's output,
-    which the next layer's first half (or the tail) adds: the addition then fuses into the
-    norm that reads it instead of being a kernel of its own.
+def _mlp_norm(x: torch.Tensor, attention: torch.Tensor, weight: torch.Tensor,
+              eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's second element-wise step: the output projection (or its partial sums) added
+    to the residual stream, then the norm the MLP reads. The same arithmetic as
+    :func:`_attention_norm`, in a function of its own so that each compiles its own versions
+    (compiled versions are counted per function)."""
+    x = _residual(x, attention)
+    return x, _rms_norm_weights(x, weight, eps)
 
-    ``*_splits`` > 1 cut a product's inner dimension into that many parts (:func:`_split_product`);
-    with ``down_splits`` > 1 the MLP's output is its [splits, B, hidden] partial sums, which the
-    addition in the next half sums."""
-    x = _residual(x, F.linear(attended.reshape(x.shape[0], -1), o_weight))
-    normed = _rms_norm_weights(x, mlp_norm, mlp_eps)
-    if gate_up_splits > 1:
-        gate, up = _split_product(normed, gate_up_weight, gate_up_splits).float().sum(0).chunk(2, dim=-1)
-        gated = (F.silu(gate) * up).to(x.dtype)
-    else:
-        gate, up = F.linear(normed, gate_up_weight).chunk(2, dim=-1)
-        gated = F.silu(gate) * up
-    if down_splits > 1:
-        return x, _split_product(gated, down_weight, down_splits)
-    return x, F.linear(gated, down_weight)
+
+def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up from the stacked gate/up product [B, 2I], or from its [splits, B, 2I]
+    partial sums (added in float32 first)."""
+    if gate_up.dim() == 3:
+        gate, up = gate_up.float().sum(0).chunk(2, dim=-1)
+        return (F.silu(gate) * up).to(gate_up.dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def _split_product(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
@@ -277,14 +273,14 @@ class _Stacked:
     def __init__(self, layer: _Layer, adapted: bool) -> None:
         self.layer = layer
         self.adapted = adapted
-        self.qkv_weight, self.qkv_bias, self.gate_up_weight = (
-            torch.cat(parts) if parts else None for parts in self._parts()
-        )
+        qkv, biases, gate_up = self._parts()
+        self.qkv_weight = torch.cat(qkv)
+        self.qkv_bias = torch.cat(biases) if biases else None
+        self.gate_up_weight = torch.cat(gate_up)
 
     def parts_of(self, layer: _Layer) -> _Layer:
         """``layer`` with q, k, v, gate and up read from these stacked copies (for a layer with
         adapters: the copies hold the merged weights)."""
-        assert self.qkv_weight is not None and self.gate_up_weight is not None
         rows = [int(linear.weight.shape[0]) for linear in (layer.q, layer.k, layer.v)]
         weights = self.qkv_weight.split(rows)
         biases = self.qkv_bias.split(rows) if self.qkv_bias is not None else (None, None, None)
@@ -333,19 +329,24 @@ class _Buffers:
         self.logprobs = full((batch, new_tokens), 0.0, torch.float32)
         self.temperature = full((1,), 1.0, torch.float32)
         self.zeros = full((down_splits * batch * hidden_size,), 0, dtype)
-        """What the first layer's half adds to the embeddings (:meth:`first_pending`)."""
+        """What the first layer's norm adds to the embeddings (:meth:`first_pending`); room for
+        ``down_splits`` partial sums, the most a down projection may be cut into."""
         self.noise = full((batch, vocab_size), 1.0, torch.float32)
         """Exp(1) draws for sampling, refilled every step from the generator."""
         self.down_splits, self.hidden_size = down_splits, hidden_size
 
-    def first_pending(self, batch: int) -> torch.Tensor:
+    def first_pending(self, batch: int, splits: int | None = None) -> torch.Tensor:
         """Zeros shaped as the later layers' MLP outputs for ``batch`` rows ([splits, batch,
-        hidden] partial sums of a split down projection, else [batch, hidden]) and, like them,
-        contiguous: the compiled first half is specialised on strides, and a strided slice of a
-        larger buffer would compile it once more for every batch size."""
-        size = self.down_splits * batch * self.hidden_size
-        if self.down_splits > 1:
-            return self.zeros[:size].view(self.down_splits, batch, self.hidden_size)
+        hidden] partial sums of a down projection cut into ``splits`` (default: the buffers'
+        ``down_splits``), else [batch, hidden]) and, like them, contiguous: the compiled norm
+        is specialised on shapes and strides, and a strided slice of a larger buffer would
+        compile it once more for every batch size."""
+        splits = self.down_splits if splits is None else splits
+        size = splits * batch * self.hidden_size
+        if size > self.zeros.numel():
+            raise ValueError(f"the buffers hold zeros for {self.down_splits} partial sums, not {splits}")
+        if splits > 1:
+            return self.zeros[:size].view(splits, batch, self.hidden_size)
         return self.zeros[:size].view(batch, self.hidden_size)
 
 
@@ -370,7 +371,8 @@ class StaticDecoder:
 
     def __init__(self, model: Any, use_graphs: bool | None = None, compile_layers: bool = True,
                  fixed_shapes: bool | None = None, gate_up_splits: int | None = None,
-                 down_splits: int | None = None) -> None:
+                 down_splits: int | None = None, triton_products: bool = True,
+                 launches: Mapping[str, Launch | None] | None = None) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the static decoder cannot run this model: {reason}")
@@ -421,6 +423,14 @@ class StaticDecoder:
         hidden, intermediate = int(self.embed.weight.shape[1]), int(self.layers[0].down.weight.shape[1])
         self.gate_up_splits = _splits(gate_up_splits, hidden, DEFAULT_GATE_UP_SPLITS, self.use_graphs)
         self.down_splits = _splits(down_splits, intermediate, DEFAULT_DOWN_SPLITS, self.use_graphs)
+        self.triton_products = self.use_graphs and triton_products
+        """Measure each product of a decode step by cuBLAS against the Triton launches
+        (``decode_products``) for every batch size captured, and run the faster."""
+        self._launches: dict[int, dict[str, Launch | None]] = {}
+        """The launch each product runs with, by batch size (None: cuBLAS)."""
+        self._fixed_launches = None if launches is None else {kind: launches.get(kind) for kind in KINDS}
+        """``launches``: the launch of each product (``decode_products.KINDS``; one left out:
+        cuBLAS) at every batch size, instead of measuring."""
         self._check_every = FINISHED_CHECK_EVERY if self.use_graphs else 1
         """Without graphs, asking whether every row finished costs no device sync."""
         self._window_step = ATTENTION_WINDOW if self.fixed_shapes else 1
@@ -437,18 +447,22 @@ class StaticDecoder:
         self._cos = self._sin = torch.empty(0)
 
     def _set_kernels(self, compiled: bool) -> None:
-        """The two halves of a layer and the sampling tail, compiled or plain."""
-        self._attention_in: Any = _decode_qkv
-        self._attention_out: Any = _decode_attention_out
+        """The element-wise steps of a layer (the residual additions with the norms, the
+        gating) and the sampling tail, compiled or plain."""
+        self._attention_norm: Any = _attention_norm
+        self._mlp_norm: Any = _mlp_norm
+        self._silu_mul: Any = _silu_mul
         self._tail: Any = _sample_tail
         if compiled:
-            # Inductor fuses each half's norms, residuals and gating into a few kernels
-            # (replay time is per kernel); one compiled version serves every layer. Between
-            # the halves, rotary, cache write and attention are one kernel
-            # (``decode_attention``) over a window of columns that grows with the step, and so
-            # does not multiply the compiled versions.
-            self._attention_in = torch.compile(_decode_qkv, dynamic=False, fullgraph=True)
-            self._attention_out = torch.compile(_decode_attention_out, dynamic=False, fullgraph=True)
+            # Inductor fuses each residual addition with the norm after it, and the gating,
+            # into one kernel each (replay time is per kernel); one compiled version serves
+            # every layer. The products run between them (cuBLAS or Triton, ``_product``);
+            # rotary, cache write and attention are one kernel (``decode_attention``) over a
+            # window of columns that grows with the step, and so does not multiply the
+            # compiled versions.
+            self._attention_norm = torch.compile(_attention_norm, dynamic=False, fullgraph=True)
+            self._mlp_norm = torch.compile(_mlp_norm, dynamic=False, fullgraph=True)
+            self._silu_mul = torch.compile(_silu_mul, dynamic=False, fullgraph=True)
             self._tail = torch.compile(_sample_tail, dynamic=False, fullgraph=True)
 
     # -- the decoder arithmetic ------------------------------------------------------------
@@ -529,23 +543,66 @@ class StaticDecoder:
         cos = self._cos.index_select(0, positions)
         sin = self._sin.index_select(0, positions)
         x = self.embed.weight.index_select(0, b.tokens[:batch])
-        # the MLP output the next half adds to x: none before the first layer
-        pending = b.first_pending(batch)
+        launches = self._launches.get(batch) or dict.fromkeys(KINDS)
+        down = launches["down"]
+        # the MLP output the next norm adds to x: none before the first layer
+        pending = b.first_pending(batch, down.splits if down is not None else self.down_splits)
         for index, (layer, stacked) in enumerate(zip(self.layers, self._stacked)):
             keys, values = b.keys[index, :batch], b.values[index, :batch]
-            x, qkv = self._attention_in(
-                x, pending, layer.attn_norm.weight, _number(layer.attn_norm.variance_epsilon),
-                stacked.qkv_weight, stacked.qkv_bias,
-            )
+            x, normed = self._attention_norm(x, pending, layer.attn_norm.weight,
+                                             _number(layer.attn_norm.variance_epsilon))
+            qkv = self._product("qkv", normed, stacked.qkv_weight, stacked.qkv_bias, launches["qkv"])
             attended = decode_attention(qkv, cos, sin, keys[:, :, :window], values[:, :, :window], b.column,
                                         key_valid, self.scaling)
-            x, pending = self._attention_out(
-                x, attended, layer.o.weight, layer.mlp_norm.weight, _number(layer.mlp_norm.variance_epsilon),
-                stacked.gate_up_weight, layer.down.weight, self.gate_up_splits, self.down_splits,
-            )
+            attention = self._product("o", attended.reshape(batch, -1), layer.o.weight, None, launches["o"])
+            x, normed = self._mlp_norm(x, attention, layer.mlp_norm.weight, _number(layer.mlp_norm.variance_epsilon))
+            gated = self._product("gated", normed, stacked.gate_up_weight, None, launches["gated"])
+            pending = self._product("down", gated, layer.down.weight, None, down)
         self._sample_into(x, batch, sampling, generator, pending=pending)
         b.positions[:batch] += 1
         b.column += 1
+
+    def _product(self, kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 launch: Launch | None) -> torch.Tensor:
+        """Product ``kind`` of a decode step (``decode_products.KINDS``) for input ``x``: by
+        the Triton ``launch``, or by cuBLAS (None), the gate/up and down products cut into
+        ``gate_up_splits`` / ``down_splits`` slices. The gated product returns silu(gate) * up;
+        the output and down projections may return partial sums, which the next norm adds."""
+        if launch is not None:
+            return triton_product(x, weight, bias, launch, gated=kind == "gated")
+        if kind == "gated":
+            splits = self.gate_up_splits
+            return self._silu_mul(_split_product(x, weight, splits) if splits > 1 else F.linear(x, weight))
+        if kind == "down" and self.down_splits > 1:
+            return _split_product(x, weight, self.down_splits)
+        return F.linear(x, weight, bias)
+
+    def _choose_launches(self, batch: int) -> None:
+        """Measure, for ``batch`` rows, each product of a decode step by cuBLAS against the Triton
+        launches that fit it (``decode_products.choose_launch``), once per batch size."""
+        if batch in self._launches:
+            return
+        if self._fixed_launches is not None or not self.triton_products:
+            self._launches[batch] = dict(self._fixed_launches or dict.fromkeys(KINDS))
+            return
+        stacked = self._stacked
+        none: list[torch.Tensor | None] = [None] * len(stacked)
+        operands: dict[str, tuple[list[torch.Tensor], list[torch.Tensor | None]]] = {
+            "qkv": ([s.qkv_weight for s in stacked], [s.qkv_bias for s in stacked]),
+            "o": ([layer.o.weight for layer in self.layers], none),
+            "gated": ([s.gate_up_weight for s in stacked], none),
+            "down": ([layer.down.weight for layer in self.layers], none),
+        }
+        chosen: dict[str, Launch | None] = {}
+        for kind, (weights, biases) in operands.items():
+            x = torch.randn((batch, int(weights[0].shape[1])), dtype=self.dtype, device=self.device)
+
+            def plain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      kind: str = kind) -> torch.Tensor:
+                return self._product(kind, x, weight, bias, None)
+
+            chosen[kind] = choose_launch(kind, x, weights, biases, plain)
+        self._launches[batch] = chosen
 
     def _sample_into(self, hidden: torch.Tensor, batch: int, sampling: _Sampling,
                      generator: torch.Generator | None, compiled: bool = True,
@@ -602,9 +659,10 @@ class StaticDecoder:
         self._buffers = None  # free the old cache before allocating the new one
         shape = (max(batch, have_batch) if columns == have_columns and new_tokens == have_new else batch,
                  columns, new_tokens)
+        splits = max(self.down_splits, most_splits()) if self.triton_products else self.down_splits
         self._buffers = _Buffers(shape[0], columns, new_tokens, len(self.layers), self.num_kv_heads,
                                  self.head_dim, int(self.embed.weight.shape[1]), int(self.lm_head.weight.shape[0]),
-                                 self.dtype, self.device, self.down_splits)
+                                 self.dtype, self.device, splits)
         self._rope_tables(columns)
         self._shape = shape
 
@@ -635,6 +693,7 @@ class StaticDecoder:
     def _capture(self, batch: int, window: int, sampling: _Sampling, generator: torch.Generator | None) -> Any:
         b = self._buffers
         assert b is not None
+        self._choose_launches(batch)
         saved = [t.clone() for t in (b.column, b.out_column, b.positions, b.tokens, b.unfinished)]
         graph = torch.cuda.CUDAGraph()
         if generator is not None:

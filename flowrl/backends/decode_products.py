@@ -1,0 +1,180 @@
+"""The matrix products of a decode step, each run by cuBLAS or by a Triton kernel, whichever
+this card runs faster at this shape.
+
+A decode step multiplies one row per sequence (256 at most in a GRPO batch) by each weight of
+every layer. On an H100 at the 0.4B shape and 256 rows, cuBLAS took 12 us for the stacked
+gate/up product, 10 us for the down projection and 5 us each for the q/k/v and output
+projections, about three times what reading their weights takes
+(``benchmarks/results/gpu_profile_decode_h100_8df35a9.json``): with so few rows a product has
+few output blocks, each walking the whole inner dimension. The Triton kernel
+(``decode_kernels.product_kernel``) may cut the inner dimension into slices (``splits``) whose
+partial sums, [splits, B, N], the consumer adds, as ``static_decode._split_product``'s; and
+the gated product of the MLP is one kernel that stores silu(gate) * up, so the [B, 2I] product
+is never written nor read back.
+
+Which one runs is measured once per card, product shape and batch size
+(:func:`choose_launch`): every candidate runs the product of every layer in turn, so the
+weights come from memory as in a step, not from the cache of a product repeated on one weight;
+rounds alternate the candidates; the lowest median wins, cuBLAS on a tie.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import statistics
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+KINDS = ("qkv", "o", "gated", "down")
+"""A layer's products: the stacked q/k/v projection (with Qwen2's biases), the attention's
+output projection, the stacked gate/up projection with silu(gate) * up, the down projection."""
+
+
+@dataclass(frozen=True)
+class Launch:
+    """A launch of the Triton product: output blocks of ``block_m`` rows by ``block_n``
+    columns, the inner dimension walked ``block_k`` at a time and cut into ``splits`` slices;
+    ``warps`` per program, ``stages`` loads in flight."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    splits: int = 1
+    warps: int = 4
+    stages: int = 4
+
+    def fits(self, inner: int) -> bool:
+        """Every slice of the inner dimension is a whole number of blocks."""
+        return inner % self.splits == 0 and (inner // self.splits) % self.block_k == 0
+
+
+_SHORT = (Launch(64, 64, 64), Launch(64, 64, 64, splits=2), Launch(64, 32, 128), Launch(128, 64, 64, warps=8, stages=3),
+          Launch(64, 64, 32, splits=4), Launch(64, 128, 64, warps=8, stages=3))
+CANDIDATES: dict[str, tuple[Launch, ...]] = {
+    # inner dimension = hidden size (896 at 0.4B): short; few output blocks for o
+    "qkv": _SHORT,
+    "o": _SHORT,
+    # two accumulators per block (gate and up); thousands of outputs: no splits
+    "gated": (Launch(64, 64, 64), Launch(128, 64, 64, warps=8, stages=3), Launch(64, 128, 64, warps=8, stages=3),
+              Launch(128, 32, 64), Launch(64, 32, 128)),
+    # inner dimension = MLP size (4,864 at 0.4B): long against its outputs
+    "down": (Launch(64, 64, 64, splits=4), Launch(64, 32, 64, splits=4), Launch(128, 64, 64, splits=4, warps=8, stages=3),
+             Launch(64, 64, 32, splits=8), Launch(64, 64, 64, splits=2), Launch(64, 64, 128)),
+}
+"""The Triton launches tried for each product (those that ``fit`` its inner dimension); every
+one compiles once per process, the first time it is timed."""
+
+def most_splits() -> int:
+    """The most slices a down projection's Triton launch cuts its inner dimension into: its
+    partial sums are what the next layer's norm adds."""
+    return max(launch.splits for launch in CANDIDATES["down"])
+
+
+ROUNDS = 5
+"""Timed rounds per candidate; each round runs the product of every layer once."""
+
+_CHOSEN: dict[tuple[object, ...], Launch | None] = {}
+"""Choices made in this process, by (device, kind, rows, weight shape, dtype, bias)."""
+
+
+def triton_usable(x: torch.Tensor) -> bool:
+    """True where the Triton product can run: a CUDA tensor of a floating dtype, Triton installed."""
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and importlib.util.find_spec("triton") is not None)
+
+
+def triton_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, launch: Launch,
+                   gated: bool = False) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for [B, K] ``x`` and [N, K] ``weight``: [B, N], or its
+    [splits, B, N] partial sums when ``launch`` cuts K. ``gated``: ``weight`` stacks the gate
+    and up rows ([2I, K]) and the result is silu(gate) * up, [B, I] (one slice only)."""
+    rows, inner = x.shape
+    outputs = weight.shape[0] // 2 if gated else weight.shape[0]
+    if weight.shape[1] != inner or not launch.fits(inner) or (gated and launch.splits > 1):
+        raise ValueError(f"launch {launch} does not fit a product of [{rows}, {inner}] by {tuple(weight.shape)}"
+                         f"{' (gated)' if gated else ''}")
+    from flowrl.backends.decode_kernels import product_kernel
+
+    x, weight = x.contiguous(), weight.contiguous()
+    shape = (launch.splits, rows, outputs) if launch.splits > 1 else (rows, outputs)
+    out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    grid = (-(-outputs // launch.block_n), launch.splits, -(-rows // launch.block_m))
+    product_kernel[grid](
+        x, weight, weight if bias is None else bias, out, rows, outputs, inner // launch.splits,
+        x.stride(0), weight.stride(0), rows * outputs, outputs,
+        HAS_BIAS=bias is not None, GATED=gated, EXACT=x.dtype == torch.float32,
+        BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
+        num_warps=launch.warps, num_stages=launch.stages,
+    )
+    return out
+
+
+Product = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+"""A product's plain form: (x, weight, bias) -> output."""
+Run = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+"""A candidate timed: (weight, bias) -> output, for the input chosen for."""
+
+
+def choose_launch(kind: str, x: torch.Tensor, weights: Sequence[torch.Tensor],
+                  biases: Sequence[torch.Tensor | None], plain: Product) -> Launch | None:
+    """The faster way to run product ``kind`` (``KINDS``) for input ``x`` [B, K] on this card:
+    a Triton launch, or None for ``plain`` (cuBLAS). ``weights`` / ``biases``: the product's
+    operand in every layer, in order. Made once per process for each card, kind, row count,
+    weight shape and dtype. A candidate that fails to compile or run is left out with a warning."""
+    key = (x.device, kind, x.shape[0], tuple(weights[0].shape), x.dtype, biases[0] is not None)
+    if key in _CHOSEN:
+        return _CHOSEN[key]
+    if not triton_usable(x):
+        return None
+    gated = kind == "gated"
+
+    def run_with(launch: Launch | None) -> Run:
+        if launch is None:
+            return lambda weight, bias: plain(x, weight, bias)
+        return lambda weight, bias: triton_product(x, weight, bias, launch, gated)
+
+    fitting = [launch for launch in CANDIDATES[kind] if launch.fits(x.shape[1]) and not (gated and launch.splits > 1)]
+    usable: dict[Launch | None, Run] = {}
+    for launch in [None, *fitting]:
+        run = run_with(launch)
+        try:
+            run(weights[0], biases[0])  # compiles a Triton launch
+            usable[launch] = run
+        except Exception as error:  # noqa: BLE001 - a launch this card or Triton cannot run
+            if launch is None:
+                raise
+            warnings.warn(f"the Triton decode product {launch} failed for {kind} ({type(error).__name__}: "
+                          f"{str(error)[:200]}); it is not used", stacklevel=2)
+    times = _timed(usable, weights, biases, x.device)
+    best = min(times, key=lambda launch: (times[launch], launch is not None))
+    _CHOSEN[key] = best
+    return best
+
+
+def _timed(runs: dict[Launch | None, Run],
+           weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None],
+           device: torch.device) -> dict[Launch | None, float]:
+    """Median milliseconds of each run over every layer's operands, rounds alternating the
+    runs; the card's cache is overwritten before each timed pass, as a step's other layers do."""
+    flush = torch.empty(_cache_bytes(device) * 2, dtype=torch.uint8, device=device)
+    times: dict[Launch | None, list[float]] = {launch: [] for launch in runs}
+    order = list(runs)
+    for round_index in range(ROUNDS):
+        for launch in order[round_index % len(order):] + order[:round_index % len(order)]:
+            flush.fill_(round_index)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for weight, bias in zip(weights, biases):
+                runs[launch](weight, bias)
+            end.record()
+            end.synchronize()
+            times[launch].append(start.elapsed_time(end))
+    return {launch: statistics.median(values) for launch, values in times.items()}
+
+
+def _cache_bytes(device: torch.device) -> int:
+    properties = torch.cuda.get_device_properties(device)
+    return int(getattr(properties, "L2_cache_size", 0) or 64 * 2**20)
