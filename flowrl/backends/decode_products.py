@@ -51,12 +51,12 @@ class Launch:
         return inner % self.splits == 0 and (inner // self.splits) % self.block_k == 0
 
 
-_SHORT = (Launch(64, 64, 64), Launch(64, 64, 64, splits=2), Launch(64, 32, 128), Launch(128, 64, 64, warps=8, stages=3),
-          Launch(64, 64, 32, splits=4), Launch(64, 128, 64, warps=8, stages=3))
 CANDIDATES: dict[str, tuple[Launch, ...]] = {
-    # inner dimension = hidden size (896 at 0.4B): short; few output blocks for o
-    "qkv": _SHORT,
-    "o": _SHORT,
+    # inner dimension = hidden size (896 at 0.4B): short. The attention reads q/k/v whole: no
+    # slices; the output projection's partial sums go to the norm after it.
+    "qkv": (Launch(64, 64, 64), Launch(64, 32, 128), Launch(128, 64, 64, warps=8, stages=3),
+            Launch(64, 128, 64, warps=8, stages=3)),
+    "o": (Launch(64, 64, 64), Launch(64, 64, 64, splits=2), Launch(64, 32, 128), Launch(64, 64, 32, splits=4)),
     # two accumulators per block (gate and up); thousands of outputs: no splits
     "gated": (Launch(64, 64, 64), Launch(128, 64, 64, warps=8, stages=3), Launch(64, 128, 64, warps=8, stages=3),
               Launch(128, 32, 64), Launch(64, 32, 128)),
@@ -66,6 +66,10 @@ CANDIDATES: dict[str, tuple[Launch, ...]] = {
 }
 """The Triton launches tried for each product (those that ``fit`` its inner dimension); every
 one compiles once per process, the first time it is timed."""
+
+SLICED = ("o", "down")
+"""The products whose consumer adds partial sums (the norm after each): only these are cut."""
+
 
 def most_splits() -> int:
     """The most slices a down projection's Triton launch cuts its inner dimension into: its
@@ -94,6 +98,7 @@ def triton_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     rows, inner = x.shape
     outputs = weight.shape[0] // 2 if gated else weight.shape[0]
     if weight.shape[1] != inner or not launch.fits(inner) or (gated and launch.splits > 1):
+        # (the caller keeps a cut product's partial sums for a consumer that adds them)
         raise ValueError(f"launch {launch} does not fit a product of [{rows}, {inner}] by {tuple(weight.shape)}"
                          f"{' (gated)' if gated else ''}")
     from flowrl.backends.decode_kernels import product_kernel
@@ -130,13 +135,15 @@ def choose_launch(kind: str, x: torch.Tensor, weights: Sequence[torch.Tensor],
     if not triton_usable(x):
         return None
     gated = kind == "gated"
+    if any(launch.splits > 1 for launch in CANDIDATES[kind]) and kind not in SLICED:
+        raise ValueError(f"the {kind} product's consumer does not add partial sums")
 
     def run_with(launch: Launch | None) -> Run:
         if launch is None:
             return lambda weight, bias: plain(x, weight, bias)
         return lambda weight, bias: triton_product(x, weight, bias, launch, gated)
 
-    fitting = [launch for launch in CANDIDATES[kind] if launch.fits(x.shape[1]) and not (gated and launch.splits > 1)]
+    fitting = [launch for launch in CANDIDATES[kind] if launch.fits(x.shape[1])]
     usable: dict[Launch | None, Run] = {}
     for launch in [None, *fitting]:
         run = run_with(launch)
@@ -154,11 +161,26 @@ def choose_launch(kind: str, x: torch.Tensor, weights: Sequence[torch.Tensor],
     return best
 
 
-def _timed(runs: dict[Launch | None, Run],
-           weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None],
+def _timed(runs: dict[Launch | None, Run], weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None],
            device: torch.device) -> dict[Launch | None, float]:
-    """Median milliseconds of each run over every layer's operands, rounds alternating the
-    runs; the card's cache is overwritten before each timed pass, as a step's other layers do."""
+    """Median milliseconds of each run over every layer's operands. Each run is captured in a
+    CUDA graph and replayed, as the decode step is (launched from Python one by one, the small
+    products would time the launches); rounds alternate the runs, and the card's cache is
+    overwritten before each replay, as a step's other layers do."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    graphs = {}
+    with torch.cuda.stream(stream):
+        for run in runs.values():  # set-up (cuBLAS workspaces, compiles) outside any capture
+            for weight, bias in zip(weights, biases):
+                run(weight, bias)
+        for launch, run in runs.items():
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                for weight, bias in zip(weights, biases):
+                    run(weight, bias)
+            graphs[launch] = graph
+    torch.cuda.current_stream(device).wait_stream(stream)
     flush = torch.empty(_cache_bytes(device) * 2, dtype=torch.uint8, device=device)
     times: dict[Launch | None, list[float]] = {launch: [] for launch in runs}
     order = list(runs)
@@ -167,8 +189,7 @@ def _timed(runs: dict[Launch | None, Run],
             flush.fill_(round_index)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            for weight, bias in zip(weights, biases):
-                runs[launch](weight, bias)
+            graphs[launch].replay()
             end.record()
             end.synchronize()
             times[launch].append(start.elapsed_time(end))

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from flowrl.backends.decode_attention import decode_attention, rotate
-from flowrl.backends.decode_products import KINDS, Launch, choose_launch, most_splits, triton_product
+from flowrl.backends.decode_products import KINDS, SLICED, Launch, choose_launch, most_splits, triton_product
 from flowrl.backends.generation import (
     GenerationOutput,
     check_arguments,
@@ -428,6 +428,10 @@ class StaticDecoder:
         (``decode_products``) for every batch size captured, and run the faster."""
         self._launches: dict[int, dict[str, Launch | None]] = {}
         """The launch each product runs with, by batch size (None: cuBLAS)."""
+        for kind, launch in (launches or {}).items():
+            if kind not in KINDS or (launch is not None and launch.splits > 1 and kind not in SLICED):
+                raise ValueError(f"no launch {launch} for a product {kind!r}: the products are {', '.join(KINDS)}, "
+                                 f"and only {' and '.join(SLICED)} may be cut into slices")
         self._fixed_launches = None if launches is None else {kind: launches.get(kind) for kind in KINDS}
         """``launches``: the launch of each product (``decode_products.KINDS``; one left out:
         cuBLAS) at every batch size, instead of measuring."""

@@ -90,7 +90,8 @@ def test_a_launch_fits_when_every_slice_is_whole_blocks() -> None:
         inner = {"qkv": hidden, "o": hidden, "gated": hidden, "down": mlp}
         for kind in products.KINDS:
             assert any(launch.fits(inner[kind]) for launch in products.CANDIDATES[kind]), (kind, hidden)
-    assert all(launch.splits == 1 for launch in products.CANDIDATES["gated"])
+    for kind in set(products.KINDS) - set(products.SLICED):  # their consumers read whole products
+        assert all(launch.splits == 1 for launch in products.CANDIDATES[kind])
     assert products.most_splits() == 8
 
 
@@ -100,6 +101,18 @@ def test_a_launch_that_does_not_fit_is_refused() -> None:
         products.triton_product(x, weight, None, Launch(16, 16, 64))  # 96 is not whole blocks of 64
     with pytest.raises(ValueError, match="does not fit"):
         products.triton_product(x, torch.zeros(64, 96), None, Launch(16, 16, 16, splits=2), gated=True)
+
+
+def test_the_decoder_refuses_launches_that_cut_a_product_read_whole() -> None:
+    from tests.backends.test_static_decode import build
+
+    from flowrl.backends.static_decode import StaticDecoder
+
+    with pytest.raises(ValueError, match="only o and down may be cut"):
+        StaticDecoder(build("llama"), launches={"qkv": Launch(16, 16, 16, splits=2)})
+    with pytest.raises(ValueError, match="no launch"):
+        StaticDecoder(build("llama"), launches={"mlp": Launch(16, 16, 16)})
+    StaticDecoder(build("llama"), launches={"down": Launch(16, 16, 16, splits=2)})
 
 
 def test_off_a_gpu_cublas_is_the_choice() -> None:
@@ -112,7 +125,7 @@ def test_off_a_gpu_cublas_is_the_choice() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_the_decoder_with_triton_products_gives_generates_greedy_tokens(kind: str) -> None:
-    """Every product by the Triton kernel (slices for q/k/v and down, the gated product with
+    """Every product by the Triton kernel (slices for the output and down projections, the gated product with
     its gating), fp32 so that argmax ties cannot flip: transformers' greedy tokens, over
     captured graphs and compacted batches."""
     from tests.backends.test_static_decode import PAD_ID, build, frequent_token, hf_greedy, left_padded
@@ -123,7 +136,7 @@ def test_the_decoder_with_triton_products_gives_generates_greedy_tokens(kind: st
     model = build(kind, "cuda")  # hidden 64, MLP 128, 4 heads of 16
     ids, mask = left_padded([1 + (row * 5) % 8 for row in range(40)], seed=6, device="cuda")
     eos = frequent_token(model, ids, mask)
-    launches = {"qkv": Launch(32, 32, 32, splits=2), "o": Launch(16, 32, 64), "gated": Launch(32, 32, 32),
+    launches = {"qkv": Launch(32, 32, 32), "o": Launch(16, 32, 32, splits=2), "gated": Launch(32, 32, 32),
                 "down": Launch(16, 64, 32, splits=4)}
     decoder = StaticDecoder(model, launches=launches)
     expected = hf_greedy(model, ids, mask, 40, eos=eos)
