@@ -94,6 +94,16 @@ def launches(model: Any, batch: int) -> dict[str, Any] | None:
     return {kind: None if launch is None else dataclasses.asdict(launch) for kind, launch in chosen.items()}
 
 
+def measured_products() -> list[dict[str, Any]]:
+    """What the static engine's choices measured: per product and batch, milliseconds for
+    every layer's product by each candidate (``cublas`` or a Triton launch)."""
+    from flowrl.backends.decode_products import MEASURED
+
+    return [{"kind": key[1], "rows": key[2], "weight": list(key[3]),  # type: ignore[call-overload]
+             "ms": {"cublas" if launch is None else str(dataclasses.astuple(launch)): ms for launch, ms in times.items()}}
+            for key, times in MEASURED.items()]
+
+
 def run_loop(model: Any, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int) -> None:
     generate_tokens(model, ids, mask, max_new_tokens=new_tokens, eos_token_id=EOS, pad_token_id=0,
                     generator=torch.Generator(device=ids.device).manual_seed(0))
@@ -174,6 +184,7 @@ def main() -> None:
         "torch": torch.__version__,
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "rows": rows,
+        "products_measured": measured_products(),
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2) + "\n")

@@ -82,6 +82,8 @@ ROUNDS = 5
 
 _CHOSEN: dict[tuple[object, ...], Launch | None] = {}
 """Choices made in this process, by (device, kind, rows, weight shape, dtype, bias)."""
+MEASURED: dict[tuple[object, ...], dict[Launch | None, float]] = {}
+"""What each choice measured: milliseconds for the product of every layer, per candidate."""
 
 
 def triton_usable(x: torch.Tensor) -> bool:
@@ -155,7 +157,7 @@ def choose_launch(kind: str, x: torch.Tensor, weights: Sequence[torch.Tensor],
                 raise
             warnings.warn(f"the Triton decode product {launch} failed for {kind} ({type(error).__name__}: "
                           f"{str(error)[:200]}); it is not used", stacklevel=2)
-    times = _timed(usable, weights, biases, x.device)
+    times = MEASURED[key] = _timed(usable, weights, biases, x.device)
     best = min(times, key=lambda launch: (times[launch], launch is not None))
     _CHOSEN[key] = best
     return best
