@@ -143,10 +143,14 @@ def test_fused_head_matches_linear_then_log_softmax(chunk_rows: int, with_bias: 
 def test_the_fused_heads_backward_walks_the_vocabulary_in_chunks_of_the_forwards_size() -> None:
     from flowrl.algorithms.logprobs import backward_columns
 
-    # 1,048 rows x 32,000 per forward chunk over 16,384 rows: 2,046 columns per backward chunk
-    assert backward_columns(16384, 32000, 1048) == 2046
-    assert backward_columns(16384, 151936, 220) == 2040
-    assert backward_columns(13, 17, 4) == 5  # 68 logits over 13 rows: 5 columns, 4 chunks
+    # 1,048 rows x 32,000 per forward chunk over 16,384 rows: 2,046 columns, rounded down to
+    # a multiple of 64 (aligned rows for the chunk's products)
+    assert backward_columns(16384, 32000, 1048) == 1984
+    assert backward_columns(16000, 32000, 1048) == 2048  # 2,096
+    assert backward_columns(16000, 151936, 220) == 2048  # 2,089
+    assert backward_columns(16384, 151936, 220) == 1984  # 2,040
+    assert backward_columns(13, 17, 4) == 5  # 68 logits over 13 rows: 5 columns, 4 chunks (fewer than 64: as they are)
+    assert backward_columns(10, 100, 8) == 64  # 80, rounded down
     assert backward_columns(2, 17, 64) == 17  # never more than the vocabulary
     assert backward_columns(100, 17, 1) == 1  # never less than one column
 
