@@ -79,7 +79,9 @@ _CUBLAS: dict[int, StaticDecoder] = {}
 
 def run_static_cublas(model: Any, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int) -> None:
     """The static engine with every product by cuBLAS (no Triton products measured or run)."""
-    decoder = _CUBLAS.setdefault(id(model), StaticDecoder(model, triton_products=False))
+    if id(model) not in _CUBLAS:
+        _CUBLAS[id(model)] = StaticDecoder(model, triton_products=False)
+    decoder = _CUBLAS[id(model)]
     generator = _GENERATORS.setdefault(f"{ids.device}-cublas", torch.Generator(device=ids.device))
     decoder.generate(ids, mask, max_new_tokens=new_tokens, eos_token_id=EOS, pad_token_id=0,
                      generator=generator.manual_seed(0))

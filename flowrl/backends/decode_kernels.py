@@ -128,7 +128,7 @@ def merge_kernel(best_ptr, total_ptr, acc_ptr, out_ptr, GROUP: tl.constexpr, HEA
     tl.store(out, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
-@triton.jit(do_not_specialize=["rows"])  # one compile serves every batch size
+@triton.jit(do_not_specialize=["rows", "split_stride"])  # batch sizes share a compile
 def product_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, rows, outputs, per_split, x_stride, w_stride,
                    split_stride, out_stride, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
                    EXACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,

@@ -15,7 +15,9 @@ is never written nor read back.
 Which one runs is measured once per card, product shape and batch size
 (:func:`choose_launch`): every candidate runs the product of every layer in turn, so the
 weights come from memory as in a step, not from the cache of a product repeated on one weight;
-rounds alternate the candidates; the lowest median wins, cuBLAS on a tie.
+rounds alternate the candidates; the lowest median wins, cuBLAS on a tie. Only the product is
+timed: the partial sums of a launch cut into more slices than cuBLAS's cost the norm that adds
+them a little more, which the choice does not see.
 """
 
 from __future__ import annotations
@@ -99,8 +101,7 @@ def triton_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     and up rows ([2I, K]) and the result is silu(gate) * up, [B, I] (one slice only)."""
     rows, inner = x.shape
     outputs = weight.shape[0] // 2 if gated else weight.shape[0]
-    if weight.shape[1] != inner or not launch.fits(inner) or (gated and launch.splits > 1):
-        # (the caller keeps a cut product's partial sums for a consumer that adds them)
+    if weight.shape[1] != inner or not launch.fits(inner) or (gated and (launch.splits > 1 or bias is not None)):
         raise ValueError(f"launch {launch} does not fit a product of [{rows}, {inner}] by {tuple(weight.shape)}"
                          f"{' (gated)' if gated else ''}")
     from flowrl.backends.decode_kernels import product_kernel
@@ -126,12 +127,16 @@ Run = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
 def choose_launch(kind: str, x: torch.Tensor, weights: Sequence[torch.Tensor],
-                  biases: Sequence[torch.Tensor | None], plain: Product) -> Launch | None:
+                  biases: Sequence[torch.Tensor | None], plain: Product, variant: object = None,
+                  stream: torch.cuda.Stream | None = None) -> Launch | None:
     """The faster way to run product ``kind`` (``KINDS``) for input ``x`` [B, K] on this card:
     a Triton launch, or None for ``plain`` (cuBLAS). ``weights`` / ``biases``: the product's
-    operand in every layer, in order. Made once per process for each card, kind, row count,
-    weight shape and dtype. A candidate that fails to compile or run is left out with a warning."""
-    key = (x.device, kind, x.shape[0], tuple(weights[0].shape), x.dtype, biases[0] is not None)
+    operand in every layer, in order; ``variant``: what else sets what ``plain`` runs (its
+    slices, a compiled step); ``stream``: the stream the timing runs on (cuBLAS keeps a
+    workspace for each stream it runs on; by default a new one). Made once per process for
+    each card, kind, row count, weight shape, dtype and variant. A Triton candidate that fails
+    to compile, run or be captured is left out with a warning."""
+    key = (x.device, kind, x.shape[0], tuple(weights[0].shape), x.dtype, biases[0] is not None, variant)
     if key in _CHOSEN:
         return _CHOSEN[key]
     if not triton_usable(x):
@@ -146,46 +151,42 @@ def choose_launch(kind: str, x: torch.Tensor, weights: Sequence[torch.Tensor],
         return lambda weight, bias: triton_product(x, weight, bias, launch, gated)
 
     fitting = [launch for launch in CANDIDATES[kind] if launch.fits(x.shape[1])]
-    usable: dict[Launch | None, Run] = {}
-    for launch in [None, *fitting]:
-        run = run_with(launch)
-        try:
-            run(weights[0], biases[0])  # compiles a Triton launch
-            usable[launch] = run
-        except Exception as error:  # noqa: BLE001 - a launch this card or Triton cannot run
-            if launch is None:
-                raise
-            warnings.warn(f"the Triton decode product {launch} failed for {kind} ({type(error).__name__}: "
-                          f"{str(error)[:200]}); it is not used", stacklevel=2)
-    times = MEASURED[key] = _timed(usable, weights, biases, x.device)
+    runs = {launch: run_with(launch) for launch in [None, *fitting]}
+    times = MEASURED[key] = _timed(kind, runs, weights, biases, stream or torch.cuda.Stream(x.device))
     best = min(times, key=lambda launch: (times[launch], launch is not None))
     _CHOSEN[key] = best
     return best
 
 
-def _timed(runs: dict[Launch | None, Run], weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None],
-           device: torch.device) -> dict[Launch | None, float]:
+def _timed(kind: str, runs: dict[Launch | None, Run], weights: Sequence[torch.Tensor],
+           biases: Sequence[torch.Tensor | None], stream: torch.cuda.Stream) -> dict[Launch | None, float]:
     """Median milliseconds of each run over every layer's operands. Each run is captured in a
-    CUDA graph and replayed, as the decode step is (launched from Python one by one, the small
-    products would time the launches); rounds alternate the runs, and the card's cache is
-    overwritten before each replay, as a step's other layers do."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
+    CUDA graph and replayed, as the decode step is (launched one by one from Python, the small
+    products would time their launches); rounds alternate the runs, and the card's cache is
+    overwritten before each replay, as a step's other layers do. A Triton run that fails is
+    left out; the plain run's failure is raised."""
+    device = weights[0].device
     graphs = {}
+    stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
-        for run in runs.values():  # set-up (cuBLAS workspaces, compiles) outside any capture
-            for weight, bias in zip(weights, biases):
-                run(weight, bias)
         for launch, run in runs.items():
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                for weight, bias in zip(weights, biases):
+            try:
+                for weight, bias in zip(weights, biases):  # set-up and compiles outside the capture
                     run(weight, bias)
-            graphs[launch] = graph
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=stream):
+                    for weight, bias in zip(weights, biases):
+                        run(weight, bias)
+                graphs[launch] = graph
+            except Exception as error:  # noqa: BLE001 - a launch this card or Triton cannot run
+                if launch is None:
+                    raise
+                warnings.warn(f"the Triton decode product {launch} failed for {kind} ({type(error).__name__}: "
+                              f"{str(error)[:200]}); it is not used", stacklevel=2)
     torch.cuda.current_stream(device).wait_stream(stream)
     flush = torch.empty(_cache_bytes(device) * 2, dtype=torch.uint8, device=device)
-    times: dict[Launch | None, list[float]] = {launch: [] for launch in runs}
-    order = list(runs)
+    times: dict[Launch | None, list[float]] = {launch: [] for launch in graphs}
+    order = list(graphs)
     for round_index in range(ROUNDS):
         for launch in order[round_index % len(order):] + order[:round_index % len(order)]:
             flush.fill_(round_index)

@@ -428,10 +428,7 @@ class StaticDecoder:
         (``decode_products``) for every batch size captured, and run the faster."""
         self._launches: dict[int, dict[str, Launch | None]] = {}
         """The launch each product runs with, by batch size (None: cuBLAS)."""
-        for kind, launch in (launches or {}).items():
-            if kind not in KINDS or (launch is not None and launch.splits > 1 and kind not in SLICED):
-                raise ValueError(f"no launch {launch} for a product {kind!r}: the products are {', '.join(KINDS)}, "
-                                 f"and only {' and '.join(SLICED)} may be cut into slices")
+        self._check_launches(launches or {})
         self._fixed_launches = None if launches is None else {kind: launches.get(kind) for kind in KINDS}
         """``launches``: the launch of each product (``decode_products.KINDS``; one left out:
         cuBLAS) at every batch size, instead of measuring."""
@@ -449,6 +446,21 @@ class StaticDecoder:
         self._stream: Any = None
         """The side stream every warm-up and capture runs on (made at the first capture)."""
         self._cos = self._sin = torch.empty(0)
+
+    def _check_launches(self, launches: Mapping[str, Launch | None]) -> None:
+        """Refuse fixed launches for products the decoder does not have, that cut a product
+        whose consumer reads it whole, or whose slices are not whole blocks of the product's
+        inner dimension."""
+        hidden = int(self.embed.weight.shape[1])
+        inner = {"qkv": hidden, "o": self.num_heads * self.head_dim, "gated": hidden,
+                 "down": int(self.layers[0].down.weight.shape[1])}
+        for kind, launch in launches.items():
+            if kind not in KINDS or (launch is not None and launch.splits > 1 and kind not in SLICED):
+                raise ValueError(f"no launch {launch} for a product {kind!r}: the products are {', '.join(KINDS)}, "
+                                 f"and only {' and '.join(SLICED)} may be cut into slices")
+            if launch is not None and not launch.fits(inner[kind]):
+                raise ValueError(f"launch {launch} does not cut the {kind} product's inner dimension of "
+                                 f"{inner[kind]} into whole blocks")
 
     def _set_kernels(self, compiled: bool) -> None:
         """The element-wise steps of a layer (the residual additions with the norms, the
@@ -581,9 +593,10 @@ class StaticDecoder:
             return _split_product(x, weight, self.down_splits)
         return F.linear(x, weight, bias)
 
-    def _choose_launches(self, batch: int) -> None:
+    def _choose_launches(self, batch: int, stream: Any) -> None:
         """Measure, for ``batch`` rows, each product of a decode step by cuBLAS against the Triton
-        launches that fit it (``decode_products.choose_launch``), once per batch size."""
+        launches that fit it (``decode_products.choose_launch``, on the decoder's ``stream``),
+        once per batch size."""
         if batch in self._launches:
             return
         if self._fixed_launches is not None or not self.triton_products:
@@ -605,7 +618,9 @@ class StaticDecoder:
                       kind: str = kind) -> torch.Tensor:
                 return self._product(kind, x, weight, bias, None)
 
-            chosen[kind] = choose_launch(kind, x, weights, biases, plain)
+            # what the cuBLAS candidate runs: its slices, and the gating compiled or not
+            variant = (self.gate_up_splits, self.down_splits, self._compiled)
+            chosen[kind] = choose_launch(kind, x, weights, biases, plain, variant, stream)
         self._launches[batch] = chosen
 
     def _sample_into(self, hidden: torch.Tensor, batch: int, sampling: _Sampling,
@@ -663,7 +678,8 @@ class StaticDecoder:
         self._buffers = None  # free the old cache before allocating the new one
         shape = (max(batch, have_batch) if columns == have_columns and new_tokens == have_new else batch,
                  columns, new_tokens)
-        splits = max(self.down_splits, most_splits()) if self.triton_products else self.down_splits
+        fixed = (self._fixed_launches or {}).get("down")
+        splits = max(self.down_splits, most_splits() if self.triton_products else 1, fixed.splits if fixed else 1)
         self._buffers = _Buffers(shape[0], columns, new_tokens, len(self.layers), self.num_kv_heads,
                                  self.head_dim, int(self.embed.weight.shape[1]), int(self.lm_head.weight.shape[0]),
                                  self.dtype, self.device, splits)
@@ -697,7 +713,6 @@ class StaticDecoder:
     def _capture(self, batch: int, window: int, sampling: _Sampling, generator: torch.Generator | None) -> Any:
         b = self._buffers
         assert b is not None
-        self._choose_launches(batch)
         saved = [t.clone() for t in (b.column, b.out_column, b.positions, b.tokens, b.unfinished)]
         graph = torch.cuda.CUDAGraph()
         if generator is not None:
@@ -713,6 +728,8 @@ class StaticDecoder:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             try:
+                # (the cuBLAS candidates of the choice run the compiled gating: it compiles here)
+                self._choose_launches(batch, stream)
                 self._decode_step(batch, window, sampling, generator)
             except Exception as error:  # noqa: BLE001 - any compiler failure: run uncompiled
                 if not self._compiled:
@@ -721,6 +738,7 @@ class StaticDecoder:
                               f"{error}); the decode graph runs it uncompiled", stacklevel=2)
                 self._compiled = False
                 self._set_kernels(False)
+                self._choose_launches(batch, stream)
                 self._decode_step(batch, window, sampling, generator)
         torch.cuda.current_stream().wait_stream(stream)
         for tensor, value in zip((b.column, b.out_column, b.positions, b.tokens, b.unfinished), saved):

@@ -101,6 +101,8 @@ def test_a_launch_that_does_not_fit_is_refused() -> None:
         products.triton_product(x, weight, None, Launch(16, 16, 64))  # 96 is not whole blocks of 64
     with pytest.raises(ValueError, match="does not fit"):
         products.triton_product(x, torch.zeros(64, 96), None, Launch(16, 16, 16, splits=2), gated=True)
+    with pytest.raises(ValueError, match="does not fit"):  # a bias on silu(gate) * up has no meaning here
+        products.triton_product(x, torch.zeros(64, 96), torch.zeros(64), Launch(16, 16, 16), gated=True)
 
 
 def test_the_decoder_refuses_launches_that_cut_a_product_read_whole() -> None:
@@ -112,7 +114,14 @@ def test_the_decoder_refuses_launches_that_cut_a_product_read_whole() -> None:
         StaticDecoder(build("llama"), launches={"qkv": Launch(16, 16, 16, splits=2)})
     with pytest.raises(ValueError, match="no launch"):
         StaticDecoder(build("llama"), launches={"mlp": Launch(16, 16, 16)})
-    StaticDecoder(build("llama"), launches={"down": Launch(16, 16, 16, splits=2)})
+    with pytest.raises(ValueError, match="inner dimension of 128 into whole blocks"):
+        StaticDecoder(build("llama"), launches={"down": Launch(16, 16, 48)})  # MLP of 128
+    # not measuring (no Triton candidates), a fixed down launch still gets room for its partial sums
+    decoder = StaticDecoder(build("llama"), launches={"down": Launch(16, 16, 16, splits=8)}, use_graphs=True,
+                            triton_products=False)
+    decoder._ensure_buffers(4, 16, 8)
+    assert decoder._buffers is not None and decoder.down_splits == 4
+    assert decoder._buffers.first_pending(4, 8).shape == (8, 4, 64)
 
 
 def test_off_a_gpu_cublas_is_the_choice() -> None:
