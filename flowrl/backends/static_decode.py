@@ -596,12 +596,21 @@ class StaticDecoder:
     def _choose_launches(self, batch: int, stream: Any) -> None:
         """Measure, for ``batch`` rows, each product of a decode step by cuBLAS against the Triton
         launches that fit it (``decode_products.choose_launch``, on the decoder's ``stream``),
-        once per batch size."""
+        once per batch size. A measurement that fails leaves every product to cuBLAS, with a
+        warning: the choice may only make a step faster, never stop it."""
         if batch in self._launches:
             return
         if self._fixed_launches is not None or not self.triton_products:
             self._launches[batch] = dict(self._fixed_launches or dict.fromkeys(KINDS))
             return
+        try:
+            self._launches[batch] = self._measured_launches(batch, stream)
+        except Exception as error:  # noqa: BLE001 - whatever failed, cuBLAS runs as without the choice
+            warnings.warn(f"measuring the decode step's products at {batch} rows failed ({type(error).__name__}: "
+                          f"{str(error)[:300]}); they run by cuBLAS", stacklevel=2)
+            self._launches[batch] = dict.fromkeys(KINDS)
+
+    def _measured_launches(self, batch: int, stream: Any) -> dict[str, Launch | None]:
         stacked = self._stacked
         none: list[torch.Tensor | None] = [None] * len(stacked)
         operands: dict[str, tuple[list[torch.Tensor], list[torch.Tensor | None]]] = {
@@ -621,7 +630,7 @@ class StaticDecoder:
             # what the cuBLAS candidate runs: its slices, and the gating compiled or not
             variant = (self.gate_up_splits, self.down_splits, self._compiled)
             chosen[kind] = choose_launch(kind, x, weights, biases, plain, variant, stream)
-        self._launches[batch] = chosen
+        return chosen
 
     def _sample_into(self, hidden: torch.Tensor, batch: int, sampling: _Sampling,
                      generator: torch.Generator | None, compiled: bool = True,
@@ -727,9 +736,8 @@ class StaticDecoder:
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
+            self._choose_launches(batch, stream)
             try:
-                # (the cuBLAS candidates of the choice run the compiled gating: it compiles here)
-                self._choose_launches(batch, stream)
                 self._decode_step(batch, window, sampling, generator)
             except Exception as error:  # noqa: BLE001 - any compiler failure: run uncompiled
                 if not self._compiled:
@@ -738,7 +746,6 @@ class StaticDecoder:
                               f"{error}); the decode graph runs it uncompiled", stacklevel=2)
                 self._compiled = False
                 self._set_kernels(False)
-                self._choose_launches(batch, stream)
                 self._decode_step(batch, window, sampling, generator)
         torch.cuda.current_stream().wait_stream(stream)
         for tensor, value in zip((b.column, b.out_column, b.positions, b.tokens, b.unfinished), saved):

@@ -171,3 +171,19 @@ def test_the_choice_on_a_gpu_is_cublas_or_a_launch_that_fits_and_is_kept() -> No
         assert (whole - expected).abs().max() < 0.1
     # made once per process: the same answer without measuring again
     assert products.choose_launch("qkv", x, weights, biases, lambda x, w, b: x) == chosen
+
+
+def test_a_measurement_that_fails_leaves_every_product_to_cublas(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.backends.test_static_decode import build
+
+    from flowrl.backends import static_decode
+
+    def failing(*args: object) -> None:
+        raise RuntimeError("the card went away")
+
+    decoder = static_decode.StaticDecoder(build("qwen2"), use_graphs=True)
+    assert decoder.triton_products
+    monkeypatch.setattr(static_decode, "choose_launch", failing)
+    with pytest.warns(UserWarning, match="at 4 rows failed .*the card went away.*they run by cuBLAS"):
+        decoder._choose_launches(4, None)
+    assert decoder._launches[4] == dict.fromkeys(products.KINDS)
