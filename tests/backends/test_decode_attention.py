@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from flowrl.backends import decode_attention as attention
+from tests.backends.conftest import run_interpreted
 
 KV_HEADS, GROUP, HEAD_DIM = 2, 7, 64
 SCALING = HEAD_DIM ** -0.5
@@ -164,21 +165,7 @@ for least, window in [(64, 20), (64, 64), (64, 150), (64, 320), (128, 260)]:
 def test_triton_kernel_in_the_interpreter_matches_by_hand_in_one_share_and_in_several() -> None:
     """The Triton kernels run on CPU tensors under Triton's interpreter (fp32: its bf16 is not
     faithful), the window in one share and cut into shares of 64 columns."""
-    pytest.importorskip("triton")
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = str(Path(__file__).resolve().parents[2])
-    result = subprocess.run([sys.executable, "-c", INTERPRETED.format(root=root)], capture_output=True, text=True,
-                            env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    if result.stdout.startswith("UNSUPPORTED"):
-        # Some Triton versions' interpreters (with numpy 2) hand a kernel's integer arguments
-        # over as 1-element arrays, which a loop bound cannot take; the compiled kernel can.
-        pytest.skip(f"this Triton's interpreter cannot run the kernel's loop: {result.stdout[12:200]}")
-    assert result.stdout.split("\n")[:10] == [
+    assert run_interpreted(INTERPRETED)[:10] == [
         "20 (1, 64)", "20 (1, 64)", "64 (1, 64)", "64 (1, 64)",
         "150 (3, 64)", "150 (1, 192)", "320 (5, 64)", "320 (1, 320)", "260 (3, 128)", "260 (1, 320)"]
 

@@ -3,16 +3,12 @@ under Triton's interpreter on a CPU, and in the static decoder on a GPU."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from flowrl.backends import decode_products as products
 from flowrl.backends.decode_products import Launch
+from tests.backends.conftest import run_interpreted
 
 INTERPRETED = """
 import sys
@@ -66,14 +62,7 @@ def test_triton_product_in_the_interpreter_matches_by_hand() -> None:
     """fp32 under Triton's interpreter (its bf16 is not faithful): whole products with and
     without biases, partial sums over 2, 3 and 4 slices of the inner dimension (only the first
     slice adds the bias), rows and outputs that leave blocks part empty, and the gated product."""
-    pytest.importorskip("triton")
-    root = str(Path(__file__).resolve().parents[2])
-    result = subprocess.run([sys.executable, "-c", INTERPRETED.format(root=root)], capture_output=True, text=True,
-                            env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    if result.stdout.startswith("UNSUPPORTED"):
-        pytest.skip(f"this Triton's interpreter cannot run the kernel's loop: {result.stdout[12:200]}")
-    assert result.stdout.split("\n")[:5] == [
+    assert run_interpreted(INTERPRETED)[:5] == [
         "product (40, 80)", "product (2, 40, 80)", "product (4, 7, 48)", "product (3, 64, 32)", "gated (40, 48)"]
 
 
