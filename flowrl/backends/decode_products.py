@@ -15,8 +15,8 @@ is never written nor read back.
 Which one runs is measured once per card, product shape and batch size
 (:func:`choose_launch`): every candidate runs the product of every layer in turn, so the
 weights come from memory as in a step, not from the cache of a product repeated on one weight;
-rounds alternate the candidates; the lowest median wins, cuBLAS on a tie. Only the product is
-timed: the partial sums of a launch cut into more slices than cuBLAS's cost the norm that adds
+rounds alternate the candidates; the fastest Triton launch wins where its median is at most 95 %
+of cuBLAS's (``MARGIN``). Only the product is timed: the partial sums of a launch cut into more slices than cuBLAS's cost the norm that adds
 them a little more, which the choice does not see.
 """
 
@@ -78,6 +78,11 @@ def most_splits() -> int:
     partial sums are what the next layer's norm adds."""
     return max(launch.splits for launch in CANDIDATES["down"])
 
+
+MARGIN = 0.95
+"""A Triton launch replaces cuBLAS only when it takes at most this share of cuBLAS's time: a
+launch measured a little faster alone may not be faster in the step (the choice times the
+products alone; a run of the step's kernels is not timed)."""
 
 ROUNDS = 5
 """Timed rounds per candidate; each round runs the product of every layer once."""
@@ -153,9 +158,19 @@ def choose_launch(kind: str, x: torch.Tensor, weights: Sequence[torch.Tensor],
     fitting = [launch for launch in CANDIDATES[kind] if launch.fits(x.shape[1])]
     runs = {launch: run_with(launch) for launch in [None, *fitting]}
     times = MEASURED[key] = _timed(kind, runs, weights, biases, stream or torch.cuda.Stream(x.device))
-    best = min(times, key=lambda launch: (times[launch], launch is not None))
+    best = pick(times)
     _CHOSEN[key] = best
     return best
+
+
+def pick(times: dict[Launch | None, float]) -> Launch | None:
+    """The fastest Triton launch where it takes at most ``MARGIN`` of cuBLAS's time (None),
+    else cuBLAS."""
+    launches = [launch for launch in times if launch is not None]
+    if not launches:
+        return None
+    fastest = min(launches, key=lambda launch: times[launch])
+    return fastest if None not in times or times[fastest] <= MARGIN * times[None] else None
 
 
 def _timed(kind: str, runs: dict[Launch | None, Run], weights: Sequence[torch.Tensor],

@@ -84,6 +84,14 @@ def test_a_launch_fits_when_every_slice_is_whole_blocks() -> None:
     assert products.most_splits() == 8
 
 
+def test_a_triton_launch_is_picked_only_at_least_5_percent_faster_than_cublas() -> None:
+    fast, faster = Launch(64, 64, 64), Launch(128, 64, 64)
+    assert products.pick({None: 10.0, fast: 9.6, faster: 9.4}) == faster  # 94 %
+    assert products.pick({None: 10.0, fast: 9.6}) is None  # 96 %: within the margin
+    assert products.pick({None: 10.0, fast: 9.5}) == fast
+    assert products.pick({None: 10.0}) is None
+
+
 def test_a_launch_that_does_not_fit_is_refused() -> None:
     x, weight = torch.zeros(8, 96), torch.zeros(32, 96)
     with pytest.raises(ValueError, match="does not fit"):
