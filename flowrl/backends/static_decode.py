@@ -431,7 +431,8 @@ class StaticDecoder:
         self._check_launches(launches or {})
         self._fixed_launches = None if launches is None else {kind: launches.get(kind) for kind in KINDS}
         """``launches``: the launch of each product (``decode_products.KINDS``; one left out:
-        cuBLAS) at every batch size, instead of measuring."""
+        cuBLAS) at every batch size, instead of measuring (with graphs: elsewhere every product
+        is plain torch)."""
         self._check_every = FINISHED_CHECK_EVERY if self.use_graphs else 1
         """Without graphs, asking whether every row finished costs no device sync."""
         self._window_step = ATTENTION_WINDOW if self.fixed_shapes else 1
@@ -620,8 +621,11 @@ class StaticDecoder:
             "down": ([layer.down.weight for layer in self.layers], none),
         }
         chosen: dict[str, Launch | None] = {}
+        # inputs from a generator of their own: the measurement leaves the global one as it was
+        generator = torch.Generator(self.device).manual_seed(0)
         for kind, (weights, biases) in operands.items():
-            x = torch.randn((batch, int(weights[0].shape[1])), dtype=self.dtype, device=self.device)
+            x = torch.randn((batch, int(weights[0].shape[1])), dtype=self.dtype, device=self.device,
+                            generator=generator)
 
             def plain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       kind: str = kind) -> torch.Tensor:
