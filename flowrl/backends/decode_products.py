@@ -4,7 +4,7 @@ this card runs faster at this shape.
 A decode step multiplies one row per sequence (256 at most in a GRPO batch) by each weight of
 every layer. On an H100 at the 0.4B shape and 256 rows, cuBLAS took 12 us for the stacked
 gate/up product, 10 us for the down projection and 5 us each for the q/k/v and output
-projections, about three times what reading their weights takes
+projections, two to eight times what reading their weights from memory takes
 (``benchmarks/results/gpu_profile_decode_h100_8df35a9.json``): with so few rows a product has
 few output blocks, each walking the whole inner dimension. The Triton kernel
 (``decode_kernels.product_kernel``) may cut the inner dimension into slices (``splits``) whose
@@ -15,9 +15,10 @@ is never written nor read back.
 Which one runs is measured once per card, product shape and batch size
 (:func:`choose_launch`): every candidate runs the product of every layer in turn, so the
 weights come from memory as in a step, not from the cache of a product repeated on one weight;
-rounds alternate the candidates; the fastest Triton launch wins where its median is at most 95 %
-of cuBLAS's (``MARGIN``). Only the product is timed: the partial sums of a launch cut into more slices than cuBLAS's cost the norm that adds
-them a little more, which the choice does not see.
+rounds alternate the candidates; the fastest Triton launch wins where its median is at most
+95 % of cuBLAS's (``MARGIN``). Only the product is timed: the partial sums of a launch cut into
+more slices than cuBLAS's cost the norm that adds them a little more, which the choice does not
+see.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ ROUNDS = 5
 """Timed rounds per candidate; each round runs the product of every layer once."""
 
 _CHOSEN: dict[tuple[object, ...], Launch | None] = {}
-"""Choices made in this process, by (device, kind, rows, weight shape, dtype, bias)."""
+"""Choices made in this process, by (device, kind, rows, weight shape, dtype, bias, variant)."""
 MEASURED: dict[tuple[object, ...], dict[Launch | None, float]] = {}
 """What each choice measured: milliseconds for the product of every layer, per candidate."""
 
