@@ -66,7 +66,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 def row_width(model: str, prompts_per_step: int, steps: int, new_tokens: int, seed: int) -> int:
     """Tokens of the longest prompt of the run's steps plus the completion length."""
-    from flowrl.backends.builtin import builtin_model_dir
     from flowrl.backends.policy_tokenizer import load_tokenizer
     from flowrl.data import PromptSource
 
@@ -135,11 +134,14 @@ def summary(result: dict[str, Any], warmup: int) -> dict[str, Any]:
         out["settings"] = result.get("settings")
     else:
         metrics = result["metrics"]
-        out["node_s_median"] = {
-            key.removeprefix("timing_s/"): statistics.median(timed(values, warmup))
+        node_series = {
+            key.removeprefix("timing_s/"): timed(values, warmup)
             for key, values in metrics.items()
             if key.startswith("timing_s/") and key != "timing_s/step" and all(v is not None for v in values)
         }
+        out["node_s_median"] = {node: statistics.median(values) for node, values in node_series.items()}
+        # every timed step's node times: which node a slow step (a late compile) spent its time in
+        out["node_s_timed"] = node_series
         engine = metrics.get("perf/generate_engine_s")
         if engine and all(v is not None for v in engine):
             # the decode engine's own time inside the generate node (the rest: the hand-off)
