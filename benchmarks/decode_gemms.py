@@ -14,9 +14,13 @@ table). Two sections, each writing what it measured:
   ``max-autotune-no-cudagraphs`` (Triton templates benchmarked against cuBLAS). Timed as 48
   products captured in one CUDA graph, replayed: microseconds per product, launch cost aside.
 - ``steps``: the whole static-cache decode (``decode.py``'s model and measure: milliseconds per
-  decode step over 128 new tokens, prefill included) with the engine's compiled halves built
+  decode step over 128 new tokens, prefill included) with the engine's compiled steps built
   by default, with cuBLASLt preferred, and with ``max-autotune-no-cudagraphs``; the default is
-  measured again last, so that drift over the run shows.
+  measured again last, so that drift over the run shows. The engine's products now run
+  outside its compiled steps (cuBLAS or its Triton product, ``decode_products``), so
+  ``max-autotune`` tunes only the element-wise kernels; the results in
+  ``benchmarks/results/decode_gemms_h100.json`` are from when the compiled halves held the
+  products.
 - ``splits``: the products cut along their inner dimension into 2, 4 and 8 partial sums
   (``static_decode._split_product``, one batched product over strided slices) against whole,
   alone as above (at the 0.4B shape and the 1.5B one: hidden 1536, MLP 8960); and the whole
@@ -107,7 +111,7 @@ def section_products(batches: list[int]) -> dict[str, Any]:
 
 
 def step_variant(mode: str | None, library: str, batches: list[int], args: argparse.Namespace) -> dict[str, Any]:
-    """ms per decode step of a fresh model whose engine compiled its halves with ``mode``."""
+    """ms per decode step of a fresh model whose engine compiled its steps with ``mode``."""
     torch._dynamo.reset()
     torch.backends.cuda.preferred_blas_library(library)
     plain_compile = torch.compile
@@ -115,7 +119,7 @@ def step_variant(mode: str | None, library: str, batches: list[int], args: argpa
         torch.compile = functools.partial(plain_compile, mode=mode)
     try:
         model = decode_bench.build_model(args.layers, "cuda")
-        decoder = decoder_for(model)  # compiles its halves with torch.compile as set now
+        decoder = decoder_for(model)  # compiles its steps with torch.compile as set now
     finally:
         torch.compile = plain_compile
     assert decoder is not None

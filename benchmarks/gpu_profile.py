@@ -7,8 +7,8 @@ Sections (``--sections``), each in a child process of its own so that a failing 
 compiler error, a device-side assert) leaves the others standing:
 
 - ``decode``: ms per decode step of the static-cache engine at ``--batch`` rows (CUDA graphs,
-  the prefill included), and the kernels of five eager decode steps (the compiled halves, no
-  graph) from ``torch.profiler``: total kernel time per step and the top kernels.
+  the prefill included), and the kernels of five eager decode steps (the compiled element-wise
+  steps and the products, no graph) from ``torch.profiler``: total kernel time per step and the top kernels.
 - ``forward``: the reference forward over ``--batch`` rows of ``--prompt + --new-tokens``
   tokens in passes of ``--micro-batch`` rows: the model's full logits + chunked log-softmax,
   the fused head (``linear_token_logprobs``), and the fused head behind ``torch.compile`` of
