@@ -66,7 +66,8 @@ def run_once(pipeline: Path, steps: int, output: Path, overrides: list[str]) -> 
     plan = json.loads((output / "plan-0.json").read_text())
     measured = plan.get("measured", {})
     node_peak = {node: item["peak_memory_gb"] for node, item in measured.get("nodes", {}).items()}
-    later_peak = peaks_after_first_step(output / "profile.jsonl")
+    calls = node_calls(output / "profile.jsonl")
+    later_peak = peaks_after_first_step(calls)
     context = GPU_CONTEXT_GB  # max_memory_allocated does not count the CUDA context
     devices = {}
     for device in plan["devices"]:
@@ -94,39 +95,39 @@ def run_once(pipeline: Path, steps: int, output: Path, overrides: list[str]) -> 
                                  "predicted_gb": node["memory_gb"],
                                  "measured_peak_gb": node_peak.get(node["node"])} for node in plan["nodes"]},
         "devices": devices,
-        "node_steps": node_steps(output / "profile.jsonl"),
+        "node_steps": node_steps(calls),
         "calibrated": calibrated,
         "calibrated_step_error": (calibrated["iteration_s"] / calibrated["measured_step_s_median"] - 1)
         if calibrated.get("measured_step_s_median") else None,
     }
 
 
-def peaks_after_first_step(profile: Path) -> dict[str, float]:
+def node_calls(profile: Path) -> list[dict[str, Any]]:
+    """The node calls a run's ``profile.jsonl`` records, in order (none without the file)."""
+    lines = (json.loads(text) for text in (profile.read_text().splitlines() if profile.is_file() else []))
+    return [line for line in lines if line.get("type") == "node"]
+
+
+def peaks_after_first_step(calls: list[dict[str, Any]]) -> dict[str, float]:
     """Each node's largest measured peak over the steps after the run's first: the first step
     compiles (torch.compile's tuning allocates scratch memory of its own), the later ones show
     what the run holds while it trains."""
-    calls = []
-    for text in profile.read_text().splitlines() if profile.is_file() else []:
-        line = json.loads(text)
-        if line.get("type") == "node" and line.get("peak_memory_gb"):
-            calls.append(line)
-    first = min((line["step"] for line in calls), default=0)
+    measured = [line for line in calls if line.get("peak_memory_gb")]
+    first = min((line["step"] for line in measured), default=0)
     peaks: dict[str, float] = {}
-    for line in calls:
+    for line in measured:
         if line["step"] > first:
             peaks[line["node"]] = max(peaks.get(line["node"], 0.0), line["peak_memory_gb"])
     return peaks
 
 
-def node_steps(profile: Path) -> dict[str, list[dict[str, Any]]]:
+def node_steps(calls: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     """Each node's calls in step order (compute, waiting and wall seconds, device, tokens, arrival): a
     node whose time drifts over the run shows how, where a median hides it."""
+    fields = ("step", "device", "compute_s", "wait_s", "wall_s", "tokens_in", "arrived_at")
     steps: dict[str, list[dict[str, Any]]] = {}
-    for text in profile.read_text().splitlines() if profile.is_file() else []:
-        line = json.loads(text)
-        if line.get("type") == "node":
-            fields = ("step", "device", "compute_s", "wait_s", "wall_s", "tokens_in", "arrived_at")
-            steps.setdefault(line["node"], []).append({key: line.get(key) for key in fields})
+    for line in calls:
+        steps.setdefault(line["node"], []).append({key: line.get(key) for key in fields})
     return steps
 
 
