@@ -64,12 +64,12 @@ def triton_usable(qkv: torch.Tensor, head_dim: int) -> bool:
     """True when the Triton kernel can run: a CUDA tensor and a head size that is a power of
     two (a head is one ``tl.arange`` block) of at least 32, the smallest the kernel is tested at
     (``tl.dot`` itself needs 16)."""
-    return qkv.is_cuda and head_dim >= 32 and head_dim & (head_dim - 1) == 0 and _has_triton()
+    return qkv.is_cuda and head_dim >= 32 and head_dim & (head_dim - 1) == 0 and has_triton()
 
 
-def _has_triton() -> bool:
-    # Triton ships with CUDA builds of torch; CPU builds may lack it. The kernels' module
-    # imports it when a kernel first runs.
+def has_triton() -> bool:
+    """Whether Triton is installed. It ships with CUDA builds of torch; CPU builds may lack
+    it. The kernels' module (``decode_kernels``) imports it when a kernel first runs."""
     return importlib.util.find_spec("triton") is not None
 
 

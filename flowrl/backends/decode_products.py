@@ -23,13 +23,14 @@ see.
 
 from __future__ import annotations
 
-import importlib.util
 import statistics
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
+
+from flowrl.backends.decode_attention import has_triton
 
 KINDS = ("qkv", "o", "gated", "down")
 """A layer's products: the stacked q/k/v projection (with Qwen2's biases), the attention's
@@ -96,8 +97,7 @@ MEASURED: dict[tuple[object, ...], dict[Launch | None, float]] = {}
 
 def triton_usable(x: torch.Tensor) -> bool:
     """True where the Triton product can run: a CUDA tensor of a floating dtype, Triton installed."""
-    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and importlib.util.find_spec("triton") is not None)
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and has_triton()
 
 
 def triton_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, launch: Launch,
