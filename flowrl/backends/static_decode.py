@@ -623,6 +623,8 @@ class StaticDecoder:
         chosen: dict[str, Launch | None] = {}
         # inputs from a generator of their own: the measurement leaves the global one as it was
         generator = torch.Generator(self.device).manual_seed(0)
+        # what the cuBLAS candidates run: their slices, and the gating compiled or not
+        variant = (self.gate_up_splits, self.down_splits, self._compiled)
         for kind, (weights, biases) in operands.items():
             x = torch.randn((batch, int(weights[0].shape[1])), dtype=self.dtype, device=self.device,
                             generator=generator)
@@ -631,8 +633,6 @@ class StaticDecoder:
                       kind: str = kind) -> torch.Tensor:
                 return self._product(kind, x, weight, bias, None)
 
-            # what the cuBLAS candidate runs: its slices, and the gating compiled or not
-            variant = (self.gate_up_splits, self.down_splits, self._compiled)
             chosen[kind] = choose_launch(kind, x, weights, biases, plain, variant, stream)
         return chosen
 
