@@ -67,11 +67,7 @@ _GENERATORS: dict[str, torch.Generator] = {}
 def run_static(model: Any, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int) -> None:
     decoder = decoder_for(model)
     assert decoder is not None
-    # One generator, re-seeded per call, as a generate node keeps its own: the captured graphs
-    # replay with the generator they were captured with (a new one means capturing again).
-    generator = _GENERATORS.setdefault(str(ids.device), torch.Generator(device=ids.device))
-    decoder.generate(ids, mask, max_new_tokens=new_tokens, eos_token_id=EOS, pad_token_id=0,
-                     generator=generator.manual_seed(0))
+    _decode(decoder, ids, mask, new_tokens, str(ids.device))
 
 
 _CUBLAS: dict[int, StaticDecoder] = {}
@@ -81,8 +77,14 @@ def run_static_cublas(model: Any, ids: torch.Tensor, mask: torch.Tensor, new_tok
     """The static engine with every product by cuBLAS (no Triton products measured or run)."""
     if id(model) not in _CUBLAS:
         _CUBLAS[id(model)] = StaticDecoder(model, triton_products=False)
-    decoder = _CUBLAS[id(model)]
-    generator = _GENERATORS.setdefault(f"{ids.device}-cublas", torch.Generator(device=ids.device))
+    _decode(_CUBLAS[id(model)], ids, mask, new_tokens, f"{ids.device}-cublas")
+
+
+def _decode(decoder: StaticDecoder, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, key: str) -> None:
+    # One generator per decoder (``key``), re-seeded per call, as a generate node keeps its
+    # own: the captured graphs replay with the generator they were captured with (a new one
+    # means capturing again).
+    generator = _GENERATORS.setdefault(key, torch.Generator(device=ids.device))
     decoder.generate(ids, mask, max_new_tokens=new_tokens, eos_token_id=EOS, pad_token_id=0,
                      generator=generator.manual_seed(0))
 
