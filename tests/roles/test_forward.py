@@ -44,6 +44,33 @@ def test_fused_head_gives_the_models_log_probs_and_gradients() -> None:
         torch.testing.assert_close(mine.grad, theirs.grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
+def test_rows_padded_only_after_their_tokens_pass_without_a_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Prompts of one length, completions right-padded: the padded pass drops the mask and
+    # counts positions on through the padding, and its log-probs and gradients at the real
+    # tokens are the masked forward's.
+    import flowrl.roles.forward as forward
+
+    monkeypatch.setattr(forward, "PACK_BELOW", 0.0)  # the padded pass, not the packed one
+    rollout = text_rollout(build_char_tokenizer(), ["1+2=", "4+5=", "7+1=", "3+3="], ["3", "9 is it", "8", "6!"],
+                           group_size=2, max_new_tokens=7)
+    window = completion_window(rollout, torch.device("cpu"))  # type: ignore[arg-type]
+    layout = forward._pass_layout(tiny_policy(seed=3), window, recomputed=False)
+    assert set(layout.inputs) == {"input_ids", "position_ids"}
+    assert layout.inputs["position_ids"].tolist() == [list(range(11))] * 4
+    mask = rollout.completion_mask.float()  # type: ignore[attr-defined]
+    fused_model, plain_model = tiny_policy(seed=3), tiny_policy(seed=3)
+    fused = completion_logprobs(fused_model, rollout, torch.device("cpu"))  # type: ignore[arg-type]
+    plain = _plain_logprobs(plain_model, rollout)
+    torch.testing.assert_close(fused * mask, plain * mask, atol=1e-5, rtol=0)
+    (fused * mask).sum().backward()
+    (plain * mask).sum().backward()
+    for (name, mine), theirs in zip(fused_model.named_parameters(), plain_model.parameters()):
+        torch.testing.assert_close(mine.grad, theirs.grad, atol=1e-5, rtol=1e-4, msg=name)
+    # A left-padded prompt comes before real tokens: that pass keeps the mask.
+    left_padded = completion_window(_rollout(), torch.device("cpu"))  # type: ignore[arg-type]
+    assert "attention_mask" in forward._pass_layout(tiny_policy(seed=3), left_padded, recomputed=False).inputs
+
+
 def test_the_entropy_comes_with_the_log_probs_from_either_head(monkeypatch: pytest.MonkeyPatch) -> None:
     # the fused head's entropy from its chunks, and the plain head's from the logits, both
     # equal -sum(p log p) of softmax(logits / t) at each real completion token
