@@ -397,6 +397,29 @@ def compile_benchmark_bytes(l2_cache_mib: float | None) -> float:
 
 
 @dataclass(frozen=True)
+class Overheads:
+    """What running a model costs beyond its FLOPs and bytes (Python, operator dispatch,
+    kernel launches): per decoder layer of each pass or decode step, and per pass or step."""
+
+    forward_layer_s: float
+    """One layer of a no-grad forward pass."""
+    train_layer_s: float
+    """One layer of a pass's forward and backward."""
+    decode_layer_s: float
+    """One layer of a decode step."""
+    forward_pass_s: float = 0.0
+    """One forward pass, beside its layers (embedding, head, the model's own set-up)."""
+    train_pass_s: float = 0.0
+    """One forward and backward pass, beside its layers."""
+    decode_step_s: float = 0.0
+    """One decode step, beside its layers (sampling, the step's bookkeeping)."""
+
+
+CPU_OVERHEADS = Overheads(forward_layer_s=2e-5, train_layer_s=6e-5, decode_layer_s=2e-5)
+"""A CPU slot's overheads until measured (``flowrl.planner.overhead_probe``)."""
+
+
+@dataclass(frozen=True)
 class CpuRates:
     """What one CPU slot achieves (measured rates, so no efficiency factor applies)."""
 
@@ -406,10 +429,13 @@ class CpuRates:
     """Sustained memory copy bandwidth of one slot, GB/s. Default 10."""
     reward_s_per_sequence: float = 2.0e-5
     """Python reward function time per completion, s. Default 2e-5."""
+    overheads: Overheads = CPU_OVERHEADS
+    """A model's costs beyond its FLOPs and bytes on the slot. Default ``CPU_OVERHEADS``."""
 
 
 def measure_cpu_rates(matrix_size: int = 256, repeats: int = 5) -> CpuRates:
-    """Time a small fp32 matmul and a memory copy on this machine (well under a second).
+    """Time a small fp32 matmul, a memory copy and a tiny model's passes and decode steps
+    (``overhead_probe``) on this machine (well under a second).
 
     The best of ``repeats`` is kept: the planner wants what the slot can do, not what a
     busy moment allowed. The matmul is timed on one thread and on the BLAS library's own
@@ -442,4 +468,6 @@ def measure_cpu_rates(matrix_size: int = 256, repeats: int = 5) -> CpuRates:
         best_copy_s = min(best_copy_s, time.perf_counter() - start)
     flops = 2 * matrix_size**3 / max(min(best_matmul_s(None), best_matmul_s(1)), 1e-9)
     bandwidth_gbs = 2 * source.nbytes / max(best_copy_s, 1e-9) / 1e9  # read + write
-    return CpuRates(flops_per_s=flops, bandwidth_gbs=bandwidth_gbs)
+    from flowrl.planner.overhead_probe import measure_cpu_overheads
+
+    return CpuRates(flops_per_s=flops, bandwidth_gbs=bandwidth_gbs, overheads=measure_cpu_overheads(repeats))

@@ -10,6 +10,7 @@ interface, so re-planning from measurements is the same code path as the first p
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,7 @@ from flowrl.devices.inventory import Device
 from flowrl.graph import PipelineGraph
 from flowrl.planner.cost import (
     CpuRates,
+    Overheads,
     DTYPE_BYTES,
     activation_bytes,
     decoder_cache_bytes,
@@ -43,8 +45,10 @@ FP32_SLOWDOWN = 12.0
 """fp32 matmuls without TF32 run at 1/8 (V100) to 1/16 (A100/H100) of the bf16 tensor rate."""
 GPU_LAYER_OVERHEAD_S = 4e-5
 """Kernel launches of one layer's forward in eager PyTorch (about ten kernels of ~4 us)."""
-CPU_LAYER_OVERHEAD_S = 2e-5
-"""Python and dispatch cost of one layer's forward on a CPU slot."""
+GPU_OVERHEADS = Overheads(forward_layer_s=GPU_LAYER_OVERHEAD_S, train_layer_s=3 * GPU_LAYER_OVERHEAD_S,
+                          decode_layer_s=GPU_LAYER_OVERHEAD_S)
+"""A GPU's overheads: a layer's launches per forward, three times that per forward and
+backward. A CPU slot's are measured (``CpuRates.overheads``)."""
 CALL_OVERHEAD_S = 1e-3
 """One node call on a worker (a Dask actor call: scheduling, (de)serialising arguments)."""
 ADVANTAGE_S_PER_SEQUENCE = 1e-6
@@ -206,21 +210,23 @@ class EstimatedCosts:
         if work.work == "elementwise":
             return work.num_sequences * ADVANTAGE_S_PER_SEQUENCE
         assert work.shape is not None, f"{work.work} node without a model shape"
-        flops_per_s, bytes_per_s, layer_s = self._rates(device, work.dtype)
+        flops_per_s, bytes_per_s, overheads = self._rates(device, work.dtype)
         shape, kind, dtype = work.shape, work.kind, work.dtype
         share = work.num_sequences / width
         prompt, response = work.prompt_tokens, work.response_tokens
         weights = weight_bytes(shape, kind, dtype)
         layers = shape.num_layers
+        forward_overhead = layers * overheads.forward_layer_s + overheads.forward_pass_s
         if work.work == "decode":
             # a prompt repeated for its group's samples is prefilled once
-            prefill = forward_flops(shape, kind, share / work.group_size, prompt) / flops_per_s + layers * layer_s
+            prefill = forward_flops(shape, kind, share / work.group_size, prompt) / flops_per_s + forward_overhead
             context = prompt + (response + 1) / 2  # mean context over the decode steps
             step_bytes = weights + kv_cache_bytes(shape, dtype, share, 1) * context
             step_flops = forward_flops(shape, kind, share, 1) + (
                 4 * layers * shape.hidden_size * context * share
             )
-            step = max(step_bytes / bytes_per_s, step_flops / flops_per_s) + layers * layer_s
+            step = max(step_bytes / bytes_per_s, step_flops / flops_per_s) + (
+                layers * overheads.decode_layer_s + overheads.decode_step_s)
             return prefill + response * step
         seq_len = prompt + response
         if work.shares_prompts(device.kind == "cpu"):
@@ -230,27 +236,32 @@ class EstimatedCosts:
         if work.work == "train":
             # forward + backward (+ recompute); a frozen model's backward (adapters) computes
             # the input gradients only, one forward's FLOPs instead of two
-            passes = (2 if work.adapter_parameters else 3) + (1 if work.checkpointing else 0)
-            compute = passes * pass_flops / flops_per_s
+            backward = 1 if work.adapter_parameters else 2
+            recompute = 1 if work.checkpointing else 0
+            compute = (1 + backward + recompute) * pass_flops / flops_per_s
             optimizer = optimizer_step_bytes(work.trained_parameters, dtype) / bytes_per_s
-            launches = passes * layers * layer_s
+            # the overheads of each pass of a mini-batch (its micro-batches of micro_batch_tokens)
+            mini_share = min(share, work.mini_batch_sequences / width)
+            passes = _passes(mini_share, work.pass_sequences(mini_share))
+            per_pass = layers * (overheads.train_layer_s * (1 + backward) / 3 + recompute * overheads.forward_layer_s)
+            launches = passes * (per_pass + overheads.train_pass_s)
             return work.ppo_epochs * (compute + work.num_mini_batches * (optimizer + launches))
-        # score with a reward model, reference_logprob, value: one no-grad forward
+        # score with a reward model, reference_logprob, value: one no-grad forward per pass
         forward = pass_flops / flops_per_s
-        return forward + weights / bytes_per_s + layers * layer_s
+        return forward + weights / bytes_per_s + _passes(share, work.pass_sequences(share)) * forward_overhead
 
-    def _rates(self, device: Device, dtype: str) -> tuple[float, float, float]:
-        """(FLOP/s, bytes/s, per-layer overhead s) that ``device`` achieves for ``dtype``."""
+    def _rates(self, device: Device, dtype: str) -> tuple[float, float, Overheads]:
+        """(FLOP/s, bytes/s, overheads) that ``device`` achieves for ``dtype``."""
         if device.kind == "cpu":
             slow = 1.0 if dtype == "fp32" else 4.0  # CPUs lack fast 16-bit matmuls
             rates = self.cpu_rates
-            return rates.flops_per_s / slow, rates.bandwidth_gbs * GB, CPU_LAYER_OVERHEAD_S
+            return rates.flops_per_s / slow, rates.bandwidth_gbs * GB, rates.overheads
         tflops = device.tflops_bf16 or DEFAULT_TFLOPS
         flops = tflops * 1e12 * GPU_MATMUL_EFFICIENCY
         if dtype == "fp32":
             flops /= FP32_SLOWDOWN
         bandwidth = (device.bandwidth_gbs or DEFAULT_BANDWIDTH_GBS) * GB * GPU_BANDWIDTH_EFFICIENCY
-        return flops, bandwidth, GPU_LAYER_OVERHEAD_S
+        return flops, bandwidth, GPU_OVERHEADS
 
     def memory(self, node: str, width: int, gpu: bool = False) -> NodeMemory:
         work = self._work[node]
@@ -323,6 +334,11 @@ class MeasuredCosts:
 
     def work(self, node: str) -> NodeWork:
         return self.fallback.work(node)
+
+
+def _passes(sequences: float, per_pass: float) -> int:
+    """Passes that ``sequences`` take at ``per_pass`` sequences each (at least one)."""
+    return max(1, math.ceil(sequences / max(per_pass, 1e-9) - 1e-9))
 
 
 def _device_type(devices: Sequence[Device]) -> str:

@@ -375,8 +375,62 @@ def test_the_costs_of_a_model_with_adapters() -> None:
     # no gradients) with 2 layers' launches each, and AdamW's fp32 traffic of 28 bytes per
     # adapter parameter
     a100 = gpu(0, "A100", 40.0, 312.0, 1555.0)
-    flops_per_s, bytes_per_s, layer_s = adapted._rates(a100, "fp32")
+    flops_per_s, bytes_per_s, overheads = adapted._rates(a100, "fp32")
+    layer_s = overheads.forward_layer_s
     pass_flops = forward_flops(work.shape, "policy", work.num_sequences, work.prompt_tokens + work.response_tokens)
     steps = work.num_mini_batches * (47104 * 28 / bytes_per_s + 2 * 2 * layer_s)
     expected = CALL_OVERHEAD_S + work.ppo_epochs * (2 * pass_flops / flops_per_s + steps)
     assert adapted.compute_s("train", [a100], False) == pytest.approx(expected)
+
+
+def test_a_cpu_slot_s_overheads_are_paid_per_layer_and_per_pass_or_step() -> None:
+    # 16 rows of tiny-llama (2 layers) on a CPU slot: the reference in passes of 4 rows, the
+    # update in passes of 8; the difference to zero overheads is each overhead times its count
+    from dataclasses import replace
+
+    from flowrl.planner.cost import CpuRates, Overheads
+    from flowrl.planner.costs import EstimatedCosts
+    from flowrl.spec.loader import pipeline_from_dict
+    from tests.planner.conftest import cpu, grpo
+
+    tiny = "builtin:tiny-llama"
+    spec = grpo({"path": tiny, "device_group": "actor_group"}, {"path": tiny, "device_group": "ref_group"},
+                {"actor_group": {"type": "cpu"}, "ref_group": {"type": "cpu"}}, batch_size=4, n=4)
+    plain = EstimatedCosts(pipeline_from_dict(spec), cpu_rates=CpuRates(overheads=Overheads(0.0, 0.0, 0.0)))
+    row_tokens = plain.work("ref").prompt_tokens + plain.work("ref").response_tokens
+    spec["nodes"]["ref"]["micro_batch_tokens"] = 4 * row_tokens
+    spec["nodes"]["train"]["micro_batch_tokens"] = 8 * row_tokens
+    overheads = Overheads(forward_layer_s=1e-3, train_layer_s=3e-3, decode_layer_s=2e-4,
+                          forward_pass_s=5e-4, train_pass_s=7e-4, decode_step_s=1e-4)
+    graph = pipeline_from_dict(spec)
+    paid = EstimatedCosts(graph, cpu_rates=CpuRates(overheads=overheads))
+    plain = EstimatedCosts(graph, cpu_rates=CpuRates(overheads=Overheads(0.0, 0.0, 0.0)))
+
+    def extra(node: str) -> float:
+        return paid.compute_s(node, [cpu(0)], False) - plain.compute_s(node, [cpu(0)], False)
+
+    # generation: one prefill pass, then 16 decode steps
+    assert extra("rollout") == pytest.approx((2 * 1e-3 + 5e-4) + 16 * (2 * 2e-4 + 1e-4))
+    assert extra("ref") == pytest.approx(4 * (2 * 1e-3 + 5e-4))
+    assert extra("train") == pytest.approx(2 * (2 * 3e-3 + 7e-4))
+    # a frozen model with adapters: a backward of one forward's work, 2/3 of a layer's
+    train = paid.work("train")
+    adapted = paid.with_work("train", replace(train, adapter_parameters=8))
+    adapted_plain = plain.with_work("train", replace(train, adapter_parameters=8))
+    assert adapted.compute_s("train", [cpu(0)], False) - adapted_plain.compute_s("train", [cpu(0)], False) == (
+        pytest.approx(2 * (2 * 2e-3 + 7e-4)))
+
+
+def test_the_overhead_probe_measures_layers_and_passes_and_leaves_the_process_as_it_was() -> None:
+    import torch
+
+    from flowrl.planner.overhead_probe import measure_cpu_overheads
+
+    threads, state = torch.get_num_threads(), torch.random.get_rng_state()
+    measure_cpu_overheads.cache_clear()
+    overheads = measure_cpu_overheads(repeats=2)
+    # three layers take longer than one in every kind of call; a backward more than a forward
+    assert 0 < overheads.decode_layer_s and 0 < overheads.forward_layer_s < overheads.train_layer_s
+    assert min(overheads.forward_pass_s, overheads.train_pass_s, overheads.decode_step_s) >= 0
+    assert torch.get_num_threads() == threads
+    assert torch.equal(torch.random.get_rng_state(), state)
