@@ -22,7 +22,12 @@ marked, and its measured median step is compared with the fastest candidate's, a
 round with every other candidate's (``per_round``: the median over rounds of the ratio; a
 machine whose speed drifts between rounds moves the medians, not a round's ratio). Each
 candidate is also predicted by the planner (``flowrl plan`` with the same pins) before it runs.
-``--summarize FILE`` prints the per-round comparison of an existing result file.
+Picking the fastest of several candidates from noisy timings favours whichever was lucky (on
+2 cores the same layout's step moves by 10-25 % between rounds), so the comparison is checked
+on fresh runs: the choice and the candidate it lost to most run ``--confirm`` more rounds, the
+two alternating which goes first, and ``confirmed`` holds the median of choice / candidate over
+those rounds alone. ``--summarize FILE`` prints the per-round comparison of an existing result
+file.
 Writes JSON with the commit measured; never asserts.
 """
 
@@ -192,11 +197,28 @@ def per_round(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "fastest_per_round": json.loads(worst) if worst and ratios[worst] > 1.0 else mine["layout"]}
 
 
+def confirm(pipeline: Path, mine: dict[str, int], rival: dict[str, int], rounds: int, steps: int,
+            scratch: Path) -> dict[str, Any]:
+    """The choice against ``rival`` on fresh runs, ``rounds`` rounds, the two alternating which
+    runs first: free of the luck that made ``rival`` look fastest among many candidates."""
+    times: dict[str, list[float | None]] = {"choice": [], "rival": []}
+    for round_ in range(rounds):
+        order = [("choice", mine), ("rival", rival)]
+        for side, layout in order if round_ % 2 == 0 else order[::-1]:
+            once = run_once(pipeline, steps, scratch / f"{side}-{round_}", pins(layout))
+            times[side].append(once.get("measured_step_s"))
+            print(pipeline.stem, "confirm", side, layout, once.get("measured_step_s"), flush=True)
+    ratios = [m / r for m, r in zip(times["choice"], times["rival"]) if m and r]
+    return {"against": rival, "measured_step_s": times,
+            "choice_over_it_per_round": ratios, "choice_over_it": statistics.median(ratios) if ratios else None}
+
+
 def summarize(path: Path) -> None:
     """Print the per-round comparison of a result file's candidates (``per_round``)."""
     result = json.loads(path.read_text())
     for name, item in result.get("candidates", {}).items():
-        print(name, json.dumps(per_round(item["runs"])))
+        confirmed = item.get("confirmed") or {}
+        print(name, json.dumps({**per_round(item["runs"]), "confirmed_choice_over_it": confirmed.get("choice_over_it")}))
 
 
 def main() -> None:
@@ -207,6 +229,8 @@ def main() -> None:
     parser.add_argument("--candidate-steps", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--slots", type=int, default=2)
+    parser.add_argument("--confirm", type=int, default=3,
+                        help="rounds of the choice against the candidate it lost to most, on fresh runs")
     parser.add_argument("--output", type=Path)
     parser.add_argument("--summarize", type=Path, help="print the per-round comparison of this result file and stop")
     args = parser.parse_args()
@@ -243,14 +267,19 @@ def main() -> None:
             timed = [item for item in runs if item["median_s"] is not None]
             fastest = min(timed, key=lambda item: item["median_s"]) if timed else None
             mine = next((item for item in runs if item["planner_choice"]), None)
+            compared = per_round(runs)
             result["candidates"][name] = {
                 "planner_choice": chosen,
                 "runs": runs,
                 "fastest": fastest["layout"] if fastest else None,
                 "choice_over_fastest": mine["median_s"] / fastest["median_s"]
                 if mine and fastest and mine["median_s"] else None,
-                **per_round(runs),
+                **compared,
             }
+            rival = compared.get("fastest_per_round")
+            if mine is not None and rival is not None and rival != mine["layout"] and args.confirm > 0:
+                result["candidates"][name]["confirmed"] = confirm(
+                    pipeline, mine["layout"], rival, args.confirm, args.candidate_steps, Path(scratch) / f"{name}-confirm")
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.output}")
