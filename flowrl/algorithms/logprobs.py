@@ -180,14 +180,15 @@ def token_entropy(
     return torch.cat(chunks).view(logits.shape[:-1])
 
 
-FUSED_CHUNK_ELEMENTS = 1 << 25
-"""Logits per chunk of :func:`linear_token_logprobs` (rows x vocabulary): 128 MB per fp32
-scratch tensor whatever the vocabulary (1,048 rows at 32k, 220 at 152k). The backward's
-chunks come on top of every activation of the pass (it runs first), so they stay small.
+FUSED_CHUNK_ELEMENTS = 1 << 26
+"""Logits per chunk of :func:`linear_token_logprobs` (rows x vocabulary): 256 MB per fp32
+scratch tensor whatever the vocabulary (2,097 rows at 32k, 441 at 152k). The backward's
+chunks come on top of every activation of the pass (it runs first), so they stay bounded.
 
-Rounding the rows down to a multiple of 64 (1,024 and 192) was timed against these on an H100
-(``benchmarks/fused_head.py``, commit efb9b33): the same at 32k, 8-11 % slower at 152k, when
-the backward walked rows too and each of its chunks added a whole fp32 weight gradient."""
+On an H100 (``benchmarks/fused_head.py``, commit ce77335, ``fused_head_h100_ce77335.json``),
+forward and backward of a pass of 16,384 hidden states of 896 took 9.1 ms at a 32k vocabulary
+and 49.3 ms at 152k in chunks of twice the logits of 2^25, against 11.2 and 57.7 at 2^25 and
+17.4 and 98.8 at half of it; the forward alone 2.2 and 15.0 ms against 2.5 and 18.6."""
 
 
 def fused_chunk_rows(vocab_size: int) -> int:
@@ -235,7 +236,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         # part of the weight (and bias) gradient whole, in one product over every row, and
         # adds a [R, H] part to the hidden states' gradient. By rows, every chunk would add
         # a whole [V, H] fp32 weight gradient: at a 152k vocabulary and hidden size 896,
-        # 0.5 GB read and written per chunk of 220 rows, most of the pass's time.
+        # 0.5 GB read and written per chunk of rows, most of the pass's time.
         grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_hidden else None
         grad_weight = torch.empty_like(weight) if need_weight else None
         grad_bias = torch.empty(vocab, dtype=torch.float32, device=weight.device) if need_bias else None

@@ -297,7 +297,7 @@ def sharded_training_bytes(shape: ModelShape, kind: str, dtype: str, width: int)
     return resident, 2.0 * per_parameter * (shape.layer_parameters() + outer)
 
 
-FUSED_CHUNK_ELEMENTS = 1 << 25
+FUSED_CHUNK_ELEMENTS = 1 << 26
 """Logits in one chunk of the fused output head (``flowrl.algorithms.logprobs``, same value)."""
 
 

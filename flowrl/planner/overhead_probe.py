@@ -7,8 +7,9 @@ its FLOPs take microseconds; the cost model's fixed 20 us per layer priced the t
 pipelines' first plans at a fifth to a third of their measured steps. The probe times
 models of one and of three layers: the difference per added layer is a layer's overhead,
 what is left of the one-layer time the pass's (or the step's). The passes run on one
-thread, and the best of ``repeats`` is kept: what the slot can do, not what a busy moment
-allowed. The global random state is left as it was.
+thread and are timed by that thread's CPU time, so that other processes on the machine (a
+busy CI runner, another run) do not count; the two models take turns, and the best of
+``repeats`` is kept. The global random state is left as it was.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def measure_cpu_overheads(repeats: int = 5) -> Overheads:
     torch.set_num_threads(1)
     try:
         with torch.random.fork_rng(devices=[]):
-            few, many = (_timings(_tiny_llama(layers), max(1, repeats)) for layers in PROBE_LAYERS)
+            few, many = _timings([_tiny_llama(layers) for layers in PROBE_LAYERS], max(1, repeats))
     finally:
         torch.set_num_threads(threads)
     added = PROBE_LAYERS[1] - PROBE_LAYERS[0]
@@ -58,33 +59,40 @@ def _tiny_llama(layers: int) -> Any:
     return LlamaForCausalLM(config)
 
 
-def _timings(model: Any, repeats: int) -> tuple[float, float, float]:
-    """(forward pass, forward and backward pass, decode step) seconds, best of ``repeats``."""
+def _timings(models: list[Any], repeats: int) -> list[tuple[float, float, float]]:
+    """Per model: (forward pass, forward and backward pass, decode step) seconds of this
+    thread's CPU time, the best of ``repeats`` rounds in which the models take turns."""
     import torch
 
     from flowrl.backends.static_decode import StaticDecoder
 
     ids = torch.ones((PROBE_ROWS, PROBE_TOKENS), dtype=torch.long)
     prompt = ids[:, : PROBE_TOKENS // 4]
-    decoder = StaticDecoder(model.eval())
+    decoders = [StaticDecoder(model.eval()) for model in models]
 
-    def forward() -> None:
-        with torch.no_grad():
-            model(input_ids=ids, use_cache=False)
+    def timed(call: Any) -> float:
+        start = time.thread_time()
+        call()
+        return time.thread_time() - start
 
-    def train() -> None:
-        model(input_ids=ids, use_cache=False).logits.sum().backward()
+    def calls(model: Any, decoder: Any) -> list[Any]:
+        def forward() -> None:
+            with torch.no_grad():
+                model(input_ids=ids, use_cache=False)
 
-    def generate(steps: int) -> None:
-        decoder.generate(prompt, torch.ones_like(prompt), steps, eos_token_id=64, pad_token_id=0, greedy=True)
+        def train() -> None:
+            model(input_ids=ids, use_cache=False).logits.sum().backward()
 
-    def best(call: Any, *args: Any) -> float:
-        fastest = float("inf")
-        for _ in range(repeats + 1):  # one more call than repeats: the first warms up
-            start = time.perf_counter()
-            call(*args)
-            fastest = min(fastest, time.perf_counter() - start)
-        return fastest
+        def generate(steps: int) -> Any:
+            return lambda: decoder.generate(prompt, torch.ones_like(prompt), steps, eos_token_id=64, pad_token_id=0,
+                                            greedy=True)
 
-    decode = (best(generate, 2 + DECODE_STEPS) - best(generate, 2)) / DECODE_STEPS
-    return best(forward), best(train), decode
+        return [forward, train, generate(2 + DECODE_STEPS), generate(2)]
+
+    work = [calls(model, decoder) for model, decoder in zip(models, decoders)]
+    best = [[float("inf")] * 4 for _ in models]
+    for _ in range(repeats + 1):  # one more round than repeats: the first warms up
+        for index, model_calls in enumerate(work):
+            for kind, call in enumerate(model_calls):
+                best[index][kind] = min(best[index][kind], timed(call))
+    return [(forward, train, (long - short) / DECODE_STEPS) for forward, train, long, short in best]

@@ -77,7 +77,7 @@ def test_flops_and_memory_of_the_toy_shape() -> None:
 
 
 def test_output_head_and_generation_memory_of_the_toy_shape() -> None:
-    # the fused head holds one chunk: rows = max(64, 2**25 // 10) = 3355443, capped by the 15
+    # the fused head holds one chunk: rows = max(64, 2**26 // 10) = 6710886, capped by the 15
     # tokens; per logit bf16 2 + fp32 4 (+ fp32 gradient 4 when training)
     assert logits_bytes(TOY, "policy", 15, "bf16") == 15 * 10 * 6
     # training: + the fp32 gradient of the 15 tokens' hidden states (8 each), summed over chunks
@@ -107,8 +107,8 @@ def test_the_fused_head_chunk_is_the_one_the_log_probs_use() -> None:
     from flowrl.algorithms.logprobs import fused_chunk_rows as rows_used
 
     assert FUSED_CHUNK_ELEMENTS == used
-    # 2^25 / 32000 = 1048.6 -> 1048; / 151936 = 220.8 -> 220; / 10^6 = 33 -> 64 (the least)
-    assert [fused_chunk_rows(v) for v in (32000, 151936, 10 ** 6, 64)] == [1048, 220, 64, 524288]
+    # 2^26 / 32000 = 2097.2 -> 2097; / 151936 = 441.7 -> 441; / 10^6 = 67; / 2^21 = 32 -> 64 (the least)
+    assert [fused_chunk_rows(v) for v in (32000, 151936, 10 ** 6, 2 ** 21, 64)] == [2097, 441, 67, 64, 1048576]
     assert [rows_used(v) for v in (32000, 151936, 10 ** 6, 64, 1000)] == [
         fused_chunk_rows(v) for v in (32000, 151936, 10 ** 6, 64, 1000)]
 
@@ -188,7 +188,7 @@ def test_a_model_that_transforms_its_logits_holds_every_tokens_logits() -> None:
     capped = shape_from_config({**config, "final_logit_softcapping": 30.0})  # Gemma 2
     assert plain.plain_logits and not capped.plain_logits
     assert shape_from_config({**config, "logit_scale": 1.0}).plain_logits  # a scale of 1 changes nothing
-    # the fused head's chunk: max(64, 2**25 // 2**20) = 64 of the 1000 tokens; bf16 2 + fp32 4
+    # the fused head's chunk: max(64, 2**26 // 2**20) = 64 of the 1000 tokens; bf16 2 + fp32 4
     assert logits_bytes(plain, "policy", 1000, "bf16") == 64 * 2**20 * 6
     assert logits_bytes(capped, "policy", 1000, "bf16") == 1000 * 2**20 * 6
 
