@@ -130,6 +130,12 @@ class CostSource(Protocol):
         """Seconds ``node`` runs on ``devices`` (data-parallel over all of them)."""
         ...
 
+    def fixed_s(self, node: str, devices: Sequence[Device], offloaded: bool) -> float:
+        """The part of :meth:`compute_s` that the threads a call gets do not shorten (the
+        call's and the model's per-layer and per-pass overheads: Python and dispatch), so
+        that sharing a machine's cores does not slow it (``planner.sharing.shared_time``)."""
+        ...
+
     def memory(self, node: str, width: int, gpu: bool = False) -> NodeMemory:
         """Memory per device when ``node`` runs ``width`` ways data-parallel (on GPUs when
         ``gpu``: their training passes run compiled layers, which keep fewer activations)."""
@@ -180,7 +186,7 @@ class EstimatedCosts:
     def compute_s(self, node: str, devices: Sequence[Device], offloaded: bool) -> float:
         work = self._work[node]
         width = max(1, len(devices))
-        slowest = max((self._on_device(work, device, width) for device in devices), default=0.0)
+        slowest = max((self._on_device(work, device, width)[0] for device in devices), default=0.0)
         if work.shape is not None and width > 1 and work.work == "train":
             grads = work.trained_parameters * DTYPE_BYTES[work.dtype]
             steps = work.num_mini_batches * work.ppo_epochs
@@ -204,11 +210,17 @@ class EstimatedCosts:
             ) else 0.0
         return CALL_OVERHEAD_S + slowest
 
-    def _on_device(self, work: NodeWork, device: Device, width: int) -> float:
+    def fixed_s(self, node: str, devices: Sequence[Device], offloaded: bool) -> float:
+        work = self._work[node]
+        width = max(1, len(devices))
+        return CALL_OVERHEAD_S + max((self._on_device(work, device, width)[1] for device in devices), default=0.0)
+
+    def _on_device(self, work: NodeWork, device: Device, width: int) -> tuple[float, float]:
+        """(seconds, the part of them that is overheads) of ``work`` on one of ``width`` devices."""
         if work.work == "function":
-            return work.num_sequences * self.cpu_rates.reward_s_per_sequence
+            return work.num_sequences * self.cpu_rates.reward_s_per_sequence, 0.0
         if work.work == "elementwise":
-            return work.num_sequences * ADVANTAGE_S_PER_SEQUENCE
+            return work.num_sequences * ADVANTAGE_S_PER_SEQUENCE, 0.0
         assert work.shape is not None, f"{work.work} node without a model shape"
         flops_per_s, bytes_per_s, overheads = self._rates(device, work.dtype)
         shape, kind, dtype = work.shape, work.kind, work.dtype
@@ -225,9 +237,9 @@ class EstimatedCosts:
             step_flops = forward_flops(shape, kind, share, 1) + (
                 4 * layers * shape.hidden_size * context * share
             )
-            step = max(step_bytes / bytes_per_s, step_flops / flops_per_s) + (
-                layers * overheads.decode_layer_s + overheads.decode_step_s)
-            return prefill + response * step
+            step_overhead = layers * overheads.decode_layer_s + overheads.decode_step_s
+            step = max(step_bytes / bytes_per_s, step_flops / flops_per_s) + step_overhead
+            return prefill + response * step, forward_overhead + response * step_overhead
         seq_len = prompt + response
         if work.shares_prompts(device.kind == "cpu"):
             pass_flops = shared_prompt_flops(shape, kind, share, work.group_size, prompt, response)
@@ -245,10 +257,12 @@ class EstimatedCosts:
             passes = _passes(mini_share, work.pass_sequences(mini_share))
             per_pass = layers * (overheads.train_layer_s * (1 + backward) / 3 + recompute * overheads.forward_layer_s)
             launches = passes * (per_pass + overheads.train_pass_s)
-            return work.ppo_epochs * (compute + work.num_mini_batches * (optimizer + launches))
+            return (work.ppo_epochs * (compute + work.num_mini_batches * (optimizer + launches)),
+                    work.ppo_epochs * work.num_mini_batches * launches)
         # score with a reward model, reference_logprob, value: one no-grad forward per pass
         forward = pass_flops / flops_per_s
-        return forward + weights / bytes_per_s + _passes(share, work.pass_sequences(share)) * forward_overhead
+        fixed = _passes(share, work.pass_sequences(share)) * forward_overhead
+        return forward + weights / bytes_per_s + fixed, fixed
 
     def _rates(self, device: Device, dtype: str) -> tuple[float, float, Overheads]:
         """(FLOP/s, bytes/s, overheads) that ``device`` achieves for ``dtype``."""
@@ -325,6 +339,15 @@ class MeasuredCosts:
         if key in self.times_s:
             return self.times_s[key]
         return self.fallback.compute_s(node, devices, offloaded)
+
+    def fixed_s(self, node: str, devices: Sequence[Device], offloaded: bool) -> float:
+        # a measured time keeps the estimate's share of overheads
+        fixed = self.fallback.fixed_s(node, devices, offloaded)
+        key = (node, _device_type(devices), len(devices))
+        if key not in self.times_s:
+            return fixed
+        estimate = self.fallback.compute_s(node, devices, offloaded)
+        return self.times_s[key] * min(1.0, fixed / estimate) if estimate > 0 else 0.0
 
     def memory(self, node: str, width: int, gpu: bool = False) -> NodeMemory:
         return self.fallback.memory(node, width, gpu)

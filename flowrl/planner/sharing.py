@@ -2,11 +2,16 @@
 
 The workers of a local cluster are not pinned by default: each node call on a CPU slot gets
 the machine's cores divided by the workers that may compute beside it (``flowrl.runtime.threads``),
-so two model nodes that run at once on two slots of one machine each take about twice as long
-as alone. The planner predicts the same: a node's compute time on such a slot is multiplied
-by :func:`core_shares` (the machine's cores over the threads the call gets), so a placement that spreads a pipeline over the slots of one machine
-is not predicted faster than it runs (on 2 cores, ``ppo_tiny``'s critic on a slot of its own
-was predicted at 31 ms per step against 48 ms beside the actor, and measured 149 against 136).
+so two model nodes that run at once on two slots of one machine each compute about half as
+fast as alone. The planner predicts the same: the part of a node's time on such a slot that
+the threads of the call do (its FLOPs and bytes) is multiplied by :func:`core_shares` (the
+machine's cores over the threads the call gets), so a placement that spreads a pipeline over
+the slots of one machine is not predicted faster than it runs (on 2 cores, ``ppo_tiny``'s
+critic on a slot of its own was predicted at 31 ms per step against 48 ms beside the actor,
+and measured 149 against 136). The rest, the call's and the model's overheads (Python and
+dispatch, one thread whatever the call gets: ``CostSource.fixed_s``), is not slowed
+(:func:`shared_time`): on 2 cores ``ppo_tiny``'s model nodes took 1.5-1.9 times as long with
+the critic on a slot of its own as all on one slot, not 2.
 
 A node "may compute beside" another when neither depends on the other and both run a model;
 a score function or an advantage estimate is light and counted as nothing. With a fixed
@@ -24,6 +29,7 @@ import networkx as nx
 
 from flowrl.devices.inventory import Device, Inventory
 from flowrl.graph import PipelineGraph
+from flowrl.planner.costs import CostSource
 
 
 def heavy(pipeline: PipelineGraph, node: str) -> bool:
@@ -80,6 +86,17 @@ def slowdown(cores: int, beside: int, fixed_threads: int | None) -> float:
     if fixed_threads:
         return max(1.0, (1 + beside) * min(fixed_threads, cores) / max(1, cores))
     return cores / divided_threads(cores, beside)
+
+
+def shared_time(costs: CostSource, node: str, devices: Sequence[Device], offloaded: bool, share: float) -> float:
+    """``node``'s seconds on ``devices`` when its threads' work takes ``share`` times as long
+    (:func:`core_shares`): its overheads (``costs.fixed_s``) as they are, the rest ``share``
+    times over."""
+    total = costs.compute_s(node, devices, offloaded)
+    if share == 1.0:
+        return total
+    fixed = min(total, costs.fixed_s(node, devices, offloaded))
+    return fixed + (total - fixed) * share
 
 
 def host_cores(inventory: Inventory) -> dict[str, int]:

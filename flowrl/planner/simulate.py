@@ -25,7 +25,7 @@ from flowrl.devices.inventory import Device, Inventory
 from flowrl.graph import PipelineGraph
 from flowrl.planner.cost import compile_benchmark_bytes, matmul_workspace_bytes, weight_bytes
 from flowrl.planner.costs import GB, CostSource, transfer_s
-from flowrl.planner.sharing import core_shares, host_cores
+from flowrl.planner.sharing import core_shares, host_cores, shared_time
 from flowrl.spec.schema import SOURCE_NODE, GenerateNode, NodeBase, UpdateNode
 
 GPU_CONTEXT_GB = 0.5
@@ -95,7 +95,7 @@ def simulate(
             if arrival > ready or after is None:
                 ready, after = arrival, producer
         start, after = _device_start(chosen.devices, free_at, ready, after)
-        end = start + costs.compute_s(node, here, chosen.offloaded) * shares.get(node, 1.0)
+        end = start + shared_time(costs, node, here, chosen.offloaded, shares.get(node, 1.0))
         tasks[node] = Task(node, "node", chosen.devices, start, end, after)
         for device_id in chosen.devices:
             free_at[device_id] = (end, node)

@@ -43,7 +43,7 @@ from flowrl.devices.inventory import Device, Inventory
 from flowrl.graph import PipelineGraph
 from flowrl.planner.compiled import CompiledPlan
 from flowrl.planner.costs import CostSource, NodeMemory
-from flowrl.planner.sharing import core_shares, host_cores
+from flowrl.planner.sharing import core_shares, host_cores, shared_time
 from flowrl.planner.simulate import Placement, simulate
 from flowrl.planner.work import NodeWork
 from flowrl.records import NodeTiming, StepRecord, slowest_part_medians
@@ -122,8 +122,8 @@ class DeviceCalibration:
             devices = node_devices.get(timing.node)
             if not devices:
                 continue
-            expected = self.base.compute_s(timing.node, devices, offloaded.get(timing.node, False))
-            expected *= (shares or {}).get(timing.node, 1.0)
+            expected = shared_time(self.base, timing.node, devices, offloaded.get(timing.node, False),
+                                   (shares or {}).get(timing.node, 1.0))
             if calibrating and expected > 0:
                 # the median: one step disturbed by something else on the machine must not
                 # set the baseline every later step is judged against
@@ -178,8 +178,13 @@ class DeviceCalibration:
     # ---- CostSource ------------------------------------------------------------------
 
     def compute_s(self, node: str, devices: Sequence[Device], offloaded: bool) -> float:
-        slowest = max((self.ratio(device.id) for device in devices), default=1.0)
-        return self.base.compute_s(node, devices, offloaded) * self.factor(node) * slowest
+        return self.base.compute_s(node, devices, offloaded) * self._scale(node, devices)
+
+    def fixed_s(self, node: str, devices: Sequence[Device], offloaded: bool) -> float:
+        return self.base.fixed_s(node, devices, offloaded) * self._scale(node, devices)
+
+    def _scale(self, node: str, devices: Sequence[Device]) -> float:
+        return self.factor(node) * max((self.ratio(device.id) for device in devices), default=1.0)
 
     def memory(self, node: str, width: int, gpu: bool = False) -> NodeMemory:
         memory = self.base.memory(node, width, gpu)

@@ -35,7 +35,7 @@ from flowrl.planner.cost import CpuRates
 from flowrl.planner.compiled import CompiledPlan
 from flowrl.planner.costs import CostSource, EstimatedCosts, NodeMemory
 from flowrl.planner.micro_batches import resolve_micro_batches
-from flowrl.planner.sharing import core_shares, host_cores
+from flowrl.planner.sharing import core_shares, host_cores, shared_time
 from flowrl.planner.simulate import Placement, simulate
 from flowrl.planner.work import NodeWork
 from flowrl.records import DeviceSample, NodeTiming
@@ -114,6 +114,10 @@ class _StepCosts:
 
     def compute_s(self, node: str, devices: Sequence[Device], offloaded: bool) -> float:
         nominal = self.base.compute_s(node, devices, offloaded)
+        return nominal * self.slowdown(devices) * self.noise.get(node, 1.0)
+
+    def fixed_s(self, node: str, devices: Sequence[Device], offloaded: bool) -> float:
+        nominal = self.base.fixed_s(node, devices, offloaded)
         return nominal * self.slowdown(devices) * self.noise.get(node, 1.0)
 
     def memory(self, node: str, width: int, gpu: bool = False) -> NodeMemory:
@@ -229,8 +233,8 @@ def _run_step(
                          host_cores(cluster))
     for item in plan.nodes:
         devices = [present[d] for d in item.devices]
-        nominal = truth.compute_s(item.node, devices, item.offloaded) * noise.get(item.node, 1.0)
-        nominal *= shares.get(item.node, 1.0)
+        nominal = shared_time(truth, item.node, devices, item.offloaded, shares.get(item.node, 1.0))
+        nominal *= noise.get(item.node, 1.0)
         for device in devices:
             seconds = nominal / speeds.get(device.id, 1.0)
             timings.append(NodeTiming(item.node, item.role, device.id, seconds, seconds, 0.0, 0, 0,

@@ -289,13 +289,13 @@ def test_log_prob_passes_on_a_cpu_compute_each_group_s_prompt_once() -> None:
              - shared_prompt_flops(ref.shape, "policy", 16, 4, prompt, response))
     ungrouped = replace(ref, group_size=1)
     assert saved > 0
-    assert costs._on_device(ungrouped, cpu(0), 1) - costs._on_device(ref, cpu(0), 1) == pytest.approx(
+    assert costs._on_device(ungrouped, cpu(0), 1)[0] - costs._on_device(ref, cpu(0), 1)[0] == pytest.approx(
         saved / costs.cpu_rates.flops_per_s)
     a100 = gpu(0, "A100", 40.0, 312.0, 1555.0)
     assert costs._on_device(ungrouped, a100, 1) == costs._on_device(ref, a100, 1)
     # generation prefills the 4 prompts, not the 16 rows
     prefill_saved = forward_flops(ref.shape, "policy", 16, prompt) - forward_flops(ref.shape, "policy", 4, prompt)
-    assert costs._on_device(replace(rollout, group_size=1), cpu(0), 1) - costs._on_device(rollout, cpu(0), 1) == (
+    assert costs._on_device(replace(rollout, group_size=1), cpu(0), 1)[0] - costs._on_device(rollout, cpu(0), 1)[0] == (
         pytest.approx(prefill_saved / costs.cpu_rates.flops_per_s))
     # shuffled mini-batches break the groups: the update is costed padded again
     shuffled = EstimatedCosts(pipeline_from_dict(grpo(
@@ -413,6 +413,21 @@ def test_a_cpu_slot_s_overheads_are_paid_per_layer_and_per_pass_or_step() -> Non
     assert extra("rollout") == pytest.approx((2 * 1e-3 + 5e-4) + 16 * (2 * 2e-4 + 1e-4))
     assert extra("ref") == pytest.approx(4 * (2 * 1e-3 + 5e-4))
     assert extra("train") == pytest.approx(2 * (2 * 3e-3 + 7e-4))
+    # and they are the part of each node's time that sharing the cores does not slow: that
+    # and the call's own overhead
+    from flowrl.planner.costs import CALL_OVERHEAD_S
+
+    for node in ("rollout", "ref", "train"):
+        assert plain.fixed_s(node, [cpu(0)], False) == pytest.approx(CALL_OVERHEAD_S)
+        assert paid.fixed_s(node, [cpu(0)], False) == pytest.approx(CALL_OVERHEAD_S + extra(node))
+    # a measured time keeps the estimate's share of overheads
+    from flowrl.planner.costs import MeasuredCosts
+
+    measured = MeasuredCosts(paid)
+    measured.observe("ref", [cpu(0)], 0.1)
+    share = paid.fixed_s("ref", [cpu(0)], False) / paid.compute_s("ref", [cpu(0)], False)
+    assert measured.fixed_s("ref", [cpu(0)], False) == pytest.approx(0.1 * share)
+    assert measured.fixed_s("train", [cpu(0)], False) == paid.fixed_s("train", [cpu(0)], False)
     # a frozen model with adapters: a backward of one forward's work, 2/3 of a layer's
     train = paid.work("train")
     adapted = paid.with_work("train", replace(train, adapter_parameters=8))

@@ -30,6 +30,9 @@ class OneSecond:
     def compute_s(self, node: str, devices: Sequence[Device], offloaded: bool) -> float:
         return 1.0
 
+    def fixed_s(self, node: str, devices: Sequence[Device], offloaded: bool) -> float:
+        return 0.0
+
     def memory(self, node: str, width: int) -> NodeMemory:
         return NodeMemory(0.0, 0.0, 0.0)
 
@@ -145,3 +148,29 @@ def test_calls_of_a_fixed_thread_count_slow_each_other_only_past_the_cores() -> 
     assert core_shares(four, devices, {"node-0": 2})["values"] == 2.0
     pinned = load_pipeline(PPO, ["runtime.torch_threads=2", "runtime.pin_cpus=true"])
     assert set(core_shares(pinned, devices, {"node-0": 2}).values()) == {1.0}
+
+
+class QuarterFixed(OneSecond):
+    """Every node takes 1 s alone, a quarter of it overheads that more threads do not shorten."""
+
+    def fixed_s(self, node: str, devices: Sequence[Device], offloaded: bool) -> float:
+        return 0.25
+
+
+def test_sharing_the_cores_slows_only_what_the_threads_do() -> None:
+    pipeline = load_pipeline(PPO)
+    machine = inventory(cpu(0), cpu(1))
+    placement = {node: Placement((slot,)) for node, slot in CRITIC_APART.items()}
+    # a node beside another: 0.25 + 0.75 * 2 = 1.75 s; rollout 1, reward and ref 1.75 each on
+    # cpu-0 while values takes 1.75 on cpu-1, adv 1, the updates 1.75 side by side, one hop
+    assert simulate(pipeline, placement, machine, QuarterFixed()).iteration_s == pytest.approx(
+        1 + 3.5 + 1 + 1.75 + 0.003)
+    # calibration divides by the same: values took 3 s beside the reference
+    calibration = DeviceCalibration(QuarterFixed(), calibration_steps=1)
+    devices = devices_of(CRITIC_APART, {"cpu-0": cpu(0), "cpu-1": cpu(1)})
+    calibration.observe_step([], devices, {})  # warm-up
+    calibration.observe_step([NodeTiming("values", "value", "cpu-1", 3.0, 3.0, 0.0, 0, 0)], devices, {},
+                             core_shares(pipeline, devices))
+    assert calibration.factor("values") == pytest.approx(3.0 / 1.75)
+    # the calibrated source keeps the quarter: 0.25 of 1 s, scaled as the whole
+    assert calibration.fixed_s("values", devices["values"], False) == pytest.approx(0.25 * 3.0 / 1.75)

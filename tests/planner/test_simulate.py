@@ -23,6 +23,9 @@ class FixedCosts:
     def compute_s(self, node: str, devices: Sequence[Device], offloaded: bool) -> float:
         return SECONDS[node]
 
+    def fixed_s(self, node: str, devices: Sequence[Device], offloaded: bool) -> float:
+        return 0.0
+
     def memory(self, node: str, width: int) -> NodeMemory:
         return NodeMemory(0.0, 0.0, 0.0)
 

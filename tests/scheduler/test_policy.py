@@ -72,6 +72,9 @@ class TableCosts:
     def compute_s(self, node: str, devices: Sequence[Device], offloaded: bool) -> float:
         return TIMES_S[node]
 
+    def fixed_s(self, node: str, devices: Sequence[Device], offloaded: bool) -> float:
+        return 0.0
+
     def memory(self, node: str, width: int, gpu: bool = False) -> NodeMemory:
         return NodeMemory(0.0, 0.0, 0.0)
 
