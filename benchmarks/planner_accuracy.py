@@ -24,9 +24,9 @@ machine whose speed drifts between rounds moves the medians, not a round's ratio
 candidate is also predicted by the planner (``flowrl plan`` with the same pins) before it runs.
 Picking the fastest of several candidates from noisy timings favours whichever was lucky (on
 2 cores the same layout's step moves by 10-25 % between rounds), so the comparison is checked
-on fresh runs: the choice and the candidate it lost to most run ``--confirm`` more rounds, the
-two alternating which goes first, and ``confirmed`` holds the median of choice / candidate over
-those rounds alone. ``--summarize FILE`` prints the per-round comparison of an existing result
+on fresh runs: the choice and the candidate it did worst against (its runner-up when it won)
+run ``--confirm`` more rounds, the two alternating which goes first, and ``confirmed`` holds the
+median of choice / candidate over those rounds alone. ``--summarize FILE`` prints the per-round comparison of an existing result
 file.
 Writes JSON with the commit measured; never asserts.
 """
@@ -200,7 +200,7 @@ def per_round(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def confirm(pipeline: Path, mine: dict[str, int], rival: dict[str, int], rounds: int, steps: int,
             scratch: Path) -> dict[str, Any]:
     """The choice against ``rival`` on fresh runs, ``rounds`` rounds, the two alternating which
-    runs first: free of the luck that made ``rival`` look fastest among many candidates."""
+    runs first: free of the luck that picked either among many candidates."""
     times: dict[str, list[float | None]] = {"choice": [], "rival": []}
     for round_ in range(rounds):
         order = [("choice", mine), ("rival", rival)]
@@ -276,8 +276,9 @@ def main() -> None:
                 if mine and fastest and mine["median_s"] else None,
                 **compared,
             }
-            rival = compared.get("fastest_per_round")
-            if mine is not None and rival is not None and rival != mine["layout"] and args.confirm > 0:
+            ratios = compared.get("choice_over_each_per_round") or {}
+            rival = json.loads(max(ratios, key=lambda key: ratios[key])) if ratios else None
+            if mine is not None and rival is not None and args.confirm > 0:
                 result["candidates"][name]["confirmed"] = confirm(
                     pipeline, mine["layout"], rival, args.confirm, args.candidate_steps, Path(scratch) / f"{name}-confirm")
     args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -187,8 +187,9 @@ chunks come on top of every activation of the pass (it runs first), so they stay
 
 On an H100 (``benchmarks/fused_head.py``, commit ce77335, ``fused_head_h100_ce77335.json``),
 forward and backward of a pass of 16,384 hidden states of 896 took 9.1 ms at a 32k vocabulary
-and 49.3 ms at 152k in chunks of twice the logits of 2^25, against 11.2 and 57.7 at 2^25 and
-17.4 and 98.8 at half of it; the forward alone 2.2 and 15.0 ms against 2.5 and 18.6."""
+and 49.3 ms at 152k in chunks of 2,096 and 440 rows (twice the rows of 2^25 logits, one fewer
+than 2^26 gives), against 11.2 and 57.7 at 2^25 and 17.4 and 98.8 at half of it; the forward
+alone 2.2 and 15.0 ms against 2.5 and 18.6."""
 
 
 def fused_chunk_rows(vocab_size: int) -> int:

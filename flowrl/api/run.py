@@ -37,7 +37,7 @@ from flowrl.devices.matching import match_groups
 from flowrl.devices.report import inventory_lines, match_lines
 from flowrl.errors import FlowrlError, RunInterrupted, SpecError, SpecIssue
 from flowrl.graph import PipelineGraph, uneven_mini_batches
-from flowrl.planner.cost import measure_cpu_rates
+from flowrl.planner.cost import CPU_OVERHEADS, measure_cpu_rates
 from flowrl.planner.costs import EstimatedCosts
 from flowrl.planner.micro_batches import resolve_micro_batches, resolved_json
 from flowrl.planner.placement import node_group, plan_from_compiled, splittable
@@ -482,7 +482,14 @@ def _train(
     match.raise_if_unsatisfied()
     # `micro_batch_tokens: auto` becomes a number once, before the first plan: every later
     # plan and every node call of the run uses it
-    costs = EstimatedCosts(graph, cpu_rates=measure_cpu_rates(), base_dir=base_dir)
+    measured = cluster.cpu_overheads()
+    if measured is not None:
+        slot, overheads = measured
+        watcher.event(RunEvent("devices", f"{slot}: a layer's overhead {overheads.forward_layer_s * 1e3:.2f} ms "
+                               f"per forward pass, {overheads.train_layer_s * 1e3:.2f} ms per forward and backward, "
+                               f"{overheads.decode_layer_s * 1e3:.2f} ms per decode step", 0))
+    costs = EstimatedCosts(graph, cpu_rates=measure_cpu_rates(overheads=measured[1] if measured else CPU_OVERHEADS),
+                           base_dir=base_dir)
     graph, costs, passes = resolve_micro_batches(graph, inventory, match, costs)
     for item in passes:
         watcher.event(RunEvent("plan", item.line(), 0))

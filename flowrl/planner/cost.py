@@ -433,9 +433,10 @@ class CpuRates:
     """A model's costs beyond its FLOPs and bytes on the slot. Default ``CPU_OVERHEADS``."""
 
 
-def measure_cpu_rates(matrix_size: int = 256, repeats: int = 5) -> CpuRates:
-    """Time a small fp32 matmul, a memory copy and a tiny model's passes and decode steps
-    (``overhead_probe``) on this machine (well under a second).
+def measure_cpu_rates(matrix_size: int = 256, repeats: int = 5, overheads: Overheads | None = None) -> CpuRates:
+    """Time a small fp32 matmul and a memory copy on this machine (well under a second), and
+    take ``overheads`` as measured elsewhere (a run's CPU worker) or, None, measure them here
+    on a tiny model's passes and decode steps (``overhead_probe``).
 
     The best of ``repeats`` is kept: the planner wants what the slot can do, not what a
     busy moment allowed. The matmul is timed on one thread and on the BLAS library's own
@@ -468,6 +469,8 @@ def measure_cpu_rates(matrix_size: int = 256, repeats: int = 5) -> CpuRates:
         best_copy_s = min(best_copy_s, time.perf_counter() - start)
     flops = 2 * matrix_size**3 / max(min(best_matmul_s(None), best_matmul_s(1)), 1e-9)
     bandwidth_gbs = 2 * source.nbytes / max(best_copy_s, 1e-9) / 1e9  # read + write
-    from flowrl.planner.overhead_probe import measure_cpu_overheads
+    if overheads is None:
+        from flowrl.planner.overhead_probe import cpu_overheads_or_defaults
 
-    return CpuRates(flops_per_s=flops, bandwidth_gbs=bandwidth_gbs, overheads=measure_cpu_overheads(repeats))
+        overheads = cpu_overheads_or_defaults(repeats)
+    return CpuRates(flops_per_s=flops, bandwidth_gbs=bandwidth_gbs, overheads=overheads)

@@ -8,17 +8,25 @@ pipelines' first plans at a fifth to a third of their measured steps. The probe 
 models of one and of three layers: the difference per added layer is a layer's overhead,
 what is left of the one-layer time the pass's (or the step's). The passes run on one
 thread and are timed by that thread's CPU time, so that other processes on the machine (a
-busy CI runner, another run) do not count; the two models take turns, and the best of
-``repeats`` is kept. The global random state is left as it was.
+busy CI runner, another run) do not count; the two models take turns, a first round warms
+up, and the best of ``repeats`` more is kept, with the garbage collector off. The global
+random state and the thread count are left as they were.
+
+A run measures on one of its CPU workers, which load models anyway (``Cluster.cpu_overheads``),
+so the driver imports neither torch nor transformers for it; ``flowrl plan`` and ``flowrl
+simulate`` measure in their own process. A probe that fails leaves the defaults
+(``CPU_OVERHEADS``), with a warning.
 """
 
 from __future__ import annotations
 
 import functools
+import gc
 import time
+import warnings
 from typing import Any
 
-from flowrl.planner.cost import Overheads
+from flowrl.planner.cost import CPU_OVERHEADS, Overheads
 
 PROBE_LAYERS = (1, 3)
 """Decoder layers of the two probe models."""
@@ -29,10 +37,21 @@ DECODE_STEPS = 16
 """Decode steps timed beyond a first short generation (whose prefill they leave out)."""
 
 
+def cpu_overheads_or_defaults(repeats: int = 5) -> Overheads:
+    """:func:`measure_cpu_overheads`, or ``CPU_OVERHEADS`` with a warning when it fails."""
+    try:
+        return measure_cpu_overheads(repeats)
+    except Exception as error:  # noqa: BLE001 - any failure leaves a plan on the defaults
+        warnings.warn(f"the CPU overhead probe failed ({type(error).__name__}: {error}); "
+                      "planning with the default per-layer overheads", RuntimeWarning, stacklevel=2)
+        return CPU_OVERHEADS
+
+
 @functools.lru_cache(maxsize=4)
 def measure_cpu_overheads(repeats: int = 5) -> Overheads:
     """The overheads of a pass and of a decode step on this machine's CPU, per layer and
-    per pass or step (about 0.2 s; measured once per process and ``repeats``)."""
+    per pass or step (about 0.2 s once torch and transformers are imported; measured once
+    per process and ``repeats``)."""
     import torch
 
     threads = torch.get_num_threads()
@@ -81,7 +100,8 @@ def _timings(models: list[Any], repeats: int) -> list[tuple[float, float, float]
                 model(input_ids=ids, use_cache=False)
 
         def train() -> None:
-            model(input_ids=ids, use_cache=False).logits.sum().backward()
+            with torch.enable_grad():
+                model(input_ids=ids, use_cache=False).logits.sum().backward()
 
         def generate(steps: int) -> Any:
             return lambda: decoder.generate(prompt, torch.ones_like(prompt), steps, eos_token_id=64, pad_token_id=0,
@@ -91,8 +111,16 @@ def _timings(models: list[Any], repeats: int) -> list[tuple[float, float, float]
 
     work = [calls(model, decoder) for model, decoder in zip(models, decoders)]
     best = [[float("inf")] * 4 for _ in models]
-    for _ in range(repeats + 1):  # one more round than repeats: the first warms up
-        for index, model_calls in enumerate(work):
-            for kind, call in enumerate(model_calls):
-                best[index][kind] = min(best[index][kind], timed(call))
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        for round_ in range(repeats + 1):
+            for index, model_calls in enumerate(work):
+                for kind, call in enumerate(model_calls):
+                    seconds = timed(call)
+                    if round_ > 0:  # the first round warms up
+                        best[index][kind] = min(best[index][kind], seconds)
+    finally:
+        if collecting:
+            gc.enable()
     return [(forward, train, (long - short) / DECODE_STEPS) for forward, train, long, short in best]

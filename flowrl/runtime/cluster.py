@@ -36,6 +36,8 @@ from flowrl.devices.inventory import (
     visible_items,
 )
 from flowrl.errors import ClusterError
+from flowrl.planner.cost import Overheads
+from flowrl.planner.overhead_probe import cpu_overheads_or_defaults
 from flowrl.spec.loader import pipeline_file
 from flowrl.spec.schema import RuntimeSpec
 from flowrl.runtime.warm_server import WARM_PRELOAD, set_warm_preload, start_warm_server
@@ -327,6 +329,21 @@ class Cluster:
     def worker_of(self, slot_name: str) -> str:
         """The name of the Dask worker serving slot ``slot_name`` now."""
         return next(str(slot.worker) for slot in self.slots if slot.name == slot_name)
+
+    def cpu_overheads(self, timeout_s: float = 120.0) -> tuple[str, Overheads] | None:
+        """(slot, its overheads) measured on the first CPU slot's worker
+        (``planner.overhead_probe``: the worker imports torch and transformers for its models
+        anyway, the driver does not); None without a CPU slot, or when the probe does not
+        answer within ``timeout_s`` (a failing probe answers the defaults, with a warning)."""
+        slot = next((slot.name for slot in self.slots if slot.kind == "cpu"), None)
+        if slot is None:
+            return None
+        try:
+            future = self.client.submit(cpu_overheads_or_defaults, pure=False, workers=[self.worker_of(slot)],
+                                        allow_other_workers=False)
+            return slot, future.result(timeout=timeout_s)
+        except Exception:  # noqa: BLE001 - a lost worker or a timeout leaves the defaults
+            return None
 
     def alive(self) -> set[str]:
         """The slots whose worker is registered with the scheduler right now."""

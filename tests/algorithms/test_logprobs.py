@@ -143,9 +143,11 @@ def test_fused_head_matches_linear_then_log_softmax(chunk_rows: int, with_bias: 
 def test_the_fused_heads_backward_walks_the_vocabulary_in_chunks_of_the_forwards_size() -> None:
     from flowrl.algorithms.logprobs import backward_columns
 
-    # 1,048 rows x 32,000 per forward chunk over 16,384 rows: 2,046 columns, rounded down to
-    # a multiple of 64 (aligned rows for the chunk's products)
+    # a forward chunk of 1,048 rows x 32,000 (2^25 logits) over 16,384 rows: 2,046 columns,
+    # rounded down to a multiple of 64 (aligned rows for the chunk's products); and the chunk
+    # of 2^26 logits the engine takes, 2,097 rows: 4,095 columns -> 4,032
     assert backward_columns(16384, 32000, 1048) == 1984
+    assert backward_columns(16384, 32000, 2097) == 4032
     assert backward_columns(16000, 32000, 1048) == 2048  # 2,096
     assert backward_columns(16000, 151936, 220) == 2048  # 2,089
     assert backward_columns(16384, 151936, 220) == 1984  # 2,040

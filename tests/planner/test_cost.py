@@ -428,6 +428,16 @@ def test_a_cpu_slot_s_overheads_are_paid_per_layer_and_per_pass_or_step() -> Non
     share = paid.fixed_s("ref", [cpu(0)], False) / paid.compute_s("ref", [cpu(0)], False)
     assert measured.fixed_s("ref", [cpu(0)], False) == pytest.approx(0.1 * share)
     assert measured.fixed_s("train", [cpu(0)], False) == paid.fixed_s("train", [cpu(0)], False)
+    # checkpointing recomputes each pass's forward: a forward layer's overhead more per layer;
+    # mini-batches of 8 rows: each optimizer step's passes of at most 8 rows (here one)
+    recomputed = paid.with_work("train", replace(paid.work("train"), checkpointing=True))
+    recomputed_plain = plain.with_work("train", replace(plain.work("train"), checkpointing=True))
+    assert recomputed.compute_s("train", [cpu(0)], False) - recomputed_plain.compute_s("train", [cpu(0)], False) == (
+        pytest.approx(2 * (2 * (3e-3 + 1e-3) + 7e-4)))
+    minis = paid.with_work("train", replace(paid.work("train"), num_mini_batches=2, mini_batch_sequences=8))
+    minis_plain = plain.with_work("train", replace(plain.work("train"), num_mini_batches=2, mini_batch_sequences=8))
+    assert minis.compute_s("train", [cpu(0)], False) - minis_plain.compute_s("train", [cpu(0)], False) == (
+        pytest.approx(2 * 1 * (2 * 3e-3 + 7e-4)))
     # a frozen model with adapters: a backward of one forward's work, 2/3 of a layer's
     train = paid.work("train")
     adapted = paid.with_work("train", replace(train, adapter_parameters=8))
@@ -443,9 +453,24 @@ def test_the_overhead_probe_measures_layers_and_passes_and_leaves_the_process_as
 
     threads, state = torch.get_num_threads(), torch.random.get_rng_state()
     measure_cpu_overheads.cache_clear()
-    overheads = measure_cpu_overheads(repeats=2)
+    overheads = measure_cpu_overheads(repeats=3)
     # three layers take longer than one in every kind of call; a backward more than a forward
     assert 0 < overheads.decode_layer_s and 0 < overheads.forward_layer_s < overheads.train_layer_s
     assert min(overheads.forward_pass_s, overheads.train_pass_s, overheads.decode_step_s) >= 0
     assert torch.get_num_threads() == threads
     assert torch.equal(torch.random.get_rng_state(), state)
+
+
+def test_a_failing_overhead_probe_leaves_the_defaults_with_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    import flowrl.planner.overhead_probe as probe
+    from flowrl.planner.cost import CPU_OVERHEADS, Overheads
+
+    def broken(repeats: int = 5) -> Overheads:
+        raise ImportError("no Llama in this transformers")
+
+    monkeypatch.setattr(probe, "measure_cpu_overheads", broken)
+    with pytest.warns(RuntimeWarning, match="CPU overhead probe failed .*no Llama"):
+        assert probe.cpu_overheads_or_defaults() == CPU_OVERHEADS
+    # overheads measured elsewhere (a run's CPU worker) are taken as they are: no probe here
+    given = Overheads(forward_layer_s=1e-3, train_layer_s=3e-3, decode_layer_s=2e-4)
+    assert measure_cpu_rates(matrix_size=32, repeats=1, overheads=given).overheads == given
