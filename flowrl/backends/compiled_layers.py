@@ -31,8 +31,9 @@ ATTRIBUTE = "_flowrl_compiled_layers"
 RECOMPILE_LIMIT = 64
 """Compiled versions the layers' shared code may have (torch's default is 8): the versions
 multiply, by sequence length until the lengths go dynamic, by grad mode, by packed or padded
-rows, by a padded pass with a mask or without one (rows padded only after their tokens) and, for a model with adapters, by adapters on and off (its reference pass); past the
-limit torch runs the layers eagerly without a word."""
+rows, by a padded pass with a mask or without one (rows padded only after their tokens) and,
+for a model with adapters, by adapters on and off (its reference pass); past the limit torch
+runs the layers eagerly without a word."""
 
 
 class CompiledLayers:
