@@ -75,7 +75,7 @@ def has_triton() -> bool:
 
 def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
                      values: torch.Tensor, column: torch.Tensor, key_valid: torch.Tensor,
-                     scaling: float) -> torch.Tensor:
+                     scaling: float, all_written: bool = False) -> torch.Tensor:
     """Attention of one new token per row.
 
     ``qkv`` [B, (heads + 2 kv_heads) * head_dim]: the new token's queries, key and value side by
@@ -83,17 +83,18 @@ def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ke
     ``keys`` / ``values`` [B, kv_heads, W, head_dim]: the cache window (views into a larger
     cache, last dimension contiguous), whose column ``column`` ([1], long) receives the new
     key and value; ``key_valid`` [B, W] (bool): the columns each row attends to, the new one
-    included. Returns [B, kv_heads, heads per kv head, head_dim].
+    included. Returns [B, kv_heads, heads per kv head, head_dim]. ``all_written``: every
+    column of the window was written in this generation (none holds a stale value).
     """
     head_dim = keys.shape[-1]
     if triton_usable(qkv, head_dim):
         return _triton_attention(qkv, cos, sin, keys, values, column, key_valid, scaling)
-    return _plain_attention(qkv, cos, sin, keys, values, column, key_valid, scaling)
+    return _plain_attention(qkv, cos, sin, keys, values, column, key_valid, scaling, all_written)
 
 
 def _plain_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
                      values: torch.Tensor, column: torch.Tensor, key_valid: torch.Tensor,
-                     scaling: float) -> torch.Tensor:
+                     scaling: float, all_written: bool = False) -> torch.Tensor:
     batch, kv_heads, _, head_dim = keys.shape
     kv_size = kv_heads * head_dim
     q_size = qkv.shape[-1] - 2 * kv_size
@@ -107,9 +108,13 @@ def _plain_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ke
     bias = torch.zeros(key_valid.shape, dtype=q.dtype, device=q.device)
     bias.masked_fill_(~key_valid, torch.finfo(q.dtype).min)
     # A column not attended to may hold a stale non-finite key or value (an overflow in an
-    # earlier generation): masked by the bias alone it would still make the row NaN.
-    hidden = ~key_valid[:, None, :, None]
-    keys, values = keys.masked_fill(hidden, 0.0), values.masked_fill(hidden, 0.0)
+    # earlier generation): masked by the bias alone it would still make the row NaN. A window
+    # written whole in this generation (a CPU's, which ends at the last column written) holds
+    # none, and is not copied: on 2 cores the copies were 15 % of builtin:tiny-llama's
+    # generation of 32 rows x 16 tokens.
+    if not all_written:
+        hidden = ~key_valid[:, None, :, None]
+        keys, values = keys.masked_fill(hidden, 0.0), values.masked_fill(hidden, 0.0)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias[:, None, None, :], scale=scaling)
 
 

@@ -570,7 +570,7 @@ class StaticDecoder:
                                              _number(layer.attn_norm.variance_epsilon))
             qkv = self._product("qkv", normed, stacked.qkv_weight, stacked.qkv_bias, launches["qkv"])
             attended = decode_attention(qkv, cos, sin, keys[:, :, :window], values[:, :, :window], b.column,
-                                        key_valid, self.scaling)
+                                        key_valid, self.scaling, all_written=self._window_step == 1)
             attention = self._product("o", attended.reshape(batch, -1), layer.o.weight, None, launches["o"])
             x, normed = self._mlp_norm(x, attention, layer.mlp_norm.weight, _number(layer.mlp_norm.variance_epsilon))
             gated = self._product("gated", normed, stacked.gate_up_weight, None, launches["gated"])

@@ -114,6 +114,35 @@ def test_plain_path_matches_the_arithmetic_by_hand() -> None:
     assert changed == [int(inputs["column"])]
 
 
+def test_a_window_written_whole_in_this_generation_is_attended_without_masked_copies(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Columns not attended to hold large but finite keys and values (a CPU's window ends at
+    # the last column written, so none is stale): the bias alone leaves them out, and no
+    # masked copy of the window is made
+    inputs = step_inputs("cpu", torch.float32, window=70)
+    for name in ("keys", "values"):
+        inputs[name] = torch.nan_to_num(inputs[name], nan=5e3, posinf=5e3)
+    copies: list[int] = []
+    masked_fill = torch.Tensor.masked_fill
+
+    def counted(self: torch.Tensor, *args: object) -> torch.Tensor:
+        copies.append(1)
+        return masked_fill(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch.Tensor, "masked_fill", counted)
+    expected, _, _ = by_hand(inputs)
+    batch = inputs["qkv"].shape[0]
+    out = attention.decode_attention(
+        inputs["qkv"], inputs["cos"], inputs["sin"], inputs["keys"][:batch, :, :70],
+        inputs["values"][:batch, :, :70], inputs["column"], inputs["valid"], SCALING, all_written=True)
+    assert copies == []
+    assert torch.allclose(out.double(), expected, atol=1e-5)
+    masked = run(inputs, 70)  # the same step with the masked copies
+    assert len(copies) == 2
+    torch.testing.assert_close(out, masked, atol=1e-6, rtol=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("window", [64, 150, 320])
