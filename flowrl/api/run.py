@@ -485,9 +485,7 @@ def _train(
     measured = cluster.cpu_overheads()
     if measured is not None:
         slot, overheads = measured
-        watcher.event(RunEvent("devices", f"{slot}: a layer's overhead {overheads.forward_layer_s * 1e3:.2f} ms "
-                               f"per forward pass, {overheads.train_layer_s * 1e3:.2f} ms per forward and backward, "
-                               f"{overheads.decode_layer_s * 1e3:.2f} ms per decode step", 0))
+        watcher.event(RunEvent("devices", f"{slot}: {overheads.per_layer_text()}", 0))
     costs = EstimatedCosts(graph, cpu_rates=measure_cpu_rates(overheads=measured[1] if measured else CPU_OVERHEADS),
                            base_dir=base_dir)
     graph, costs, passes = resolve_micro_batches(graph, inventory, match, costs)

@@ -61,12 +61,9 @@ def plan_command(
     else:
         print_plan(plan, console)
         if cpu_rates is not None:
-            overheads = cpu_rates.overheads
             console.print(f"CPU rates measured here: {cpu_rates.flops_per_s / 1e9:.1f} GFLOP/s (fp32 matmul), "
-                          f"{cpu_rates.bandwidth_gbs:.1f} GB/s (copy); a layer's overhead "
-                          f"{overheads.forward_layer_s * 1e3:.2f} ms per forward pass, "
-                          f"{overheads.train_layer_s * 1e3:.2f} ms per forward and backward, "
-                          f"{overheads.decode_layer_s * 1e3:.2f} ms per decode step", highlight=False)
+                          f"{cpu_rates.bandwidth_gbs:.1f} GB/s (copy); {cpu_rates.overheads.per_layer_text()}",
+                          highlight=False)
         for item in passes:
             console.print(escape(item.line()), highlight=False)
     if output is not None:

@@ -414,6 +414,12 @@ class Overheads:
     decode_step_s: float = 0.0
     """One decode step, beside its layers (sampling, the step's bookkeeping)."""
 
+    def per_layer_text(self) -> str:
+        """The per-layer overheads in words, as ``flowrl run`` and ``flowrl plan`` print them."""
+        return (f"a layer's overhead {self.forward_layer_s * 1e3:.2f} ms per forward pass, "
+                f"{self.train_layer_s * 1e3:.2f} ms per forward and backward, "
+                f"{self.decode_layer_s * 1e3:.2f} ms per decode step")
+
 
 CPU_OVERHEADS = Overheads(forward_layer_s=2e-5, train_layer_s=6e-5, decode_layer_s=2e-5)
 """A CPU slot's overheads until measured (``flowrl.planner.overhead_probe``)."""

@@ -113,12 +113,13 @@ class _StepCosts:
         return max((1 / self.speeds.get(d.id, 1.0) for d in devices), default=1.0)
 
     def compute_s(self, node: str, devices: Sequence[Device], offloaded: bool) -> float:
-        nominal = self.base.compute_s(node, devices, offloaded)
-        return nominal * self.slowdown(devices) * self.noise.get(node, 1.0)
+        return self.base.compute_s(node, devices, offloaded) * self._scale(node, devices)
 
     def fixed_s(self, node: str, devices: Sequence[Device], offloaded: bool) -> float:
-        nominal = self.base.fixed_s(node, devices, offloaded)
-        return nominal * self.slowdown(devices) * self.noise.get(node, 1.0)
+        return self.base.fixed_s(node, devices, offloaded) * self._scale(node, devices)
+
+    def _scale(self, node: str, devices: Sequence[Device]) -> float:
+        return self.slowdown(devices) * self.noise.get(node, 1.0)
 
     def memory(self, node: str, width: int, gpu: bool = False) -> NodeMemory:
         return self.base.memory(node, width, gpu)
