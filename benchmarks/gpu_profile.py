@@ -12,7 +12,8 @@ compiler error, a device-side assert) leaves the others standing:
 - ``forward``: the reference forward over ``--batch`` rows of ``--prompt + --new-tokens``
   tokens in passes of ``--micro-batch`` rows: the model's full logits + chunked log-softmax,
   the fused head (``linear_token_logprobs``), and the fused head behind ``torch.compile`` of
-  the backbone; seconds and peak memory each.
+  the backbone; seconds and peak memory each, and the top kernels of the run's variant (each
+  layer compiled).
 - ``update``: forward, backward and a fused AdamW step over the same passes, same variants,
   and the top kernels of one fused step.
 
@@ -221,6 +222,8 @@ def section_forward(args: argparse.Namespace) -> dict[str, Any]:
                     for rows in _passes(args):
                         run(rows, False)
             out[name] = {"s": timed(call, args.repeats), "peak_gb": peak_gb(call)}
+            if name == "fused_head_layers_compiled":  # the run's reference pass
+                out[name]["kernels"] = kernels(call, steps=1, rows=25)
         except Exception:  # noqa: BLE001 - one variant's failure is a result too
             out[name] = {"error": traceback.format_exc()[-1500:]}
     return out
@@ -242,7 +245,7 @@ def section_update(args: argparse.Namespace) -> dict[str, Any]:
                 optimizer.zero_grad(set_to_none=True)
             out[name] = {"s": timed(call, args.repeats), "peak_gb": peak_gb(call)}
             if name in ("fused_head", "fused_head_layers_compiled"):
-                out[name]["kernels"] = kernels(call, steps=1)
+                out[name]["kernels"] = kernels(call, steps=1, rows=25)
         except Exception:  # noqa: BLE001 - one variant's failure is a result too
             out[name] = {"error": traceback.format_exc()[-1500:]}
     return out
