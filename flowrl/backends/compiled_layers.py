@@ -30,7 +30,7 @@ ATTRIBUTE = "_flowrl_compiled_layers"
 
 RECOMPILE_LIMIT = 64
 """Compiled versions the layers' shared code may have (torch's default is 8): the versions
-multiply, by sequence length until the lengths go dynamic, by grad mode, by packed or padded
+multiply, by rows of one row or more, by grad mode, by packed or padded
 rows, by a padded pass with a mask or without one (rows padded only after their tokens) and,
 for a model with adapters, by adapters on and off (its reference pass); past the limit torch
 runs the layers eagerly without a word."""
@@ -45,7 +45,8 @@ class CompiledLayers:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         self.layers = layers
         self.calls: list[Callable[..., Any]] = [
-            torch.compile(layer._call_impl, dynamic=None, backend=backend) for layer in layers
+            _rows_and_lengths_dynamic(torch.compile(layer._call_impl, dynamic=None, backend=backend))
+            for layer in layers
         ]
         self.failed = False
 
@@ -61,6 +62,42 @@ class CompiledLayers:
         finally:
             for layer, before in zip(self.layers, previous):
                 layer._compiled_call_impl = before
+
+
+def _rows_and_lengths_dynamic(call: Callable[..., T]) -> Callable[..., T]:
+    """``call`` (a compiled layer) with the rows and the sequence length of its inputs
+    compiled as sizes that vary from the first call on.
+
+    A run's passes change both every step (the completions' lengths, the rows a micro-batch
+    of tokens holds). Left to torch, the first pass compiles for its exact sizes and the
+    first pass of another length or row count compiles again (seconds each, in the third
+    step of a GRPO run at 0.4B); marked, one version serves them all. The sizes marked are
+    those of the hidden states' first two dimensions wherever another input has them: the
+    rotary tables, the positions, a mask (whose last two are both the length); a feature
+    dimension (the last of a 3-D input: the hidden size, the rotary width) is left as it is."""
+
+    def marked(*args: Any, **kwargs: Any) -> T:
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if isinstance(hidden, torch.Tensor) and hidden.dim() == 3:
+            sizes = {hidden.shape[0], hidden.shape[1]}
+            for value in [*args, *kwargs.values()]:
+                for tensor in value if isinstance(value, (tuple, list)) else (value,):
+                    if isinstance(tensor, torch.Tensor):
+                        _mark(tensor, sizes)
+        return call(*args, **kwargs)
+
+    return marked
+
+
+def _mark(tensor: torch.Tensor, sizes: set[int]) -> None:
+    import torch._dynamo
+
+    last = tensor.dim() - 1
+    for dim, size in enumerate(tensor.shape):
+        feature = dim == last and tensor.dim() == 3
+        if size in sizes and size > 1 and not feature:
+            # "maybe": a size of 1, or one the graph needs exact, is specialised, not an error
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
 
 
 def decoder_layers(module: torch.nn.Module) -> list[torch.nn.Module] | None:

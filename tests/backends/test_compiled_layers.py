@@ -58,6 +58,26 @@ def test_compiled_layers_give_the_eager_values_and_gradients(uneven: bool) -> No
     torch.testing.assert_close(again, expected, atol=1e-5, rtol=0)
 
 
+def test_one_compiled_version_serves_passes_of_other_lengths_and_row_counts() -> None:
+    # Without marking the sizes dynamic, the second length and then the second row count
+    # would each compile again (three graphs in all).
+    torch._dynamo.reset()  # compiled versions are kept per code object, shared by every test's model
+    tokenizer = build_char_tokenizer()
+    model = tiny_policy(seed=5)
+    compiled = compiled_for(model, force=True, backend="aot_eager")
+    assert compiled is not None
+    new_graphs = []
+    for rows, width in [(4, 6), (4, 9), (3, 7), (2, 5), (4, 11)]:
+        prompts = ["1+2=", "3+4=", "5+6=", "7+8="][:rows]
+        rollout = text_rollout(tokenizer, prompts, ["x" * width] * rows, group_size=2, max_new_tokens=width)
+        before = counters["stats"]["unique_graphs"]
+        with torch.no_grad():
+            values = completion_logprobs(model, rollout, CPU)
+        new_graphs.append(counters["stats"]["unique_graphs"] - before)
+        assert values.shape == (rows, width)
+    assert new_graphs == [1, 0, 0, 0, 0] and not compiled.failed
+
+
 def test_a_compiler_failure_warns_once_and_the_model_stays_eager() -> None:
     def failing_backend(graph: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Any:
         raise RuntimeError("no kernels for this graph")
