@@ -3,10 +3,11 @@
     python benchmarks/decode_gemms.py --output benchmarks/results/decode_gemms_h200.json
     python benchmarks/decode_gemms.py --sections products --batches 256
     python benchmarks/decode_gemms.py --sections splits --repeats 5 --output benchmarks/results/decode_splits_h100.json
+    python benchmarks/decode_gemms.py --sections layouts --output benchmarks/results/decode_layouts_h100.json
 
 At batch 256 the layers' four matrix products (q/k/v stacked, attention output, gate/up
 stacked, down) are about half of a 0.4B model's decode step (``gpu_profile.py``'s kernel
-table). Two sections, each writing what it measured:
+table). Sections, each writing what it measured:
 
 - ``products``: each product alone at the decode shapes of ``decode.py``'s model (hidden 896,
   2 KV heads of 64, MLP 4864), as ``F.linear`` through cuBLAS, through cuBLASLt
@@ -21,6 +22,10 @@ table). Two sections, each writing what it measured:
   ``max-autotune`` tunes only the element-wise kernels; the results in
   ``benchmarks/results/decode_gemms_h100.json`` are from when the compiled halves held the
   products.
+- ``layouts``: each product as the decode step meets it (24 layers' weights in turn, so
+  that they come from memory, not from the cache) in four memory layouts cuBLAS treats
+  differently: ``x @ W.T`` with W [out, in] (``F.linear``, the engine's), ``x @ W`` with W
+  stored [in, out], and the transposed output ``W @ x.T`` with W stored either way.
 - ``splits``: the products cut along their inner dimension into 2, 4 and 8 partial sums
   (``static_decode._split_product``, one batched product over strided slices) against whole,
   alone as above (at the 0.4B shape and the 1.5B one: hidden 1536, MLP 8960); and the whole
@@ -107,6 +112,31 @@ def section_products(batches: list[int]) -> dict[str, Any]:
             results[f"{name}_batch{batch}"] = row
             print(name, batch, {key: round(value, 2) if isinstance(value, float) else value
                                 for key, value in row.items()}, flush=True)
+    return results
+
+
+def section_layouts(batches: list[int], layers: int) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for batch in batches:
+        for name, (features_in, features_out) in PRODUCTS.items():
+            x = torch.randn(batch, features_in, device="cuda", dtype=torch.bfloat16)
+            weights = [torch.randn(features_out, features_in, device="cuda", dtype=torch.bfloat16) * 0.02
+                       for _ in range(layers)]
+            stored_in_out = [weight.t().contiguous() for weight in weights]
+            variants: dict[str, Callable[[int], Any]] = {
+                "linear": lambda i: F.linear(x, weights[i]),
+                "weight_in_out": lambda i: torch.mm(x, stored_in_out[i]),
+                "output_transposed": lambda i: torch.mm(weights[i], x.t()),
+                "output_transposed_weight_in_out": lambda i: torch.mm(stored_in_out[i].t(), x.t()),
+            }
+            row: dict[str, Any] = {}
+            for variant, product in variants.items():
+                def every_layer(product: Callable[[int], Any] = product) -> None:
+                    for index in range(layers):
+                        product(index)
+                row[variant] = graph_us(every_layer, per_graph=2) / layers
+            results[f"{name}_batch{batch}"] = row
+            print("layouts", name, batch, {key: round(value, 2) for key, value in row.items()}, flush=True)
     return results
 
 
@@ -232,6 +262,9 @@ def main() -> None:
             except Exception as error:  # noqa: BLE001 - reported, the next variant still runs
                 report["steps"][name] = f"{type(error).__name__}: {str(error)[:300]}"
             write()
+    if "layouts" in sections:
+        report["layouts_us"] = section_layouts(batches, args.layers)
+        write()
     if "splits" in sections:
         report["splits"] = section_splits(batches, args)
     write()
