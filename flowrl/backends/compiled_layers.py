@@ -89,13 +89,16 @@ def _rows_and_lengths_dynamic(call: Callable[..., T]) -> Callable[..., T]:
     return marked
 
 
-def _mark(tensor: torch.Tensor, sizes: set[int]) -> None:
+def _mark(tensor: torch.Tensor, sizes: set[int], dims: range | None = None) -> None:
+    """Mark the dimensions of ``tensor`` (those in ``dims``; None: all but the last of a 3-D
+    tensor, its feature dimension) whose size is one of ``sizes`` as varying."""
     import torch._dynamo
 
-    last = tensor.dim() - 1
-    for dim, size in enumerate(tensor.shape):
-        feature = dim == last and tensor.dim() == 3
-        if size in sizes and size > 1 and not feature:
+    if dims is None:
+        dims = range(tensor.dim() - 1 if tensor.dim() == 3 else tensor.dim())
+    for dim in dims:
+        size = tensor.shape[dim]
+        if size in sizes and size > 1:
             # "maybe": a size of 1, or one the graph needs exact, is specialised, not an error
             torch._dynamo.maybe_mark_dynamic(tensor, dim)
 
@@ -162,7 +165,8 @@ class CompiledFunction:
 
     For the small element-wise and reduction steps around a large matrix product (a chunk of
     logits cast to fp32, scaled, reduced), which eagerly are one pass over the chunk each and
-    compiled are one or two. Shapes start static; a second shape compiles a dynamic version."""
+    compiled are one or two. The rows vary; the other sizes (the vocabulary) are compiled as
+    they come."""
 
     def __init__(self, function: Callable[..., T], what: str, device_types: tuple[str, ...] = ("cuda",),
                  backend: str | Callable[..., Any] = "inductor") -> None:
@@ -179,6 +183,12 @@ class CompiledFunction:
             return self.function(*args)
         if self.compiled is None:
             self.compiled = torch.compile(self.function, dynamic=None, backend=self.backend)
+        # The rows (the first dimension of the first argument, and of every argument of as
+        # many rows) vary from the first call on: a pass's last chunk, and the chunks of a
+        # pass of another length, reuse the version of the first.
+        for value in args:
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                _mark(value, {first.shape[0]}, range(1))
         try:
             return self.compiled(*args)
         except Exception as error:  # noqa: BLE001 - a compiler failure of any kind: stay plain

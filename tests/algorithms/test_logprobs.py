@@ -279,7 +279,9 @@ def test_fused_head_on_a_gpu_in_bf16_matches_the_plain_head(entropy_weight: floa
 
 def test_compiled_chunk_steps_match_the_plain_ones_over_changing_shapes() -> None:
     # What the GPU runs: each chunk's steps traced by torch.compile (here through the
-    # aot_eager backend on the CPU), a second row count compiling a dynamic version.
+    # aot_eager backend on the CPU), one compiled version serving every row count.
+    from torch._dynamo.utils import counters
+
     from flowrl.algorithms.logprobs import (
         _logits_backward,
         _logits_backward_entropy,
@@ -293,11 +295,15 @@ def test_compiled_chunk_steps_match_the_plain_ones_over_changing_shapes() -> Non
     entropy_backward = CompiledFunction(_logits_backward_entropy, "entropy backward", device_types=("cpu",),
                                         backend="aot_eager")
     generator = torch.Generator().manual_seed(9)
+    torch._dynamo.reset()  # compiled versions are kept per code object, shared with other tests
+    forward_graphs = []
     for rows in (8, 5, 3):
         logits = torch.randn(rows, 11, generator=generator).to(torch.bfloat16)
         labels = torch.randint(0, 11, (rows, 1), generator=generator)
         upstream = torch.randn(rows, 1, generator=generator)
+        before = counters["stats"]["unique_graphs"]
         lse, out = forward(logits, labels, 0.7)
+        forward_graphs.append(counters["stats"]["unique_graphs"] - before)
         plain_lse, plain_out = _logits_forward(logits, labels, 0.7)
         torch.testing.assert_close(lse, plain_lse)
         torch.testing.assert_close(out, plain_out)
@@ -324,6 +330,7 @@ def test_compiled_chunk_steps_match_the_plain_ones_over_changing_shapes() -> Non
         plain_grad, _ = _logits_backward_entropy(logits, lse, entropy, labels, upstream, entropy_upstream,
                                                  0.7, False, hit)
         torch.testing.assert_close(grad, plain_grad)
+    assert forward_graphs == [1, 0, 0]
     assert forward.compiled is not None and not forward.failed
     assert entropy_backward.compiled is not None and not entropy_backward.failed
 
