@@ -399,7 +399,8 @@ def compile_benchmark_bytes(l2_cache_mib: float | None) -> float:
 @dataclass(frozen=True)
 class Overheads:
     """What running a model costs beyond its FLOPs and bytes (Python, operator dispatch,
-    kernel launches): per decoder layer of each pass or decode step, and per pass or step."""
+    kernel launches): per decoder layer of each pass or decode step, per layer and token of a
+    pass or row of a step, and per pass or step."""
 
     forward_layer_s: float
     """One layer of a no-grad forward pass."""
@@ -413,12 +414,20 @@ class Overheads:
     """One forward and backward pass, beside its layers."""
     decode_step_s: float = 0.0
     """One decode step, beside its layers (sampling, the step's bookkeeping)."""
+    forward_token_s: float = 0.0
+    """One layer of a no-grad forward, per token of the pass (its small element-wise
+    operations: norms, rotary positions, the gated activation, the attention's softmax)."""
+    train_token_s: float = 0.0
+    """One layer of a forward and backward, per token of the pass."""
+    decode_row_s: float = 0.0
+    """One layer of a decode step, per row decoded."""
 
     def per_layer_text(self) -> str:
         """The per-layer overheads in words, as ``flowrl run`` and ``flowrl plan`` print them."""
-        return (f"a layer's overhead {self.forward_layer_s * 1e3:.2f} ms per forward pass, "
-                f"{self.train_layer_s * 1e3:.2f} ms per forward and backward, "
-                f"{self.decode_layer_s * 1e3:.2f} ms per decode step")
+        return (f"a layer's overhead {self.forward_layer_s * 1e3:.2f} ms + {self.forward_token_s * 1e6:.2f} us "
+                f"per token per forward pass, {self.train_layer_s * 1e3:.2f} ms + {self.train_token_s * 1e6:.2f} us "
+                f"per token per forward and backward, {self.decode_layer_s * 1e3:.2f} ms + "
+                f"{self.decode_row_s * 1e6:.2f} us per row per decode step")
 
 
 CPU_OVERHEADS = Overheads(forward_layer_s=2e-5, train_layer_s=6e-5, decode_layer_s=2e-5)

@@ -231,20 +231,24 @@ class EstimatedCosts:
         forward_overhead = layers * overheads.forward_layer_s + overheads.forward_pass_s
         if work.work == "decode":
             # a prompt repeated for its group's samples is prefilled once
-            prefill = forward_flops(shape, kind, share / work.group_size, prompt) / flops_per_s + forward_overhead
+            prompts = share / work.group_size
+            prefill_overhead = forward_overhead + layers * prompts * prompt * overheads.forward_token_s
+            prefill = forward_flops(shape, kind, prompts, prompt) / flops_per_s + prefill_overhead
             context = prompt + (response + 1) / 2  # mean context over the decode steps
             step_bytes = weights + kv_cache_bytes(shape, dtype, share, 1) * context
             step_flops = forward_flops(shape, kind, share, 1) + (
                 4 * layers * shape.hidden_size * context * share
             )
-            step_overhead = layers * overheads.decode_layer_s + overheads.decode_step_s
+            step_overhead = layers * (overheads.decode_layer_s + share * overheads.decode_row_s) + overheads.decode_step_s
             step = max(step_bytes / bytes_per_s, step_flops / flops_per_s) + step_overhead
-            return prefill + response * step, forward_overhead + response * step_overhead
+            return prefill + response * step, prefill_overhead + response * step_overhead
         seq_len = prompt + response
         if work.shares_prompts(device.kind == "cpu"):
             pass_flops = shared_prompt_flops(shape, kind, share, work.group_size, prompt, response)
+            tokens = share / work.group_size * prompt + share * response  # each prompt once
         else:
             pass_flops = forward_flops(shape, kind, share, seq_len)
+            tokens = share * seq_len
         if work.work == "train":
             # forward + backward (+ recompute); a frozen model's backward (adapters) computes
             # the input gradients only, one forward's FLOPs instead of two
@@ -257,11 +261,14 @@ class EstimatedCosts:
             passes = _passes(mini_share, work.pass_sequences(mini_share))
             per_pass = layers * (overheads.train_layer_s * (1 + backward) / 3 + recompute * overheads.forward_layer_s)
             launches = passes * (per_pass + overheads.train_pass_s)
-            return (work.ppo_epochs * (compute + work.num_mini_batches * (optimizer + launches)),
-                    work.ppo_epochs * work.num_mini_batches * launches)
+            # and per token, over the whole batch once per epoch (whatever its mini-batches)
+            per_token = layers * (overheads.train_token_s * (1 + backward) / 3 + recompute * overheads.forward_token_s)
+            token_overhead = tokens * per_token
+            return (work.ppo_epochs * (compute + token_overhead + work.num_mini_batches * (optimizer + launches)),
+                    work.ppo_epochs * (token_overhead + work.num_mini_batches * launches))
         # score with a reward model, reference_logprob, value: one no-grad forward per pass
         forward = pass_flops / flops_per_s
-        fixed = _passes(share, work.pass_sequences(share)) * forward_overhead
+        fixed = _passes(share, work.pass_sequences(share)) * forward_overhead + layers * tokens * overheads.forward_token_s
         return forward + weights / bytes_per_s + fixed, fixed
 
     def _rates(self, device: Device, dtype: str) -> tuple[float, float, Overheads]:

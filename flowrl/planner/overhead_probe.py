@@ -6,11 +6,16 @@ FLOPs. On this project's 2-core machine a decoder layer of a hidden-64 Llama too
 its FLOPs take microseconds; the cost model's fixed 20 us per layer priced the tiny
 pipelines' first plans at a fifth to a third of their measured steps. The probe times
 models of one and of three layers: the difference per added layer is a layer's overhead,
-what is left of the one-layer time the pass's (or the step's). The passes run on one
-thread and are timed by that thread's CPU time, so that other processes on the machine (a
-busy CI runner, another run) do not count; the two models take turns, a first round warms
-up, and the best of ``repeats`` more is kept, with the garbage collector off. The global
-random state and the thread count are left as they were.
+what is left of the one-layer time the pass's (or the step's). A layer's overhead grows
+with the rows: here a hidden-64 layer took 0.33 ms per forward pass of 4 rows of 16 tokens
+and 1.18 ms of 32 rows, of which its added FLOPs take about 0.3 ms. So both models run at 4
+and at 32 rows, and the growth is charged per token of a pass (per row of a decode step).
+That part holds the probe model's own FLOPs (about a third of it for a forward), which the
+cost model charges again for the real model: small next to the small operations' costs it
+measures. The passes run on one thread and are timed by that thread's CPU time, so that
+other processes on the machine (a busy CI runner, another run) do not count; the models and
+row counts take turns, a first round warms up, and the best of ``repeats`` more is kept,
+with the garbage collector off. The global random state and the thread count are left as they were.
 
 A run measures on one of its CPU workers, which load models anyway (``Cluster.cpu_overheads``),
 so the driver imports neither torch nor transformers for it; ``flowrl plan`` and ``flowrl
@@ -30,9 +35,10 @@ from flowrl.planner.cost import CPU_OVERHEADS, Overheads
 
 PROBE_LAYERS = (1, 3)
 """Decoder layers of the two probe models."""
-PROBE_ROWS = 4
+PROBE_ROWS = (4, 32)
 PROBE_TOKENS = 16
-"""Rows and tokens of a probe pass (and of a decode's prompt: PROBE_TOKENS // 4)."""
+"""Rows of the probe's passes and generations, a few and many, and tokens of a pass (and of a
+decode's prompt: PROBE_TOKENS // 4)."""
 DECODE_STEPS = 16
 """Decode steps timed beyond a first short generation (whose prefill they leave out)."""
 
@@ -58,14 +64,34 @@ def measure_cpu_overheads(repeats: int = 5) -> Overheads:
     torch.set_num_threads(1)
     try:
         with torch.random.fork_rng(devices=[]):
-            few, many = _timings([_tiny_llama(layers) for layers in PROBE_LAYERS], max(1, repeats))
+            timings = _timings([_tiny_llama(layers) for layers in PROBE_LAYERS], max(1, repeats))
     finally:
         torch.set_num_threads(threads)
-    added = PROBE_LAYERS[1] - PROBE_LAYERS[0]
-    per_layer = [max(0.0, (more - less) / added) for less, more in zip(few, many)]
-    rest = [max(0.0, less - PROBE_LAYERS[0] * layer) for less, layer in zip(few, per_layer)]
-    return Overheads(forward_layer_s=per_layer[0], train_layer_s=per_layer[1], decode_layer_s=per_layer[2],
-                     forward_pass_s=rest[0], train_pass_s=rest[1], decode_step_s=rest[2])
+    return overheads_from(timings)
+
+
+def overheads_from(timings: dict[tuple[int, int], tuple[float, float, float]]) -> Overheads:
+    """Overheads from the probe's (forward, forward and backward, decode step) seconds per
+    (layers, rows): a layer's time is the difference per added layer; it grows with the rows
+    by a part per token of a pass (``PROBE_TOKENS`` per row) or per row of a step, and what is
+    left at no rows is the layer's own; what is left of the one-layer model at a few rows,
+    beyond its layer, is the pass's (or step's)."""
+    (few_layers, many_layers), (few_rows, many_rows) = PROBE_LAYERS, PROBE_ROWS
+    added = many_layers - few_layers
+
+    def layer_s(rows: int) -> list[float]:
+        return [max(0.0, (more - less) / added)
+                for less, more in zip(timings[few_layers, rows], timings[many_layers, rows])]
+
+    narrow, wide = layer_s(few_rows), layer_s(many_rows)
+    per_row = [max(0.0, (w - n) / (many_rows - few_rows)) for n, w in zip(narrow, wide)]
+    per_unit = [per_row[0] / PROBE_TOKENS, per_row[1] / PROBE_TOKENS, per_row[2]]  # tokens of a pass, rows of a step
+    units = [few_rows * PROBE_TOKENS, few_rows * PROBE_TOKENS, few_rows]
+    own = [max(0.0, n - count * unit) for n, count, unit in zip(narrow, units, per_unit)]
+    rest = [max(0.0, total - few_layers * layer) for total, layer in zip(timings[few_layers, few_rows], narrow)]
+    return Overheads(forward_layer_s=own[0], train_layer_s=own[1], decode_layer_s=own[2],
+                     forward_pass_s=rest[0], train_pass_s=rest[1], decode_step_s=rest[2],
+                     forward_token_s=per_unit[0], train_token_s=per_unit[1], decode_row_s=per_unit[2])
 
 
 def _tiny_llama(layers: int) -> Any:
@@ -78,15 +104,14 @@ def _tiny_llama(layers: int) -> Any:
     return LlamaForCausalLM(config)
 
 
-def _timings(models: list[Any], repeats: int) -> list[tuple[float, float, float]]:
-    """Per model: (forward pass, forward and backward pass, decode step) seconds of this
-    thread's CPU time, the best of ``repeats`` rounds in which the models take turns."""
+def _timings(models: list[Any], repeats: int) -> dict[tuple[int, int], tuple[float, float, float]]:
+    """Per (model's layers, rows): (forward pass, forward and backward pass, decode step)
+    seconds of this thread's CPU time, the best of ``repeats`` rounds in which the models and
+    the row counts take turns."""
     import torch
 
     from flowrl.backends.static_decode import StaticDecoder
 
-    ids = torch.ones((PROBE_ROWS, PROBE_TOKENS), dtype=torch.long)
-    prompt = ids[:, : PROBE_TOKENS // 4]
     decoders = [StaticDecoder(model.eval()) for model in models]
 
     def timed(call: Any) -> float:
@@ -94,7 +119,10 @@ def _timings(models: list[Any], repeats: int) -> list[tuple[float, float, float]
         call()
         return time.thread_time() - start
 
-    def calls(model: Any, decoder: Any) -> list[Any]:
+    def calls(model: Any, decoder: Any, rows: int) -> list[Any]:
+        ids = torch.ones((rows, PROBE_TOKENS), dtype=torch.long)
+        prompt = ids[:, : PROBE_TOKENS // 4]
+
         def forward() -> None:
             with torch.no_grad():
                 model(input_ids=ids, use_cache=False)
@@ -109,8 +137,9 @@ def _timings(models: list[Any], repeats: int) -> list[tuple[float, float, float]
 
         return [forward, train, generate(2 + DECODE_STEPS), generate(2)]
 
-    work = [calls(model, decoder) for model, decoder in zip(models, decoders)]
-    best = [[float("inf")] * 4 for _ in models]
+    keys = [(model.config.num_hidden_layers, rows) for model in models for rows in PROBE_ROWS]
+    work = [calls(model, decoder, rows) for model, decoder in zip(models, decoders) for rows in PROBE_ROWS]
+    best = [[float("inf")] * 4 for _ in work]
     collecting = gc.isenabled()
     gc.disable()
     try:
@@ -123,4 +152,4 @@ def _timings(models: list[Any], repeats: int) -> list[tuple[float, float, float]
     finally:
         if collecting:
             gc.enable()
-    return [(forward, train, (long - short) / DECODE_STEPS) for forward, train, long, short in best]
+    return {key: (forward, train, (long - short) / DECODE_STEPS) for key, (forward, train, long, short) in zip(keys, best)}

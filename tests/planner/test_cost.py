@@ -446,6 +446,61 @@ def test_a_cpu_slot_s_overheads_are_paid_per_layer_and_per_pass_or_step() -> Non
         pytest.approx(2 * (2 * 2e-3 + 7e-4)))
 
 
+def test_a_cpu_slot_s_overheads_per_token_and_per_row_are_paid_for_every_token_and_row() -> None:
+    # 16 rows (4 prompts x 4) of tiny-llama (2 layers), prompts of P and completions of R
+    # tokens: the prefill's 4 x P tokens, then R decode steps of 16 rows; the reference's
+    # and the update's passes over 16 x (P + R) tokens (in passes of 4 and 8 rows), or, in
+    # one pass, each prompt once: 4 x P + 16 x R
+    from flowrl.planner.cost import CpuRates, Overheads
+    from flowrl.planner.costs import EstimatedCosts
+    from flowrl.spec.loader import pipeline_from_dict
+    from tests.planner.conftest import cpu, grpo
+
+    tiny = "builtin:tiny-llama"
+    spec = grpo({"path": tiny, "device_group": "actor_group"}, {"path": tiny, "device_group": "ref_group"},
+                {"actor_group": {"type": "cpu"}, "ref_group": {"type": "cpu"}}, batch_size=4, n=4)
+    per_token = Overheads(0.0, 0.0, 0.0, forward_token_s=1e-5, train_token_s=3e-5, decode_row_s=2e-5)
+    for split in (False, True):
+        if split:
+            row = EstimatedCosts(pipeline_from_dict(spec)).work("ref")
+            spec["nodes"]["ref"]["micro_batch_tokens"] = 4 * (row.prompt_tokens + row.response_tokens)
+            spec["nodes"]["train"]["micro_batch_tokens"] = 8 * (row.prompt_tokens + row.response_tokens)
+        graph = pipeline_from_dict(spec)
+        paid = EstimatedCosts(graph, cpu_rates=CpuRates(overheads=per_token))
+        plain = EstimatedCosts(graph, cpu_rates=CpuRates(overheads=Overheads(0.0, 0.0, 0.0)))
+        prompt, response = paid.work("ref").prompt_tokens, paid.work("ref").response_tokens
+        tokens = 16 * (prompt + response) if split else 4 * prompt + 16 * response
+        assert paid.work("ref").shares_prompts(True) is not split
+
+        def extra(node: str) -> float:
+            return paid.compute_s(node, [cpu(0)], False) - plain.compute_s(node, [cpu(0)], False)
+
+        assert extra("rollout") == pytest.approx(2 * 4 * prompt * 1e-5 + response * 2 * 16 * 2e-5)
+        assert extra("ref") == pytest.approx(2 * tokens * 1e-5)
+        assert extra("train") == pytest.approx(2 * tokens * 3e-5)
+        for node in ("rollout", "ref", "train"):  # all of it overheads, not slowed by sharing cores
+            assert paid.fixed_s(node, [cpu(0)], False) - plain.fixed_s(node, [cpu(0)], False) == (
+                pytest.approx(extra(node)))
+
+
+def test_the_probe_s_overheads_come_from_the_differences_between_its_timings() -> None:
+    # (forward, forward and backward, decode step) seconds of the 1- and 3-layer models at
+    # 4 and 32 rows (passes of 16 tokens a row): a layer costs a + b per token (or row)
+    from flowrl.planner.overhead_probe import overheads_from
+
+    def seconds(layers: int, rows: int) -> tuple[float, float, float]:
+        tokens = 16 * rows
+        return (1e-3 + layers * (2e-4 + tokens * 1e-6), 3e-3 + layers * (6e-4 + tokens * 4e-6),
+                5e-4 + layers * (1e-4 + rows * 2e-6))
+
+    overheads = overheads_from({(layers, rows): seconds(layers, rows) for layers in (1, 3) for rows in (4, 32)})
+    assert overheads.forward_layer_s == pytest.approx(2e-4) and overheads.forward_token_s == pytest.approx(1e-6)
+    assert overheads.train_layer_s == pytest.approx(6e-4) and overheads.train_token_s == pytest.approx(4e-6)
+    assert overheads.decode_layer_s == pytest.approx(1e-4) and overheads.decode_row_s == pytest.approx(2e-6)
+    assert (overheads.forward_pass_s, overheads.train_pass_s, overheads.decode_step_s) == pytest.approx(
+        (1e-3, 3e-3, 5e-4))
+
+
 def test_the_overhead_probe_measures_layers_and_passes_and_leaves_the_process_as_it_was() -> None:
     import torch
 
@@ -457,6 +512,8 @@ def test_the_overhead_probe_measures_layers_and_passes_and_leaves_the_process_as
     # three layers take longer than one in every kind of call; a backward more than a forward
     assert 0 < overheads.decode_layer_s and 0 < overheads.forward_layer_s < overheads.train_layer_s
     assert min(overheads.forward_pass_s, overheads.train_pass_s, overheads.decode_step_s) >= 0
+    # more rows cost more: a pass's tokens and a step's rows each add a share of a layer
+    assert overheads.forward_token_s > 0 and overheads.train_token_s > 0 and overheads.decode_row_s > 0
     assert torch.get_num_threads() == threads
     assert torch.equal(torch.random.get_rng_state(), state)
 
