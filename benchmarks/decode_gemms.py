@@ -22,10 +22,12 @@ table). Sections, each writing what it measured:
   ``max-autotune`` tunes only the element-wise kernels; the results in
   ``benchmarks/results/decode_gemms_h100.json`` are from when the compiled halves held the
   products.
-- ``layouts``: each product as the decode step meets it (24 layers' weights in turn, so
-  that they come from memory, not from the cache) in four memory layouts cuBLAS treats
+- ``layouts``: each product as the decode step meets it (24 layers' weights in turn: the
+  gate/up and down weights, 418 and 209 MB, come from memory; the q/k/v and output ones, 50
+  and 39 MB, may partly stay in an H100's 50 MB cache) in four memory layouts cuBLAS treats
   differently: ``x @ W.T`` with W [out, in] (``F.linear``, the engine's), ``x @ W`` with W
-  stored [in, out], and the transposed output ``W @ x.T`` with W stored either way.
+  stored [in, out], and the transposed output ``W @ x.T`` with W stored either way (timed
+  alone: what reading a transposed output costs its consumer is not counted).
 - ``splits``: the products cut along their inner dimension into 2, 4 and 8 partial sums
   (``static_decode._split_product``, one batched product over strided slices) against whole,
   alone as above (at the 0.4B shape and the 1.5B one: hidden 1536, MLP 8960); and the whole

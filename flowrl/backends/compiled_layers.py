@@ -30,7 +30,8 @@ ATTRIBUTE = "_flowrl_compiled_layers"
 
 RECOMPILE_LIMIT = 64
 """Compiled versions the layers' shared code may have (torch's default is 8): the versions
-multiply, by rows of one row or more, by grad mode, by packed or padded
+multiply, by passes of one row against passes of more (a size of 1 is always exact), by the
+lengths of packed passes (see :func:`_rows_and_lengths_dynamic`), by grad mode, by packed or padded
 rows, by a padded pass with a mask or without one (rows padded only after their tokens) and,
 for a model with adapters, by adapters on and off (its reference pass); past the limit torch
 runs the layers eagerly without a word."""
@@ -71,10 +72,14 @@ def _rows_and_lengths_dynamic(call: Callable[..., T]) -> Callable[..., T]:
     A run's passes change both every step (the completions' lengths, the rows a micro-batch
     of tokens holds). Left to torch, the first pass compiles for its exact sizes and the
     first pass of another length or row count compiles again (seconds each, in the third
-    step of a GRPO run at 0.4B); marked, one version serves them all. The sizes marked are
-    those of the hidden states' first two dimensions wherever another input has them: the
-    rotary tables, the positions, a mask (whose last two are both the length); a feature
-    dimension (the last of a 3-D input: the hidden size, the rotary width) is left as it is."""
+    step of a GRPO run at 0.4B); marked, one version of a padded pass serves them all. A packed
+    pass's layer breaks its graph at the attention (run outside the graphs), and the part after
+    it receives the length as a plain number: it still compiles once more for a second length.
+    The sizes marked are those of the hidden states' first two dimensions wherever another input
+    has them: the rotary tables, the positions, a 4-D mask (whose last two are both the length);
+    a feature dimension (the last of a 3-D input: the hidden size, the rotary width) is left as
+    it is. Inputs of other layouts (a 3-D mask, a 4-D rotary table of several position kinds)
+    would need their own rule; no supported model passes them.
 
     def marked(*args: Any, **kwargs: Any) -> T:
         hidden = args[0] if args else kwargs.get("hidden_states")
