@@ -79,7 +79,7 @@ def _rows_and_lengths_dynamic(call: Callable[..., T]) -> Callable[..., T]:
     has them: the rotary tables, the positions, a 4-D mask (whose last two are both the length);
     a feature dimension (the last of a 3-D input: the hidden size, the rotary width) is left as
     it is. Inputs of other layouts (a 3-D mask, a 4-D rotary table of several position kinds)
-    would need their own rule; no supported model passes them.
+    would need their own rule; no supported model passes them."""
 
     def marked(*args: Any, **kwargs: Any) -> T:
         hidden = args[0] if args else kwargs.get("hidden_states")
