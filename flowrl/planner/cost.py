@@ -423,7 +423,8 @@ class Overheads:
     """One layer of a decode step, per row decoded."""
 
     def per_layer_text(self) -> str:
-        """The per-layer overheads in words, as ``flowrl run`` and ``flowrl plan`` print them."""
+        """A layer's overheads (its own, and per token or row) in words, as ``flowrl run`` and
+        ``flowrl plan`` print them."""
         return (f"a layer's overhead {self.forward_layer_s * 1e3:.2f} ms + {self.forward_token_s * 1e6:.2f} us "
                 f"per token per forward pass, {self.train_layer_s * 1e3:.2f} ms + {self.train_token_s * 1e6:.2f} us "
                 f"per token per forward and backward, {self.decode_layer_s * 1e3:.2f} ms + "
@@ -431,7 +432,8 @@ class Overheads:
 
 
 CPU_OVERHEADS = Overheads(forward_layer_s=2e-5, train_layer_s=6e-5, decode_layer_s=2e-5)
-"""A CPU slot's overheads until measured (``flowrl.planner.overhead_probe``)."""
+"""A CPU slot's overheads until measured (``flowrl.planner.overhead_probe``); none per token
+or row, so a plan on them (after a failed probe) is the more optimistic for small models."""
 
 
 @dataclass(frozen=True)

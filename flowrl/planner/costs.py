@@ -132,7 +132,8 @@ class CostSource(Protocol):
 
     def fixed_s(self, node: str, devices: Sequence[Device], offloaded: bool) -> float:
         """The part of :meth:`compute_s` that the threads a call gets do not shorten (the
-        call's and the model's per-layer and per-pass overheads: Python and dispatch), so
+        call's and the model's overheads per layer, per token of a pass or row of a decode
+        step, and per pass: Python, dispatch, small element-wise operations), so
         that sharing a machine's cores does not slow it (``planner.sharing.shared_time``)."""
         ...
 
@@ -261,8 +262,10 @@ class EstimatedCosts:
             passes = _passes(mini_share, work.pass_sequences(mini_share))
             per_pass = layers * (overheads.train_layer_s * (1 + backward) / 3 + recompute * overheads.forward_layer_s)
             launches = passes * (per_pass + overheads.train_pass_s)
-            # and per token, over the whole batch once per epoch (whatever its mini-batches)
-            per_token = layers * (overheads.train_token_s * (1 + backward) / 3 + recompute * overheads.forward_token_s)
+            # and per token, over the whole batch once per epoch (whatever its mini-batches);
+            # a frozen model's backward skips the weights' gradients (FLOPs), not the small
+            # element-wise steps that carry the input gradients, so the token part stays whole
+            per_token = layers * (overheads.train_token_s + recompute * overheads.forward_token_s)
             token_overhead = tokens * per_token
             return (work.ppo_epochs * (compute + token_overhead + work.num_mini_batches * (optimizer + launches)),
                     work.ppo_epochs * (token_overhead + work.num_mini_batches * launches))

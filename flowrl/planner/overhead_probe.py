@@ -55,9 +55,9 @@ def cpu_overheads_or_defaults(repeats: int = 5) -> Overheads:
 
 @functools.lru_cache(maxsize=4)
 def measure_cpu_overheads(repeats: int = 5) -> Overheads:
-    """The overheads of a pass and of a decode step on this machine's CPU, per layer and
-    per pass or step (about 0.2 s once torch and transformers are imported; measured once
-    per process and ``repeats``)."""
+    """The overheads of a pass and of a decode step on this machine's CPU, per layer, per
+    token of a pass or row of a step, and per pass or step (about 0.5 s once torch and
+    transformers are imported; measured once per process and ``repeats``)."""
     import torch
 
     threads = torch.get_num_threads()

@@ -75,8 +75,10 @@ class NodeWork:
     def shares_prompts(self, on_cpu: bool) -> bool:
         """Whether this node's passes compute each prompt once per group: a policy's
         log-prob passes (reference, update) on a CPU, in one pass over the rows in rollout
-        order (no token budget splitting them, no shuffled mini-batches)."""
-        in_order = self.micro_batch_tokens is None and (self.work != "train" or self.num_mini_batches == 1)
+        order (no token budget splitting them; for an update, one epoch of one mini-batch, the
+        rows unshuffled, and no recomputed activations, whose passes run padded)."""
+        single_step = self.num_mini_batches == 1 and self.ppo_epochs == 1 and not self.checkpointing
+        in_order = self.micro_batch_tokens is None and (self.work != "train" or single_step)
         log_probs = self.kind == "policy" and self.work in ("forward", "train")
         return on_cpu and log_probs and self.group_size > 1 and in_order
 

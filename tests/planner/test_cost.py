@@ -451,6 +451,8 @@ def test_a_cpu_slot_s_overheads_per_token_and_per_row_are_paid_for_every_token_a
     # tokens: the prefill's 4 x P tokens, then R decode steps of 16 rows; the reference's
     # and the update's passes over 16 x (P + R) tokens (in passes of 4 and 8 rows), or, in
     # one pass, each prompt once: 4 x P + 16 x R
+    from dataclasses import replace
+
     from flowrl.planner.cost import CpuRates, Overheads
     from flowrl.planner.costs import EstimatedCosts
     from flowrl.spec.loader import pipeline_from_dict
@@ -481,6 +483,20 @@ def test_a_cpu_slot_s_overheads_per_token_and_per_row_are_paid_for_every_token_a
         for node in ("rollout", "ref", "train"):  # all of it overheads, not slowed by sharing cores
             assert paid.fixed_s(node, [cpu(0)], False) - plain.fixed_s(node, [cpu(0)], False) == (
                 pytest.approx(extra(node)))
+        # a frozen model with adapters: its backward's FLOPs shrink, not its per-token steps
+        train = paid.work("train")
+        adapted = paid.with_work("train", replace(train, adapter_parameters=8))
+        adapted_plain = plain.with_work("train", replace(train, adapter_parameters=8))
+        assert adapted.compute_s("train", [cpu(0)], False) - adapted_plain.compute_s("train", [cpu(0)], False) == (
+            pytest.approx(2 * tokens * 3e-5))
+    # checkpointing: every row padded (recomputed passes share no prompt), a forward's
+    # per-token overhead more per layer
+    recomputed = paid.with_work("train", replace(paid.work("train"), checkpointing=True, micro_batch_tokens=None))
+    recomputed_plain = plain.with_work("train", replace(plain.work("train"), checkpointing=True,
+                                                        micro_batch_tokens=None))
+    assert not recomputed.work("train").shares_prompts(True)
+    assert recomputed.compute_s("train", [cpu(0)], False) - recomputed_plain.compute_s("train", [cpu(0)], False) == (
+        pytest.approx(2 * 16 * (prompt + response) * (3e-5 + 1e-5)))
 
 
 def test_the_probe_s_overheads_come_from_the_differences_between_its_timings() -> None:
