@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -244,12 +244,22 @@ class EstimatedCosts:
             step = max(step_bytes / bytes_per_s, step_flops / flops_per_s) + step_overhead
             return prefill + response * step, prefill_overhead + response * step_overhead
         seq_len = prompt + response
-        if work.shares_prompts(device.kind == "cpu"):
-            pass_flops = shared_prompt_flops(shape, kind, share, work.group_size, prompt, response)
-            tokens = share / work.group_size * prompt + share * response  # each prompt once
-        else:
-            pass_flops = forward_flops(shape, kind, share, seq_len)
-            tokens = share * seq_len
+
+        def pass_work(sharing: bool) -> tuple[float, float]:
+            """(FLOPs, tokens) of one pass over the share: each prompt once where ``sharing``."""
+            if sharing:
+                return (shared_prompt_flops(shape, kind, share, work.group_size, prompt, response),
+                        share / work.group_size * prompt + share * response)
+            return forward_flops(shape, kind, share, seq_len), share * seq_len
+
+        def no_grad_forward(sharing: bool) -> tuple[float, float]:
+            """(seconds, overheads among them) of a no-grad forward over the share in passes."""
+            flops, tokens = pass_work(sharing)
+            fixed = _passes(share, work.pass_sequences(share)) * forward_overhead + layers * tokens * overheads.forward_token_s
+            return flops / flops_per_s + weights / bytes_per_s + fixed, fixed
+
+        on_cpu = device.kind == "cpu"
+        pass_flops, tokens = pass_work(work.shares_prompts(on_cpu))
         if work.work == "train":
             # forward + backward (+ recompute); a frozen model's backward (adapters) computes
             # the input gradients only, one forward's FLOPs instead of two
@@ -267,12 +277,13 @@ class EstimatedCosts:
             # element-wise steps that carry the input gradients, so the token part stays whole
             per_token = layers * (overheads.train_token_s + recompute * overheads.forward_token_s)
             token_overhead = tokens * per_token
-            return (work.ppo_epochs * (compute + token_overhead + work.num_mini_batches * (optimizer + launches)),
-                    work.ppo_epochs * (token_overhead + work.num_mini_batches * launches))
+            # the old log-probs (or values) first: a no-grad forward in the rollout's order
+            old_s, old_fixed = (no_grad_forward(replace(work, work="forward").shares_prompts(on_cpu))
+                                if work.old_outputs_pass else (0.0, 0.0))
+            return (old_s + work.ppo_epochs * (compute + token_overhead + work.num_mini_batches * (optimizer + launches)),
+                    old_fixed + work.ppo_epochs * (token_overhead + work.num_mini_batches * launches))
         # score with a reward model, reference_logprob, value: one no-grad forward per pass
-        forward = pass_flops / flops_per_s
-        fixed = _passes(share, work.pass_sequences(share)) * forward_overhead + layers * tokens * overheads.forward_token_s
-        return forward + weights / bytes_per_s + fixed, fixed
+        return no_grad_forward(work.shares_prompts(on_cpu))
 
     def _rates(self, device: Device, dtype: str) -> tuple[float, float, Overheads]:
         """(FLOP/s, bytes/s, overheads) that ``device`` achieves for ``dtype``."""

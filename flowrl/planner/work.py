@@ -18,7 +18,7 @@ from flowrl.data.files import load_split
 from flowrl.errors import DataError
 from flowrl.graph import PipelineGraph
 from flowrl.planner.cost import ModelShape, adapted_weight_parameters, adapter_parameters, resolve_shape
-from flowrl.spec.schema import GenerateNode, Output, UpdateNode, Work
+from flowrl.spec.schema import GenerateNode, Output, UpdateNode, ValueNode, Work
 
 CHARS_PER_TOKEN = 4.0
 """Characters per token of a subword tokenizer (English text); the builtin one uses 1."""
@@ -64,6 +64,10 @@ class NodeWork:
     group_size: int = 1
     """Samples per prompt of the rollout (its ``n``): generation prefills each prompt once,
     and a pass on a CPU that holds whole groups computes each prompt once."""
+    old_outputs_pass: bool = False
+    """An update that first runs a no-grad forward over its whole batch: a policy's log-probs
+    before its first step when it takes several (epochs or mini-batches), a value model's
+    values when no value node gives them (``roles.update``)."""
 
     @property
     def trained_parameters(self) -> int:
@@ -108,10 +112,16 @@ def node_work(
     shape = resolve_shape(model.path, base_dir) if model is not None else None
     mini_batches, mini_sequences = 1, sequences
     epochs = 1
+    old_outputs_pass = False
     if isinstance(node_spec, UpdateNode):
         mini_sequences = min(node_spec.mini_batch_size or sequences, sequences)
         mini_batches = -(-sequences // mini_sequences)  # ceiling division
         epochs = node_spec.ppo_epochs
+        if model is not None and model.kind == "value":
+            old_outputs_pass = not any(isinstance(spec.nodes.get(producer), ValueNode)
+                                       for producer in pipeline.producers(node))
+        else:
+            old_outputs_pass = epochs > 1 or mini_batches > 1
     return NodeWork(
         work=node_spec.work,
         output=node_spec.output,
@@ -134,6 +144,7 @@ def node_work(
         mini_batch_sequences=mini_sequences,
         micro_batch_tokens=_pass_budget(getattr(node_spec, "micro_batch_tokens", None)),
         group_size=rollout_spec.n,
+        old_outputs_pass=old_outputs_pass,
     )
 
 

@@ -499,6 +499,39 @@ def test_a_cpu_slot_s_overheads_per_token_and_per_row_are_paid_for_every_token_a
         pytest.approx(2 * 16 * (prompt + response) * (3e-5 + 1e-5)))
 
 
+def test_an_update_of_several_steps_first_runs_a_no_grad_forward_for_its_old_outputs() -> None:
+    # the policy's log-probs before its first step (two epochs, or two mini-batches): one
+    # no-grad forward over the batch more, what the reference node costs on the same slot;
+    # a critic's values before its first step unless a value node gives them
+    from dataclasses import replace
+
+    from flowrl.planner.costs import CALL_OVERHEAD_S, EstimatedCosts
+    from flowrl.spec.loader import load_pipeline, pipeline_from_dict
+    from tests.planner.conftest import cpu, grpo
+
+    tiny = "builtin:tiny-llama"
+    spec = grpo({"path": tiny, "device_group": "actor_group"}, {"path": tiny, "device_group": "ref_group"},
+                {"actor_group": {"type": "cpu"}, "ref_group": {"type": "cpu"}}, batch_size=4, n=4)
+    one = EstimatedCosts(pipeline_from_dict(spec))
+    assert not one.work("train").old_outputs_pass
+    step = one.compute_s("train", [cpu(0)], False)
+    ref = one.compute_s("ref", [cpu(0)], False) - CALL_OVERHEAD_S  # the same model, same rows, no grad
+    for setting in ({"ppo_epochs": 2}, {"mini_batch_size": 8}):
+        several = EstimatedCosts(pipeline_from_dict({**spec, "nodes": {
+            **spec["nodes"], "train": {**spec["nodes"]["train"], **setting}}}))
+        work = several.work("train")
+        assert work.old_outputs_pass
+        epochs, minis = work.ppo_epochs, work.num_mini_batches
+        # the steps themselves: per epoch as before, plus each further mini-batch's optimizer
+        # step and pass overheads; the old log-probs: exactly one reference-like forward
+        plain = several.with_work("train", replace(work, old_outputs_pass=False)).compute_s("train", [cpu(0)], False)
+        assert several.compute_s("train", [cpu(0)], False) - plain == pytest.approx(ref)
+        assert epochs * minis == 2 and plain > step
+    ppo = Path(__file__).resolve().parents[2] / "pipelines"
+    assert EstimatedCosts(load_pipeline(ppo / "ppo.yaml")).work("train_critic").old_outputs_pass
+    assert not EstimatedCosts(load_pipeline(ppo / "ppo_tiny.yaml")).work("train_critic").old_outputs_pass
+
+
 def test_the_probe_s_overheads_come_from_the_differences_between_its_timings() -> None:
     # (forward, forward and backward, decode step) seconds of the 1- and 3-layer models at
     # 4 and 32 rows (passes of 16 tokens a row): a layer costs a + b per token (or row)
