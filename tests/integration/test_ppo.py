@@ -37,9 +37,13 @@ def test_ppo_tiny_learns_with_critic_reward_model_and_kl_penalty(tmp_path: Path)
     assert result.metric("actor/reward_kl_penalty_coeff") == [0.02] * 40
 
     plan = json.loads((output / "plan-0.json").read_text())
-    # four groups, two CPU slots of one machine: side by side the model nodes would divide its
-    # cores (flowrl/planner/sharing.py), so the planner puts every group on one slot
-    assert set(plan["runtime"]["node_slots"].values()) == {"cpu-0"}
+    # four groups, two CPU slots of one machine: side by side the model nodes divide its cores
+    # (flowrl/planner/sharing.py). The actor's chain stays on one slot (a reference apart is
+    # predicted a fifth slower); the critic's group joins it or takes the other slot, as the
+    # overheads measured at start put the two layouts within 10 % of each other or not
+    slots = plan["runtime"]["node_slots"]
+    assert slots["rollout"] == slots["ref"] == slots["train_actor"]
+    assert slots["values"] == slots["train_critic"] and set(slots.values()) <= {"cpu-0", "cpu-1"}
     # final/ is the actor; the trained critic sits beside it, a token classifier transformers opens
     AutoModelForCausalLM.from_pretrained(output / "final")
     assert isinstance(AutoModelForTokenClassification.from_pretrained(output / "final" / "critic"), LlamaForTokenClassification)
