@@ -259,8 +259,8 @@ class EstimatedCosts:
             return flops / flops_per_s + weights / bytes_per_s + fixed, fixed
 
         on_cpu = device.kind == "cpu"
-        pass_flops, tokens = pass_work(work.shares_prompts(on_cpu))
         if work.work == "train":
+            pass_flops, tokens = pass_work(work.shares_prompts(on_cpu))
             # forward + backward (+ recompute); a frozen model's backward (adapters) computes
             # the input gradients only, one forward's FLOPs instead of two
             backward = 1 if work.adapter_parameters else 2
