@@ -334,22 +334,29 @@ class DynamicPolicy:
         for event in events:
             if isinstance(event, DeviceLost):
                 devices = [d for d in devices if d.id != event.device]
-                self.calibration.forget(event.device)
-                self._flags.slow.discard(event.device)
+                self._forget(event.device)
             elif isinstance(event, DeviceAdded) and all(d.id != event.device.id for d in devices):
                 devices.append(event.device)
             elif isinstance(event, DeviceReplaced):
                 # another machine: what was learned of the device's speed no longer holds
                 devices = [event.device if d.id == event.device.id else d for d in devices]
                 hosts = [h for h in hosts if h.name != event.host.name] + [event.host]
-                self.calibration.forget(event.device.id)
-                flags = self._flags
-                for marked in (flags.slow, flags.low_util, flags.high_memory):
-                    marked.discard(event.device.id)
-                flags.low_util_s.pop(event.device.id, None)
+                self._forget(event.device.id)
+        devices = _linked_both_ways(devices)
         order = {"gpu": 0, "cpu": 1}
         devices.sort(key=lambda d: (order[d.kind], d.number))
         self.inventory = replace(self.inventory, devices=tuple(devices), hosts=tuple(hosts))
+
+    def _forget(self, device_id: str) -> None:
+        """Drop what was learned of a device that is gone or now another machine's: its
+        calibration and the conditions marked on it (a device of the same id that comes back
+        starts clean, and is not re-planned around an old slowdown)."""
+        self.calibration.forget(device_id)
+        flags = self._flags
+        for marked in (flags.slow, flags.low_util, flags.high_memory):
+            marked.discard(device_id)
+        flags.low_util_s.pop(device_id, None)
+        flags.suspects = [d for d in flags.suspects if d != device_id]
 
     def _replan(self, step: int, triggers: tuple[str, ...], suspects: list[str],
                 lost: list[str], added: list[str]) -> Decision | None:
@@ -459,3 +466,18 @@ __all__ = [
     "make_policy",
     "settings_from_spec",
 ]
+
+
+def _linked_both_ways(devices: Sequence[Device]) -> list[Device]:
+    """``devices`` with each NVLink peer kept only where the link still holds: the peer is
+    still there, on the same host, and names this device back. A card replaced on another
+    machine (or lost) leaves its old neighbours' peer lists, so the cost model no longer
+    prices their copies as NVLink ones."""
+    by_id = {d.id: d for d in devices}
+
+    def holds(device: Device, peer_id: str) -> bool:
+        peer = by_id.get(peer_id)
+        return peer is not None and peer.host == device.host and device.id in peer.nvlink_peers
+
+    return [replace(d, nvlink_peers=tuple(p for p in d.nvlink_peers if holds(d, p))) if d.nvlink_peers else d
+            for d in devices]

@@ -16,13 +16,14 @@ on the healthy gpu-1 2.006 s: a gain of exactly 2 s per step, 20 s over a 10-ste
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import pytest
 
 from flowrl.devices.inventory import Device, Host, Inventory
 from flowrl.planner.costs import EstimatedCosts, NodeMemory
 from flowrl.planner.work import NodeWork
-from flowrl.records import NodeTiming
+from flowrl.records import DeviceSample, NodeTiming
 from flowrl.scheduler import (
     DeviceAdded,
     DeviceLost,
@@ -230,6 +231,38 @@ def test_a_replacement_with_other_cores_on_a_host_of_that_name_counts_and_a_lost
     # gpu-1 is gone: a replacement queued for it before is nothing new
     assert target.decide(4, [DeviceReplaced(gpu(1), Host("node-9", 8, 32.0))]) == []
     assert target.inventory.by_id("gpu-1") is None and target.inventory.hosts == hosts
+
+
+def full_memory(target: DynamicPolicy, device: str, step: int) -> None:
+    """One step whose sample puts ``device`` at 39 of its 40 GB (above ``high_memory``)."""
+    target.observe(step, [], [DeviceSample(device, "gpu", 1.0, 39.0, 40.0)], 1.0)
+
+
+def test_a_lost_device_that_comes_back_starts_with_no_condition_marked() -> None:
+    """gpu-0 marked at high memory, then lost, added again and given the actor back: its high
+    memory is a new condition and triggers again (a mark kept from before the loss would hide
+    it). The trigger shows in the next decision, here the forced one when gpu-0 is lost again."""
+    target = policy(1.0)
+    full_memory(target, "gpu-0", 1)
+    assert target.decide(2, []) == []  # raised, but nothing better to move to
+    target.decide(3, [DeviceLost("gpu-0")])
+    target.decide(4, [DeviceAdded(gpu(0))])
+    target.decide(5, [DeviceLost("gpu-1")])
+    assert actor_devices(target) == ["gpu-0"]
+    full_memory(target, "gpu-0", 6)
+    [decision] = target.decide(7, [DeviceLost("gpu-0")])
+    assert decision.triggers == ("gpu-0 memory at 98%", "gpu-0 lost")
+
+
+def test_a_card_replaced_on_another_machine_leaves_its_old_neighbours_nvlink_peers() -> None:
+    linked = [replace(gpu(n), nvlink_peers=tuple(f"gpu-{p}" for p in range(3) if p != n)) for n in range(3)]
+    target = policy(1.0, *linked)
+    elsewhere = replace(linked[0], host="node-1", nvlink_peers=())
+    target.decide(2, [DeviceReplaced(elsewhere, Host("node-1", 8, 32.0))])
+    peers = {d.id: d.nvlink_peers for d in target.inventory.devices if d.kind == "gpu"}
+    assert peers == {"gpu-0": (), "gpu-1": ("gpu-2",), "gpu-2": ("gpu-1",)}
+    target.decide(3, [DeviceLost("gpu-2")])
+    assert target.inventory.by_id("gpu-1").nvlink_peers == ()  # type: ignore[union-attr]
 
 
 def test_a_resumed_run_keeps_a_learned_speed_only_for_a_device_on_the_same_machine() -> None:
