@@ -196,8 +196,10 @@ class EstimatedCosts:
                 # backward, the last one reduce-scatters the gradients; one more gather
                 # refreshes the whole copy after the update. Each of these is one collective
                 # per unit (a decoder layer, or the outer unit), each paying the link's latency.
-                share = work.mini_batch_sequences / width
-                passes = max(1.0, share / work.pass_sequences(share))
+                # the busiest rank's whole passes: 8 sequences on 3 ranks at 2 a pass is 3 rows
+                # there, 2 passes (a fraction would price 1.33)
+                share = math.ceil(work.mini_batch_sequences / width - 1e-9)
+                passes = _passes(share, work.pass_sequences(share))
                 units = work.shape.num_layers + 1
                 gather = units * transfer_s((width - 1) / width * grads / units, devices[:1], devices[1:])
                 slowest += gather * ((2 * passes + 1) * steps + 1)

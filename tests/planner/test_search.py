@@ -109,6 +109,29 @@ def test_a_sharded_update_needs_less_memory_per_device_and_pays_for_its_gathers(
     assert sharded.compute_s("train", cards, False) > whole.compute_s("train", cards, False)
 
 
+def test_a_sharded_update_pays_its_gathers_for_the_busiest_ranks_whole_passes() -> None:
+    """8 sequences on 3 ranks at 2 rows a pass (micro_batch_tokens 160 of 80-token rows): the
+    busiest rank holds 3 sequences in 2 passes, so each unit is gathered (2 x 2 + 1) x 1 + 1 = 6
+    times a step: twice a pass, once more for the last pass's reduce-scatter, once after the
+    update."""
+    from flowrl.planner.costs import CALL_OVERHEAD_S, transfer_s
+
+    data = grpo({"path": QWEN, "device_group": "actor_group", "dtype": "bf16", "sharded": True},
+                {"path": QWEN, "device_group": "ref_group", "dtype": "bf16"},
+                {"actor_group": {"type": "gpu", "count": 3}, "ref_group": {"type": "cpu"}},
+                batch_size=2, n=4, max_new_tokens=64, micro_batch_tokens=160)
+    costs = EstimatedCosts(pipeline_from_dict(data), prompt_tokens=16)
+    work = costs.work("train")
+    assert work.shape is not None and work.mini_batch_sequences == 8
+    assert work.pass_sequences(3) == 2
+    cards = [gpu(index, "H100-80GB", 80, 989, 3350) for index in range(3)]
+    units = work.shape.num_layers + 1
+    grads = work.trained_parameters * 2  # bf16
+    gather = units * transfer_s(2 / 3 * grads / units, cards[:1], cards[1:])
+    alone = max(costs._on_device(work, card, 3)[0] for card in cards)
+    assert costs.compute_s("train", cards, False) == pytest.approx(CALL_OVERHEAD_S + alone + 6 * gather)
+
+
 def test_a_model_that_fits_only_sharded_is_refused_whole_with_the_hint_and_placed_sharded() -> None:
     def data(sharded: bool) -> dict:
         return grpo({"path": QWEN, "device_group": "actor_group", "dtype": "bf16", "sharded": sharded},
