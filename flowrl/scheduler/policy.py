@@ -469,15 +469,16 @@ __all__ = [
 
 
 def _linked_both_ways(devices: Sequence[Device]) -> list[Device]:
-    """``devices`` with each NVLink peer kept only where the link still holds: the peer is
-    still there, on the same host, and names this device back. A card replaced on another
-    machine (or lost) leaves its old neighbours' peer lists, so the cost model no longer
-    prices their copies as NVLink ones."""
+    """``devices`` with each NVLink peer that is present kept only where the link still
+    holds: on the same host, naming this device back. A card replaced on another machine
+    leaves its old neighbours' peer lists, so the cost model no longer prices their copies as
+    NVLink ones. A lost peer stays listed (no copy goes to it while it is gone), so that the
+    link holds again if it comes back."""
     by_id = {d.id: d for d in devices}
 
     def holds(device: Device, peer_id: str) -> bool:
         peer = by_id.get(peer_id)
-        return peer is not None and peer.host == device.host and device.id in peer.nvlink_peers
+        return peer is None or (peer.host == device.host and device.id in peer.nvlink_peers)
 
     return [replace(d, nvlink_peers=tuple(p for p in d.nvlink_peers if holds(d, p))) if d.nvlink_peers else d
             for d in devices]
