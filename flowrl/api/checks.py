@@ -11,7 +11,7 @@ import inspect
 from pathlib import Path
 from typing import Any
 
-from flowrl.api.data import eval_examples, policy_formatter, training_source
+from flowrl.api.data import eval_data_field, eval_examples, policy_formatter, training_source
 from flowrl.api.model_fit import model_fit_issues
 from flowrl.backends.cache import BUILTIN_PREFIX as MODEL_PREFIX
 from flowrl.backends.catalog import lookup_builtin
@@ -160,8 +160,7 @@ def check_inputs(graph: PipelineGraph, base_dir: Path | None, locate: Locate | N
             try:
                 held_out = eval_examples(graph, base_dir, formatter)
             except (DataError, ModelLoadError) as error:
-                where = "eval.source" if evaluation and evaluation.source else "eval.split"
-                issues.append((getattr(error, "field", None) or where, str(error)))
+                issues.append((getattr(error, "field", None) or eval_data_field(graph), str(error)))
         if source is not None:
             offered = offered_keywords(source)
     if not any(path.startswith("models.") for path, _ in issues):

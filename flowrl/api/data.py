@@ -82,6 +82,13 @@ def read_eval(graph: PipelineGraph, base_dir: Path | None,
     return (examples[: evaluation.max_examples] if evaluation.max_examples else examples), counts
 
 
+def eval_data_field(graph: PipelineGraph) -> str:
+    """The field a problem with the held-out data is placed at: ``eval.source`` when it names
+    its own data, else ``eval.split`` (the split of the training source it reads)."""
+    evaluation = graph.spec.eval
+    return "eval.source" if evaluation is not None and evaluation.source else "eval.split"
+
+
 def evaluates_training_prompts(graph: PipelineGraph, base_dir: Path | None) -> bool:
     """Whether the evaluation reads the very split training draws from (as a single data file
     without ``eval.source`` does: its one split is the training data)."""

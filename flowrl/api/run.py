@@ -25,7 +25,8 @@ from flowrl.api.driver import Driver
 from flowrl.api.recovery import FoundCheckpoint, RollBack, config_changes, newest_checkpoint, resume_note, roll_back
 from flowrl.api.replanning import Replanner
 from flowrl.backends.cache import BUILTIN_PREFIX, built_builtin_dir
-from flowrl.api.data import evaluates_training_prompts, policy_formatter, read_eval, training_source
+from flowrl.api.data import (eval_data_field, evaluates_training_prompts, policy_formatter, read_eval,
+                             training_source)
 from flowrl.api.checks import (call_keywords, check_inputs, eval_reward_issues, model_problems, offered_keywords,
                                reward_issues)
 from flowrl.api.evaluation import Evaluator
@@ -35,7 +36,7 @@ from flowrl.devices.groups import offload_notes, pipeline_groups
 from flowrl.devices.inventory import detect_local
 from flowrl.devices.matching import match_groups
 from flowrl.devices.report import inventory_lines, match_lines
-from flowrl.errors import FlowrlError, RunInterrupted, SpecError, SpecIssue
+from flowrl.errors import DataError, FlowrlError, RunInterrupted, SpecError, SpecIssue
 from flowrl.graph import PipelineGraph, uneven_mini_batches
 from flowrl.planner.cost import CPU_OVERHEADS, measure_cpu_rates
 from flowrl.planner.costs import EstimatedCosts
@@ -366,11 +367,19 @@ def _run_watched(graph: PipelineGraph, folder: RunFolder, watcher: "_Watchers", 
                                               "starts over at step 1", 0))
 
     formatter = policy_formatter(graph, base_dir or Path.cwd())
-    source = training_source(graph, base_dir or Path.cwd(), formatter)
+    try:
+        source = training_source(graph, base_dir or Path.cwd(), formatter)
+    except DataError as error:
+        error.field = error.field or "data.source"  # so that the command line places it
+        raise
     fingerprint = source.fingerprint()
     data_check.check(fingerprint, folder, watcher)
     folder.write_run_info({**folder.read_run_info(), "data": fingerprint})
-    held_out, held_out_counts = read_eval(graph, base_dir or Path.cwd(), formatter)
+    try:
+        held_out, held_out_counts = read_eval(graph, base_dir or Path.cwd(), formatter)
+    except DataError as error:
+        error.field = error.field or eval_data_field(graph)
+        raise
     preflight(graph, base_dir, offered_keywords(source), call_keywords(held_out) if held_out else None)
     reward_functions = {(node.fn_name or "").strip() for node in spec.nodes.values() if isinstance(node, ScoreNode)}
     # a built-in function named by its module (as to_yaml writes one passed by value) is the same

@@ -283,6 +283,12 @@ def _train(graph: Any, base_dir: Path, plain: bool, resume: bool, force: bool, o
         with make_reporter(console, plain, graph.name, num_steps) as reporter:
             result = run_pipeline(graph, observer=reporter, base_dir=base_dir, resume=resume, force=force,
                                   local_cluster=pending, overwrite=overwrite, **overrides)
+    except FlowrlError as error:
+        if locate is None:
+            raise
+        from flowrl.spec.loader import placed
+
+        raise placed(error, locate) from None
     finally:
         if pending is not None:
             pending.discard()

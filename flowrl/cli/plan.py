@@ -26,12 +26,13 @@ from rich.table import Table
 from flowrl.cli.devices import inventory_for
 from flowrl.devices.groups import pipeline_groups
 from flowrl.devices.matching import match_groups
-from flowrl.errors import FlowrlError
+from flowrl.errors import FlowrlError, PlacementError, SpecError
+from flowrl.graph import PipelineGraph
 from flowrl.planner.compiled import CompiledPlan, compile_plan
-from flowrl.planner.cost import measure_cpu_rates
+from flowrl.planner.cost import measure_cpu_rates, resolve_shape
 from flowrl.planner.costs import EstimatedCosts
 from flowrl.planner.micro_batches import resolve_micro_batches, resolved_json
-from flowrl.spec.loader import load_pipeline
+from flowrl.spec.loader import issue_locator, load_pipeline
 
 GANTT_WIDTH = 60
 """Characters of the terminal timeline's time axis."""
@@ -46,6 +47,10 @@ def plan_command(
     graph = load_pipeline(pipeline, overrides)
     if output is not None and output.suffix.lower() not in (".svg", ".png"):
         raise FlowrlError(f"--output {output}: write the timeline as .svg or .png")
+    unsized = _unsized_models(graph, pipeline.resolve().parent)
+    if unsized:
+        locate = issue_locator(pipeline, overrides)
+        raise SpecError([locate(path, message) for path, message in unsized])
     inventory = inventory_for(graph.spec.runtime, devices_file, scheduler, pipeline.resolve().parent)
     # Where a run would plan (this machine, or a cluster it joins), this machine's CPUs are
     # measured as `flowrl run` measures them, so that both predict alike.
@@ -71,6 +76,18 @@ def plan_command(
         if not as_json:
             console.print(f"timeline written to {output}", highlight=False)
     return plan
+
+
+def _unsized_models(graph: PipelineGraph, base_dir: Path) -> list[tuple[str, str]]:
+    """(field, why) for each model the planner cannot size (no config.json where the path
+    points, not a known shape): a plan needs every model's shape."""
+    unsized = []
+    for name, model in graph.spec.models.items():
+        try:
+            resolve_shape(model.path, base_dir)
+        except PlacementError as error:
+            unsized.append((f"models.{name}.path", str(error)))
+    return unsized
 
 
 def print_plan(plan: CompiledPlan, console: Console) -> None:

@@ -166,9 +166,11 @@ def estimate_prompt_tokens(pipeline: PipelineGraph, base_dir: Path | None = None
         if source.startswith("builtin:"):
             location = str(BUILTIN_DATASETS[source[len("builtin:"):]](None))
         rows = load_split(location, spec.data.split, spec.data.subset, base_dir)
-        sample = rows.select(range(min(len(rows), 1000)))[spec.data.prompt_key]
     except (DataError, KeyError):  # planning goes on with a default; a run reports the data's problem
         return DEFAULT_PROMPT_TOKENS
+    if spec.data.prompt_key not in rows.column_names:  # likewise (datasets raises a plain ValueError)
+        return DEFAULT_PROMPT_TOKENS
+    sample = rows.select(range(min(len(rows), 1000)))[spec.data.prompt_key]
     chars = sum(_prompt_chars(prompt) for prompt in sample) / max(1, len(sample))
     per_token = 1.0 if character_level else CHARS_PER_TOKEN
     return max(1, round(chars / per_token))

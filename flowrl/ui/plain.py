@@ -105,7 +105,8 @@ class PlainLog:
         the log says only where, so that the reason is printed once."""
         if event.kind == "stopped":
             # the last finished step: the error names the step that was running
-            self._write(f"[event] stopped after step {event.step or 0} (the error follows)")
+            where = f"after step {event.step}" if event.step else "before step 1"
+            self._write(f"[event] stopped {where} (the error follows)")
         else:
             self._write(format_event_line(event))
 

@@ -269,6 +269,33 @@ def test_a_model_path_that_names_nothing_is_refused_at_its_line(tmp_path: Path, 
         _assert_user_error(result, f"{pipeline}:{line}: models.", f".path: {expected}")
 
 
+def test_plan_refuses_a_model_it_cannot_size_at_its_line(tmp_path: Path) -> None:
+    text = (ROOT / "pipelines" / "grpo_tiny.yaml").read_text()
+    line = next(number for number, row in enumerate(text.splitlines(), 1) if "builtin:tiny-llama" in row)
+    pipeline = tmp_path / "pipeline.yaml"
+    pipeline.write_text(text.replace("builtin:tiny-llama", "no/such/dir", 1))
+    result = _flowrl("plan", str(pipeline), "--devices", str(ROOT / "devices" / "h200-8x.yaml"), cwd=tmp_path)
+    _assert_user_error(result, f"{pipeline}:{line}: models.", ".path: cannot size model 'no/such/dir' for planning",
+                       f"looked at {tmp_path / 'no/such/dir/config.json'}")
+
+
+def test_data_a_run_refuses_as_it_starts_is_placed_at_its_field_and_plan_still_plans(tmp_path: Path) -> None:
+    """The run reads the data after its workers start: the error still names the field's line
+    (the data section's, for the default prompt key the file does not set), and the log does
+    not say a step ran. A plan needs only the prompts' length: it plans with a default."""
+    text = (ROOT / "pipelines" / "grpo_tiny.yaml").read_text().replace("builtin:digits", "q.jsonl")
+    line = next(number for number, row in enumerate(text.splitlines(), 1) if "q.jsonl" in row)
+    (tmp_path / "q.jsonl").write_text('{"question": "ab=", "answer": "1"}\n')
+    pipeline = tmp_path / "p.yaml"
+    pipeline.write_text(text)
+    result = _flowrl("run", str(pipeline), "--plain", "-o", str(tmp_path / "out"), cwd=tmp_path)
+    _assert_user_error(result, "[event] stopped before step 1 (the error follows)",
+                       f"{pipeline}:{line}: data.prompt_key: q.jsonl has no column 'prompt' (columns: question, answer)")
+    planned = _flowrl("plan", str(pipeline), "--devices", str(ROOT / "devices" / "h200-8x.yaml"), "--json", cwd=tmp_path)
+    assert planned.returncode == 0, planned.stdout + planned.stderr
+    assert json.loads(planned.stdout)["iteration_s"] > 0
+
+
 def test_a_reader_that_goes_away_does_not_stop_the_run(tmp_path: Path) -> None:
     """`flowrl run ... | head -3`: the pipe closes after three lines; the run trains on, its
     files keep every step."""
