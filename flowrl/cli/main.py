@@ -317,6 +317,8 @@ def _reward_summary(records: list[Any]) -> str:
     first = sum(value for _, value in head) / window
     last = sum(value for _, value in tail) / window
     if scored[0][0] == 1:
+        if window == 1:
+            return f"reward mean: step 1 {first:.3f} -> step {scored[-1][0]} {last:.3f}"
         return f"reward mean: first {window} steps {first:.3f} -> last {window} steps {last:.3f}"
     return f"reward mean since the resume: {_steps(head)} {first:.3f} -> {_steps(tail)} {last:.3f}"
 
