@@ -198,8 +198,8 @@ class EstimatedCosts:
                 # per unit (a decoder layer, or the outer unit), each paying the link's latency.
                 # the busiest rank's whole passes: 8 sequences on 3 ranks at 2 a pass is 3 rows
                 # there, 2 passes (a fraction would price 1.33)
-                share = math.ceil(work.mini_batch_sequences / width - 1e-9)
-                passes = _passes(share, work.pass_sequences(share))
+                rows = work.rank_sequences(width, mini_batch=True)
+                passes = _passes(rows, work.pass_sequences(rows))
                 units = work.shape.num_layers + 1
                 gather = units * transfer_s((width - 1) / width * grads / units, devices[:1], devices[1:])
                 slowest += gather * ((2 * passes + 1) * steps + 1)
@@ -270,8 +270,8 @@ class EstimatedCosts:
             compute = (1 + backward + recompute) * pass_flops / flops_per_s
             optimizer = optimizer_step_bytes(work.trained_parameters, dtype) / bytes_per_s
             # the overheads of each pass of a mini-batch (its micro-batches of micro_batch_tokens)
-            mini_share = min(share, work.mini_batch_sequences / width)
-            passes = _passes(mini_share, work.pass_sequences(mini_share))
+            rows = work.rank_sequences(width, mini_batch=True)
+            passes = _passes(rows, work.pass_sequences(rows))
             per_pass = layers * (overheads.train_layer_s * (1 + backward) / 3 + recompute * overheads.forward_layer_s)
             launches = passes * (per_pass + overheads.train_pass_s)
             # and per token, over the whole batch once per epoch (whatever its mini-batches);
@@ -305,7 +305,7 @@ class EstimatedCosts:
         if work.shape is None:
             return NodeMemory(0.0, 0.0, 0.0)
         shape, kind, dtype = work.shape, work.kind, work.dtype
-        share = work.num_sequences / max(1, width)
+        share = work.rank_sequences(width)  # the busiest rank's rows set the peak
         seq_len = work.prompt_tokens + work.response_tokens
         weights = weight_bytes(shape, kind, dtype)
         if work.work == "decode":
@@ -314,7 +314,7 @@ class EstimatedCosts:
             cache += work.adapted_parameters * DTYPE_BYTES[dtype]
             return NodeMemory(weights / GB, 0.0, logits_bytes(shape, kind, share, dtype) / GB, cache / GB)
         if work.work == "train":
-            micro = work.pass_sequences(min(share, work.mini_batch_sequences / max(1, width)))
+            micro = work.pass_sequences(work.rank_sequences(width, mini_batch=True))
             sharded = work.sharded and width > 1
             transient = activation_bytes(shape, dtype, micro, seq_len, work.checkpointing, compiled=gpu)
             transient += logits_bytes(shape, kind, micro * seq_len, dtype, training=True)

@@ -86,6 +86,13 @@ class NodeWork:
         log_probs = self.kind == "policy" and self.work in ("forward", "train")
         return on_cpu and log_probs and self.group_size > 1 and in_order
 
+    def rank_sequences(self, width: int, mini_batch: bool = False) -> int:
+        """Sequences on the busiest of ``width`` ranks: of the whole batch, or of one of its
+        mini-batches (``mini_batch``, an update's optimizer step). Ranks hold whole rows, so
+        8 on 3 ranks is 3 on the busiest, which sets the step's passes and its peak."""
+        rows = min(self.num_sequences, self.mini_batch_sequences) if mini_batch else self.num_sequences
+        return -(-rows // max(1, width))
+
     def pass_sequences(self, sequences: float) -> float:
         """Sequences of ``sequences`` that one pass holds at once (``micro_batch_tokens``
         of full-length rows; at least one row)."""

@@ -132,6 +132,23 @@ def test_a_sharded_update_pays_its_gathers_for_the_busiest_ranks_whole_passes() 
     assert costs.compute_s("train", cards, False) == pytest.approx(CALL_OVERHEAD_S + alone + 6 * gather)
 
 
+def test_each_rank_is_sized_for_the_busiest_ranks_rows() -> None:
+    """8 sequences on 3 ranks put 3 on the busiest: its memory is that of 9 on 3 (3 each),
+    for the update, the generation's cache and a forward pass; on one device 8 take less."""
+    def costs_of(batch_size: int, n: int) -> EstimatedCosts:
+        data = grpo({"path": QWEN, "device_group": "actor_group", "dtype": "bf16"},
+                    {"path": QWEN, "device_group": "actor_group", "dtype": "bf16"},
+                    {"actor_group": {"type": "gpu", "count": 3}},
+                    batch_size=batch_size, n=n, max_new_tokens=64)
+        return EstimatedCosts(pipeline_from_dict(data), prompt_tokens=16)
+
+    eight, nine = costs_of(2, 4), costs_of(3, 3)
+    assert eight.work("train").num_sequences == 8 and nine.work("train").num_sequences == 9
+    for node in ("train", "rollout", "ref"):
+        assert eight.memory(node, 3, gpu=True) == nine.memory(node, 3, gpu=True), node
+        assert eight.memory(node, 1, gpu=True).transient_gb < nine.memory(node, 1, gpu=True).transient_gb, node
+
+
 def test_a_model_that_fits_only_sharded_is_refused_whole_with_the_hint_and_placed_sharded() -> None:
     def data(sharded: bool) -> dict:
         return grpo({"path": QWEN, "device_group": "actor_group", "dtype": "bf16", "sharded": sharded},
