@@ -68,7 +68,10 @@ class DataError(FlowrlError):
 
 
 class ModelLoadError(FlowrlError):
-    """A model or tokenizer that cannot be loaded (missing directory, offline hub name)."""
+    """A model or tokenizer that cannot be loaded (missing directory, offline hub name).
+    ``field``: the pipeline field it is placed at when known (as :class:`DataError`'s)."""
+
+    field: str | None = None
 
 
 class RemoteCodeNotTrusted(ModelLoadError):

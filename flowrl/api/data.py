@@ -82,6 +82,11 @@ def read_eval(graph: PipelineGraph, base_dir: Path | None,
     return (examples[: evaluation.max_examples] if evaluation.max_examples else examples), counts
 
 
+TRAINING_DATA_FIELD = "data.source"
+"""The field a problem with the training data (or the tokenizer that reads it) is placed at
+when it names none of its own."""
+
+
 def eval_data_field(graph: PipelineGraph) -> str:
     """The field a problem with the held-out data is placed at: ``eval.source`` when it names
     its own data, else ``eval.split`` (the split of the training source it reads)."""

@@ -288,7 +288,10 @@ def _train(graph: Any, base_dir: Path, plain: bool, resume: bool, force: bool, o
             raise
         from flowrl.spec.loader import placed
 
-        raise placed(error, locate) from None
+        located = placed(error, locate)
+        if located is error:
+            raise
+        raise located from None
     finally:
         if pending is not None:
             pending.discard()
@@ -316,11 +319,12 @@ def _reward_summary(records: list[Any]) -> str:
     head, tail = scored[:window], scored[-window:]
     first = sum(value for _, value in head) / window
     last = sum(value for _, value in tail) / window
-    if scored[0][0] == 1:
-        if window == 1:
-            return f"reward mean: step 1 {first:.3f} -> step {scored[-1][0]} {last:.3f}"
+    if len(scored) == 1:
+        return f"reward mean: step {scored[0][0]} {first:.3f}"
+    if scored[0][0] == 1 and window > 1:
         return f"reward mean: first {window} steps {first:.3f} -> last {window} steps {last:.3f}"
-    return f"reward mean since the resume: {_steps(head)} {first:.3f} -> {_steps(tail)} {last:.3f}"
+    since = "" if scored[0][0] == 1 else " since the resume"
+    return f"reward mean{since}: {_steps(head)} {first:.3f} -> {_steps(tail)} {last:.3f}"
 
 
 def _steps(scored: list[tuple[int, float]]) -> str:

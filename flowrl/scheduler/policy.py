@@ -473,7 +473,9 @@ def _linked_both_ways(devices: Sequence[Device]) -> list[Device]:
     holds: on the same host, naming this device back. A card replaced on another machine
     leaves its old neighbours' peer lists, so the cost model no longer prices their copies as
     NVLink ones. A lost peer stays listed (no copy goes to it while it is gone), so that the
-    link holds again if it comes back."""
+    link holds again if it comes back. Lists only lose entries here: a card that arrives on a
+    host whose cards did not list it is priced over PCIe for the rest of the run (the safe
+    side: copies are predicted slower, never faster, than they are)."""
     by_id = {d.id: d for d in devices}
 
     def holds(device: Device, peer_id: str) -> bool:

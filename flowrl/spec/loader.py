@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from flowrl.errors import DataError, FlowrlError, SpecError, SpecIssue
+from flowrl.errors import DataError, FlowrlError, ModelLoadError, SpecError, SpecIssue
 from flowrl.graph import PipelineGraph, find_graph_issues
 from flowrl.spec.lines import LineMap, file_order, line_of, read_yaml_file
 from flowrl.spec.messages import Issue, issues_from_validation, show
@@ -106,10 +106,12 @@ def issue_locator(path: str | Path, overrides: Sequence[str] = ()) -> Locate:
 
 def placed(error: FlowrlError, locate: Locate) -> FlowrlError:
     """``error`` found while a run of the pipeline started (its data, its reward functions),
-    with its issues placed by ``locate`` at their line or override: a DataError that names its
-    field becomes a SpecError there; a pipeline's SpecError gets the places its issues lack.
-    Anything else comes back as it was."""
-    if isinstance(error, DataError) and error.field:
+    with its issues placed by ``locate`` at their line or override: a DataError or
+    ModelLoadError that names its field becomes a SpecError there; a pipeline's SpecError gets
+    the places its issues lack. Anything else comes back as it was. The run names a field only
+    for what it finds as it starts (the errors its steps raise name none), so an error of a
+    step is never placed at a line of the file."""
+    if isinstance(error, (DataError, ModelLoadError)) and error.field:
         return SpecError([locate(error.field, str(error))])
     if type(error) is SpecError and any(issue.file is None and issue.argument is None for issue in error.issues):
         return SpecError([locate(issue.path, issue.message) if issue.file is None and issue.argument is None

@@ -105,7 +105,7 @@ class PlainLog:
         the log says only where, so that the reason is printed once."""
         if event.kind == "stopped":
             # the last finished step: the error names the step that was running
-            where = f"after step {event.step}" if event.step else "before step 1"
+            where = f"after step {event.step}" if event.step else "before any step finished"
             self._write(f"[event] stopped {where} (the error follows)")
         else:
             self._write(format_event_line(event))

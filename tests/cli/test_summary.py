@@ -20,4 +20,5 @@ def test_the_reward_line_averages_the_first_and_last_steps_and_names_single_ones
     # resumed after step 10: the steps by number
     assert _reward_summary(_records(range(11, 13), [0.5, 1.0])) == \
         "reward mean since the resume: step 11 0.500 -> step 12 1.000"
+    assert _reward_summary(_records(range(1, 2), [0.5])) == "reward mean: step 1 0.500"
     assert _reward_summary([]) == ""
