@@ -278,7 +278,11 @@ def _run(pipeline: PipelineGraph | Pipeline, options: RunOptions, observer: Obse
     folder.write_run_info({"base_dir": str(base_dir or Path.cwd()),
                            "finished_steps": finished if rolling_back is not None else None,
                            "config": recorded, "data": resumed_data})
-    if start is None:
+    if start is None and resume and earlier_run:
+        # no checkpoint to resume from: the run starts over at step 1, and the lines of the
+        # steps it trains again go aside (NAME.rewound.jsonl), as a roll-back's do
+        folder.truncate_logs(0)
+    elif start is None:
         folder.reset_logs()
     if local_cluster is None and not spec.runtime.scheduler_address:
         # The workers start now and import torch while the trackers, the data and the checks

@@ -354,6 +354,25 @@ def test_resume_restores_the_sampling_rng_of_a_generator_on_another_worker(tmp_p
         torch.testing.assert_close(actual[key], expected[key], rtol=0, atol=1e-6)
 
 
+def test_a_resume_with_no_checkpoint_starts_over_and_keeps_the_first_tries_lines_aside(tmp_path: Path) -> None:
+    """Stopped after step 3 with no checkpoint written: the resume trains steps 1-4 again, and
+    the lines of the steps the stopped run trained go to metrics.rewound.jsonl (they were
+    overwritten before), its events stay in events.jsonl."""
+    output = tmp_path / "out"
+    pipeline = tiny_grpo(output, steps=4, own_ref_worker=False)
+    with pytest.raises(KeyboardInterrupt):
+        run(pipeline, observer=StopAtStep(3))
+    assert not list((output / "checkpoints").glob("step-*"))
+    first_try = (output / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in first_try] == [1, 2, 3]
+    run(pipeline, resume=True)
+    assert _steps(output) == [1, 2, 3, 4]
+    assert (output / "metrics.rewound.jsonl").read_text().splitlines() == first_try
+    events = [json.loads(line) for line in (output / "events.jsonl").read_text().splitlines()]
+    assert [event["kind"] for event in events].count("stopped") == 1
+    assert any("no intact checkpoint to resume from" in event["message"] for event in events)
+
+
 def test_a_final_model_that_cannot_be_written_is_a_clear_error_that_says_what_was_kept(tmp_path: Path) -> None:
     """A full disk or a broken folder at the final save: what failed, and that without a
     checkpoint the steps are lost (a traceback from safetensors before)."""
