@@ -618,12 +618,45 @@ def call_within(function: Callable[[], Any], seconds: float, name: str) -> Withi
     return outcome
 
 
+PROBE_S = 3.0
+"""How long the first plain connection to a scheduler's port may take before Dask's own
+connection (which retries for its whole timeout) is left to decide."""
+
+
+def _unreachable(address: str) -> str | None:
+    """Why nothing can answer at ``address`` now, found at once: its host name is not known,
+    or its port refuses connections (nothing listens there). None when a connection opens,
+    when the network is only slow (Dask's retries decide), or for other kinds of address."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(address)
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        return None
+    if parts.scheme not in ("tcp", "tls") or host is None or port is None:
+        return None
+    try:
+        with socket.create_connection((host, port), timeout=PROBE_S):
+            return None
+    except socket.gaierror:
+        return f"the host name '{host}' is not known"
+    except ConnectionRefusedError:
+        return f"nothing listens on port {port} of {host} (connection refused)"
+    except OSError:
+        return None
+
+
 def _connect(address: str, timeout_s: float, security: Any) -> Client:
-    """A client of the scheduler at ``address``, or a ClusterError: when nothing answers there,
-    when what answers is not a Dask scheduler, or when no answer comes in time."""
+    """A client of the scheduler at ``address``, or a ClusterError: when nothing answers there
+    (said at once where the host is unknown or the port refuses), when what answers is not a
+    Dask scheduler, or when no answer comes in time."""
+    check = "Check the address (tcp://HOST:PORT) and that `dask scheduler` is running there."
+    unreachable = _unreachable(address)
+    if unreachable is not None:
+        raise ClusterError(f"cannot reach the Dask scheduler at {address}: {unreachable}. {check}")
     outcome = call_within(lambda: Client(address, direct_to_workers=True, timeout=timeout_s, security=security),
                           timeout_s + CONNECT_GRACE_S, "flowrl-join")
-    check = "Check the address (tcp://HOST:PORT) and that `dask scheduler` is running there."
     if not outcome.finished:
         raise ClusterError(f"the service at {address} accepted the connection but gave no Dask scheduler's answer "
                            f"in {timeout_s + CONNECT_GRACE_S:.0f} s. {check}")
