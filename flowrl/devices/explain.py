@@ -58,8 +58,9 @@ def explain_alone(group: str, spec: DeviceGroupSpec, pool: Sequence[Device], cou
     if not pool:
         if spec.type == "gpu":
             return (
-                f"{need}; this inventory has no gpus: set type: cpu, or match against an "
-                "inventory with gpus (--devices devices/FILE.yaml)"
+                f"{need}; this inventory has no gpus: set type: cpu, run where GPUs are (on a "
+                "joined Dask cluster: start GPU workers), or plan for an inventory with gpus "
+                "(flowrl plan --devices devices/FILE.yaml)"
             )
         return f"{need}; this inventory has no cpu slots: raise runtime.cpu_slots{_JOINED_CPU}"
     if count > len(pool):

@@ -198,8 +198,9 @@ def test_too_many_gpus_for_the_inventory() -> None:
 def test_gpu_group_on_a_machine_without_gpus() -> None:
     match = match_groups(PPO_GROUPS, CPU_MACHINE)
     assert match.unsatisfied["critic_group"] == (
-        "critic_group needs 1 gpu with >= 24 GB; this inventory has no gpus: set type: cpu, "
-        "or match against an inventory with gpus (--devices devices/FILE.yaml)"
+        "critic_group needs 1 gpu with >= 24 GB; this inventory has no gpus: set type: cpu, run where GPUs "
+        "are (on a joined Dask cluster: start GPU workers), or plan for an inventory with gpus "
+        "(flowrl plan --devices devices/FILE.yaml)"
     )
     assert match.assignment["reference_group"] == ["cpu-0"]
 
