@@ -618,7 +618,7 @@ def call_within(function: Callable[[], Any], seconds: float, name: str) -> Withi
     return outcome
 
 
-PROBE_S = 3.0
+REACH_S = 3.0
 """How long the first plain connection to a scheduler's port may take before Dask's own
 connection (which retries for its whole timeout) is left to decide."""
 
@@ -637,7 +637,7 @@ def _unreachable(address: str) -> str | None:
     if parts.scheme not in ("tcp", "tls") or host is None or port is None:
         return None
     try:
-        with socket.create_connection((host, port), timeout=PROBE_S):
+        with socket.create_connection((host, port), timeout=REACH_S):
             return None
     except socket.gaierror:
         return f"the host name '{host}' is not known"
