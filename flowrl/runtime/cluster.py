@@ -187,7 +187,10 @@ class Cluster:
             slots = _slots(client, prefix=None)
             raw = client.run(_report_devices)
             reports = {slot.name: inventory_from_dict(raw[slot.address]) for slot in slots}
-            slots = _gpu_slots(slots, reports, {slot.name: raw[slot.address].get("started_with", {}) for slot in slots})
+            started_with = {slot.name: raw[slot.address].get("started_with", {}) for slot in slots}
+            slots = _gpu_slots(slots, reports, started_with)
+            for name, note in gpu_declared_unseen(slots, started_with).items():
+                reports[name] = replace(reports[name], notes=(*reports[name].notes, note))
         except BaseException:
             client.close()
             raise
@@ -819,6 +822,15 @@ def _gpu_slots(slots: list[WorkerSlot], reports: dict[str, Inventory],
         owners[card] = slot.name
         out.append(replace(slot, kind="gpu", gpu_index=gpu.index))
     return out
+
+
+def gpu_declared_unseen(slots: list[WorkerSlot], started_with: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """A note for each worker started with a ``GPU`` resource that became a CPU slot (it
+    sees no GPU): by worker name, so that the run says so instead of counting it quietly."""
+    return {slot.name: f"worker {slot.name} was started with a GPU resource but sees no GPU: it is a CPU slot "
+                       "(check that its machine has a GPU, its driver and nvidia-ml-py, and its CUDA_VISIBLE_DEVICES)"
+            for slot in slots
+            if slot.kind == "cpu" and float(started_with.get(slot.name, {}).get("gpu_resource", 0) or 0) > 0}
 
 
 def workers_by_name(listing: dict[str, Any]) -> dict[str, tuple[str, str]]:

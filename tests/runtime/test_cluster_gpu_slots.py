@@ -8,7 +8,7 @@ import pytest
 
 from flowrl.devices.inventory import Device, Host, Inventory
 from flowrl.errors import ClusterError
-from flowrl.runtime.cluster import Cluster, WorkerSlot, _gpu_slots, claimed_gpu
+from flowrl.runtime.cluster import Cluster, WorkerSlot, _gpu_slots, claimed_gpu, gpu_declared_unseen
 
 
 def machine(host: str, gpus: int) -> Inventory:
@@ -68,6 +68,17 @@ def test_joined_inventory_has_one_slot_per_worker() -> None:
     assert by_id["gpu-b"].nvlink_peers == ()
     # the CPU worker sees two GPUs it was not started for: said in the notes, not offered
     assert any("cpu-a sees 2 GPU(s)" in note for note in inventory.notes)
+
+
+def test_a_worker_started_for_a_gpu_it_does_not_see_is_said_to_be_a_cpu_slot() -> None:
+    slots = [slot("w1", "a"), slot("w2", "b"), slot("w3", "c")]
+    reports = {"w1": machine("a", 0), "w2": machine("b", 1), "w3": machine("c", 0)}
+    raw = {"w1": started(None, 1), "w2": started(None, 1), "w3": started(None)}
+    slots = _gpu_slots(slots, reports, raw)
+    assert [s.kind for s in slots] == ["cpu", "gpu", "cpu"]
+    notes = gpu_declared_unseen(slots, raw)
+    assert list(notes) == ["w1"]  # w2 got its card; w3 was started as a CPU worker
+    assert notes["w1"].startswith("worker w1 was started with a GPU resource but sees no GPU: it is a CPU slot")
 
 
 def test_two_workers_on_one_card_are_refused() -> None:
