@@ -516,10 +516,8 @@ class Driver:
         try:
             shrunk = self.replanner.shrink(step, list(gone), survivors)
         except PlacementError as problem:
-            raise RunStopped(
-                f"step {step}: {problem}; the run stopped, {self._kept()}. {self._resume_hint()} once the cluster "
-                "has workers again"
-            ) from None
+            raise RunStopped(f"step {step}: {problem}; the run stopped: {self._kept('once the cluster has workers again')}"
+                             ) from None
         self.folder.write_plan(step, {"runtime": shrunk.to_dict(), "reason": f"lost {', '.join(gone)}"})
         self.watcher.event(RunEvent(
             "replan",
@@ -645,23 +643,29 @@ class Driver:
                 raise CheckpointError(f"cannot write {what}: {type(error).__name__}: {error}; {kept}") from error
             raise error
         found = newest_checkpoint(self.folder.checkpoints)
-        kept = f"the newest intact checkpoint is {found.path}" if found is not None else "no checkpoint was written yet"
         self.watcher.event(RunEvent("stopped", stop.message, self.machine.step))
-        raise RunStopped(f"{stop.message}; the run stopped, {kept}. {self._resume_hint()}") from None
+        raise RunStopped(f"{stop.message}; the run stopped: {self._kept(newest=found.path if found else None)}") from None
 
     def _scheduler_lost(self, error: BaseException) -> RunStopped:
         """The scheduler itself is gone: no worker can be asked or replaced, so the run stops
         with what it kept."""
         step = self.machine.step
         message = (f"step {step}: the Dask scheduler cannot be reached ({type(error).__name__}: {str(error)[:200]}); "
-                   f"the run stopped, {self._kept()}. {self._resume_hint()} once the scheduler and its workers are back")
+                   f"the run stopped: {self._kept('once the scheduler and its workers are back')}")
         self.watcher.event(RunEvent("stopped", message, step))
         return RunStopped(message)
 
-    def _kept(self) -> str:
-        """Which checkpoint a resume would start from, for a message about a stopped run."""
-        written = newest_written(self.folder.checkpoints)
-        return f"the newest checkpoint is {written}" if written is not None else "no checkpoint was written yet"
+    def _kept(self, when: str = "", newest: Path | None = None) -> str:
+        """Which checkpoint a resume would start from (``newest``, else the newest written)
+        and the command, ``when`` it can run, for a message about a stopped run; without a
+        checkpoint, that a resume would start over at step 1."""
+        written = newest or newest_written(self.folder.checkpoints)
+        later = f" {when}" if when else ""
+        if written is None:
+            return (f"no checkpoint was written yet, so a resume (`flowrl resume {self.folder.path}`){later} would "
+                    "start over at step 1")
+        checked = " intact" if newest is not None else ""  # newest_checkpoint read it through
+        return f"the newest{checked} checkpoint is {written}. {self._resume_hint()}{later}"
 
     def _resume_hint(self) -> str:
         return f"Resume it with `flowrl resume {self.folder.path}`"

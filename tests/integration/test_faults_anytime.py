@@ -115,3 +115,13 @@ def test_more_faults_than_max_recoveries_stop_the_run_with_a_message(tmp_path: P
     assert f"flowrl resume {output}" in message and stopped.value.exit_code == 1
     assert _steps(output) == [1, 2]
     assert _events(output, "stopped")
+
+
+def test_a_run_stopped_with_no_checkpoint_says_a_resume_starts_over(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    kill_before(monkeypatch, "sample_devices", "cpu-1", lambda: calls.append(1) or len(calls) == 2)
+    output = tmp_path / "out"
+    with pytest.raises(RunStopped) as stopped:
+        run(tiny_grpo(output, steps=4, runtime={"max_recoveries": 0}), base_dir=tmp_path)
+    assert (f"the run stopped: no checkpoint was written yet, so a resume (`flowrl resume {output}`) would start over "
+            "at step 1") in str(stopped.value)
