@@ -486,8 +486,10 @@ class Driver:
         if self.recovery is not None:
             self.recovery.workers_s += time.perf_counter() - started
             if taken:
-                takers = ", ".join(f"{slot} (worker {self.cluster.worker_of(slot)})" for slot in sorted(set(taken)))
-                self.recovery.what.append(f"spare worker for {takers}")
+                # a warm spare of a local cluster, or a worker started on a joined one: the slot
+                # keeps its name, another worker serves it
+                self.recovery.what.extend(f"slot {slot} now served by worker {self.cluster.worker_of(slot)}"
+                                          for slot in sorted(set(taken)))
             if added:
                 self.recovery.what.append(f"new worker(s) {', '.join(added)} started")
         if wanted <= self.cluster.alive():
@@ -610,7 +612,7 @@ class Driver:
         session = self._session()
         self.watcher.event(RunEvent(
             "recovered",
-            f"step {recovery.step}: roles rebuilt on {', '.join(sorted(session.hosts))}{more}, state from {source}; "
+            f"step {recovery.step}: roles rebuilt on slot(s) {', '.join(sorted(session.hosts))}{more}, state from {source}; "
             f"running again from step {back_to + 1} ({dropped} logged step(s)"
             f"{' moved to metrics.rewound.jsonl' if dropped else ' dropped'}){how}; "
             f"{lost_s:.1f} s lost "

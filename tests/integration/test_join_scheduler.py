@@ -246,6 +246,6 @@ def test_a_worker_that_joins_after_a_loss_takes_the_lost_slot(tmp_path: Path, ma
     assert steps == list(range(1, 41))
     events = [json.loads(line) for line in (output / "events.jsonl").read_text().splitlines()]
     (recovered,) = [event for event in events if event["kind"] == "recovered"]
-    assert f"spare worker for {lost} (worker node-c)" in recovered["message"], recovered["message"]
+    assert f"slot {lost} now served by worker node-c" in recovered["message"], recovered["message"]
     assert recovered["data"]["workers_s"] < 120, recovered["message"]
     assert not [event for event in events if event["kind"] == "replan"], events
