@@ -646,7 +646,8 @@ class Driver:
             raise error
         found = newest_checkpoint(self.folder.checkpoints)
         self.watcher.event(RunEvent("stopped", stop.message, self.machine.step))
-        raise RunStopped(f"{stop.message}; the run stopped: {self._kept(newest=found.path if found else None)}") from None
+        raise RunStopped(f"{stop.message}; the run stopped: {self._kept(newest=found.path if found else None, checked=True)}"
+                         ) from None
 
     def _scheduler_lost(self, error: BaseException) -> RunStopped:
         """The scheduler itself is gone: no worker can be asked or replaced, so the run stops
@@ -657,17 +658,17 @@ class Driver:
         self.watcher.event(RunEvent("stopped", message, step))
         return RunStopped(message)
 
-    def _kept(self, when: str = "", newest: Path | None = None) -> str:
-        """Which checkpoint a resume would start from (``newest``, else the newest written)
-        and the command, ``when`` it can run, for a message about a stopped run; without a
-        checkpoint, that a resume would start over at step 1."""
-        written = newest or newest_written(self.folder.checkpoints)
+    def _kept(self, when: str = "", newest: Path | None = None, checked: bool = False) -> str:
+        """Which checkpoint a resume would start from and the command, ``when`` it can run,
+        for a message about a stopped run; without one, that a resume would start over at
+        step 1. ``checked``: ``newest`` is the newest intact checkpoint (None: none is
+        intact), else the newest written is named."""
+        written = newest if checked else newest_written(self.folder.checkpoints)
         later = f" {when}" if when else ""
         if written is None:
-            return (f"no checkpoint was written yet, so a resume (`flowrl resume {self.folder.path}`){later} would "
-                    "start over at step 1")
-        checked = " intact" if newest is not None else ""  # newest_checkpoint read it through
-        return f"the newest{checked} checkpoint is {written}. {self._resume_hint()}{later}"
+            none = "no intact checkpoint was written" if checked else "no checkpoint was written yet"
+            return f"{none}, so a resume (`flowrl resume {self.folder.path}`){later} would start over at step 1"
+        return f"the newest{' intact' if checked else ''} checkpoint is {written}. {self._resume_hint()}{later}"
 
     def _resume_hint(self) -> str:
         return f"Resume it with `flowrl resume {self.folder.path}`"

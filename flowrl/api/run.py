@@ -242,6 +242,7 @@ def _run(pipeline: PipelineGraph | Pipeline, options: RunOptions, observer: Obse
         data_before = folder.read_run_info(strict=True).get("data")
         finished = finished_steps(folder.path)
         before = _started_with(folder)
+        earlier_run = earlier_run or before is not None
         forced = _check_unchanged(folder, before, config_text, force)
         planned = written_steps(before) if before is not None else None
         if checkpoint is not None:
@@ -278,11 +279,10 @@ def _run(pipeline: PipelineGraph | Pipeline, options: RunOptions, observer: Obse
     folder.write_run_info({"base_dir": str(base_dir or Path.cwd()),
                            "finished_steps": finished if rolling_back is not None else None,
                            "config": recorded, "data": resumed_data})
-    if start is None and resume and earlier_run:
-        # no checkpoint to resume from: the run starts over at step 1, and the lines of the
-        # steps it trains again go aside (NAME.rewound.jsonl), as a roll-back's do
-        folder.truncate_logs(0)
-    elif start is None:
+    # a resume with no checkpoint starts over at step 1: the earlier lines stay until the run
+    # is about to train (a resume refused before that leaves the run as it was), then go aside
+    start_over = start is None and resume and earlier_run
+    if start is None and not start_over:
         folder.reset_logs()
     if local_cluster is None and not spec.runtime.scheduler_address:
         # The workers start now and import torch while the trackers, the data and the checks
@@ -312,7 +312,7 @@ def _run(pipeline: PipelineGraph | Pipeline, options: RunOptions, observer: Obse
             watcher.event(RunEvent("warning", "resumed with a pipeline that differs from the one the run started with "
                                               f"(--force; - before, + now): {'; '.join(forced)}", 0, {"changes": forced}))
         result = _run_watched(graph, folder, watcher, base_dir, resume and earlier_run, start, local_cluster,
-                              _DataCheck(resumed_data, force))
+                              _DataCheck(resumed_data, force), start_over)
         failed = False
         return result
     except BaseException as error:
@@ -361,7 +361,7 @@ class _DataCheck:
 
 def _run_watched(graph: PipelineGraph, folder: RunFolder, watcher: "_Watchers", base_dir: Path | None,
                  resume: bool, start: FoundCheckpoint | None, pending: PendingCluster | None = None,
-                 data_check: _DataCheck = _DataCheck()) -> RunResult:
+                 data_check: _DataCheck = _DataCheck(), start_over: bool = False) -> RunResult:
     spec = graph.spec
     if resume:  # a run to resume was there (a first start with --resume starts quietly)
         for line in start.skipped if start is not None else ():
@@ -419,7 +419,8 @@ def _run_watched(graph: PipelineGraph, folder: RunFolder, watcher: "_Watchers", 
     try:
         if address:
             cluster.claim(str(folder.path))
-        return _train(graph, cluster, folder, source, watcher, base_dir, start, Evaluator(graph, held_out))
+        return _train(graph, cluster, folder, source, watcher, base_dir, start, Evaluator(graph, held_out),
+                      start_over)
     finally:
         cluster.close()
 
@@ -479,7 +480,10 @@ def _check_unchanged(folder: RunFolder, before: str | None, config_text: str, fo
 def _train(
     graph: PipelineGraph, cluster: Cluster, folder: RunFolder, source: PromptSource, watcher: "_Watchers",
     base_dir: Path | None, start: FoundCheckpoint | None = None, evaluator: Evaluator | None = None,
+    start_over: bool = False,
 ) -> RunResult:
+    """Plan and run the steps on ``cluster``. ``start_over``: a resume with no checkpoint, whose
+    earlier lines of steps (step 0's evaluation too) go to NAME.rewound.jsonl as it starts."""
     spec = graph.spec
     slots = [slot.name for slot in cluster.slots]
     where = f"Dask scheduler {spec.runtime.scheduler_address}" if spec.runtime.scheduler_address else "local Dask cluster"
@@ -516,6 +520,8 @@ def _train(
     watcher.event(RunEvent("placement", placed, 0))
     replanner = Replanner(graph, policy, plan, slots, folder, watcher.event)
     result = RunResult(folder.path)
+    if start_over:
+        folder.truncate_logs(-1)
     driver = Driver(graph, cluster, folder, source, watcher, base_dir, replanner, RewardKL(graph),
                     evaluator or Evaluator(graph, []), start, result.records, result.evaluations)
     try:

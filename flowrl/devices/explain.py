@@ -60,7 +60,7 @@ def explain_alone(group: str, spec: DeviceGroupSpec, pool: Sequence[Device], cou
             return (
                 f"{need}; this inventory has no gpus: set type: cpu, run where GPUs are (on a "
                 "joined Dask cluster: start GPU workers), or plan for an inventory with gpus "
-                "(flowrl plan --devices devices/FILE.yaml)"
+                "(flowrl plan PIPELINE --devices devices/FILE.yaml)"
             )
         return f"{need}; this inventory has no cpu slots: raise runtime.cpu_slots{_JOINED_CPU}"
     if count > len(pool):

@@ -189,7 +189,7 @@ class Cluster:
             reports = {slot.name: inventory_from_dict(raw[slot.address]) for slot in slots}
             started_with = {slot.name: raw[slot.address].get("started_with", {}) for slot in slots}
             slots = _gpu_slots(slots, reports, started_with)
-            for name, note in gpu_declared_unseen(slots, started_with).items():
+            for name, note in gpu_declared_unseen(slots, reports, started_with).items():
                 reports[name] = replace(reports[name], notes=(*reports[name].notes, note))
         except BaseException:
             client.close()
@@ -622,14 +622,21 @@ def call_within(function: Callable[[], Any], seconds: float, name: str) -> Withi
 
 
 REACH_S = 3.0
-"""How long the first plain connection to a scheduler's port may take before Dask's own
-connection (which retries for its whole timeout) is left to decide."""
+"""The longest one plain connection to a scheduler's port may take, its host name's lookup
+included; one that takes longer (a slow resolver or network) is left to Dask's own
+connection, which retries for its whole timeout."""
+STARTING_S = 10.0
+"""How long a port that refuses is tried again before the join fails: a scheduler started
+just before the run (``dask scheduler & flowrl run ...``) opens it within seconds."""
+_UNKNOWN_HOST = {socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)}
+"""Lookup failures that say the name does not exist (not a resolver that failed for now)."""
 
 
-def _unreachable(address: str) -> str | None:
-    """Why nothing can answer at ``address`` now, found at once: its host name is not known,
-    or its port refuses connections (nothing listens there). None when a connection opens,
-    when the network is only slow (Dask's retries decide), or for other kinds of address."""
+def _unreachable(address: str, wait_s: float = STARTING_S) -> str | None:
+    """Why nothing can answer at ``address``, found without Dask's timeout: its host name is
+    not known, or its port still refuses connections (nothing listens there) after
+    ``wait_s``. None when a connection opens, when the lookup or the network is only slow or
+    failed for now (Dask's retries decide), or for other kinds of address."""
     from urllib.parse import urlsplit
 
     try:
@@ -639,11 +646,25 @@ def _unreachable(address: str) -> str | None:
         return None
     if parts.scheme not in ("tcp", "tls") or host is None or port is None:
         return None
+    deadline = time.monotonic() + wait_s
+    while True:
+        outcome = call_within(lambda: _try_connect(host, port), REACH_S + 1.0, "flowrl-reach")
+        if not outcome.finished or outcome.error is not None:
+            return None
+        problem: str | None = outcome.result
+        if problem is None or "refused" not in problem or time.monotonic() >= deadline:
+            return problem
+        time.sleep(0.5)
+
+
+def _try_connect(host: str, port: int) -> str | None:
+    """One plain connection to ``host``:``port``: None when it opens or fails in a way Dask
+    may get past, else why it cannot."""
     try:
         with socket.create_connection((host, port), timeout=REACH_S):
             return None
-    except socket.gaierror:
-        return f"the host name '{host}' is not known"
+    except socket.gaierror as error:
+        return f"the host name '{host}' is not known" if error.errno in _UNKNOWN_HOST else None
     except ConnectionRefusedError:
         return f"nothing listens on port {port} of {host} (connection refused)"
     except OSError:
@@ -655,7 +676,7 @@ def _connect(address: str, timeout_s: float, security: Any) -> Client:
     (said at once where the host is unknown or the port refuses), when what answers is not a
     Dask scheduler, or when no answer comes in time."""
     check = "Check the address (tcp://HOST:PORT) and that `dask scheduler` is running there."
-    unreachable = _unreachable(address)
+    unreachable = _unreachable(address, min(STARTING_S, timeout_s))
     if unreachable is not None:
         raise ClusterError(f"cannot reach the Dask scheduler at {address}: {unreachable}. {check}")
     outcome = call_within(lambda: Client(address, direct_to_workers=True, timeout=timeout_s, security=security),
@@ -824,13 +845,16 @@ def _gpu_slots(slots: list[WorkerSlot], reports: dict[str, Inventory],
     return out
 
 
-def gpu_declared_unseen(slots: list[WorkerSlot], started_with: dict[str, dict[str, Any]]) -> dict[str, str]:
-    """A note for each worker started with a ``GPU`` resource that became a CPU slot (it
-    sees no GPU): by worker name, so that the run says so instead of counting it quietly."""
+def gpu_declared_unseen(slots: list[WorkerSlot], reports: dict[str, Inventory],
+                        started_with: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """A note for each worker started with a ``GPU`` resource that sees no GPU at all, so a
+    CPU slot: by worker name, so that the run says so instead of counting it quietly. (One
+    that sees GPUs it was not given is noted where the inventory is built.)"""
     return {slot.name: f"worker {slot.name} was started with a GPU resource but sees no GPU: it is a CPU slot "
                        "(check that its machine has a GPU, its driver and nvidia-ml-py, and its CUDA_VISIBLE_DEVICES)"
             for slot in slots
-            if slot.kind == "cpu" and float(started_with.get(slot.name, {}).get("gpu_resource", 0) or 0) > 0}
+            if slot.kind == "cpu" and float(started_with.get(slot.name, {}).get("gpu_resource", 0) or 0) > 0
+            and not any(device.kind == "gpu" for device in reports[slot.name].devices)}
 
 
 def workers_by_name(listing: dict[str, Any]) -> dict[str, tuple[str, str]]:

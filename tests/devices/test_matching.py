@@ -200,7 +200,7 @@ def test_gpu_group_on_a_machine_without_gpus() -> None:
     assert match.unsatisfied["critic_group"] == (
         "critic_group needs 1 gpu with >= 24 GB; this inventory has no gpus: set type: cpu, run where GPUs "
         "are (on a joined Dask cluster: start GPU workers), or plan for an inventory with gpus "
-        "(flowrl plan --devices devices/FILE.yaml)"
+        "(flowrl plan PIPELINE --devices devices/FILE.yaml)"
     )
     assert match.assignment["reference_group"] == ["cpu-0"]
 

@@ -123,5 +123,5 @@ def test_a_run_stopped_with_no_checkpoint_says_a_resume_starts_over(tmp_path: Pa
     output = tmp_path / "out"
     with pytest.raises(RunStopped) as stopped:
         run(tiny_grpo(output, steps=4, runtime={"max_recoveries": 0}), base_dir=tmp_path)
-    assert (f"the run stopped: no checkpoint was written yet, so a resume (`flowrl resume {output}`) would start over "
-            "at step 1") in str(stopped.value)
+    assert (f"the run stopped: no intact checkpoint was written, so a resume (`flowrl resume {output}`) would start "
+            "over at step 1") in str(stopped.value)

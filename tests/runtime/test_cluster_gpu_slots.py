@@ -71,13 +71,15 @@ def test_joined_inventory_has_one_slot_per_worker() -> None:
 
 
 def test_a_worker_started_for_a_gpu_it_does_not_see_is_said_to_be_a_cpu_slot() -> None:
-    slots = [slot("w1", "a"), slot("w2", "b"), slot("w3", "c")]
-    reports = {"w1": machine("a", 0), "w2": machine("b", 1), "w3": machine("c", 0)}
-    raw = {"w1": started(None, 1), "w2": started(None, 1), "w3": started(None)}
+    slots = [slot("w1", "a"), slot("w2", "b"), slot("w3", "c"), slot("w4", "d")]
+    reports = {"w1": machine("a", 0), "w2": machine("b", 1), "w3": machine("c", 0), "w4": machine("d", 2)}
+    raw = {"w1": started(None, 1), "w2": started(None, 1), "w3": started(None), "w4": started("7", 1)}
     slots = _gpu_slots(slots, reports, raw)
-    assert [s.kind for s in slots] == ["cpu", "gpu", "cpu"]
-    notes = gpu_declared_unseen(slots, raw)
-    assert list(notes) == ["w1"]  # w2 got its card; w3 was started as a CPU worker
+    assert [s.kind for s in slots] == ["cpu", "gpu", "cpu", "cpu"]
+    notes = gpu_declared_unseen(slots, reports, raw)
+    # w2 got its card; w3 was started as a CPU worker; w4 sees GPUs but not the card it names
+    # (the inventory's own note says that one)
+    assert list(notes) == ["w1"]
     assert notes["w1"].startswith("worker w1 was started with a GPU resource but sees no GPU: it is a CPU slot")
 
 
