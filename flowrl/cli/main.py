@@ -320,7 +320,8 @@ def _reward_summary(records: list[Any]) -> str:
     first = sum(value for _, value in head) / window
     last = sum(value for _, value in tail) / window
     if len(scored) == 1:
-        return f"reward mean: step {scored[0][0]} {first:.3f}"
+        since = "" if scored[0][0] == 1 else " since the resume"
+        return f"reward mean{since}: step {scored[0][0]} {first:.3f}"
     if scored[0][0] == 1 and window > 1:
         return f"reward mean: first {window} steps {first:.3f} -> last {window} steps {last:.3f}"
     since = "" if scored[0][0] == 1 else " since the resume"

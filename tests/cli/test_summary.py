@@ -21,4 +21,5 @@ def test_the_reward_line_averages_the_first_and_last_steps_and_names_single_ones
     assert _reward_summary(_records(range(11, 13), [0.5, 1.0])) == \
         "reward mean since the resume: step 11 0.500 -> step 12 1.000"
     assert _reward_summary(_records(range(1, 2), [0.5])) == "reward mean: step 1 0.500"
+    assert _reward_summary(_records(range(7, 8), [0.5])) == "reward mean since the resume: step 7 0.500"
     assert _reward_summary([]) == ""
