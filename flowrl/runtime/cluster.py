@@ -652,7 +652,7 @@ def _unreachable(address: str, wait_s: float = STARTING_S) -> str | None:
         if not outcome.finished or outcome.error is not None:
             return None
         problem: str | None = outcome.result
-        if problem is None or "refused" not in problem or time.monotonic() >= deadline:
+        if problem is None or not problem.startswith("nothing listens") or time.monotonic() >= deadline:
             return problem
         time.sleep(0.5)
 
@@ -673,8 +673,8 @@ def _try_connect(host: str, port: int) -> str | None:
 
 def _connect(address: str, timeout_s: float, security: Any) -> Client:
     """A client of the scheduler at ``address``, or a ClusterError: when nothing answers there
-    (said at once where the host is unknown or the port refuses), when what answers is not a
-    Dask scheduler, or when no answer comes in time."""
+    (said at once for an unknown host, within ``STARTING_S`` for a port that refuses), when
+    what answers is not a Dask scheduler, or when no answer comes in time."""
     check = "Check the address (tcp://HOST:PORT) and that `dask scheduler` is running there."
     unreachable = _unreachable(address, min(STARTING_S, timeout_s))
     if unreachable is not None:
