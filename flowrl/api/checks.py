@@ -11,7 +11,7 @@ import inspect
 from pathlib import Path
 from typing import Any
 
-from flowrl.api.data import TRAINING_DATA_FIELD, eval_data_field, eval_examples, policy_formatter, training_source
+from flowrl.api.data import eval_examples, policy_formatter, training_source
 from flowrl.api.model_fit import model_fit_issues
 from flowrl.backends.cache import BUILTIN_PREFIX as MODEL_PREFIX
 from flowrl.backends.catalog import lookup_builtin
@@ -148,7 +148,7 @@ def check_inputs(graph: PipelineGraph, base_dir: Path | None, locate: Locate | N
         try:
             source = training_source(graph, base_dir, formatter)
         except (DataError, ModelLoadError) as error:
-            issues.append((error.field or TRAINING_DATA_FIELD, str(error)))
+            issues.append((error.field or "data.source", str(error)))  # training_source names one
             tokenizer_failed = isinstance(error, ModelLoadError)
         evaluation = graph.spec.eval
         endless = _endless_eval(graph)
@@ -160,7 +160,7 @@ def check_inputs(graph: PipelineGraph, base_dir: Path | None, locate: Locate | N
             try:
                 held_out = eval_examples(graph, base_dir, formatter)
             except (DataError, ModelLoadError) as error:
-                issues.append((error.field or eval_data_field(graph), str(error)))
+                issues.append((error.field or "eval.source", str(error)))  # read_eval names one
         if source is not None:
             offered = offered_keywords(source)
     if not any(path.startswith("models.") for path, _ in issues):

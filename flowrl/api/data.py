@@ -7,12 +7,15 @@ before step 1. The tokenizer is read only when something needs it.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from flowrl.api.model_fit import prompt_room
 from flowrl.data import PromptExample, PromptFormatter, PromptSource, eval_split, read_examples
 from flowrl.data.formatting import FormatCounts
+from flowrl.errors import DataError, ModelLoadError
 from flowrl.graph import PipelineGraph
 from flowrl.spec.schema import GenerateNode
 
@@ -53,8 +56,23 @@ def policy_formatter(graph: PipelineGraph, base_dir: Path | None) -> PromptForma
     )
 
 
+@contextmanager
+def _placed_at(field: str) -> Iterator[None]:
+    """A data or tokenizer error raised inside names ``field`` when it names none of its own,
+    so that ``validate`` and a run's command line place it at that field's line."""
+    try:
+        yield
+    except (DataError, ModelLoadError) as error:
+        error.field = error.field or field
+        raise
+
+
 def training_source(graph: PipelineGraph, base_dir: Path | None, formatter: PromptFormatter) -> PromptSource:
-    return PromptSource.from_spec(graph.spec.data, seed=graph.spec.trainer.seed, base_dir=base_dir, formatter=formatter)
+    """The training prompts; a problem with them (or the tokenizer that reads them) is placed
+    at its own field, else at ``data.source``."""
+    with _placed_at("data.source"):
+        return PromptSource.from_spec(graph.spec.data, seed=graph.spec.trainer.seed, base_dir=base_dir,
+                                      formatter=formatter)
 
 
 def eval_examples(graph: PipelineGraph, base_dir: Path | None, formatter: PromptFormatter) -> list[PromptExample]:
@@ -65,33 +83,24 @@ def eval_examples(graph: PipelineGraph, base_dir: Path | None, formatter: Prompt
 def read_eval(graph: PipelineGraph, base_dir: Path | None,
               formatter: PromptFormatter) -> tuple[list[PromptExample], FormatCounts | None]:
     """The held-out prompts (as :func:`eval_examples`) and what formatting did to the split's
-    rows (skipped or truncated as too long); ([], None) without eval."""
+    rows (skipped or truncated as too long); ([], None) without eval. A problem with them is
+    placed at its own field, else at ``eval.source`` when the evaluation names its own data,
+    or ``eval.split`` (the split of the training source it reads)."""
     spec = graph.spec
     evaluation = spec.eval
     if evaluation is None:
         return [], None
-    source, split, subset = _eval_data(graph, base_dir)
-    if spec.data.max_prompt_tokens is None and formatter.room is not None:
-        room = prompt_room(graph, base_dir, evaluation=True)
-        formatter = formatter.with_room(room.tokens if room else None, room.why if room else "")
-    examples, counts = read_examples(
-        source, split, subset, base_dir, evaluation.prompt_key or spec.data.prompt_key,
-        evaluation.answer_key or spec.data.answer_key, formatter, section="eval",
-        answer_key_named=evaluation.answer_key is not None,
-    )
+    with _placed_at("eval.source" if evaluation.source else "eval.split"):
+        source, split, subset = _eval_data(graph, base_dir)
+        if spec.data.max_prompt_tokens is None and formatter.room is not None:
+            room = prompt_room(graph, base_dir, evaluation=True)
+            formatter = formatter.with_room(room.tokens if room else None, room.why if room else "")
+        examples, counts = read_examples(
+            source, split, subset, base_dir, evaluation.prompt_key or spec.data.prompt_key,
+            evaluation.answer_key or spec.data.answer_key, formatter, section="eval",
+            answer_key_named=evaluation.answer_key is not None,
+        )
     return (examples[: evaluation.max_examples] if evaluation.max_examples else examples), counts
-
-
-TRAINING_DATA_FIELD = "data.source"
-"""The field a problem with the training data (or the tokenizer that reads it) is placed at
-when it names none of its own."""
-
-
-def eval_data_field(graph: PipelineGraph) -> str:
-    """The field a problem with the held-out data is placed at: ``eval.source`` when it names
-    its own data, else ``eval.split`` (the split of the training source it reads)."""
-    evaluation = graph.spec.eval
-    return "eval.source" if evaluation is not None and evaluation.source else "eval.split"
 
 
 def evaluates_training_prompts(graph: PipelineGraph, base_dir: Path | None) -> bool:

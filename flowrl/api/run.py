@@ -25,8 +25,7 @@ from flowrl.api.driver import Driver
 from flowrl.api.recovery import FoundCheckpoint, RollBack, config_changes, newest_checkpoint, resume_note, roll_back
 from flowrl.api.replanning import Replanner
 from flowrl.backends.cache import BUILTIN_PREFIX, built_builtin_dir
-from flowrl.api.data import (TRAINING_DATA_FIELD, eval_data_field, evaluates_training_prompts, policy_formatter,
-                             read_eval, training_source)
+from flowrl.api.data import evaluates_training_prompts, policy_formatter, read_eval, training_source
 from flowrl.api.checks import (call_keywords, check_inputs, eval_reward_issues, model_problems, offered_keywords,
                                reward_issues)
 from flowrl.api.evaluation import Evaluator
@@ -36,7 +35,7 @@ from flowrl.devices.groups import offload_notes, pipeline_groups
 from flowrl.devices.inventory import detect_local
 from flowrl.devices.matching import match_groups
 from flowrl.devices.report import inventory_lines, match_lines
-from flowrl.errors import DataError, FlowrlError, ModelLoadError, RunInterrupted, SpecError, SpecIssue
+from flowrl.errors import FlowrlError, RunInterrupted, SpecError, SpecIssue
 from flowrl.graph import PipelineGraph, uneven_mini_batches
 from flowrl.planner.cost import CPU_OVERHEADS, measure_cpu_rates
 from flowrl.planner.costs import EstimatedCosts
@@ -371,19 +370,11 @@ def _run_watched(graph: PipelineGraph, folder: RunFolder, watcher: "_Watchers", 
                                               "starts over at step 1", 0))
 
     formatter = policy_formatter(graph, base_dir or Path.cwd())
-    try:
-        source = training_source(graph, base_dir or Path.cwd(), formatter)
-    except (DataError, ModelLoadError) as error:
-        error.field = error.field or TRAINING_DATA_FIELD  # so that the command line places it, as validate does
-        raise
+    source = training_source(graph, base_dir or Path.cwd(), formatter)
     fingerprint = source.fingerprint()
     data_check.check(fingerprint, folder, watcher)
     folder.write_run_info({**folder.read_run_info(), "data": fingerprint})
-    try:
-        held_out, held_out_counts = read_eval(graph, base_dir or Path.cwd(), formatter)
-    except (DataError, ModelLoadError) as error:
-        error.field = error.field or eval_data_field(graph)
-        raise
+    held_out, held_out_counts = read_eval(graph, base_dir or Path.cwd(), formatter)
     preflight(graph, base_dir, offered_keywords(source), call_keywords(held_out) if held_out else None)
     reward_functions = {(node.fn_name or "").strip() for node in spec.nodes.values() if isinstance(node, ScoreNode)}
     # a built-in function named by its module (as to_yaml writes one passed by value) is the same

@@ -319,12 +319,11 @@ def _reward_summary(records: list[Any]) -> str:
     head, tail = scored[:window], scored[-window:]
     first = sum(value for _, value in head) / window
     last = sum(value for _, value in tail) / window
-    if len(scored) == 1:
-        since = "" if scored[0][0] == 1 else " since the resume"
-        return f"reward mean{since}: step {scored[0][0]} {first:.3f}"
-    if scored[0][0] == 1 and window > 1:
-        return f"reward mean: first {window} steps {first:.3f} -> last {window} steps {last:.3f}"
     since = "" if scored[0][0] == 1 else " since the resume"
+    if len(scored) == 1:
+        return f"reward mean{since}: step {scored[0][0]} {first:.3f}"
+    if not since and window > 1:
+        return f"reward mean: first {window} steps {first:.3f} -> last {window} steps {last:.3f}"
     return f"reward mean{since}: {_steps(head)} {first:.3f} -> {_steps(tail)} {last:.3f}"
 
 

@@ -47,17 +47,18 @@ def plan_command(
     graph = load_pipeline(pipeline, overrides)
     if output is not None and output.suffix.lower() not in (".svg", ".png"):
         raise FlowrlError(f"--output {output}: write the timeline as .svg or .png")
-    unsized = _unsized_models(graph, pipeline.resolve().parent)
+    base_dir = pipeline.resolve().parent  # relative model and data paths are the file's
+    unsized = _unsized_models(graph, base_dir)
     if unsized:
         locate = issue_locator(pipeline, overrides)
         raise SpecError([locate(path, message) for path, message in unsized])
-    inventory = inventory_for(graph.spec.runtime, devices_file, scheduler, pipeline.resolve().parent)
+    inventory = inventory_for(graph.spec.runtime, devices_file, scheduler, base_dir)
     # Where a run would plan (this machine, or a cluster it joins), this machine's CPUs are
     # measured as `flowrl run` measures them, so that both predict alike.
     cpu_rates = measure_cpu_rates() if devices_file is None else None
     match = match_groups(pipeline_groups(graph.spec), inventory)
     match.raise_if_unsatisfied()
-    costs = EstimatedCosts(graph, cpu_rates, pipeline.resolve().parent)
+    costs = EstimatedCosts(graph, cpu_rates, base_dir)
     graph, costs, passes = resolve_micro_batches(graph, inventory, match, costs)
     plan = compile_plan(graph, inventory, match=match, costs=costs)
     if as_json:

@@ -198,8 +198,7 @@ class EstimatedCosts:
                 # per unit (a decoder layer, or the outer unit), each paying the link's latency.
                 # the busiest rank's whole passes: 8 sequences on 3 ranks at 2 a pass is 3 rows
                 # there, 2 passes (a fraction would price 1.33)
-                rows = work.rank_sequences(width, mini_batch=True)
-                passes = _passes(rows, work.pass_sequences(rows))
+                passes = _update_passes(work, width)
                 units = work.shape.num_layers + 1
                 gather = units * transfer_s((width - 1) / width * grads / units, devices[:1], devices[1:])
                 slowest += gather * ((2 * passes + 1) * steps + 1)
@@ -270,8 +269,7 @@ class EstimatedCosts:
             compute = (1 + backward + recompute) * pass_flops / flops_per_s
             optimizer = optimizer_step_bytes(work.trained_parameters, dtype) / bytes_per_s
             # the overheads of each pass of a mini-batch (its micro-batches of micro_batch_tokens)
-            rows = work.rank_sequences(width, mini_batch=True)
-            passes = _passes(rows, work.pass_sequences(rows))
+            passes = _update_passes(work, width)
             per_pass = layers * (overheads.train_layer_s * (1 + backward) / 3 + recompute * overheads.forward_layer_s)
             launches = passes * (per_pass + overheads.train_pass_s)
             # and per token, over the whole batch once per epoch (whatever its mini-batches);
@@ -385,6 +383,13 @@ class MeasuredCosts:
 def _passes(sequences: float, per_pass: float) -> int:
     """Passes that ``sequences`` take at ``per_pass`` sequences each (at least one)."""
     return max(1, math.ceil(sequences / max(per_pass, 1e-9) - 1e-9))
+
+
+def _update_passes(work: NodeWork, width: int) -> int:
+    """Passes of one optimizer step on the busiest of ``width`` ranks (its whole rows of a
+    mini-batch, ``micro_batch_tokens`` at a time)."""
+    rows = work.rank_sequences(width, mini_batch=True)
+    return _passes(rows, work.pass_sequences(rows))
 
 
 def _device_type(devices: Sequence[Device]) -> str:

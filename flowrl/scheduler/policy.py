@@ -342,7 +342,8 @@ class DynamicPolicy:
                 devices = [event.device if d.id == event.device.id else d for d in devices]
                 hosts = [h for h in hosts if h.name != event.host.name] + [event.host]
                 self._forget(event.device.id)
-        devices = _linked_both_ways(devices)
+        if events:  # links change only when devices do
+            devices = _linked_both_ways(devices)
         order = {"gpu": 0, "cpu": 1}
         devices.sort(key=lambda d: (order[d.kind], d.number))
         self.inventory = replace(self.inventory, devices=tuple(devices), hosts=tuple(hosts))

@@ -113,9 +113,11 @@ def placed(error: FlowrlError, locate: Locate) -> FlowrlError:
     step is never placed at a line of the file."""
     if isinstance(error, (DataError, ModelLoadError)) and error.field:
         return SpecError([locate(error.field, str(error))])
-    if type(error) is SpecError and any(issue.file is None and issue.argument is None for issue in error.issues):
-        return SpecError([locate(issue.path, issue.message) if issue.file is None and issue.argument is None
-                          else issue for issue in error.issues])
+    def unplaced(issue: SpecIssue) -> bool:
+        return issue.file is None and issue.argument is None
+
+    if type(error) is SpecError and any(map(unplaced, error.issues)):
+        return SpecError([locate(issue.path, issue.message) if unplaced(issue) else issue for issue in error.issues])
     return error
 
 
