@@ -14,8 +14,7 @@ memory; the median of ``--repeats`` runs after one warm-up (timed: the first cal
 captures and, for the static engine, measures cuBLAS against the Triton products), and the
 flowrl/transformers ratio of the medians with its range over the repeats; for the static engine,
 the launch it chose for each product. ``flowrl_static_cublas`` is the static engine with every
-product by cuBLAS; ``flowrl_static_lanesN`` the static engine with a decode step's rows cut
-into N lanes whose layers run side by side on streams of their own. Writes JSON; never asserts.
+product by cuBLAS. Writes JSON; never asserts.
 """
 
 from __future__ import annotations
@@ -79,18 +78,6 @@ def run_static_cublas(model: Any, ids: torch.Tensor, mask: torch.Tensor, new_tok
     if id(model) not in _CUBLAS:
         _CUBLAS[id(model)] = StaticDecoder(model, triton_products=False)
     _decode(_CUBLAS[id(model)], ids, mask, new_tokens, f"{ids.device}-cublas")
-
-
-_LANES: dict[tuple[int, int], StaticDecoder] = {}
-
-
-def run_static_lanes(lanes: int) -> Any:
-    """The static engine with a decode step's rows in ``lanes`` lanes on streams of their own."""
-    def run(model: Any, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int) -> None:
-        if (id(model), lanes) not in _LANES:
-            _LANES[id(model), lanes] = StaticDecoder(model, lanes=lanes)
-        _decode(_LANES[id(model), lanes], ids, mask, new_tokens, f"{ids.device}-lanes{lanes}")
-    return run
 
 
 def _decode(decoder: StaticDecoder, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, key: str) -> None:
@@ -168,8 +155,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--engines", default="flowrl_static,flowrl_loop,transformers",
                         help="comma-separated, from flowrl_static, flowrl_static_cublas (every product by "
-                             "cuBLAS), flowrl_static_lanesN (a step's rows in N lanes on streams of their own), "
-                             "flowrl_loop, transformers")
+                             "cuBLAS), flowrl_loop, transformers")
     parser.add_argument("--output", type=Path, default=REPO / "benchmarks" / "results" / "decode.json")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -177,8 +163,7 @@ def main() -> None:
     rows = []
     every = {"flowrl_static": run_static, "flowrl_static_cublas": run_static_cublas, "flowrl_loop": run_loop,
              "transformers": run_hf}
-    engines = {name: run_static_lanes(int(name.removeprefix("flowrl_static_lanes")))
-               if name.startswith("flowrl_static_lanes") else every[name] for name in args.engines.split(",")}
+    engines = {name: every[name] for name in args.engines.split(",")}
     for batch in [int(b) for b in args.batches.split(",")]:
         row: dict[str, Any] = {"batch": batch}
         for name, engine in engines.items():
@@ -186,7 +171,7 @@ def main() -> None:
         if "flowrl_static" in row:
             row["flowrl_static"]["launches"] = launches(model, batch)
         hf_times = row["transformers"]["ms_per_decode_step_all"] if "transformers" in row else []
-        for name in [n for n in engines if n.startswith("flowrl") and hf_times]:
+        for name in [n for n in ("flowrl_static", "flowrl_static_cublas", "flowrl_loop") if n in row and hf_times]:
             ratios = [f / h for f, h in zip(row[name]["ms_per_decode_step_all"], hf_times)]
             row[f"ratio_{name}_over_transformers"] = {
                 "median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}

@@ -95,19 +95,6 @@ def _splits(asked: int | None, inner: int, default: int, graphs: bool) -> int:
     return asked
 
 
-DEFAULT_LANES = 1
-MIN_LANE_ROWS = 64
-"""The fewest rows a lane of a decode step is given (``lane_rows``)."""
-
-
-def lane_rows(batch: int, lanes: int) -> list[tuple[int, int]]:
-    """(start, stop) of the rows of each lane of a ``batch``-row decode step cut into at most
-    ``lanes`` lanes of at least ``MIN_LANE_ROWS`` rows each, as even as whole rows allow."""
-    count = max(1, min(lanes, batch // MIN_LANE_ROWS))
-    bounds = [batch * i // count for i in range(count + 1)]
-    return list(zip(bounds[:-1], bounds[1:]))
-
-
 def unsupported_reason(model: Any) -> str | None:
     """None when the engine can run ``model``; else a sentence saying why not."""
     config = getattr(model, "config", None)
@@ -385,7 +372,7 @@ class StaticDecoder:
     def __init__(self, model: Any, use_graphs: bool | None = None, compile_layers: bool = True,
                  fixed_shapes: bool | None = None, gate_up_splits: int | None = None,
                  down_splits: int | None = None, triton_products: bool = True,
-                 launches: Mapping[str, Launch | None] | None = None, lanes: int | None = None) -> None:
+                 launches: Mapping[str, Launch | None] | None = None) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the static decoder cannot run this model: {reason}")
@@ -446,12 +433,6 @@ class StaticDecoder:
         """``launches``: the launch of each product (``decode_products.KINDS``; one left out:
         cuBLAS) at every batch size, instead of measuring (with graphs: elsewhere every product
         is plain torch)."""
-        if lanes is not None and lanes < 1:
-            raise ValueError(f"a decode step runs in at least one lane, not {lanes}")
-        self.lanes = (DEFAULT_LANES if self.use_graphs else 1) if lanes is None else lanes
-        """Row groups whose layers run side by side on streams of their own (CUDA only:
-        ``lane_rows`` says which batches are cut)."""
-        self._lane_streams: list[Any] = []
         self._check_every = FINISHED_CHECK_EVERY if self.use_graphs else 1
         """Without graphs, asking whether every row finished costs no device sync."""
         self._window_step = ATTENTION_WINDOW if self.fixed_shapes else 1
@@ -574,72 +555,29 @@ class StaticDecoder:
         b = self._buffers
         assert b is not None
         b.key_valid[:batch].index_fill_(1, b.column, True)
+        key_valid = b.key_valid[:batch, :window]
         positions = b.positions[:batch]
         cos = self._cos.index_select(0, positions)
         sin = self._sin.index_select(0, positions)
         x = self.embed.weight.index_select(0, b.tokens[:batch])
-        lanes = lane_rows(batch, self.lanes)
-        if len(lanes) == 1:
-            x, pending = self._layers(x, cos, sin, 0, batch, window)
-        else:
-            x, pending = self._layers_in_lanes(x, cos, sin, lanes, window)
-        self._sample_into(x, batch, sampling, generator, pending=pending)
-        b.positions[:batch] += 1
-        b.column += 1
-
-    def _layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int, stop: int,
-                window: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every layer for buffer rows ``start:stop`` (``x``, ``cos``, ``sin``: theirs).
-        Returns the residual stream and the last layer's MLP output (or its partial sums),
-        which the sampling tail adds."""
-        b = self._buffers
-        assert b is not None
-        rows = stop - start
-        key_valid = b.key_valid[start:stop, :window]
-        launches = self._launches.get(rows) or dict.fromkeys(KINDS)
+        launches = self._launches.get(batch) or dict.fromkeys(KINDS)
         down = launches["down"]
         # the MLP output the next norm adds to x: none before the first layer
-        pending = b.first_pending(rows, down.splits if down is not None else self.down_splits)
+        pending = b.first_pending(batch, down.splits if down is not None else self.down_splits)
         for index, (layer, stacked) in enumerate(zip(self.layers, self._stacked)):
-            keys, values = b.keys[index, start:stop], b.values[index, start:stop]
+            keys, values = b.keys[index, :batch], b.values[index, :batch]
             x, normed = self._attention_norm(x, pending, layer.attn_norm.weight,
                                              _number(layer.attn_norm.variance_epsilon))
             qkv = self._product("qkv", normed, stacked.qkv_weight, stacked.qkv_bias, launches["qkv"])
             attended = decode_attention(qkv, cos, sin, keys[:, :, :window], values[:, :, :window], b.column,
                                         key_valid, self.scaling, all_written=self._window_step == 1)
-            attention = self._product("o", attended.reshape(rows, -1), layer.o.weight, None, launches["o"])
+            attention = self._product("o", attended.reshape(batch, -1), layer.o.weight, None, launches["o"])
             x, normed = self._mlp_norm(x, attention, layer.mlp_norm.weight, _number(layer.mlp_norm.variance_epsilon))
             gated = self._product("gated", normed, stacked.gate_up_weight, None, launches["gated"])
             pending = self._product("down", gated, layer.down.weight, None, down)
-        return x, pending
-
-    def _layers_in_lanes(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         lanes: Sequence[tuple[int, int]], window: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`_layers` for each lane's rows on a stream of its own, side by side: one
-        lane's small kernels (norms, attention, the narrow q/k/v and output products, each
-        leaving most processors idle at a decode step's few rows) run beside the other's. A
-        captured graph keeps the lanes as parallel branches. The lanes' outputs are joined on
-        the calling stream for the sampling tail."""
-        if self.device.type != "cuda":  # no streams: the lanes one after the other, the same arithmetic
-            parts = [self._layers(x[start:stop], cos[start:stop], sin[start:stop], start, stop, window)
-                     for start, stop in lanes]
-            return torch.cat([part[0] for part in parts]), torch.cat([part[1] for part in parts], dim=-2)
-        main = torch.cuda.current_stream(self.device)
-        while len(self._lane_streams) < len(lanes):
-            self._lane_streams.append(torch.cuda.Stream(self.device))
-        parts = []
-        for stream, (start, stop) in zip(self._lane_streams, lanes):
-            stream.wait_stream(main)
-            with torch.cuda.stream(stream):
-                parts.append(self._layers(x[start:stop], cos[start:stop], sin[start:stop], start, stop, window))
-        for stream in self._lane_streams[:len(lanes)]:
-            main.wait_stream(stream)
-        # the lanes' outputs were made on their streams and are read here: keep their memory
-        # from being handed out again before this stream has read it
-        for part in parts:
-            for tensor in part:
-                tensor.record_stream(main)
-        return torch.cat([part[0] for part in parts]), torch.cat([part[1] for part in parts], dim=-2)
+        self._sample_into(x, batch, sampling, generator, pending=pending)
+        b.positions[:batch] += 1
+        b.column += 1
 
     def _product(self, kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  launch: Launch | None) -> torch.Tensor:
@@ -802,8 +740,7 @@ class StaticDecoder:
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for start, stop in lane_rows(batch, self.lanes):
-                self._choose_launches(stop - start, stream)
+            self._choose_launches(batch, stream)
             try:
                 self._decode_step(batch, window, sampling, generator)
             except Exception as error:  # noqa: BLE001 - any compiler failure: run uncompiled

@@ -12,8 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from flowrl.backends.generation import generate_tokens
-from flowrl.backends import static_decode
-from flowrl.backends.static_decode import StaticDecoder, _splits, decoder_for, lane_rows, unsupported_reason
+from flowrl.backends.static_decode import StaticDecoder, _splits, decoder_for, unsupported_reason
 
 PAD_ID = 0
 VOCAB_SIZE = 40
@@ -130,40 +129,6 @@ def test_rows_that_stop_early_match_generate_and_are_compacted(down_splits: int)
     assert shrunk, "the batch was never compacted although most rows finished"
 
 
-def test_lanes_cut_a_batch_into_near_equal_parts_of_enough_rows() -> None:
-    assert lane_rows(256, 2) == [(0, 128), (128, 256)]
-    assert lane_rows(200, 3) == [(0, 66), (66, 133), (133, 200)]
-    assert lane_rows(127, 2) == [(0, 127)]  # a lane of 63 rows would be below MIN_LANE_ROWS
-    assert lane_rows(128, 4) == [(0, 64), (64, 128)]
-    assert lane_rows(512, 1) == [(0, 512)]
-    with pytest.raises(ValueError, match="at least one lane"):
-        StaticDecoder(build("llama"), lanes=0)
-
-
-def test_a_step_in_lanes_decodes_as_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rows cut into lanes (each lane's layers over its own rows and cache rows) give
-    transformers' greedy tokens, and the one-lane engine's samples and log-probabilities,
-    also while finished rows are compacted into smaller batches (fewer lanes)."""
-    monkeypatch.setattr(static_decode, "MIN_LANE_ROWS", 8)
-    model = build("qwen2")
-    ids, mask = left_padded([1 + (row * 7) % 9 for row in range(40)], seed=4)
-    eos = frequent_token(model, ids, mask)
-    expected = hf_greedy(model, ids, mask, 40, eos=eos)
-    lanes = StaticDecoder(model, lanes=3, down_splits=2)
-    cut: list[int] = []
-    original = lanes._layers_in_lanes
-    lanes._layers_in_lanes = lambda x, *rest: cut.append(x.shape[0]) or original(x, *rest)  # type: ignore[method-assign]
-    out = lanes.generate(ids, mask, 40, eos_token_id=eos, pad_token_id=PAD_ID, greedy=True)
-    assert torch.equal(out.completion_ids, expected)
-    assert cut[0] == 40 and min(cut) == 16  # compacted to 16 rows: two lanes of 8
-    settings = dict(eos_token_id=VOCAB_SIZE + 5, pad_token_id=PAD_ID, temperature=0.8)
-    sampled = lanes.generate(ids, mask, 16, generator=torch.Generator().manual_seed(3), **settings)
-    whole = StaticDecoder(model, down_splits=2).generate(ids, mask, 16, generator=torch.Generator().manual_seed(3),
-                                                         **settings)
-    assert torch.equal(sampled.completion_ids, whole.completion_ids)
-    torch.testing.assert_close(sampled.sampled_logprobs, whole.sampled_logprobs, atol=1e-5, rtol=0)
-
-
 def test_rows_stop_at_any_of_several_eos_ids_as_generate_does() -> None:
     """An instruct model stops at its end-of-turn token and at its end-of-text one: the
     static decoder and the plain loop stop where generate() with the list of both stops."""
@@ -241,23 +206,17 @@ def test_unsupported_models_are_named() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("lanes", [1, 2])
 @pytest.mark.parametrize("splits", [(1, 1), (2, 4)])
 @pytest.mark.parametrize("compile_layers", [False, True])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_greedy_matches_generate_on_gpu(kind: str, compile_layers: bool, splits: tuple[int, int], lanes: int,
-                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_greedy_matches_generate_on_gpu(kind: str, compile_layers: bool, splits: tuple[int, int]) -> None:
     """On CUDA the decode step replays a captured graph; fp32 so argmax ties cannot flip.
-    ``splits``: the gate/up and down products whole, and cut along their inner dimension;
-    ``lanes``: one step's rows in one lane, or in two on streams of their own (lanes of at
-    least 8 rows here: 40 rows in two, until compaction leaves 8)."""
-    monkeypatch.setattr(static_decode, "MIN_LANE_ROWS", 8)
+    ``splits``: the gate/up and down products whole, and cut along their inner dimension."""
     torch.backends.cuda.matmul.allow_tf32 = False
     model = build(kind, "cuda")
     ids, mask = left_padded([1 + (row * 5) % 8 for row in range(40)], seed=6, device="cuda")
     eos = frequent_token(model, ids, mask)
-    decoder = StaticDecoder(model, compile_layers=compile_layers, gate_up_splits=splits[0], down_splits=splits[1],
-                            lanes=lanes)
+    decoder = StaticDecoder(model, compile_layers=compile_layers, gate_up_splits=splits[0], down_splits=splits[1])
     assert decoder.use_graphs
     expected = hf_greedy(model, ids, mask, 40, eos=eos)
     for _ in range(2):  # the second call replays graphs captured by the first
