@@ -101,12 +101,12 @@ class PlainLog:
         self._write(format_step_line(record, self._eta.eta_s(record.num_steps)))
 
     def on_event(self, event: RunEvent) -> None:
-        """Log an event as it happens. Why a run stopped is the error ``flowrl`` prints next:
+        """Log an event as it happens. Why a run stopped (an error, an interrupt) is what ``flowrl`` prints next:
         the log says only where, so that the reason is printed once."""
         if event.kind == "stopped":
             # the last finished step: the error names the step that was running
             where = f"after step {event.step}" if event.step else "before any step finished"
-            self._write(f"[event] stopped {where} (the error follows)")
+            self._write(f"[event] stopped {where} (the reason follows)")
         else:
             self._write(format_event_line(event))
 

@@ -128,11 +128,11 @@ def test_the_plain_log_says_where_a_run_stopped_and_leaves_why_to_the_error_prin
     log = PlainLog(stream)
     log.on_event(RunEvent("stopped", "step 3: the Dask scheduler cannot be reached", 3))
     log.on_event(RunEvent("warning", "w", 3))
-    assert stream.getvalue() == "[event] stopped after step 3 (the error follows)\n[event] warning: w\n"
+    assert stream.getvalue() == "[event] stopped after step 3 (the reason follows)\n[event] warning: w\n"
     # a run that stopped as it started (its data refused) or in its first step: no step is
     # said to have finished
     log.on_event(RunEvent("stopped", "data.source: ...", 0))
-    assert stream.getvalue().endswith("[event] stopped before any step finished (the error follows)\n")
+    assert stream.getvalue().endswith("[event] stopped before any step finished (the reason follows)\n")
 
 
 def test_the_changes_a_resume_refuses_leave_out_more_steps_and_a_moved_folder(tmp_path: Path) -> None:

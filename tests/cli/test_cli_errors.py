@@ -289,7 +289,7 @@ def test_data_a_run_refuses_as_it_starts_is_placed_at_its_field_and_plan_still_p
     pipeline = tmp_path / "p.yaml"
     pipeline.write_text(text)
     result = _flowrl("run", str(pipeline), "--plain", "-o", str(tmp_path / "out"), cwd=tmp_path)
-    _assert_user_error(result, "[event] stopped before any step finished (the error follows)",
+    _assert_user_error(result, "[event] stopped before any step finished (the reason follows)",
                        f"{pipeline}:{line}: data.prompt_key: q.jsonl has no column 'prompt' (columns: question, answer)")
     planned = _flowrl("plan", str(pipeline), "--devices", str(ROOT / "devices" / "h200-8x.yaml"), "--json", cwd=tmp_path)
     assert planned.returncode == 0, planned.stdout + planned.stderr
