@@ -117,9 +117,29 @@ def print_plan(plan: CompiledPlan, console: Console) -> None:
         f"predicted step time: {_ms(plan.iteration_s)} ({plan.method} search, "
         f"{plan.num_evaluated} placements simulated)", highlight=False,
     )
+    if plan.alternative is not None:
+        console.print(alternative_line(plan), highlight=False)
     console.print(f"critical path: {' -> '.join(plan.critical_path)}", highlight=False)
     for line in gantt_lines(plan):
         console.print(line, markup=False, highlight=False)
+
+
+CLOSE_LAYOUTS = 0.10
+"""Layouts whose predicted steps differ by less than this share are called close: the
+planner's calibrated CPU step times were within 10-13 % of measured ones
+(``benchmarks/results/planner_accuracy_cpu_8ac5e91.json``), and the CPU rates measured at start
+vary between runs, so either may be chosen."""
+
+
+def alternative_line(plan: CompiledPlan) -> str:
+    """The layout of the device groups that came next, its step and how far behind."""
+    other = plan.alternative
+    assert other is not None
+    behind = other.iteration_s / plan.iteration_s - 1 if plan.iteration_s > 0 else 0.0
+    line = f"next layout: {other.layout}, {_ms(other.iteration_s)} ({behind:+.1%})"
+    if abs(behind) < CLOSE_LAYOUTS:
+        line += f"; within {CLOSE_LAYOUTS:.0%}: the rates measured at start may choose either"
+    return line
 
 
 def _ms(seconds: float) -> str:

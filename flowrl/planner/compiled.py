@@ -9,6 +9,7 @@ JSON-ready and a run can write one per re-plan (``plan-<step>.json``).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,24 @@ class TimelineEntry:
 
 
 @dataclass(frozen=True)
+class AlternativeLayout:
+    """A way of laying the device groups out that the plan did not choose."""
+
+    layout: str
+    """How its groups share devices, in words."""
+    shared: dict[str, str]
+    iteration_s: float
+    """Its predicted step, in seconds."""
+
+
+def layout_words(shared: Mapping[str, str]) -> str:
+    """How device groups share devices (group -> the group whose devices it runs on)."""
+    if not shared:
+        return "every device group on its own devices"
+    return ", ".join(f"{group} on {host}'s devices" for group, host in sorted(shared.items()))
+
+
+@dataclass(frozen=True)
 class CompiledPlan:
     """Where every node runs and what that is predicted to cost; JSON-ready."""
 
@@ -85,6 +104,8 @@ class CompiledPlan:
     """One line per decision."""
     shared: dict[str, str] = field(default_factory=dict)
     """Device group -> the group whose devices it runs on (groups sharing devices)."""
+    alternative: AlternativeLayout | None = None
+    """The fastest layout of the device groups not chosen (another way of sharing devices)."""
 
     @property
     def node_devices(self) -> dict[str, list[str]]:
@@ -130,7 +151,10 @@ def _compiled(
     plan = plan_from_evaluation(
         pipeline, inventory, costs, result.best, reasons, step, result.method, result.num_evaluated
     )
-    return replace(plan, shared=dict(result.shared))
+    other = result.alternative
+    alternative = (AlternativeLayout(layout_words(other.shared), dict(other.shared), other.iteration_s)
+                   if other is not None else None)
+    return replace(plan, shared=dict(result.shared), alternative=alternative)
 
 
 def plan_from_evaluation(

@@ -112,6 +112,34 @@ class SearchResult:
     num_evaluated: int
     shared: dict[str, str] = field(default_factory=dict)
     """Group -> the group whose devices it runs on (shares)."""
+    alternative: Alternative | None = None
+    """The fastest feasible layout of the other ways of sharing devices, where one differs."""
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """A layout of the device groups that was not chosen: how its groups share devices and
+    its predicted step."""
+
+    shared: dict[str, str]
+    iteration_s: float
+
+
+def _alternative(results: Sequence[SearchResult], chosen: SearchResult) -> Alternative | None:
+    """The fastest feasible result whose nodes are grouped on devices otherwise than
+    ``chosen``'s: two ways of sharing may place the nodes alike, or as mirror images (the
+    actor on the reference's slot, the reference on the actor's)."""
+    def layout(result: SearchResult) -> frozenset[frozenset[str]]:
+        together: dict[tuple[str, ...], set[str]] = {}
+        for node, placed in result.best.placement.items():
+            together.setdefault(placed.devices, set()).add(node)
+        return frozenset(frozenset(nodes) for nodes in together.values())
+
+    others = [result for result in results if result.best.feasible and layout(result) != layout(chosen)]
+    if not others:
+        return None
+    fastest = min(others, key=lambda result: result.best.key)
+    return Alternative(dict(fastest.shared), fastest.best.schedule.iteration_s)
 
 
 def sharings(pipeline: PipelineGraph, match: Match, options: SearchOptions) -> Iterator[dict[str, str]]:
@@ -301,7 +329,7 @@ def search(
                                     best.best, inventory, lambda item: (item[0].key, item[1][0]))
     if not best.best.feasible:
         raise PlacementError(best.best.deadlock or _memory_message(best.best, inventory, options.memory_reserve, pipeline))
-    return replace(best, num_evaluated=evaluated)
+    return replace(best, num_evaluated=evaluated, alternative=_alternative(results, best))
 
 
 def _sharded_training_groups(pipeline: PipelineGraph) -> list[tuple[str, str]]:

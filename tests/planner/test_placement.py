@@ -67,6 +67,12 @@ def test_the_reference_shares_the_actor_s_slot_when_that_saves_the_transfers() -
     assert "ref_group on actor_group's devices" in next(n.reason for n in compiled.nodes if n.node == "ref")
     reward = next(n.reason for n in compiled.nodes if n.node == "reward")
     assert "next: cpu-1 (cpu slot) -" in reward and "on fewer CPU slots" in reward
+    # the layout that came next: each group on a slot of its own; the actor on the
+    # reference's slot is the chosen layout's mirror image, not another layout
+    assert compiled.alternative is not None
+    assert compiled.alternative.layout == "every device group on its own devices"
+    assert compiled.alternative.shared == {}
+    assert compiled.alternative.iteration_s > compiled.iteration_s
 
 
 def test_more_groups_than_slots_share_a_slot() -> None:

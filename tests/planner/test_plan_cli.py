@@ -83,3 +83,22 @@ def test_the_memory_table_names_an_offloaded_model_paged_in_on_its_device() -> N
                  output=None, console=console, overrides=["models.reference.offload_to_cpu=true"])
     rows = [line for line in console.export_text().splitlines() if "gpu-0" in line and " GB " in line and "80 GB" in line]
     assert rows and "reference (paged in)" in rows[0], rows
+
+
+def test_the_next_layout_is_printed_with_its_distance_and_called_close_within_ten_percent() -> None:
+    from dataclasses import replace
+
+    from flowrl.cli.plan import alternative_line, print_plan
+    from flowrl.planner.compiled import AlternativeLayout, layout_words
+
+    plan = plan_command(PPO, MIXED, as_json=False, output=None, console=_console())
+    assert layout_words({"ref_group": "actor_group", "critic_group": "actor_group"}) == (
+        "critic_group on actor_group's devices, ref_group on actor_group's devices")
+    near = replace(plan, iteration_s=0.2, alternative=AlternativeLayout("every device group on its own devices", {}, 0.21))
+    assert alternative_line(near) == ("next layout: every device group on its own devices, 210.00 ms (+5.0%); "
+                                      "within 10%: the rates measured at start may choose either")
+    far = replace(near, alternative=AlternativeLayout("x", {}, 0.25))
+    assert alternative_line(far) == "next layout: x, 250.00 ms (+25.0%)"
+    console = _console()
+    print_plan(far, console)
+    assert "next layout: x, 250.00 ms (+25.0%)" in console.export_text()
