@@ -226,7 +226,7 @@ class EstimatedCosts:
         assert work.shape is not None, f"{work.work} node without a model shape"
         flops_per_s, bytes_per_s, overheads = self._rates(device, work.dtype)
         shape, kind, dtype = work.shape, work.kind, work.dtype
-        share = work.num_sequences / width
+        share = work.rank_sequences(width)  # the busiest rank sets the step (ranks hold whole rows)
         prompt, response = work.prompt_tokens, work.response_tokens
         weights = weight_bytes(shape, kind, dtype)
         layers = shape.num_layers

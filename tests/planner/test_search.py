@@ -149,6 +149,23 @@ def test_each_rank_is_sized_for_the_busiest_ranks_rows() -> None:
         assert eight.memory(node, 1, gpu=True).transient_gb < nine.memory(node, 1, gpu=True).transient_gb, node
 
 
+def test_each_rank_is_timed_for_the_busiest_ranks_rows() -> None:
+    """8 sequences on 3 ranks take as long per rank as 9 (3 on the busiest rank): the
+    reference pass and the update's work on one device are those of 3 rows."""
+    def costs_of(batch_size: int, n: int) -> EstimatedCosts:
+        data = grpo({"path": QWEN, "device_group": "actor_group", "dtype": "bf16"},
+                    {"path": QWEN, "device_group": "actor_group", "dtype": "bf16"},
+                    {"actor_group": {"type": "gpu", "count": 3}},
+                    batch_size=batch_size, n=n, max_new_tokens=64)
+        return EstimatedCosts(pipeline_from_dict(data), prompt_tokens=16)
+
+    eight, nine = costs_of(2, 4), costs_of(3, 3)
+    card = gpu(0, "H100-80GB", 80, 989, 3350)
+    for node in ("train", "ref"):
+        assert eight._on_device(eight.work(node), card, 3) == pytest.approx(
+            nine._on_device(nine.work(node), card, 3)), node
+
+
 def test_a_model_that_fits_only_sharded_is_refused_whole_with_the_hint_and_placed_sharded() -> None:
     def data(sharded: bool) -> dict:
         return grpo({"path": QWEN, "device_group": "actor_group", "dtype": "bf16", "sharded": sharded},
