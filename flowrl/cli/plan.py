@@ -28,7 +28,7 @@ from flowrl.devices.groups import pipeline_groups
 from flowrl.devices.matching import match_groups
 from flowrl.errors import FlowrlError, PlacementError, SpecError
 from flowrl.graph import PipelineGraph
-from flowrl.planner.compiled import CompiledPlan, compile_plan
+from flowrl.planner.compiled import CompiledPlan, compile_plan, layout_words
 from flowrl.planner.cost import measure_cpu_rates, resolve_shape
 from flowrl.planner.costs import EstimatedCosts
 from flowrl.planner.micro_batches import resolve_micro_batches, resolved_json
@@ -136,7 +136,7 @@ def alternative_line(plan: CompiledPlan) -> str:
     other = plan.alternative
     assert other is not None
     behind = other.iteration_s / plan.iteration_s - 1 if plan.iteration_s > 0 else 0.0
-    line = f"next layout: {other.layout}, {_ms(other.iteration_s)} ({behind:+.1%})"
+    line = f"next layout: {layout_words(other.shared)}, {_ms(other.iteration_s)} ({behind:+.1%})"
     if abs(behind) < CLOSE_LAYOUTS:
         line += f"; within {CLOSE_LAYOUTS:.0%}: the rates measured at start may choose either"
     return line

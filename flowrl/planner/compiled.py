@@ -20,7 +20,7 @@ from flowrl.devices.matching import Match, match_groups
 from flowrl.graph import PipelineGraph
 from flowrl.planner.cost import CpuRates
 from flowrl.planner.costs import CostSource, EstimatedCosts
-from flowrl.planner.search import FEWER_CPU_SLOTS_WITHIN, Evaluation, SearchOptions, SearchResult, evaluate, search
+from flowrl.planner.search import FEWER_CPU_SLOTS_WITHIN, Alternative, Evaluation, SearchOptions, SearchResult, evaluate, search
 
 
 @dataclass(frozen=True)
@@ -64,17 +64,6 @@ class TimelineEntry:
     end_s: float
 
 
-@dataclass(frozen=True)
-class AlternativeLayout:
-    """A way of laying the device groups out that the plan did not choose."""
-
-    layout: str
-    """How its groups share devices, in words."""
-    shared: dict[str, str]
-    iteration_s: float
-    """Its predicted step, in seconds."""
-
-
 def layout_words(shared: Mapping[str, str]) -> str:
     """How device groups share devices (group -> the group whose devices it runs on)."""
     if not shared:
@@ -104,7 +93,7 @@ class CompiledPlan:
     """One line per decision."""
     shared: dict[str, str] = field(default_factory=dict)
     """Device group -> the group whose devices it runs on (groups sharing devices)."""
-    alternative: AlternativeLayout | None = None
+    alternative: Alternative | None = None
     """The fastest layout of the device groups not chosen (another way of sharing devices)."""
 
     @property
@@ -151,10 +140,7 @@ def _compiled(
     plan = plan_from_evaluation(
         pipeline, inventory, costs, result.best, reasons, step, result.method, result.num_evaluated
     )
-    other = result.alternative
-    alternative = (AlternativeLayout(layout_words(other.shared), dict(other.shared), other.iteration_s)
-                   if other is not None else None)
-    return replace(plan, shared=dict(result.shared), alternative=alternative)
+    return replace(plan, shared=dict(result.shared), alternative=result.alternative)
 
 
 def plan_from_evaluation(

@@ -89,16 +89,17 @@ def test_the_next_layout_is_printed_with_its_distance_and_called_close_within_te
     from dataclasses import replace
 
     from flowrl.cli.plan import alternative_line, print_plan
-    from flowrl.planner.compiled import AlternativeLayout, layout_words
+    from flowrl.planner.compiled import layout_words
+    from flowrl.planner.search import Alternative
 
     plan = plan_command(PPO, MIXED, as_json=False, output=None, console=_console())
     assert layout_words({"ref_group": "actor_group", "critic_group": "actor_group"}) == (
         "critic_group on actor_group's devices, ref_group on actor_group's devices")
-    near = replace(plan, iteration_s=0.2, alternative=AlternativeLayout("every device group on its own devices", {}, 0.21))
+    near = replace(plan, iteration_s=0.2, alternative=Alternative({}, 0.21))
     assert alternative_line(near) == ("next layout: every device group on its own devices, 210.00 ms (+5.0%); "
                                       "within 10%: the rates measured at start may choose either")
-    far = replace(near, alternative=AlternativeLayout("x", {}, 0.25))
-    assert alternative_line(far) == "next layout: x, 250.00 ms (+25.0%)"
+    far = replace(near, alternative=Alternative({"ref_group": "actor_group"}, 0.25))
+    assert alternative_line(far) == "next layout: ref_group on actor_group's devices, 250.00 ms (+25.0%)"
     console = _console()
     print_plan(far, console)
-    assert "next layout: x, 250.00 ms (+25.0%)" in console.export_text()
+    assert "next layout: ref_group on actor_group's devices, 250.00 ms (+25.0%)" in console.export_text()
