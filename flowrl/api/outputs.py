@@ -9,6 +9,8 @@
       samples.jsonl        a few completions of every trainer.log_samples_every-th step, with
                            their prompts, answers, rewards by score node and advantages
       run.json             where the pipeline came from (for ``flowrl resume``), and whether it finished
+      run.lock             held (an advisory lock) by the process writing the folder: a second
+                           run, resume or --overwrite into it is refused while the first goes on
       checkpoints/step-<n>/  written under a temporary name, then renamed; trainer_state.json
                            (written last) lists every file's SHA-256, each weight shard and
                            model.safetensors.index.json included
@@ -23,7 +25,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
+import socket
 import statistics
 import time
 from pathlib import Path
@@ -117,7 +121,14 @@ def has_final_model(output_dir: Path) -> bool:
     return final.is_dir() and any(final.iterdir())
 
 
+LOCK_FILE = "run.lock"
+
+
 class RunFolder:
+    """A run's output folder, held by this process (``run.lock``) from the moment it is
+    opened until :meth:`release`: two processes writing one folder would interleave their
+    steps in its logs and mix their checkpoints."""
+
     def __init__(self, path: Path) -> None:
         self.path = path
         try:
@@ -125,6 +136,13 @@ class RunFolder:
         except OSError as error:
             raise FlowrlError(f"cannot create the output folder {path}: {error}") from error
         self.checkpoints = path / "checkpoints"
+        self._lock = _hold(path / LOCK_FILE)
+
+    def release(self) -> None:
+        """Let another run write the folder (closing the lock's file releases it)."""
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
 
     def start_over(self) -> None:
         """Delete an earlier run's checkpoints and final model: a fresh run must never resume
@@ -137,14 +155,14 @@ class RunFolder:
                 raise FlowrlError(f"cannot delete {path} to start over: {error}") from error
 
     def write_config(self, text: str) -> None:
-        (self.path / "config.yaml").write_text(text)
+        _write(self.path / "config.yaml", text)
 
     def read_config(self) -> str | None:
         path = self.path / "config.yaml"
         return path.read_text() if path.is_file() else None
 
     def write_run_info(self, info: dict[str, Any]) -> None:
-        (self.path / "run.json").write_text(json.dumps(info, indent=2) + "\n")
+        _write(self.path / "run.json", json.dumps(info, indent=2) + "\n")
 
     def read_run_info(self, strict: bool = False) -> dict[str, Any]:
         return read_run_info(self.path, strict)
@@ -293,6 +311,40 @@ class RunFolder:
                 f"folder, then resume (`flowrl resume {self.path}`: the checkpoints written are kept, and a "
                 "half-written line is dropped)"
             ) from None
+
+
+def _write(path: Path, text: str) -> None:
+    try:
+        path.write_text(text)
+    except OSError as error:
+        raise FlowrlError(f"cannot write {path}: {error.strerror or error}") from error
+
+
+def _hold(path: Path) -> int | None:
+    """Take the advisory lock of ``path`` (made if missing) for this process, and write who
+    holds it; a lock another process holds is refused, naming that process. The kernel drops
+    the lock when its holder exits, however it exits: a killed run leaves nothing to clean up.
+    None where the system has no ``flock`` (the folder is then not guarded)."""
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system
+        return None
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as error:
+        raise FlowrlError(f"cannot write in the output folder {path.parent}: {error.strerror or error}; "
+                          "give the run a folder it can write (-o DIR; trainer.output_dir)") from error
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise FlowrlError(f"the output folder {path.parent} is being written by a run that is still going ({holder}): "
+                          "wait for it to end or stop it, or give this run another output folder (-o DIR; "
+                          "trainer.output_dir)") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    return fd
 
 
 def _measured(records: list[StepRecord]) -> dict[str, Any]:

@@ -229,6 +229,16 @@ def _run(pipeline: PipelineGraph | Pipeline, options: RunOptions, observer: Obse
     check_runnable(graph)
     spec = graph.spec
     folder = RunFolder(Path(spec.trainer.output_dir))
+    try:
+        return _run_in(folder, graph, observer, base_dir, resume, force, local_cluster, overwrite, checkpoint)
+    finally:
+        folder.release()
+
+
+def _run_in(folder: RunFolder, graph: PipelineGraph, observer: Observer | None, base_dir: Path | None, resume: bool,
+            force: bool, local_cluster: PendingCluster | None, overwrite: bool, checkpoint: int | None) -> RunResult:
+    """:func:`_run` in its output folder, which this process holds."""
+    spec = graph.spec
     config_text = to_yaml(graph)
     start: FoundCheckpoint | None = None
     earlier_run = folder.read_config() is not None
