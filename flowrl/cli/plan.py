@@ -47,6 +47,9 @@ def plan_command(
     graph = load_pipeline(pipeline, overrides)
     if output is not None and output.suffix.lower() not in (".svg", ".png"):
         raise FlowrlError(f"--output {output}: write the timeline as .svg or .png")
+    if output is not None and not output.parent.is_dir():
+        raise FlowrlError(f"--output {output}: there is no folder {output.parent}; create it or write the timeline "
+                          "elsewhere")
     base_dir = pipeline.resolve().parent  # relative model and data paths are the file's
     unsized = _unsized_models(graph, base_dir)
     if unsized:
@@ -73,7 +76,11 @@ def plan_command(
         for item in passes:
             console.print(escape(item.line()), highlight=False)
     if output is not None:
-        write_timeline(plan, output)
+        try:
+            write_timeline(plan, output)
+        except OSError as error:
+            raise FlowrlError(f"--output {output}: cannot write the timeline ({error.strerror or error}); write "
+                              "it elsewhere") from error
         if not as_json:
             console.print(f"timeline written to {output}", highlight=False)
     return plan

@@ -57,6 +57,8 @@ class RunFiles:
 
     @classmethod
     def read(cls, folder: Path) -> "RunFiles":
+        if not folder.is_dir():
+            raise FlowrlError(f"{folder}: no such folder; give the output folder of a run (trainer.output_dir)")
         if not (folder / "metrics.jsonl").is_file():
             raise FlowrlError(f"{folder}: no metrics.jsonl here; give the output folder of a run "
                               "(trainer.output_dir)")
@@ -170,6 +172,14 @@ def build_report(folder: Path, output: Path | None = None, step: int | None = No
     """Write the report of the run in ``folder``; returns the HTML page's path."""
     files = RunFiles.read(folder)
     out = output or folder / "report"
+    try:
+        return _write_report(files, folder, out, step)
+    except OSError as error:
+        raise FlowrlError(f"cannot write the report in {out}: {error.strerror or error}; write it elsewhere "
+                          "(--output DIR)") from error
+
+
+def _write_report(files: RunFiles, folder: Path, out: Path, step: int | None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     pictures: list[tuple[str, str, str]] = []  # (file, title, caption)
     name = files.plan.get("pipeline") or folder.name

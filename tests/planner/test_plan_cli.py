@@ -56,6 +56,14 @@ def test_unknown_picture_format(tmp_path: Path) -> None:
         plan_command(PPO, MIXED, as_json=False, output=tmp_path / "t.pdf", console=_console())
 
 
+def test_a_timeline_that_cannot_be_written_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(FlowrlError, match=r"there is no folder .*nodir; create it"):
+        plan_command(PPO, MIXED, as_json=False, output=tmp_path / "nodir" / "t.svg", console=_console())
+    (tmp_path / "t.svg").mkdir()  # a folder where the picture should go
+    with pytest.raises(FlowrlError, match=r"cannot write the timeline \(Is a directory\)"):
+        plan_command(PPO, MIXED, as_json=False, output=tmp_path / "t.svg", console=_console())
+
+
 def test_a_plan_for_this_machine_prices_its_cpus_as_a_run_does(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without --devices the CPU slots are measured (``measure_cpu_rates``), as ``flowrl run``
     measures them before its first plan, so the two predict the same step."""

@@ -82,6 +82,11 @@ def test_bad_folders_and_steps_are_clear_errors(run_folder: Path, tmp_path: Path
         build_report(tmp_path)
     with pytest.raises(FlowrlError, match=r"--step 99: the run has node calls for steps 1..6"):
         build_report(run_folder, tmp_path / "r", step=99)
+    with pytest.raises(FlowrlError, match="no such folder"):
+        build_report(tmp_path / "missing")
+    (tmp_path / "taken").write_text("")  # where the report's folder should go: a file
+    with pytest.raises(FlowrlError, match=r"cannot write the report in .*taken: File exists; write it elsewhere"):
+        build_report(run_folder, tmp_path / "taken")
 
 
 @pytest.mark.skipif(shutil.which("chromium") is None or shutil.which("chromedriver") is None,
