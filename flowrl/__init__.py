@@ -11,6 +11,8 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from flowrl.api.builder import Pipeline
     from flowrl.api.run import RunResult
     from flowrl.graph import PipelineGraph
@@ -30,13 +32,14 @@ _EXPORTS = {
 __all__ = sorted([*_EXPORTS, "run"])
 
 
-def run(pipeline: PipelineGraph | Pipeline, *args: Any, quiet: bool = False, **kwargs: Any) -> RunResult:
+def run(pipeline: PipelineGraph | Pipeline | str | Path, *args: Any, quiet: bool = False, **kwargs: Any) -> RunResult:
     """Train ``pipeline``: :func:`flowrl.api.run.run`, whose arguments these are (``steps``,
     ``output_dir``, ``scheduler_address``, ``cpu_slots``, ``seed``, ``observer``, ``base_dir``,
     ``resume``, ``force``, ``overwrite``, ``checkpoint``), printing a line per step and per event
     (placements, warnings, evaluations, checkpoints) to stdout as ``flowrl run --plain`` does;
-    ``observer`` (an object with ``on_step(record)`` and ``on_event(event)``) receives them
-    instead, and ``quiet`` prints nothing."""
+    ``observer`` (an object with ``on_step(record)`` and ``on_event(event)``, or one of them)
+    receives them instead, and ``quiet`` prints nothing. ``pipeline``: a builder's, a loaded
+    one, or the path of its file (whose folder relative paths are then read from)."""
     from flowrl.api.run import run as run_pipeline
 
     observer_given = len(args) > OBSERVER_POSITION or kwargs.get("observer") is not None

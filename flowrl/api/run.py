@@ -48,6 +48,7 @@ from flowrl.runtime.cluster import Cluster, PendingCluster, join_for, main_witho
 from flowrl.scheduler import make_policy, settings_from_spec
 from flowrl.scheduler.calibration import calibrated_prediction
 from flowrl.spec.dump import resumable_form, to_yaml, written_steps
+from flowrl.spec.loader import load_pipeline
 from flowrl.spec.messages import issues_from_validation
 from flowrl.spec.schema import AdvantageNode, GenerateNode, RuntimeSpec, ScoreNode
 
@@ -61,6 +62,35 @@ class Observer(Protocol):
     def on_event(self, event: RunEvent) -> None: ...
 
 
+class _Partial:
+    """An observer that has only one of ``on_step`` and ``on_event``: the other does nothing."""
+
+    def __init__(self, observer: object) -> None:
+        self._observer = observer
+
+    def on_step(self, record: StepRecord) -> None:
+        method = getattr(self._observer, "on_step", None)
+        if callable(method):
+            method(record)
+
+    def on_event(self, event: RunEvent) -> None:
+        method = getattr(self._observer, "on_event", None)
+        if callable(method):
+            method(event)
+
+
+def _observer(observer: object) -> Observer | None:
+    """``observer`` as the run calls it: one of its two methods may be missing (it is then
+    not called); an object with neither is refused."""
+    if observer is None:
+        return None
+    has = [name for name in ("on_step", "on_event") if callable(getattr(observer, name, None))]
+    if not has:
+        raise FlowrlError(f"observer: a value of type {type(observer).__name__} has neither on_step(record) nor on_event(event); "
+                          "give it one or both")
+    return observer if len(has) == 2 else _Partial(observer)  # type: ignore[return-value]
+
+
 @dataclass
 class RunResult:
     output_dir: Path
@@ -68,7 +98,9 @@ class RunResult:
     already_finished: bool = False
     """``resume`` found a run that had finished every step: nothing was trained."""
     finished_steps: int = 0
-    """With ``already_finished``: the steps that run had finished (at least those asked for)."""
+    """The steps the run has finished: a run that returns, every step asked for; with
+    ``already_finished``, the steps that run had finished (at least those asked for);
+    ``load_run``, the steps the folder's run finished (0 until it ends)."""
     evaluations: list[tuple[int, dict[str, float]]] = field(default_factory=list)
     """(step, ``val/*`` metrics) of every evaluation; step 0 is before training."""
 
@@ -129,19 +161,34 @@ class RunOptions:
     seed: int | None = None
 
 
-def validate(pipeline: PipelineGraph | Pipeline, base_dir: str | Path | None = None) -> PipelineGraph:
+def validate(pipeline: PipelineGraph | Pipeline | str | Path, base_dir: str | Path | None = None) -> PipelineGraph:
     """What ``flowrl validate`` checks, from Python: the schema, names and graph (as
     ``build()``), then the model paths, the data (and held-out data) and every reward
     function against the data's columns. Returns the pipeline; raises ``SpecError`` listing
     every problem. ``base_dir``: where relative paths are read from (default: the current
-    directory, as for ``run``)."""
+    directory, as for ``run``; for a pipeline given as its file's path, the file's folder)."""
+    pipeline, base_dir = _pipeline_and_folder(pipeline, base_dir, "validate")
     graph = pipeline.build() if isinstance(pipeline, Pipeline) else pipeline
     check_inputs(graph, Path(base_dir) if base_dir is not None else Path.cwd())
     return graph
 
 
+def _pipeline_and_folder(pipeline: object, base_dir: str | Path | None,
+                         call: str) -> tuple[PipelineGraph | Pipeline, str | Path | None]:
+    """A pipeline given to ``call`` as a builder's, a loaded one, or the path of its file (read
+    here; its relative paths are then the file's, as for ``flowrl run FILE``, unless
+    ``base_dir`` says otherwise)."""
+    if isinstance(pipeline, (str, Path)):
+        path = Path(pipeline)
+        return load_pipeline(path), base_dir if base_dir is not None else path.resolve().parent
+    if not isinstance(pipeline, (PipelineGraph, Pipeline)):
+        raise FlowrlError(f"{call}() takes a pipeline (flowrl.Pipeline, flowrl.load_pipeline(path)) or the path of "
+                          f"its file, not a value of type {type(pipeline).__name__}")
+    return pipeline, base_dir
+
+
 def run(
-    pipeline: PipelineGraph | Pipeline,
+    pipeline: PipelineGraph | Pipeline | str | Path,
     steps: int | None = None,
     output_dir: str | Path | None = None,
     scheduler_address: str | None = None,
@@ -182,6 +229,8 @@ def run(
                          "under `if __name__ == \"__main__\":`")
     try:
         with main_without_a_missing_file():
+            pipeline, base_dir = _pipeline_and_folder(pipeline, base_dir, "run")
+            observer = _observer(observer)
             # numbers from Python (numpy's too) as the builder takes them
             steps, cpu_slots, seed = (plain_value(value) for value in (steps, cpu_slots, seed))
             return _run(pipeline, RunOptions(steps, str(output_dir) if output_dir is not None else None,
@@ -535,6 +584,7 @@ def _train(
         calibrated = calibrated_prediction(graph, compiled, inventory, costs, folder.governed_by_first_plan(timed))
         if calibrated is not None:
             folder.add_to_plan(0, "calibrated", calibrated)
+    result.finished_steps = spec.trainer.steps  # the driver returns only when every step is done
     return result
 
 

@@ -25,3 +25,29 @@ def test_readme_python_example_runs(tmp_path: Path) -> None:
     # fr.run prints a line per step and per event, as flowrl run --plain does
     assert "step 2/2 | reward" in result.stdout and "[event] placement:" in result.stdout
     assert (tmp_path / "outputs" / "api-run" / "final" / "model.safetensors").exists()
+
+
+def test_a_pipeline_file_path_and_an_observer_of_steps_only(tmp_path: Path) -> None:
+    """fr.run and fr.validate take a pipeline file's path (its folder holds its relative
+    paths); an observer may have on_step alone; the result counts the finished steps."""
+    import flowrl as fr
+    from flowrl.errors import FlowrlError
+
+    pipeline = ROOT / "pipelines" / "grpo_tiny.yaml"
+    assert fr.validate(str(pipeline)) == fr.load_pipeline(pipeline)
+
+    class Steps:
+        def __init__(self) -> None:
+            self.steps: list[int] = []
+
+        def on_step(self, record: object) -> None:
+            self.steps.append(getattr(record, "step"))
+
+    seen = Steps()
+    result = fr.run(pipeline, steps=2, output_dir=tmp_path / "out", observer=seen)
+    assert seen.steps == [1, 2] and result.finished_steps == 2
+    assert fr.load_run(tmp_path / "out").finished_steps == 2
+    with pytest.raises(FlowrlError, match="observer: a value of type object has neither on_step"):
+        fr.run(pipeline, steps=1, output_dir=tmp_path / "other", observer=object())
+    with pytest.raises(FlowrlError, match=r"run\(\) takes a pipeline .* not a value of type int"):
+        fr.run(42)  # type: ignore[arg-type]
