@@ -259,6 +259,18 @@ def _kept_before_steps(folder: RunFolder, start: FoundCheckpoint | None, rolling
     return "no checkpoint was written, so a rerun starts from step 1"
 
 
+def _run_nearby(path: Path) -> str:
+    """`` (did you mean DIR?)`` for the folder beside ``path`` that holds a run and whose name
+    is closest to its name, or ''."""
+    try:
+        runs = [entry.name for entry in path.parent.iterdir()
+                if entry.name != path.name and (entry / "config.yaml").is_file()]
+    except OSError:
+        return ""
+    near = difflib.get_close_matches(path.name, runs, n=1, cutoff=0.6)
+    return f" (did you mean {path.parent / near[0]}?)" if near else ""
+
+
 def _importing_main_in_a_worker() -> bool:
     """Whether this process is a spawned (or forkserver) child still importing the main script
     (multiprocessing marks the process while it prepares it)."""
@@ -369,6 +381,9 @@ def _run_in(folder: RunFolder, graph: PipelineGraph, observer: Observer | None, 
         if forced:
             watcher.event(RunEvent("warning", "resumed with a pipeline that differs from the one the run started with "
                                               f"(--force; - before, + now): {'; '.join(forced)}", 0, {"changes": forced}))
+        if resume and not earlier_run:
+            watcher.event(RunEvent("warning", f"resume: {folder.path} held no earlier run, so this one starts at step "
+                                              f"1{_run_nearby(folder.path)}", 0))
         result = _run_watched(graph, folder, watcher, base_dir, resume and earlier_run, start, local_cluster,
                               _DataCheck(resumed_data, force), start_over)
         failed = False

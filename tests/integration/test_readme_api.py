@@ -51,3 +51,26 @@ def test_a_pipeline_file_path_and_an_observer_of_steps_only(tmp_path: Path) -> N
         fr.run(pipeline, steps=1, output_dir=tmp_path / "other", observer=object())
     with pytest.raises(FlowrlError, match=r"run\(\) takes a pipeline .* not a value of type int"):
         fr.run(42)  # type: ignore[arg-type]
+
+
+def test_a_resume_into_a_folder_without_a_run_says_it_starts_at_step_one(tmp_path: Path) -> None:
+    """`--resume` in a job script that is rerun after a preemption starts the run the first
+    time; it says so, naming a folder beside it that holds a run (a typo in -o)."""
+    import flowrl as fr
+
+    (tmp_path / "runs" / "grpo-a").mkdir(parents=True)
+    (tmp_path / "runs" / "grpo-a" / "config.yaml").write_text("")
+
+    class Events:
+        def __init__(self) -> None:
+            self.lines: list[str] = []
+
+        def on_event(self, event: object) -> None:
+            self.lines.append(getattr(event, "message"))
+
+    seen = Events()
+    fr.run(ROOT / "pipelines" / "grpo_tiny.yaml", steps=1, output_dir=tmp_path / "runs" / "grpo-b", resume=True,
+           observer=seen)
+    expected = (f"resume: {tmp_path / 'runs' / 'grpo-b'} held no earlier run, so this one starts at step 1 "
+                f"(did you mean {tmp_path / 'runs' / 'grpo-a'}?)")
+    assert expected in seen.lines
