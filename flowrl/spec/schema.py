@@ -867,9 +867,10 @@ class TrainerSpec(StrictModel):
 
     steps: int = Field(default=100, ge=1)
     """Iterations to run. Default 100."""
-    output_dir: str = "outputs/run"
+    output_dir: str = Field(default="outputs/run", min_length=1)
     """Run folder (checkpoints, metrics, plans), relative to the working directory.
-    Default outputs/run."""
+    Default outputs/run. Not empty: that would be the working directory itself, whose
+    ``checkpoints/`` and ``final/`` an ``--overwrite`` deletes."""
     checkpoint_every: int = Field(default=0, ge=0)
     """Write a checkpoint every this many steps and at the last step; 0 writes none (the
     trained model is still saved in ``final/``, but the run cannot be resumed or extended).

@@ -247,3 +247,12 @@ def test_version_prints_the_installed_version() -> None:
     code, output = flowrl("--version")
     assert code == 0, output
     assert output == f"flowrl {importlib.metadata.version('flowrl')}\n"
+
+
+def test_an_empty_output_folder_is_refused() -> None:
+    """"" would be the working directory, whose checkpoints/ and final/ --overwrite deletes."""
+    pipeline = Path(__file__).resolve().parents[2] / "pipelines" / "grpo_tiny.yaml"
+    with pytest.raises(SpecError, match=r"trainer.output_dir='': must not be empty"):
+        load_pipeline(pipeline, ["trainer.output_dir=''"])
+    result = CliRunner().invoke(cli.app, ["run", str(pipeline), "-o", "", "--steps", "1", "--plain"])
+    assert result.exit_code == 2 and "trainer.output_dir: must not be empty" in result.output
