@@ -164,6 +164,9 @@ def run(
 
     if overwrite and resume:
         raise FlowrlError("--overwrite starts over and --resume continues: give one of them")
+    if force and not resume:
+        raise FlowrlError("--force lets a resume go on with a changed pipeline: add --resume (a fresh run needs no "
+                          "--force; --overwrite starts over in a folder that holds an earlier run)")
     _one_setting(overrides or [], {"steps": ("--steps", "trainer.steps"), "output_dir": ("--output-dir", "trainer.output_dir"),
                                    "scheduler": ("--scheduler", "runtime.scheduler_address"),
                                    "cpu_slots": ("--cpu-slots", "runtime.cpu_slots"), "seed": ("--seed", "trainer.seed")},

@@ -256,3 +256,9 @@ def test_an_empty_output_folder_is_refused() -> None:
         load_pipeline(pipeline, ["trainer.output_dir=''"])
     result = CliRunner().invoke(cli.app, ["run", str(pipeline), "-o", "", "--steps", "1", "--plain"])
     assert result.exit_code == 2 and "trainer.output_dir: must not be empty" in result.output
+
+
+def test_force_without_resume_is_refused() -> None:
+    pipeline = Path(__file__).resolve().parents[2] / "pipelines" / "grpo_tiny.yaml"
+    result = CliRunner().invoke(cli.app, ["run", str(pipeline), "--force", "--steps", "1", "--plain"])
+    assert result.exit_code == 2 and "--force lets a resume go on with a changed pipeline: add --resume" in result.output
