@@ -24,7 +24,8 @@ from flowrl.api.prometheus import PrometheusMetrics
 from flowrl.api.driver import Driver
 from flowrl.api.recovery import FoundCheckpoint, RollBack, config_changes, newest_checkpoint, resume_note, roll_back
 from flowrl.api.replanning import Replanner
-from flowrl.backends.cache import BUILTIN_PREFIX, built_builtin_dir
+from flowrl.backends.cache import BUILTIN_PREFIX, built_builtin_dir, cache_root
+from flowrl.backends.catalog import builtin_folder
 from flowrl.api.data import evaluates_training_prompts, policy_formatter, read_eval, training_source
 from flowrl.api.checks import (call_keywords, check_inputs, eval_reward_issues, model_problems, offered_keywords,
                                reward_issues)
@@ -443,6 +444,11 @@ def _run_watched(graph: PipelineGraph, folder: RunFolder, watcher: "_Watchers", 
             watcher.event(RunEvent("warning", f"no intact checkpoint to resume from in {folder.checkpoints}: the run "
                                               "starts over at step 1", 0))
 
+    for path in _builtins_to_fit(graph):
+        # minutes without a line would look like a hang
+        took = "about 2 minutes on 2 cores; " if path == "builtin:arith-llama" else ""
+        watcher.event(RunEvent("status", f"fitting {path} once for this machine ({took}later runs read it from "
+                                         f"{cache_root()})", 0))
     formatter = policy_formatter(graph, base_dir or Path.cwd())
     source = training_source(graph, base_dir or Path.cwd(), formatter)
     fingerprint = source.fingerprint()
@@ -696,6 +702,22 @@ def preflight(graph: PipelineGraph, base_dir: Path | None, offered: set[str] | N
         from flowrl.backends.models import resolve_model_path
 
         resolve_model_path(path, base_dir)
+
+
+def _builtins_to_fit(graph: PipelineGraph) -> list[str]:
+    """The pipeline's built-in models that are trained when first built (``builtin:arith-llama``,
+    the digits reward model) and not in the cache yet."""
+    paths = sorted({model.path for model in graph.spec.models.values() if model.path.startswith(BUILTIN_PREFIX)})
+    fitted = []
+    for path in paths:
+        name = path[len(BUILTIN_PREFIX):]
+        try:
+            fits = builtin_folder(name)[1] == "fit.json"
+        except FlowrlError:
+            continue  # an unknown name: the checks name it
+        if fits and built_builtin_dir(name) is None:
+            fitted.append(path)
+    return fitted
 
 
 LOCAL_CLUSTER_SETTINGS = ("cpu_slots", "pin_cpus", "dashboard", "standby_workers")
