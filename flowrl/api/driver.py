@@ -634,7 +634,8 @@ class Driver:
                         f"{', none at all' if every == 0 else ''}), so a resume would start over at step 1")
             raise RunInterrupted(f"{stop.message}; {kept}", self._interrupt_signal)
         if stop.reason == "error" and error is not None:
-            if isinstance(failed_at, (lc.Checkpoint, lc.SaveFinal)) and not isinstance(error, FlowrlError):
+            writing = isinstance(failed_at, (lc.Checkpoint, lc.SaveFinal))
+            if writing and (isinstance(error, CheckpointError) or not isinstance(error, FlowrlError)):
                 what = (f"checkpoint step-{failed_at.step} to {self.folder.checkpoints}"
                         if isinstance(failed_at, lc.Checkpoint) else f"the final model to {self.folder.path / 'final'}")
                 written = newest_written(self.folder.checkpoints)
@@ -642,6 +643,8 @@ class Driver:
                         f"`flowrl resume {self.folder.path}`)" if written is not None else
                         "no checkpoint was written before it (trainer.checkpoint_every sets how often one is), so "
                         "the steps trained are lost; free disk space or fix the folder and run again")
+                if isinstance(error, CheckpointError):  # a worker's, which names what it could not write
+                    raise CheckpointError(f"{error}; {kept}") from error
                 raise CheckpointError(f"cannot write {what}: {type(error).__name__}: {error}; {kept}") from error
             raise error
         found = newest_checkpoint(self.folder.checkpoints)

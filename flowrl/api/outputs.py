@@ -306,10 +306,11 @@ class RunFolder:
             with open(self.path / name, "a") as handle:
                 handle.write(json.dumps(line) + "\n")
         except OSError as error:  # a full disk, a folder made read-only under the run
+            kept = ("the checkpoints written are kept" if checkpoint_dirs(self.checkpoints)
+                    else "no checkpoint was written, so it starts at step 1")
             raise FlowrlError(
                 f"cannot write {name} in {self.path}: {error.strerror or error}; free disk space or fix the "
-                f"folder, then resume (`flowrl resume {self.path}`: the checkpoints written are kept, and a "
-                "half-written line is dropped)"
+                f"folder, then resume (`flowrl resume {self.path}`: {kept}, and a half-written line is dropped)"
             ) from None
 
 

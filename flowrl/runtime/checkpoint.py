@@ -13,6 +13,7 @@ directory appear atomically (temp name, then rename).
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -63,8 +64,29 @@ def save_model_state(state: ModelState, directory: Path, with_state: bool, max_s
             if has_adapters(state.module):
                 saved[BASE_FINGERPRINT] = base_fingerprint(state.module)
             torch.save(saved, directory / STATE_FILE)
-    except OSError as error:
-        raise CheckpointError(f"cannot write checkpoint of '{state.name}' to {directory}: {error}") from error
+    except (OSError, RuntimeError) as error:  # torch's file writer reports a full disk as a RuntimeError
+        raise CheckpointError(f"cannot write checkpoint of '{state.name}' to {directory}: "
+                              f"{write_failure(error, directory)}") from error
+
+
+LOW_DISK_BYTES = 256 * 2**20
+"""Free space below which a failed write is put down to a full disk."""
+
+
+def write_failure(error: BaseException, directory: Path) -> str:
+    """Why writing into ``directory`` failed, in words: an ``OSError`` says it itself; torch's
+    file writer says "unexpected pos" or "enforce fail" where the disk filled up, so the free
+    space decides what to call it."""
+    if isinstance(error, OSError):
+        return str(error)
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+    try:
+        free = shutil.disk_usage(directory if directory.exists() else directory.parent).free
+    except OSError:
+        return f"the file write failed ({first})"
+    if free < LOW_DISK_BYTES:
+        return f"no space left on the device ({free / 2**20:.1f} MiB free there; torch: {first})"
+    return f"the file write failed ({first}; {free / 2**30:.1f} GiB free there)"
 
 
 def load_model_state(state: ModelState, directory: Path, parts: tuple[str, ...] | None = None) -> None:

@@ -95,3 +95,26 @@ def test_a_log_line_that_cannot_be_written_is_a_clear_error(tmp_path: Path) -> N
     (folder.path / "events.jsonl").mkdir(parents=True)  # appending to it fails as a full disk would
     with pytest.raises(FlowrlError, match=r"cannot write events.jsonl in .*run: Is a directory; free disk space"):
         folder.append_event(RunEvent("warning", "w", 1))
+    # no checkpoint yet: a resume starts over, and the message says so
+    with pytest.raises(FlowrlError, match=r"no checkpoint was written, so it starts at step 1"):
+        folder.append_event(RunEvent("warning", "w", 1))
+    _checkpoint(folder, 2, b"two")
+    with pytest.raises(FlowrlError, match=r"the checkpoints written are kept"):
+        folder.append_event(RunEvent("warning", "w", 1))
+
+
+def test_a_full_disk_under_torchs_file_writer_is_called_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch reports a full disk as "enforce fail ... unexpected pos": the free space names it."""
+    import shutil
+    from collections import namedtuple
+
+    from flowrl.runtime.checkpoint import write_failure
+
+    failure = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 878080 vs 878032\nmore")
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 * 2**20, 10 * 2**20 - 2**19, 2**19))
+    assert write_failure(failure, tmp_path) == ("no space left on the device (0.5 MiB free there; torch: [enforce fail "
+                                                "at inline_container.cc:672] . unexpected pos 878080 vs 878032)")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(2**40, 0, 2**31))
+    assert write_failure(failure, tmp_path).endswith("unexpected pos 878080 vs 878032; 2.0 GiB free there)")
+    assert write_failure(OSError(28, "No space left on device"), tmp_path) == "[Errno 28] No space left on device"
