@@ -661,14 +661,21 @@ def check_runnable(graph: PipelineGraph) -> None:
             )
         if group.type == "gpu" and no_gpu is not None:
             problems.append(f"devices.{name}.type: this machine has no GPU ({no_gpu}); set type: cpu")
-    problems.extend(logger_problems(graph.spec.trainer.loggers))
+    problems.extend(missing_packages(graph))
+    if problems:
+        raise FlowrlError("this pipeline is valid but cannot run here:\n" + "\n".join(f"  {p}" for p in problems))
+
+
+def missing_packages(graph: PipelineGraph) -> list[str]:
+    """The loggers and the dashboard the pipeline asks for whose packages this machine lacks
+    (a run started here would be refused), one line each."""
+    problems = logger_problems(graph.spec.trainer.loggers)
     runtime = graph.spec.runtime
     if runtime.dashboard and runtime.scheduler_address is None:
         problem = missing_package("bokeh", "runtime.dashboard", "Dask's dashboard", "dashboard", "set dashboard: false")
         if problem is not None:
             problems.append(problem)
-    if problems:
-        raise FlowrlError("this pipeline is valid but cannot run here:\n" + "\n".join(f"  {p}" for p in problems))
+    return problems
 
 
 def _no_local_gpu(graph: PipelineGraph) -> str | None:

@@ -262,3 +262,16 @@ def test_force_without_resume_is_refused() -> None:
     pipeline = Path(__file__).resolve().parents[2] / "pipelines" / "grpo_tiny.yaml"
     result = CliRunner().invoke(cli.app, ["run", str(pipeline), "--force", "--steps", "1", "--plain"])
     assert result.exit_code == 2 and "--force lets a resume go on with a changed pipeline: add --resume" in result.output
+
+
+def test_validate_notes_a_logger_whose_package_this_machine_lacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The file is valid (exit 0), but a run started here would be refused: validate says so."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: None if name == "wandb" else real(name, *rest))
+    pipeline = Path(__file__).resolve().parents[2] / "pipelines" / "grpo_tiny.yaml"
+    result = CliRunner().invoke(cli.app, ["validate", str(pipeline), "trainer.loggers=[wandb]"])
+    assert result.exit_code == 0, result.output
+    assert ("note: a run started on this machine would be refused: trainer.loggers: 'wandb' needs the wandb package, "
+            "which is not installed; install it (pip install 'flowrl[wandb]')") in result.output
