@@ -577,7 +577,7 @@ class Driver:
             return error
         timeout = self.graph.spec.runtime.node_timeout_s
         return RewardError(
-            f"the reward function '{spec.fn_name}' of score node '{error.node}' did not return within {timeout:.0f} s "
+            f"the reward function '{spec.fn_name}' of score node '{error.node}' did not return within {timeout:g} s "
             f"(runtime.node_timeout_s), twice in a row, while its worker answers: the function hangs, and a new "
             f"worker waited on it as long; the run stopped at step {self.machine.step}"
             f"{resume_note(self.folder.checkpoints, 'fix the function, or give it more time')}")

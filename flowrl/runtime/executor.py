@@ -120,7 +120,7 @@ class StepExecutor:
         slots = tuple(self.plan.slots_of(node))
         return NodeTimeout(
             f"node '{node}' on {', '.join(slots)} did not finish within "
-            f"{self.node_timeout_s:.0f} s (runtime.node_timeout_s)",
+            f"{self.node_timeout_s:g} s (runtime.node_timeout_s)",
             slots, node,
         )
 

@@ -52,7 +52,7 @@ def gather(
             check_at = now + LIVENESS_S
             raise_if_lost(busy, addresses, registered(), what)
         if now >= deadline:
-            raise NodeTimeout(f"{what} on {', '.join(busy)} did not finish within {timeout_s:.0f} s", tuple(busy))
+            raise NodeTimeout(f"{what} on {', '.join(busy)} did not finish within {timeout_s:g} s", tuple(busy))
     return [results[index] for index in range(len(calls))]
 
 
