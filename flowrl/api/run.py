@@ -107,7 +107,8 @@ class RunResult:
 
     def metric(self, name: str) -> list[float]:
         """The steps' values of metric ``name`` (the steps that have it: ``val/*`` only at an
-        evaluation). A name no step has is a KeyError naming the closest ones (metrics of a
+        evaluation after a step; :meth:`steps_of` adds the steps, and the evaluation before
+        training). A name no step has is a KeyError naming the closest ones (metrics of a
         score node are named after the node, not its function)."""
         values = [r.metrics[name] for r in self.records if name in r.metrics]
         if not values and self.records:
@@ -116,6 +117,16 @@ class RunResult:
             hint = f"; did you mean {', '.join(repr(item) for item in close)}?" if close else ""
             raise KeyError(f"no step of this run has the metric {name!r}{hint}")
         return values
+
+    def steps_of(self, name: str) -> list[tuple[int, float]]:
+        """(step, value) of metric ``name`` at every step that has it; of a ``val/*`` metric,
+        at every evaluation, the one before training (step 0) included. A name no step has is
+        a KeyError, as for :meth:`metric`."""
+        pairs = dict((record.step, record.metrics[name]) for record in self.records if name in record.metrics)
+        pairs.update((step, values[name]) for step, values in self.evaluations if name in values)
+        if not pairs:
+            self.metric(name)  # the KeyError naming the closest names
+        return sorted(pairs.items())
 
 
 def load_run(output_dir: str | Path) -> RunResult:

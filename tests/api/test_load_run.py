@@ -24,6 +24,11 @@ def test_steps_and_evaluations_come_back_from_metrics_jsonl(tmp_path: Path) -> N
     assert result.metric("critic/score/mean") == [0.25, 0.5] and result.records[1].elapsed_s == 1.5
     assert math.isnan(result.metric("actor/grad_norm")[0])
     assert result.evaluations == [(0, {"val/reward/mean": 0.1}), (2, {"val/reward/mean": 0.3})]
+    assert result.metric("val/reward/mean") == [0.3]
+    assert result.steps_of("val/reward/mean") == [(0, 0.1), (2, 0.3)]  # the evaluation before training too
+    assert result.steps_of("critic/score/mean") == [(1, 0.25), (2, 0.5)]
+    with pytest.raises(KeyError, match="did you mean 'critic/score/mean'"):
+        result.steps_of("critic/scores/mean")
     assert result.finished_steps == 0  # no run.json says it finished
 
 
