@@ -210,18 +210,25 @@ def model_problems(graph: PipelineGraph, base_dir: Path | None) -> list[Issue]:
 
 def lora_issues(graph: PipelineGraph, base_dir: Path | None) -> list[Issue]:
     """A (path, message) per model whose ``lora.target_modules`` name layers the model lacks
-    or cannot adapt, found on the model built from its config on the meta device (no
-    weights read). A model whose config cannot be read here is left to the run's own check."""
+    or cannot adapt, or whose ``lora.rank`` is above every width of the layers it adapts,
+    found on the model built from its config on the meta device (no weights read). A model
+    whose config cannot be read here is left to the run's own check."""
     issues: list[Issue] = []
     for name, model in graph.spec.models.items():
-        if model.lora is None or isinstance(model.lora.target_modules, str):
+        if model.lora is None:
             continue
-        from flowrl.backends.lora import target_problem  # torch: only for a model with adapters
+        from flowrl.backends.lora import rank_problem, target_problem  # torch: only for a model with adapters
 
         skeleton = _skeleton(model.path, base_dir, model.revision, model.trust_remote_code)
-        problem = target_problem(skeleton, model.lora.target_modules, name) if skeleton is not None else None
+        if skeleton is None:
+            continue
+        problem = target_problem(skeleton, model.lora.target_modules, name)
         if problem is not None:
             issues.append((f"models.{name}.lora.target_modules", problem))
+            continue
+        problem = rank_problem(skeleton, model.lora.target_modules, model.lora.rank, name)
+        if problem is not None:
+            issues.append((f"models.{name}.lora.rank", problem))
     return issues
 
 

@@ -93,6 +93,23 @@ def target_problem(module: torch.nn.Module, target_modules: str | list[str], mod
     return None
 
 
+def rank_problem(module: torch.nn.Module, target_modules: str | list[str], rank: int, model: str = "model") -> str | None:
+    """Why ``rank`` is too large for the layers ``target_modules`` adapts on ``module`` (an
+    adapter of rank r on an m x n layer learns at most min(m, n) directions, so a larger rank
+    only adds parameters), else None."""
+    ends = _ends(module)
+    adapted = [layer for name, layer in module.named_modules()
+               if name and _linear_like(layer) and not any(layer is end for end in ends.values())
+               and (isinstance(target_modules, str) or any(name == target or name.endswith("." + target)
+                                                            for target in target_modules))]
+    widest = max((min(layer.weight.shape) for layer in adapted), default=None)
+    if widest is None or rank <= widest:
+        return None
+    return (f"rank {rank} is above every width the adapters of '{model}' see (at most {widest}): an adapter of rank r "
+            f"on an m x n layer learns at most min(m, n) directions, so rank {widest} trains as much with fewer "
+            f"parameters; set rank: {widest} or less")
+
+
 def _accessor(module: torch.nn.Module, getter: str) -> torch.nn.Module | None:
     try:
         found = getattr(module, getter)()

@@ -311,3 +311,18 @@ def test_the_base_fingerprint_samples_large_tensors_up_to_their_last_element() -
     with torch.no_grad():
         module.weight[-1, -1] += 1.0
     assert base_fingerprint(module) != before
+
+
+def test_a_rank_above_every_width_the_adapters_see_is_refused() -> None:
+    """hidden 64, MLP 128, 2 KV heads of 16: q/o/gate/up/down see at most 64 directions, k/v 32."""
+    from flowrl.backends.lora import rank_problem
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                         num_key_value_heads=2, intermediate_size=128))
+    assert rank_problem(model, "all-linear", 64) is None
+    assert rank_problem(model, "all-linear", 65, "actor") == (
+        "rank 65 is above every width the adapters of 'actor' see (at most 64): an adapter of rank r on an m x n "
+        "layer learns at most min(m, n) directions, so rank 64 trains as much with fewer parameters; set rank: 64 "
+        "or less")
+    assert rank_problem(model, ["k_proj", "v_proj"], 32) is None
+    assert "(at most 32)" in (rank_problem(model, ["k_proj", "v_proj"], 33) or "")
