@@ -41,6 +41,8 @@ def load_pipeline(path: str | Path, overrides: Sequence[str] = ()) -> PipelineGr
     source_name = str(path)
     parsed = parse_overrides(overrides)
     data, line_map, duplicates = read_yaml_file(path, "pipeline")
+    if data is None:  # an empty file, not the few fields overrides (--steps) would make of it
+        return _validate(None, source_name, line_map, duplicates)
     data, line_map, origins, left_out = apply_overrides(data, line_map, parsed)
     return _validate(data, source_name, line_map, [*duplicates, *left_out], origins)
 

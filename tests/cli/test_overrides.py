@@ -275,3 +275,10 @@ def test_validate_notes_a_logger_whose_package_this_machine_lacks(monkeypatch: p
     assert result.exit_code == 0, result.output
     assert ("note: a run started on this machine would be refused: trainer.loggers: 'wandb' needs the wandb package, "
             "which is not installed; install it (pip install 'flowrl[wandb]')") in result.output
+
+
+def test_an_empty_file_is_called_empty_whatever_the_overrides(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    with pytest.raises(SpecError, match="the file is empty; a pipeline needs name, models, nodes and data"):
+        load_pipeline(empty, ["trainer.steps=2"])
