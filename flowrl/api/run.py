@@ -328,10 +328,10 @@ def _run_in(folder: RunFolder, graph: PipelineGraph, observer: Observer | None, 
         forced = _check_unchanged(folder, before, config_text, force)
         planned = written_steps(before) if before is not None else None
         if checkpoint is not None:
+            start, rolling_back = roll_back(folder.path, folder.checkpoints, checkpoint)  # moves nothing yet
             if checkpoint >= spec.trainer.steps:
                 raise FlowrlError(f"--checkpoint step-{checkpoint} is at or past the {spec.trainer.steps} steps asked "
                                   "for: resume with more steps (--steps; trainer.steps)")
-            start, rolling_back = roll_back(folder.path, folder.checkpoints, checkpoint)
         else:
             if finished is not None and finished >= spec.trainer.steps:
                 return RunResult(folder.path, already_finished=True, finished_steps=finished)

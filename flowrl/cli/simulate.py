@@ -20,7 +20,7 @@ from rich.table import Table
 
 from flowrl.cli.devices import inventory_for
 from flowrl.planner.cost import measure_cpu_rates
-from flowrl.errors import FlowrlError
+from flowrl.errors import FlowrlError, SpecError
 from flowrl.scheduler.events import Decision
 from flowrl.scheduler.policy import settings_from_spec
 from flowrl.simulator.run import SimulationResult, compare_policies
@@ -52,7 +52,15 @@ def simulate_command(
     inventory = inventory_for(graph.spec.runtime, devices_file, None, pipeline.resolve().parent)
     devices = (str(devices_file) if devices_file is not None else
                graph.spec.runtime.scheduler_address or "this machine")
-    chosen = load_scenario(scenario or "steady", inventory)
+    try:
+        chosen = load_scenario(scenario or "steady", inventory)
+    except SpecError as error:
+        if devices_file is not None:
+            raise
+        # a scenario names the devices of the cluster it was written for
+        raise FlowrlError(f"{error}\nthe scenario names devices that {devices} lacks: simulate the cluster it was "
+                          "written for (--devices INVENTORY.yaml; the built-in scenarios: --devices "
+                          "devices/mixed-4gpu.yaml)") from None
     names = ["static", "dynamic"] if policy == "both" else [policy]
     settings = settings_from_spec(graph.spec.scheduler, restart_s=None)
     # where this machine is simulated, its CPUs are measured as flowrl plan and run measure them

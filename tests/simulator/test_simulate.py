@@ -143,3 +143,11 @@ def test_a_forced_re_plan_that_finds_no_placement_is_not_counted_as_carried_out(
                      ["devices.reward_group.device_ids=[2]"])
     text = console.export_text()
     assert "decisions (dynamic): 0 re-plans carried out, 2 found no placement on the devices left, 0 considered" in text
+
+
+def test_a_scenario_for_another_cluster_on_this_machine_names_the_inventory_to_give() -> None:
+    from flowrl.errors import FlowrlError
+
+    with pytest.raises(FlowrlError, match=r"no device 'gpu-3' in local(.|\n)*the built-in scenarios: --devices "
+                                          r"devices/mixed-4gpu.yaml"):
+        simulate_command(PIPELINE, None, 5, "throttle", "both", None, False, Console(record=True, width=200))
