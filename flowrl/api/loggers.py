@@ -64,20 +64,39 @@ def make_loggers(names: tuple[str, ...], folder: Path, run_name: str, config: di
     run's step after its checkpoint), from which TensorBoard hides what an earlier process of
     the run logged, as ``metrics.jsonl`` drops those lines."""
     loggers: list[Logger] = []
+    # a run resumed from a checkpoint goes on in the trackers' runs of the process before it
+    earlier = tracker_ids(folder) if first_step > 1 else {}
     for name in names:
         try:
             if name == "tensorboard":
                 loggers.append(TensorBoardLogger(folder / "tensorboard", config_text, first_step))
             elif name == "wandb":
-                loggers.append(WandbLogger(folder, run_name, config))
+                loggers.append(WandbLogger(folder, run_name, config, earlier.get("wandb")))
             elif name == "mlflow":
-                loggers.append(MlflowLogger(folder, run_name, config, config_text))
+                loggers.append(MlflowLogger(folder, run_name, config, config_text, earlier.get("mlflow")))
         except Exception as error:  # noqa: BLE001 - the tracker's own errors, said plainly
             for started in loggers:  # the ones already started end, marked failed
                 close_quietly(started, {}, failed=True)
             raise FlowrlError(f"trainer.loggers: {name} could not start ({type(error).__name__}: "
                               f"{str(error)[:500]}); fix its settings or remove it from trainer.loggers") from error
+    ids = {"wandb" if isinstance(logger, WandbLogger) else "mlflow": logger.run_id
+           for logger in loggers if isinstance(logger, (WandbLogger, MlflowLogger))}
+    if ids:
+        (folder / TRACKER_IDS).write_text(json.dumps(ids, indent=1) + "\n")
     return loggers
+
+
+TRACKER_IDS = "trackers.json"
+"""In the output folder: the W&B and MLflow run ids of the run, which a resume goes on in."""
+
+
+def tracker_ids(folder: Path) -> dict[str, str]:
+    """The trackers' run ids an earlier process of the run in ``folder`` wrote (none: {})."""
+    try:
+        ids = json.loads((folder / TRACKER_IDS).read_text())
+    except (OSError, ValueError):
+        return {}
+    return {str(name): str(value) for name, value in ids.items()} if isinstance(ids, dict) else {}
 
 
 def close_quietly(logger: Logger, summary: dict[str, float], failed: bool) -> str | None:
@@ -120,12 +139,16 @@ class TensorBoardLogger:
 
 
 class WandbLogger:
-    def __init__(self, folder: Path, run_name: str, config: dict[str, Any]) -> None:
+    def __init__(self, folder: Path, run_name: str, config: dict[str, Any], resume_id: str | None = None) -> None:
+        """``resume_id``: the W&B run of an earlier process of this run, to go on in (W&B
+        keeps the values it has of the steps this process runs again)."""
         import wandb
 
         mode: Any = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+        again: dict[str, Any] = {"id": resume_id, "resume": "allow"} if resume_id else {}
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", run_name), dir=str(folder), config=config,
-                              mode=mode, reinit="create_new")
+                              mode=mode, reinit="create_new", **again)
+        self.run_id = str(self.run.id)
 
     def step(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log(metrics, step=step)
@@ -144,7 +167,10 @@ def mlflow_key(name: str) -> str:
 
 
 class MlflowLogger:
-    def __init__(self, folder: Path, run_name: str, config: dict[str, Any], config_text: str) -> None:
+    def __init__(self, folder: Path, run_name: str, config: dict[str, Any], config_text: str,
+                 resume_id: str | None = None) -> None:
+        """``resume_id``: the MLflow run of an earlier process of this run, to go on in (its
+        metric history keeps both values of a step run again, each with its time)."""
         import mlflow
 
         self.mlflow = mlflow
@@ -155,6 +181,10 @@ class MlflowLogger:
             # a run folder that holds everything of the run is worth it.
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.client = mlflow.MlflowClient(tracking_uri=uri)
+        if resume_id is not None and self._reopened(resume_id):
+            self.run_id = resume_id
+            self.client.log_text(self.run_id, config_text, "config.yaml")  # as the resume runs it
+            return
         experiment = self.client.get_experiment_by_name(run_name)
         experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(run_name)
         self.run_id = self.client.create_run(experiment_id, run_name=folder.name).info.run_id
@@ -162,6 +192,15 @@ class MlflowLogger:
         for start in range(0, len(params), 100):  # the store takes at most 100 per batch
             self.client.log_batch(self.run_id, params=params[start:start + 100])
         self.client.log_text(self.run_id, config_text, "config.yaml")
+
+    def _reopened(self, run_id: str) -> bool:
+        """Mark the earlier process's run as running again; False where the store lost it."""
+        try:
+            self.client.get_run(run_id)
+        except Exception:  # noqa: BLE001 - a store without the run: a new one is made
+            return False
+        self.client.update_run(run_id, status="RUNNING")
+        return True
 
     def step(self, step: int, metrics: dict[str, float]) -> None:
         import time

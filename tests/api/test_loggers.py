@@ -329,3 +329,37 @@ def test_tensorboard_hides_the_steps_a_resumed_run_runs_again(tmp_path: Path) ->
     events.Reload()
     assert [(event.step, event.value) for event in events.Scalars(REWARD)] == [
         (1, 1.0), (2, 20.0), (3, 30.0), (4, 400.0)]
+
+
+def test_a_resumed_run_goes_on_in_the_trackers_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process resumed from a checkpoint logs into the W&B and MLflow runs of the one
+    before it (their ids kept in trackers.json); a fresh start makes new ones."""
+    import mlflow
+
+    from flowrl.api import loggers
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    names = ("jsonl", "wandb", "mlflow")
+    first = loggers.make_loggers(names, tmp_path, "p", {"a": 1}, "a: 1\n")
+    for logger in first:
+        logger.step(1, {REWARD: 0.5})
+        logger.close({}, failed=True)  # killed after step 1 (its checkpoint)
+    ids = loggers.tracker_ids(tmp_path)
+    assert set(ids) == {"wandb", "mlflow"}
+    resumed = loggers.make_loggers(names, tmp_path, "p", {"a": 1}, "a: 1\n", first_step=2)
+    assert {type(logger).__name__: logger.run_id for logger in resumed} == {  # type: ignore[attr-defined]
+        "WandbLogger": ids["wandb"], "MlflowLogger": ids["mlflow"]}
+    for logger in resumed:
+        logger.step(2, {REWARD: 0.75})
+        logger.close({}, failed=False)
+    client = mlflow.MlflowClient(tracking_uri=(tmp_path / "mlruns").resolve().as_uri())
+    run = client.get_run(ids["mlflow"])
+    assert run.info.status == "FINISHED"
+    assert [(m.step, m.value) for m in client.get_metric_history(ids["mlflow"], REWARD)] == [(1, 0.5), (2, 0.75)]
+    fresh = loggers.make_loggers(names, tmp_path, "p", {"a": 1}, "a: 1\n")
+    assert all(logger.run_id not in ids.values() for logger in fresh)  # type: ignore[attr-defined]
+    for logger in fresh:
+        logger.close({}, failed=False)
