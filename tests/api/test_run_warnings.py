@@ -146,10 +146,11 @@ def test_the_changes_a_resume_refuses_leave_out_more_steps_and_a_moved_folder(tm
     now = before.replace("trainer: {steps: 120, output_dir: outputs/grpo-tiny}",
                          "trainer: {steps: 200, output_dir: /elsewhere/grpo-tiny}").replace("lr: 0.0005", "lr: 0.001")
     assert now != before and "steps: 200" in now
-    changes = _check_unchanged(RunFolder(tmp_path), before, now, force=True)
+    folder = RunFolder(tmp_path)
+    changes = _check_unchanged(folder, before, now, force=True)
     assert [line[0] for line in changes] == ["-", "+"] and all("lr: 0.00" in line for line in changes), changes
     # the steps alone are no change at all
-    assert _check_unchanged(RunFolder(tmp_path), before, before.replace("steps: 120", "steps: 200"), force=False) == []
+    assert _check_unchanged(folder, before, before.replace("steps: 120", "steps: 200"), force=False) == []
 
 
 def test_a_trainer_section_of_only_steps_is_no_change_against_none() -> None:
