@@ -28,6 +28,7 @@ import math
 import os
 import shutil
 import socket
+import weakref
 import statistics
 import time
 from pathlib import Path
@@ -137,12 +138,18 @@ class RunFolder:
             raise FlowrlError(f"cannot create the output folder {path}: {error}") from error
         self.checkpoints = path / "checkpoints"
         self._lock = _hold(path / LOCK_FILE)
+        # a folder dropped without release() (a caller's mistake) lets go when collected
+        self._finalizer = weakref.finalize(self, os.close, self._lock) if self._lock is not None else None
 
     def release(self) -> None:
         """Let another run write the folder (closing the lock's file releases it)."""
-        if self._lock is not None:
-            os.close(self._lock)
-            self._lock = None
+        if self._finalizer is not None and self._finalizer.alive:
+            try:
+                os.ftruncate(self._lock, 0)  # type: ignore[arg-type]
+            except OSError:
+                pass
+            self._finalizer()
+        self._lock = None
 
     def start_over(self) -> None:
         """Delete an earlier run's checkpoints and final model: a fresh run must never resume
@@ -325,27 +332,73 @@ def _hold(path: Path) -> int | None:
     """Take the advisory lock of ``path`` (made if missing) for this process, and write who
     holds it; a lock another process holds is refused, naming that process. The kernel drops
     the lock when its holder exits, however it exits: a killed run leaves nothing to clean up.
-    None where the system has no ``flock`` (the folder is then not guarded)."""
+    None where the system or the file system has no ``flock`` (the folder is then not
+    guarded)."""
     try:
         import fcntl
     except ImportError:  # not a POSIX system
         return None
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as error:
-        raise FlowrlError(f"cannot write in the output folder {path.parent}: {error.strerror or error}; "
-                          "give the run a folder it can write (-o DIR; trainer.output_dir)") from error
+    fd = _open_lock(path)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except BlockingIOError:
         holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
         os.close(fd)
-        raise FlowrlError(f"the output folder {path.parent} is being written by a run that is still going ({holder}): "
-                          "wait for it to end or stop it, or give this run another output folder (-o DIR; "
-                          "trainer.output_dir)") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        raise FlowrlError(_held_message(path.parent, holder)) from None
+    except OSError:  # a file system without flock (some Lustre, CIFS or FUSE mounts)
+        os.close(fd)
+        return None
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    except OSError:
+        pass  # opened read-only (a folder this process may not write): held, unnamed
     return fd
+
+
+def _open_lock(path: Path) -> int:
+    """``path`` opened to lock it: for writing (made if missing), else, where it exists and
+    cannot be written (a finished run's read-only folder), for reading, which ``flock`` takes
+    as well."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as error:
+        if path.is_file():
+            try:
+                return os.open(path, os.O_RDONLY)
+            except OSError:
+                pass
+        raise FlowrlError(f"cannot open the run's lock file {path}: {error.strerror or error}; give the run a "
+                          "folder it can write (-o DIR; trainer.output_dir), or remove the file if no run is "
+                          "writing the folder") from error
+
+
+def _held_message(folder: Path, holder: str) -> str:
+    return (f"the output folder {folder} is being written by a run that is still going ({holder}): wait for it to "
+            "end or stop it, or give this run another output folder (-o DIR; trainer.output_dir)")
+
+
+def check_not_held(folder: Path) -> None:
+    """Refuse, before any other check of ``folder``, a folder another process's run holds
+    (``run.lock``): what the run would say once it opens the folder, said first."""
+    path = folder / LOCK_FILE
+    if not path.is_file():
+        return
+    try:
+        import fcntl
+
+        fd = os.open(path, os.O_RDONLY)
+    except (ImportError, OSError):
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+        raise FlowrlError(_held_message(folder, holder)) from None
+    except OSError:
+        return
+    finally:
+        os.close(fd)
 
 
 def _measured(records: list[StepRecord]) -> dict[str, Any]:

@@ -339,6 +339,10 @@ def _run_in(folder: RunFolder, graph: PipelineGraph, observer: Observer | None, 
             start = newest_checkpoint(folder.checkpoints)
     elif checkpoint is not None:
         raise FlowrlError("--checkpoint chooses the checkpoint a resume starts from: add --resume")
+    elif force:
+        raise FlowrlError("--force (force=True) lets a resume go on with a changed pipeline: add --resume "
+                          "(resume=True); a fresh run needs no --force, and --overwrite starts over in a folder that "
+                          "holds an earlier run")
     else:
         _fresh_start(folder, overwrite)
     resumed_data = data_before if start is not None else None  # the data of the steps resumed after

@@ -168,9 +168,6 @@ def run(
 
     if overwrite and resume:
         raise FlowrlError("--overwrite starts over and --resume continues: give one of them")
-    if force and not resume:
-        raise FlowrlError("--force lets a resume go on with a changed pipeline: add --resume (a fresh run needs no "
-                          "--force; --overwrite starts over in a folder that holds an earlier run)")
     _one_setting(overrides or [], {"steps": ("--steps", "trainer.steps"), "output_dir": ("--output-dir", "trainer.output_dir"),
                                    "scheduler": ("--scheduler", "runtime.scheduler_address"),
                                    "cpu_slots": ("--cpu-slots", "runtime.cpu_slots"), "seed": ("--seed", "trainer.seed")},
@@ -264,10 +261,11 @@ def _train(graph: Any, base_dir: Path, plain: bool, resume: bool, force: bool, o
     runtime = graph.spec.runtime
     pending = None
     raise_early_issues(graph, base_dir, locate)  # the usual mistakes, before any worker starts, at their place
-    from flowrl.api.outputs import check_fresh_start, check_resume_start
+    from flowrl.api.outputs import check_fresh_start, check_not_held, check_resume_start
 
     output = Path(overrides.get("output_dir") or graph.spec.trainer.output_dir)
     output = output if output.is_absolute() else Path.cwd() / output
+    check_not_held(output)  # a run still going there: say that, not what its files would say
     if resume:
         if overrides.get("checkpoint") is None:  # a chosen checkpoint is checked by the run
             check_resume_start(output, overrides.get("steps") or graph.spec.trainer.steps)

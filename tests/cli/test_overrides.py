@@ -261,7 +261,8 @@ def test_an_empty_output_folder_is_refused() -> None:
 def test_force_without_resume_is_refused() -> None:
     pipeline = Path(__file__).resolve().parents[2] / "pipelines" / "grpo_tiny.yaml"
     result = CliRunner().invoke(cli.app, ["run", str(pipeline), "--force", "--steps", "1", "--plain"])
-    assert result.exit_code == 2 and "--force lets a resume go on with a changed pipeline: add --resume" in result.output
+    assert result.exit_code == 2, result.output
+    assert "--force (force=True) lets a resume go on with a changed pipeline: add --resume" in result.output
 
 
 def test_validate_notes_a_logger_whose_package_this_machine_lacks(monkeypatch: pytest.MonkeyPatch) -> None:
