@@ -59,13 +59,14 @@ def logger_problems(names: tuple[str, ...]) -> list[str]:
 
 
 def make_loggers(names: tuple[str, ...], folder: Path, run_name: str, config: dict[str, Any], config_text: str,
-                 first_step: int = 0) -> list[Logger]:
+                 first_step: int = 0, go_on: bool = True) -> list[Logger]:
     """The trackers of ``names``; ``first_step``: the first step this process logs (a resumed
     run's step after its checkpoint), from which TensorBoard hides what an earlier process of
-    the run logged, as ``metrics.jsonl`` drops those lines."""
+    the run logged, as ``metrics.jsonl`` drops those lines. A resumed run goes on in the W&B
+    and MLflow runs of the process before it, unless not ``go_on`` (a roll-back: W&B would
+    keep the values of the steps it trains again, which the roll-back is to replace)."""
     loggers: list[Logger] = []
-    # a run resumed from a checkpoint goes on in the trackers' runs of the process before it
-    earlier = tracker_ids(folder) if first_step > 1 else {}
+    earlier = tracker_ids(folder) if first_step > 1 and go_on else {}
     for name in names:
         try:
             if name == "tensorboard":
@@ -83,6 +84,8 @@ def make_loggers(names: tuple[str, ...], folder: Path, run_name: str, config: di
            for logger in loggers if isinstance(logger, (WandbLogger, MlflowLogger))}
     if ids:
         (folder / TRACKER_IDS).write_text(json.dumps(ids, indent=1) + "\n")
+    else:  # ids of an earlier run there must not reach a later process of this one
+        (folder / TRACKER_IDS).unlink(missing_ok=True)
     return loggers
 
 
@@ -96,7 +99,7 @@ def tracker_ids(folder: Path) -> dict[str, str]:
         ids = json.loads((folder / TRACKER_IDS).read_text())
     except (OSError, ValueError):
         return {}
-    return {str(name): str(value) for name, value in ids.items()} if isinstance(ids, dict) else {}
+    return {str(name): value for name, value in ids.items() if isinstance(value, str)} if isinstance(ids, dict) else {}
 
 
 def close_quietly(logger: Logger, summary: dict[str, float], failed: bool) -> str | None:

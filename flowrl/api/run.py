@@ -389,7 +389,8 @@ def _run_in(folder: RunFolder, graph: PipelineGraph, observer: Observer | None, 
     watcher = _Watchers(folder, observer, spec.trainer.log_every, on_restored=restored)
     failed = True
     try:
-        watcher.start_reporting(graph, config_text, start.step + 1 if start is not None else 0)
+        watcher.start_reporting(graph, config_text, start.step + 1 if start is not None else 0,
+                                go_on=rolling_back is None)
         if planned is not None and start is not None and spec.trainer.steps < planned:
             watcher.event(RunEvent("warning", f"trainer.steps is {spec.trainer.steps}, fewer than the {planned} steps the "
                                               f"run was started with: it ends at step {spec.trainer.steps} (resume it "
@@ -812,14 +813,15 @@ class _Watchers:
         self.stopped = False
         """A ``stopped`` event (why the run ended) was recorded."""
 
-    def start_reporting(self, graph: PipelineGraph, config_text: str, first_step: int = 0) -> None:
+    def start_reporting(self, graph: PipelineGraph, config_text: str, first_step: int = 0,
+                        go_on: bool = True) -> None:
         spec = graph.spec
         if spec.runtime.prometheus_port is not None:
             self.prometheus = PrometheusMetrics(spec.runtime.prometheus_port)
             self.event(RunEvent("status", f"Prometheus metrics: port {self.prometheus.port} of every interface of "
                                           f"this machine (http://127.0.0.1:{self.prometheus.port}/metrics here)", 0))
         self.loggers = make_loggers(spec.trainer.loggers, self.folder.path, spec.name,
-                                    spec.model_dump(mode="json"), config_text, first_step)
+                                    spec.model_dump(mode="json"), config_text, first_step, go_on)
 
     def step(self, record: StepRecord) -> None:
         self.folder.append_metrics(record)

@@ -359,7 +359,14 @@ def test_a_resumed_run_goes_on_in_the_trackers_runs(tmp_path: Path, monkeypatch:
     run = client.get_run(ids["mlflow"])
     assert run.info.status == "FINISHED"
     assert [(m.step, m.value) for m in client.get_metric_history(ids["mlflow"], REWARD)] == [(1, 0.5), (2, 0.75)]
+    rolled_back = loggers.make_loggers(names, tmp_path, "p", {"a": 1}, "a: 1\n", first_step=2, go_on=False)
+    assert all(logger.run_id not in ids.values() for logger in rolled_back)  # type: ignore[attr-defined]
+    for logger in rolled_back:
+        logger.close({}, failed=False)
     fresh = loggers.make_loggers(names, tmp_path, "p", {"a": 1}, "a: 1\n")
     assert all(logger.run_id not in ids.values() for logger in fresh)  # type: ignore[attr-defined]
     for logger in fresh:
         logger.close({}, failed=False)
+    # a later run there without these trackers leaves no ids for a resume that adds them
+    loggers.make_loggers(("jsonl",), tmp_path, "p", {"a": 1}, "a: 1\n")
+    assert loggers.tracker_ids(tmp_path) == {} and not (tmp_path / "trackers.json").exists()
