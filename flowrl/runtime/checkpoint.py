@@ -64,9 +64,26 @@ def save_model_state(state: ModelState, directory: Path, with_state: bool, max_s
             if has_adapters(state.module):
                 saved[BASE_FINGERPRINT] = base_fingerprint(state.module)
             torch.save(saved, directory / STATE_FILE)
-    except (OSError, RuntimeError) as error:  # torch's file writer reports a full disk as a RuntimeError
+    except Exception as error:  # noqa: BLE001 - the writers' failures named below; any other as it was
+        if not is_write_failure(error):
+            raise
         raise CheckpointError(f"cannot write checkpoint of '{state.name}' to {directory}: "
                               f"{write_failure(error, directory)}") from error
+
+
+WRITER_MESSAGES = ("enforce fail", "unexpected pos", "PytorchStreamWriter", "file write failed")
+"""What torch's file writer says when a write fails (a full disk among others)."""
+
+
+def is_write_failure(error: BaseException) -> bool:
+    """A failure to write a file: the system's (``OSError``), safetensors' (its own
+    ``SafetensorError``), or torch's file writer's (a ``RuntimeError`` that says so); not an
+    out-of-memory error or a collective's failure, which are ``RuntimeError`` too."""
+    if isinstance(error, OSError) or type(error).__name__ == "SafetensorError":
+        return True
+    if isinstance(error, torch.OutOfMemoryError) or not isinstance(error, RuntimeError):
+        return False
+    return any(text in str(error) for text in WRITER_MESSAGES)
 
 
 LOW_DISK_BYTES = 256 * 2**20

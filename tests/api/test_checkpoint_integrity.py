@@ -118,3 +118,17 @@ def test_a_full_disk_under_torchs_file_writer_is_called_so(tmp_path: Path, monke
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(2**40, 0, 2**31))
     assert write_failure(failure, tmp_path).endswith("unexpected pos 878080 vs 878032; 2.0 GiB free there)")
     assert write_failure(OSError(28, "No space left on device"), tmp_path) == "[Errno 28] No space left on device"
+
+
+def test_only_the_writers_failures_are_called_write_failures() -> None:
+    import torch
+    from safetensors import SafetensorError
+
+    from flowrl.runtime.checkpoint import is_write_failure
+
+    assert is_write_failure(OSError(28, "No space left on device"))
+    assert is_write_failure(SafetensorError("Error while serializing: IoError(No space left on device)"))
+    assert is_write_failure(RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 8 vs 4"))
+    assert not is_write_failure(torch.OutOfMemoryError("CUDA out of memory"))
+    assert not is_write_failure(RuntimeError("NCCL error in: ProcessGroupNCCL.cpp"))
+    assert not is_write_failure(ValueError("unexpected pos"))
