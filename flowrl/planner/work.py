@@ -89,8 +89,13 @@ class NodeWork:
     def rank_sequences(self, width: int, mini_batch: bool = False) -> int:
         """Sequences on the busiest of ``width`` ranks: of the whole batch, or of one of its
         mini-batches (``mini_batch``, an update's optimizer step). Ranks hold whole rows, so
-        8 on 3 ranks is 3 on the busiest, which sets the step's passes and its peak."""
+        8 on 3 ranks is 3 on the busiest, which sets the step's passes and its peak; a
+        generation's ranks hold whole prompts, so 2 prompts of 4 samples on 3 ranks is 4."""
         rows = min(self.num_sequences, self.mini_batch_sequences) if mini_batch else self.num_sequences
+        if self.work == "decode" and self.group_size > 1:
+            # generation splits whole prompts, each with its group's samples
+            prompts = -(-rows // self.group_size)
+            return -(-prompts // max(1, width)) * self.group_size
         return -(-rows // max(1, width))
 
     def pass_sequences(self, sequences: float) -> float:

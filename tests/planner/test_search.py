@@ -134,7 +134,8 @@ def test_a_sharded_update_pays_its_gathers_for_the_busiest_ranks_whole_passes() 
 
 def test_each_rank_is_sized_for_the_busiest_ranks_rows() -> None:
     """8 sequences on 3 ranks put 3 on the busiest: its memory is that of 9 on 3 (3 each),
-    for the update, the generation's cache and a forward pass; on one device 8 take less."""
+    for the update and a forward pass; on one device 8 take less. A generation's ranks hold
+    whole prompts."""
     def costs_of(batch_size: int, n: int) -> EstimatedCosts:
         data = grpo({"path": QWEN, "device_group": "actor_group", "dtype": "bf16"},
                     {"path": QWEN, "device_group": "actor_group", "dtype": "bf16"},
@@ -142,11 +143,14 @@ def test_each_rank_is_sized_for_the_busiest_ranks_rows() -> None:
                     batch_size=batch_size, n=n, max_new_tokens=64)
         return EstimatedCosts(pipeline_from_dict(data), prompt_tokens=16)
 
-    eight, nine = costs_of(2, 4), costs_of(3, 3)
+    eight, nine, twelve = costs_of(2, 4), costs_of(3, 3), costs_of(3, 4)
     assert eight.work("train").num_sequences == 8 and nine.work("train").num_sequences == 9
-    for node in ("train", "rollout", "ref"):
+    for node in ("train", "ref"):
         assert eight.memory(node, 3, gpu=True) == nine.memory(node, 3, gpu=True), node
+    for node in ("train", "rollout", "ref"):
         assert eight.memory(node, 1, gpu=True).transient_gb < nine.memory(node, 1, gpu=True).transient_gb, node
+    # the generation's ranks hold whole prompts: 2 of 4 samples on 3 ranks is 4 rows, as 3 of 4
+    assert eight.memory("rollout", 3, gpu=True) == twelve.memory("rollout", 3, gpu=True)
 
 
 def test_each_rank_is_timed_for_the_busiest_ranks_rows() -> None:
@@ -164,6 +168,12 @@ def test_each_rank_is_timed_for_the_busiest_ranks_rows() -> None:
     for node in ("train", "ref"):
         assert eight._on_device(eight.work(node), card, 3) == pytest.approx(
             nine._on_device(nine.work(node), card, 3)), node
+    # generation splits whole prompts: 2 prompts of 4 samples on 3 ranks put one prompt (4 rows)
+    # on the busiest, as 3 prompts of 4 do
+    twelve = costs_of(3, 4)
+    assert eight.work("rollout").rank_sequences(3) == twelve.work("rollout").rank_sequences(3) == 4
+    assert eight._on_device(eight.work("rollout"), card, 3) == pytest.approx(
+        twelve._on_device(twelve.work("rollout"), card, 3))
 
 
 def test_a_model_that_fits_only_sharded_is_refused_whole_with_the_hint_and_placed_sharded() -> None:
