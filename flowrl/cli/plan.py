@@ -32,6 +32,7 @@ from flowrl.planner.compiled import CompiledPlan, compile_plan, layout_words
 from flowrl.planner.cost import measure_cpu_rates, resolve_shape
 from flowrl.planner.costs import EstimatedCosts
 from flowrl.planner.micro_batches import resolve_micro_batches, resolved_json
+from flowrl.planner.search import FEWER_CPU_SLOTS_WITHIN
 from flowrl.spec.loader import issue_locator, load_pipeline
 
 GANTT_WIDTH = 60
@@ -144,7 +145,9 @@ def alternative_line(plan: CompiledPlan) -> str:
     assert other is not None
     behind = other.iteration_s / plan.iteration_s - 1 if plan.iteration_s > 0 else 0.0
     line = f"next layout: {layout_words(other.shared)}, {_ms(other.iteration_s)} ({behind:+.1%})"
-    if abs(behind) < CLOSE_LAYOUTS:
+    if behind < 0:  # the plan took fewer CPU slots for a step at most FEWER_CPU_SLOTS_WITHIN slower
+        line += f"; faster, on more CPU slots: the plan takes fewer slots within {FEWER_CPU_SLOTS_WITHIN:.0%}"
+    elif behind < CLOSE_LAYOUTS:
         line += f"; within {CLOSE_LAYOUTS:.0%}: the rates measured at start may choose either"
     return line
 

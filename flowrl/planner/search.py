@@ -125,15 +125,19 @@ class Alternative:
     iteration_s: float
 
 
-def _alternative(results: Sequence[SearchResult], chosen: SearchResult) -> Alternative | None:
+def _alternative(results: Sequence[SearchResult], chosen: SearchResult, inventory: Inventory) -> Alternative | None:
     """The fastest feasible result whose nodes are grouped on devices otherwise than
     ``chosen``'s: two ways of sharing may place the nodes alike, or as mirror images (the
-    actor on the reference's slot, the reference on the actor's)."""
-    def layout(result: SearchResult) -> frozenset[frozenset[str]]:
+    actor on the reference's slot, the reference on the actor's), which differ only in
+    which of two alike devices (same kind and name) each group takes."""
+    name = {device.id: (device.kind, device.name) for device in inventory.devices}
+
+    def layout(result: SearchResult) -> frozenset[tuple[frozenset[str], tuple[tuple[str, str], ...]]]:
         together: dict[tuple[str, ...], set[str]] = {}
         for node, placed in result.best.placement.items():
             together.setdefault(placed.devices, set()).add(node)
-        return frozenset(frozenset(nodes) for nodes in together.values())
+        return frozenset((frozenset(nodes), tuple(sorted(name[d] for d in devices)))
+                         for devices, nodes in together.items())
 
     others = [result for result in results if result.best.feasible and layout(result) != layout(chosen)]
     if not others:
@@ -329,7 +333,7 @@ def search(
                                     best.best, inventory, lambda item: (item[0].key, item[1][0]))
     if not best.best.feasible:
         raise PlacementError(best.best.deadlock or _memory_message(best.best, inventory, options.memory_reserve, pipeline))
-    return replace(best, num_evaluated=evaluated, alternative=_alternative(results, best))
+    return replace(best, num_evaluated=evaluated, alternative=_alternative(results, best, inventory))
 
 
 def _sharded_training_groups(pipeline: PipelineGraph) -> list[tuple[str, str]]:

@@ -106,6 +106,9 @@ def test_the_next_layout_is_printed_with_its_distance_and_called_close_within_te
     near = replace(plan, iteration_s=0.2, alternative=Alternative({}, 0.21))
     assert alternative_line(near) == ("next layout: every device group on its own devices, 210.00 ms (+5.0%); "
                                       "within 10%: the rates measured at start may choose either")
+    faster = replace(near, alternative=Alternative({}, 0.19))
+    assert alternative_line(faster) == ("next layout: every device group on its own devices, 190.00 ms (-5.0%); "
+                                        "faster, on more CPU slots: the plan takes fewer slots within 10%")
     far = replace(near, alternative=Alternative({"ref_group": "actor_group"}, 0.25))
     assert alternative_line(far) == "next layout: ref_group on actor_group's devices, 250.00 ms (+25.0%)"
     console = _console()
