@@ -24,7 +24,7 @@ from flowrl.errors import FlowrlError, SpecError
 from flowrl.scheduler.events import Decision
 from flowrl.scheduler.policy import settings_from_spec
 from flowrl.simulator.run import SimulationResult, compare_policies
-from flowrl.simulator.scenario import Scenario, load_scenario
+from flowrl.simulator.scenario import SHIPPED_DIR, Scenario, load_scenario
 from flowrl.spec.loader import load_pipeline
 
 POLICIES = ("static", "dynamic", "both")
@@ -55,12 +55,14 @@ def simulate_command(
     try:
         chosen = load_scenario(scenario or "steady", inventory)
     except SpecError as error:
-        if devices_file is not None:
+        # a scenario names the devices and hosts of the cluster it was written for
+        missing = any(issue.path.startswith("events.") and issue.path.endswith((".device", ".host"))
+                      for issue in error.issues)
+        if devices_file is not None or not missing:
             raise
-        # a scenario names the devices of the cluster it was written for
+        shipped = SHIPPED_DIR.parent / "devices" / "mixed-4gpu.yaml"
         raise FlowrlError(f"{error}\nthe scenario names devices that {devices} lacks: simulate the cluster it was "
-                          "written for (--devices INVENTORY.yaml; the built-in scenarios: --devices "
-                          "devices/mixed-4gpu.yaml)") from None
+                          f"written for (--devices INVENTORY.yaml; the built-in scenarios: --devices {shipped})") from None
     names = ["static", "dynamic"] if policy == "both" else [policy]
     settings = settings_from_spec(graph.spec.scheduler, restart_s=None)
     # where this machine is simulated, its CPUs are measured as flowrl plan and run measure them

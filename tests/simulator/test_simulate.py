@@ -149,5 +149,16 @@ def test_a_scenario_for_another_cluster_on_this_machine_names_the_inventory_to_g
     from flowrl.errors import FlowrlError
 
     with pytest.raises(FlowrlError, match=r"no device 'gpu-3' in local(.|\n)*the built-in scenarios: --devices "
-                                          r"devices/mixed-4gpu.yaml"):
+                                          r".*/devices/mixed-4gpu.yaml\)"):
         simulate_command(PIPELINE, None, 5, "throttle", "both", None, False, Console(record=True, width=200))
+
+
+
+def test_another_problem_of_a_scenario_is_not_put_down_to_the_devices(tmp_path: Path) -> None:
+    from flowrl.errors import SpecError
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: bad\nnoise: -1\n")
+    with pytest.raises(SpecError) as caught:
+        simulate_command(PIPELINE, None, 5, str(bad), "both", None, False, Console(record=True, width=200))
+    assert "noise" in str(caught.value) and "the scenario names devices" not in str(caught.value)
