@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from flowrl.errors import FlowrlError
+from flowrl.graph import PipelineGraph
 
 
 PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
@@ -55,6 +56,18 @@ def logger_problems(names: tuple[str, ...]) -> list[str]:
                                       f"remove '{name}' from trainer.loggers")
             if problem is not None:
                 problems.append(problem)
+    return problems
+
+
+def missing_packages(graph: PipelineGraph) -> list[str]:
+    """The loggers and the dashboard the pipeline asks for whose packages this machine lacks
+    (a run started here would be refused), one line each."""
+    problems = logger_problems(graph.spec.trainer.loggers)
+    runtime = graph.spec.runtime
+    if runtime.dashboard and runtime.scheduler_address is None:
+        problem = missing_package("bokeh", "runtime.dashboard", "Dask's dashboard", "dashboard", "set dashboard: false")
+        if problem is not None:
+            problems.append(problem)
     return problems
 
 

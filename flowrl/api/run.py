@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from flowrl.api.builder import Pipeline, plain_value
 from flowrl.algorithms.kl_control import AdaptiveKLController, FixedKLController
-from flowrl.api.loggers import Logger, close_quietly, logger_problems, make_loggers, missing_package
+from flowrl.api.loggers import Logger, close_quietly, make_loggers, missing_packages
 from flowrl.api.outputs import (RunFolder, check_fresh_start, check_resume_start, finished_steps, finite_metrics,
                                 step_line)
 from flowrl.api.prometheus import PrometheusMetrics
@@ -680,18 +680,6 @@ def check_runnable(graph: PipelineGraph) -> None:
     problems.extend(missing_packages(graph))
     if problems:
         raise FlowrlError("this pipeline is valid but cannot run here:\n" + "\n".join(f"  {p}" for p in problems))
-
-
-def missing_packages(graph: PipelineGraph) -> list[str]:
-    """The loggers and the dashboard the pipeline asks for whose packages this machine lacks
-    (a run started here would be refused), one line each."""
-    problems = logger_problems(graph.spec.trainer.loggers)
-    runtime = graph.spec.runtime
-    if runtime.dashboard and runtime.scheduler_address is None:
-        problem = missing_package("bokeh", "runtime.dashboard", "Dask's dashboard", "dashboard", "set dashboard: false")
-        if problem is not None:
-            problems.append(problem)
-    return problems
 
 
 def _no_local_gpu(graph: PipelineGraph) -> str | None:

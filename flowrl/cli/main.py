@@ -135,7 +135,7 @@ def validate(
     roles = ", ".join(f"{n} ({graph.spec.nodes[n].role})" for n in graph.topological_order())
     source = f"{pipeline_file} with {' '.join(overrides)}" if overrides else f"{pipeline_file}"
     print(f"{source}: valid pipeline '{graph.name}': {len(graph.spec.nodes)} nodes: {roles}")
-    from flowrl.api.run import missing_packages
+    from flowrl.api.loggers import missing_packages
 
     for problem in missing_packages(graph):  # the file is valid; this machine lacks what it names
         print(f"note: a run started on this machine would be refused: {problem}")
