@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from flowrl.api.builder import Pipeline
-    from flowrl.api.run import RunResult
+    from flowrl.api.result import RunResult
     from flowrl.graph import PipelineGraph
 
 __version__ = "0.1.0"
@@ -24,8 +24,8 @@ _EXPORTS = {
     "PipelineGraph": "flowrl.graph",
     "load_pipeline": "flowrl.spec.loader",
     "validate": "flowrl.api.run",
-    "RunResult": "flowrl.api.run",
-    "load_run": "flowrl.api.run",
+    "RunResult": "flowrl.api.result",
+    "load_run": "flowrl.api.result",
     "FlowrlError": "flowrl.errors",
 }
 
