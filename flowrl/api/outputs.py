@@ -99,6 +99,16 @@ def read_run_info(output_dir: Path, strict: bool = False) -> dict[str, Any]:
         return {}
 
 
+def pipeline_folder(config: Path) -> Path | None:
+    """The folder a run's ``config.yaml`` reads its relative paths from (models, data, reward
+    modules): that of the pipeline file the run started from, which ``run.json`` beside it
+    records; None for any other file."""
+    if config.name != "config.yaml" or not (config.parent / "run.json").is_file():
+        return None
+    folder = read_run_info(config.parent, strict=True).get("base_dir")
+    return Path(folder) if isinstance(folder, str) and folder else None
+
+
 def step_line(text: str) -> tuple[int, dict[str, Any]]:
     """(step, the rest) of one line of a run's line files; ValueError for a line that is not
     one (cut short by a killed process, edited)."""

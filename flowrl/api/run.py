@@ -18,7 +18,8 @@ from pydantic import ValidationError
 from flowrl.api.builder import Pipeline, plain_value
 from flowrl.algorithms.kl_control import AdaptiveKLController, FixedKLController
 from flowrl.api.loggers import Logger, close_quietly, make_loggers, missing_packages
-from flowrl.api.outputs import RunFolder, check_fresh_start, check_resume_start, finished_steps, finite_metrics
+from flowrl.api.outputs import (RunFolder, check_fresh_start, check_resume_start, finished_steps, finite_metrics,
+                                pipeline_folder)
 from flowrl.api.prometheus import PrometheusMetrics
 from flowrl.api.driver import Driver
 from flowrl.api.recovery import FoundCheckpoint, RollBack, config_changes, newest_checkpoint, resume_note, roll_back
@@ -49,7 +50,7 @@ from flowrl.runtime.cluster import Cluster, PendingCluster, join_for, main_witho
 from flowrl.scheduler import make_policy, settings_from_spec
 from flowrl.scheduler.calibration import calibrated_prediction
 from flowrl.spec.dump import resumable_form, to_yaml, written_steps
-from flowrl.spec.loader import load_pipeline
+from flowrl.spec.loader import issue_locator, load_pipeline
 from flowrl.spec.messages import issues_from_validation
 from flowrl.spec.schema import AdvantageNode, GenerateNode, RuntimeSpec, ScoreNode
 
@@ -78,9 +79,11 @@ def validate(pipeline: PipelineGraph | Pipeline | str | Path, base_dir: str | Pa
     function against the data's columns. Returns the pipeline; raises ``SpecError`` listing
     every problem. ``base_dir``: where relative paths are read from (default: the current
     directory, as for ``run``; for a pipeline given as its file's path, the file's folder)."""
+    # a file's problems found after its text (data, models, reward functions) at its lines
+    locate = issue_locator(pipeline) if isinstance(pipeline, (str, Path)) else None
     pipeline, base_dir = _pipeline_and_folder(pipeline, base_dir, "validate")
     graph = pipeline.build() if isinstance(pipeline, Pipeline) else pipeline
-    check_inputs(graph, Path(base_dir) if base_dir is not None else Path.cwd())
+    check_inputs(graph, Path(base_dir) if base_dir is not None else Path.cwd(), locate)
     return graph
 
 
@@ -91,7 +94,10 @@ def _pipeline_and_folder(pipeline: object, base_dir: str | Path | None,
     ``base_dir`` says otherwise)."""
     if isinstance(pipeline, (str, Path)):
         path = Path(pipeline)
-        return load_pipeline(path), base_dir if base_dir is not None else path.resolve().parent
+        graph = load_pipeline(path)
+        if base_dir is None:  # a run's own config.yaml: the folder of the file that run started from
+            base_dir = pipeline_folder(path) or path.resolve().parent
+        return graph, base_dir
     if not isinstance(pipeline, (PipelineGraph, Pipeline)):
         raise FlowrlError(f"{call}() takes a pipeline (flowrl.Pipeline, flowrl.load_pipeline(path)) or the path of "
                           f"its file, not a value of type {type(pipeline).__name__}")

@@ -130,7 +130,9 @@ def validate(
 
     graph = load_pipeline(pipeline_file, overrides or [])
     # a run's config.yaml reads its relative paths from the folder of the file the run started from
-    base_dir = _pipeline_folder(pipeline_file) or pipeline_file.resolve().parent
+    from flowrl.api.outputs import pipeline_folder
+
+    base_dir = pipeline_folder(pipeline_file) or pipeline_file.resolve().parent
     check_inputs(graph, base_dir, issue_locator(pipeline_file, overrides or []))
     roles = ", ".join(f"{n} ({graph.spec.nodes[n].role})" for n in graph.topological_order())
     source = f"{pipeline_file} with {' '.join(overrides)}" if overrides else f"{pipeline_file}"
@@ -174,7 +176,9 @@ def run(
                  {"steps": steps, "output_dir": output_dir, "scheduler": scheduler, "cpu_slots": cpu_slots, "seed": seed})
     graph = load_pipeline(pipeline_file, _with_steps(overrides, steps))
     # a run's own config.yaml reads its paths from the folder of the file the run started from
-    base_dir = _pipeline_folder(pipeline_file) or pipeline_file.resolve().parent
+    from flowrl.api.outputs import pipeline_folder
+
+    base_dir = pipeline_folder(pipeline_file) or pipeline_file.resolve().parent
     _train(graph, base_dir, plain, resume, force, overwrite=overwrite,
            locate=issue_locator(pipeline_file, overrides or []),
            steps=steps, output_dir=output_dir, scheduler_address=scheduler, cpu_slots=cpu_slots, seed=seed,
@@ -218,7 +222,9 @@ def resume(
     graph = load_pipeline(config, _with_steps(overrides, steps))
     if any(text.partition("=")[0].strip() == "trainer.output_dir" for text in overrides or []):
         raise FlowrlError(f"a resume goes on in its own folder, {output_dir}: remove the override trainer.output_dir")
-    base_dir = _pipeline_folder(config) or output_dir.resolve()
+    from flowrl.api.outputs import pipeline_folder
+
+    base_dir = pipeline_folder(config) or output_dir.resolve()
     _train(graph, base_dir, plain, True, force, locate=issue_locator(config, overrides or []),
            output_dir=str(output_dir.resolve()), steps=steps, checkpoint=_checkpoint_step(checkpoint))
 
@@ -231,18 +237,6 @@ def _checkpoint_step(text: str | None) -> int | None:
     if not number.isdigit():
         raise FlowrlError(f"--checkpoint {text}: expected a checkpoint's step, such as step-40 or 40")
     return int(number)
-
-
-def _pipeline_folder(config: Path) -> Path | None:
-    """The folder a run's ``config.yaml`` reads its relative paths from (models, data, reward
-    modules): that of the pipeline file the run started from, which ``run.json`` beside it
-    records; None for any other file."""
-    from flowrl.api.outputs import read_run_info
-
-    if config.name != "config.yaml" or not (config.parent / "run.json").is_file():
-        return None
-    folder = read_run_info(config.parent, strict=True).get("base_dir")
-    return Path(folder) if isinstance(folder, str) and folder else None
 
 
 def _start_warm_server() -> None:
