@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +49,7 @@ from flowrl.runtime.cluster import Cluster, PendingCluster, join_for, main_witho
 from flowrl.scheduler import make_policy, settings_from_spec
 from flowrl.scheduler.calibration import calibrated_prediction
 from flowrl.spec.dump import resumable_form, to_yaml, written_steps
+from flowrl.spec.lines import nearest_beside
 from flowrl.spec.loader import issue_locator, load_pipeline
 from flowrl.spec.messages import issues_from_validation
 from flowrl.spec.schema import AdvantageNode, GenerateNode, RuntimeSpec, ScoreNode
@@ -177,15 +177,10 @@ def _kept_before_steps(folder: RunFolder, start: FoundCheckpoint | None, rolling
 
 
 def _run_nearby(path: Path) -> str:
-    """`` (did you mean DIR?)`` for the folder beside ``path`` that holds a run and whose name
-    is closest to its name, or ''."""
-    try:
-        runs = [entry.name for entry in path.parent.iterdir()
-                if entry.name != path.name and (entry / "config.yaml").is_file()]
-    except OSError:
-        return ""
-    near = difflib.get_close_matches(path.name, runs, n=1, cutoff=0.6)
-    return f" (did you mean {path.parent / near[0]}?)" if near else ""
+    """`` (a folder beside it holds a run: DIR)`` for the folder beside ``path`` that holds a
+    run and whose name is closest to its name, or ''."""
+    near = nearest_beside(path, folders=True, cutoff=0.6, keep=lambda entry: (entry / "config.yaml").is_file())
+    return f" (a folder beside it holds a run: {near}; if -o meant that one, stop this run and resume there)" if near else ""
 
 
 def _importing_main_in_a_worker() -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import difflib
 import re
-
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,11 +47,14 @@ def read_yaml_file(
         raise error(failure.issues) from None
 
 
-def nearest_beside(path: Path, folders: bool = False, cutoff: float = 0.75) -> Path | None:
+def nearest_beside(path: Path, folders: bool = False, cutoff: float = 0.75,
+                   keep: Callable[[Path], bool] | None = None) -> Path | None:
     """The file (with ``folders``, the folder) beside ``path`` whose name is closest to its
-    name, or None."""
+    name, or None; ``keep``: only entries it is true of (``path`` itself never)."""
     try:
-        names = [entry.name for entry in path.parent.iterdir() if (entry.is_dir() if folders else entry.is_file())]
+        names = [entry.name for entry in path.parent.iterdir()
+                 if (entry.is_dir() if folders else entry.is_file()) and entry.name != path.name
+                 and (keep is None or keep(entry))]
     except OSError:
         return None
     matches = difflib.get_close_matches(path.name, names, n=1, cutoff=cutoff)

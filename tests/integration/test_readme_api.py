@@ -72,5 +72,6 @@ def test_a_resume_into_a_folder_without_a_run_says_it_starts_at_step_one(tmp_pat
     fr.run(ROOT / "pipelines" / "grpo_tiny.yaml", steps=1, output_dir=tmp_path / "runs" / "grpo-b", resume=True,
            observer=seen)
     expected = (f"resume: {tmp_path / 'runs' / 'grpo-b'} held no earlier run, so this one starts at step 1 "
-                f"(did you mean {tmp_path / 'runs' / 'grpo-a'}?)")
+                f"(a folder beside it holds a run: {tmp_path / 'runs' / 'grpo-a'}; if -o meant that one, stop this run "
+                "and resume there)")
     assert expected in seen.lines
