@@ -105,9 +105,9 @@ def rank_problem(module: torch.nn.Module, target_modules: str | list[str], rank:
     widest = max((min(layer.weight.shape) for layer in adapted), default=None)
     if widest is None or rank <= widest:
         return None
-    return (f"rank {rank} is above every width the adapters of '{model}' see (at most {widest}): an adapter of rank r "
-            f"on an m x n layer learns at most min(m, n) directions, so rank {widest} trains as much with fewer "
-            f"parameters; set rank: {widest} or less")
+    return (f"rank {rank} is above the smaller side of every layer the adapters of '{model}' go on (the largest is "
+            f"{widest}): an adapter of rank r on an m x n layer learns at most min(m, n) directions, so rank {widest} "
+            f"trains as much with fewer parameters; set rank: {widest} or less")
 
 
 def _accessor(module: torch.nn.Module, getter: str) -> torch.nn.Module | None:

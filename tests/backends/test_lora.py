@@ -321,8 +321,8 @@ def test_a_rank_above_every_width_the_adapters_see_is_refused() -> None:
                                          num_key_value_heads=2, intermediate_size=128))
     assert rank_problem(model, "all-linear", 64) is None
     assert rank_problem(model, "all-linear", 65, "actor") == (
-        "rank 65 is above every width the adapters of 'actor' see (at most 64): an adapter of rank r on an m x n "
-        "layer learns at most min(m, n) directions, so rank 64 trains as much with fewer parameters; set rank: 64 "
-        "or less")
+        "rank 65 is above the smaller side of every layer the adapters of 'actor' go on (the largest is 64): an "
+        "adapter of rank r on an m x n layer learns at most min(m, n) directions, so rank 64 trains as much with "
+        "fewer parameters; set rank: 64 or less")
     assert rank_problem(model, ["k_proj", "v_proj"], 32) is None
-    assert "(at most 32)" in (rank_problem(model, ["k_proj", "v_proj"], 33) or "")
+    assert "(the largest is 32)" in (rank_problem(model, ["k_proj", "v_proj"], 33) or "")
