@@ -606,27 +606,32 @@ def preflight(graph: PipelineGraph, base_dir: Path | None, offered: set[str] | N
         issues += eval_reward_issues(graph, base_dir, offered_eval, offered)
     if issues:
         raise SpecError([SpecIssue(path, message) for path, message in issues])
-    for model in graph.spec.models.values():
-        path = model.path
-        if not path.startswith(BUILTIN_PREFIX) or built_builtin_dir(path[len(BUILTIN_PREFIX):]) is not None:
-            continue  # a folder or hub name, or built already: the driver need not import the builders
+    # a folder or hub name, or built already: the driver need not import the builders
+    for path in _unbuilt_builtins(graph):
         from flowrl.backends.models import resolve_model_path
 
         resolve_model_path(path, base_dir)
 
 
+def _unbuilt_builtins(graph: PipelineGraph) -> list[str]:
+    """The pipeline's built-in models (``builtin:NAME``) not in the cache yet (an unknown name
+    is left to the checks, which place it)."""
+    unbuilt = []
+    for path in sorted({model.path for model in graph.spec.models.values() if model.path.startswith(BUILTIN_PREFIX)}):
+        try:
+            if built_builtin_dir(path[len(BUILTIN_PREFIX):]) is None:
+                unbuilt.append(path)
+        except FlowrlError:
+            continue
+    return unbuilt
+
+
 def _builtins_to_fit(graph: PipelineGraph) -> list[str]:
     """The pipeline's built-in models that are trained when first built (``builtin:arith-llama``,
     the digits reward model) and not in the cache yet."""
-    paths = sorted({model.path for model in graph.spec.models.values() if model.path.startswith(BUILTIN_PREFIX)})
     fitted = []
-    for path in paths:
-        name = path[len(BUILTIN_PREFIX):]
-        try:
-            fits = builtin_folder(name)[1] == "fit.json"
-        except FlowrlError:
-            continue  # an unknown name: the checks name it
-        if fits and built_builtin_dir(name) is None:
+    for path in _unbuilt_builtins(graph):
+        if builtin_folder(path[len(BUILTIN_PREFIX):])[1] == "fit.json":
             fitted.append(path)
     return fitted
 

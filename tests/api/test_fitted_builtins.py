@@ -23,3 +23,9 @@ def test_only_fitted_builtins_missing_from_the_cache_are_announced(tmp_path: Pat
     (tmp_path / "models" / folder).mkdir(parents=True)
     (tmp_path / "models" / folder / marker).write_text("{}")
     assert _builtins_to_fit(load_pipeline(PIPELINES / "grpo_arith.yaml")) == []
+
+
+def test_an_unknown_builtin_is_left_to_the_checks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLOWRL_CACHE", str(tmp_path))
+    graph = load_pipeline(PIPELINES / "grpo_tiny.yaml", ["models.actor.path=builtin:no-such-model"])
+    assert _builtins_to_fit(graph) == []
