@@ -20,7 +20,8 @@ from flowrl.devices.matching import Match, match_groups
 from flowrl.graph import PipelineGraph
 from flowrl.planner.cost import CpuRates
 from flowrl.planner.costs import CostSource, EstimatedCosts
-from flowrl.planner.search import FEWER_CPU_SLOTS_WITHIN, Alternative, Evaluation, SearchOptions, SearchResult, evaluate, search
+from flowrl.planner.search import (FEWER_CPU_SLOTS_WITHIN, Alternative, Evaluation, SearchOptions, SearchResult, evaluate,
+                                   search, sharing_words)
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ def layout_words(shared: Mapping[str, str]) -> str:
     """How device groups share devices (group -> the group whose devices it runs on)."""
     if not shared:
         return "every device group on its own devices"
-    return ", ".join(f"{group} on {host}'s devices" for group, host in sorted(shared.items()))
+    return ", ".join(sharing_words(group, host) for group, host in sorted(shared.items()))
 
 
 @dataclass(frozen=True)

@@ -146,6 +146,11 @@ def _alternative(results: Sequence[SearchResult], chosen: SearchResult, inventor
     return Alternative(dict(fastest.shared), fastest.best.schedule.iteration_s)
 
 
+def sharing_words(group: str, host: str) -> str:
+    """A device group that runs on another group's devices, in words."""
+    return f"{group} on {host}'s devices"
+
+
 def sharings(pipeline: PipelineGraph, match: Match, options: SearchOptions) -> Iterator[dict[str, str]]:
     """Ways device groups may share devices (group -> the group it runs on); the plain match
     (no sharing) is not one of them."""
@@ -213,7 +218,7 @@ def candidates(
 
         if group is not None and group in spec.devices:
             devices = match.assignment.get(group, [])
-            label = f"{group} on {shared[group]}'s devices" if shared and group in shared else group
+            label = sharing_words(group, shared[group]) if shared and group in shared else group
             if node_spec.inference:
                 for width in _widths(len(devices)):
                     add(devices[:width], f"{label}, width {width} of {len(devices)}")
