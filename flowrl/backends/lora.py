@@ -97,11 +97,9 @@ def rank_problem(module: torch.nn.Module, target_modules: str | list[str], rank:
     """Why ``rank`` is too large for the layers ``target_modules`` adapts on ``module`` (an
     adapter of rank r on an m x n layer learns at most min(m, n) directions, so a larger rank
     only adds parameters), else None."""
-    ends = _ends(module)
-    adapted = [layer for name, layer in module.named_modules()
-               if name and _linear_like(layer) and not any(layer is end for end in ends.values())
-               and (isinstance(target_modules, str) or any(name == target or name.endswith("." + target)
-                                                            for target in target_modules))]
+    adapted = [layer for name, layer in _adaptable(module, _ends(module))
+               if isinstance(target_modules, str) or any(name == target or name.endswith("." + target)
+                                                         for target in target_modules)]
     widest = max((min(layer.weight.shape) for layer in adapted), default=None)
     if widest is None or rank <= widest:
         return None
@@ -129,10 +127,16 @@ def _ends(module: torch.nn.Module) -> dict[str, torch.nn.Module | None]:
             "output head": _accessor(module, "get_output_embeddings")}
 
 
+def _adaptable(module: torch.nn.Module, ends: dict[str, torch.nn.Module | None]) -> Iterator[tuple[str, torch.nn.Module]]:
+    """(name, layer) of the model's linear layers, ``ends`` (:func:`_ends`) left out."""
+    for name, layer in module.named_modules():
+        if name and _linear_like(layer) and not any(layer is end for end in ends.values()):
+            yield name, layer
+
+
 def _linear_names(module: torch.nn.Module, ends: dict[str, torch.nn.Module | None]) -> list[str]:
     """The short names of the model's linear layers, ``ends`` (:func:`_ends`) left out."""
-    return sorted({name.rsplit(".", 1)[-1] for name, layer in module.named_modules()
-                   if name and _linear_like(layer) and not any(layer is end for end in ends.values())})
+    return sorted({name.rsplit(".", 1)[-1] for name, _ in _adaptable(module, ends)})
 
 
 def is_adapted_layer(layer: torch.nn.Module) -> bool:
