@@ -100,7 +100,7 @@ def rank_problem(module: torch.nn.Module, target_modules: str | list[str], rank:
     adapted = [layer for name, layer in _adaptable(module, _ends(module))
                if isinstance(target_modules, str) or any(name == target or name.endswith("." + target)
                                                          for target in target_modules)]
-    widest = max((min(layer.weight.shape) for layer in adapted), default=None)
+    widest = max((min(_weight_of(layer).shape) for layer in adapted), default=None)
     if widest is None or rank <= widest:
         return None
     return (f"rank {rank} is above the smaller side of every layer the adapters of '{model}' go on (the largest is "
@@ -125,6 +125,13 @@ def _ends(module: torch.nn.Module) -> dict[str, torch.nn.Module | None]:
     """The modules adapters cannot go on, by what they are: the embeddings and the head."""
     return {"input embeddings": _accessor(module, "get_input_embeddings"),
             "output head": _accessor(module, "get_output_embeddings")}
+
+
+def _weight_of(layer: torch.nn.Module) -> torch.Tensor:
+    """A linear layer's weight (``nn.Linear``'s or ``Conv1D``'s)."""
+    weight = layer.weight
+    assert isinstance(weight, torch.Tensor)
+    return weight
 
 
 def _adaptable(module: torch.nn.Module, ends: dict[str, torch.nn.Module | None]) -> Iterator[tuple[str, torch.nn.Module]]:
