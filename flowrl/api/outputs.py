@@ -63,6 +63,18 @@ def check_fresh_start(output_dir: Path, overwrite: bool) -> None:
         )
 
 
+def check_resume_flags(resume: bool, force: bool, checkpoint: int | None) -> None:
+    """Refuse what only a resume takes, given without one."""
+    if resume:
+        return
+    if checkpoint is not None:
+        raise FlowrlError("--checkpoint chooses the checkpoint a resume starts from: add --resume")
+    if force:
+        raise FlowrlError("--force (force=True) lets a resume go on with a changed pipeline: add --resume "
+                          "(resume=True); a fresh run needs no --force, and --overwrite starts over in a folder that "
+                          "holds an earlier run")
+
+
 def check_resume_start(output_dir: Path, steps: int) -> None:
     """A resume may not train over a finished run that kept no checkpoint to continue from
     (it would start at step 1 and replace that run's final model), nor stop before its newest

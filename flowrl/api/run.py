@@ -17,8 +17,8 @@ from pydantic import ValidationError
 from flowrl.api.builder import Pipeline, plain_value
 from flowrl.algorithms.kl_control import AdaptiveKLController, FixedKLController
 from flowrl.api.loggers import Logger, close_quietly, make_loggers, missing_packages
-from flowrl.api.outputs import (RunFolder, check_fresh_start, check_resume_start, finished_steps, finite_metrics,
-                                pipeline_folder)
+from flowrl.api.outputs import (RunFolder, check_fresh_start, check_resume_flags, check_resume_start, finished_steps,
+                                finite_metrics, pipeline_folder)
 from flowrl.api.prometheus import PrometheusMetrics
 from flowrl.api.driver import Driver
 from flowrl.api.recovery import FoundCheckpoint, RollBack, config_changes, newest_checkpoint, resume_note, roll_back
@@ -237,13 +237,8 @@ def _run_in(folder: RunFolder, graph: PipelineGraph, observer: Observer | None, 
                 return RunResult(folder.path, already_finished=True, finished_steps=finished)
             check_resume_start(folder.path, spec.trainer.steps)
             start = newest_checkpoint(folder.checkpoints)
-    elif checkpoint is not None:
-        raise FlowrlError("--checkpoint chooses the checkpoint a resume starts from: add --resume")
-    elif force:
-        raise FlowrlError("--force (force=True) lets a resume go on with a changed pipeline: add --resume "
-                          "(resume=True); a fresh run needs no --force, and --overwrite starts over in a folder that "
-                          "holds an earlier run")
     else:
+        check_resume_flags(resume, force, checkpoint)
         _fresh_start(folder, overwrite)
     resumed_data = data_before if start is not None else None  # the data of the steps resumed after
     # the pipeline as the run (re)started, for the next resume to compare with (config.yaml

@@ -255,16 +255,18 @@ def _train(graph: Any, base_dir: Path, plain: bool, resume: bool, force: bool, o
     runtime = graph.spec.runtime
     pending = None
     raise_early_issues(graph, base_dir, locate)  # the usual mistakes, before any worker starts, at their place
-    from flowrl.api.outputs import check_fresh_start, check_not_held, check_resume_start
+    from flowrl.api.outputs import check_fresh_start, check_not_held, check_resume_flags, check_resume_start
 
+    check_resume_flags(resume, force, overrides.get("checkpoint"))
+    if overrides.get("output_dir") == "":
+        raise FlowrlError("--output-dir '': trainer.output_dir: must not be empty (it would be the working "
+                          "directory); give the run a folder")
     output = Path(overrides.get("output_dir") or graph.spec.trainer.output_dir)
     output = output if output.is_absolute() else Path.cwd() / output
     check_not_held(output)  # a run still going there: say that, not what its files would say
     if resume:
         if overrides.get("checkpoint") is None:  # a chosen checkpoint is checked by the run
             check_resume_start(output, overrides.get("steps") or graph.spec.trainer.steps)
-    elif overrides.get("checkpoint") is not None:
-        raise FlowrlError("--checkpoint chooses the checkpoint a resume starts from: add --resume")
     else:
         check_fresh_start(output, overwrite)
     if not (overrides.get("scheduler_address") or runtime.scheduler_address):

@@ -255,12 +255,15 @@ def test_an_empty_output_folder_is_refused() -> None:
     with pytest.raises(SpecError, match=r"trainer.output_dir='': must not be empty"):
         load_pipeline(pipeline, ["trainer.output_dir=''"])
     result = CliRunner().invoke(cli.app, ["run", str(pipeline), "-o", "", "--steps", "1", "--plain"])
-    assert result.exit_code == 2 and "trainer.output_dir: must not be empty" in result.output
+    assert result.exit_code == 2 and "--output-dir '': trainer.output_dir: must not be empty" in result.output
 
 
-def test_force_without_resume_is_refused() -> None:
+def test_force_without_resume_is_refused(tmp_path: Path) -> None:
     pipeline = Path(__file__).resolve().parents[2] / "pipelines" / "grpo_tiny.yaml"
-    result = CliRunner().invoke(cli.app, ["run", str(pipeline), "--force", "--steps", "1", "--plain"])
+    # in a folder whose earlier run a fresh one would be refused for: the flag is what is wrong
+    (tmp_path / "final").mkdir()
+    (tmp_path / "final" / "config.json").write_text("{}")
+    result = CliRunner().invoke(cli.app, ["run", str(pipeline), "--force", "--steps", "1", "--plain", "-o", str(tmp_path)])
     assert result.exit_code == 2, result.output
     assert "--force (force=True) lets a resume go on with a changed pipeline: add --resume" in result.output
 
