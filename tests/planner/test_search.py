@@ -82,14 +82,14 @@ def test_cpu_offload_when_the_gpu_is_full() -> None:
 
 
 def test_a_sharded_update_needs_less_memory_per_device_and_pays_for_its_gathers() -> None:
-    def costs_of(sharded: bool) -> EstimatedCosts:
+    def _three_cards(sharded: bool) -> EstimatedCosts:
         data = grpo({"path": QWEN, "device_group": "actor_group", "dtype": "bf16", "sharded": sharded},
                     {"path": QWEN, "device_group": "ref_group", "dtype": "bf16"},
                     {"actor_group": {"type": "gpu", "count": 4}, "ref_group": {"type": "cpu"}},
                     batch_size=8, n=4, max_new_tokens=64, mini_batch_size=8)
         return EstimatedCosts(pipeline_from_dict(data))
 
-    whole, sharded = costs_of(False), costs_of(True)
+    whole, sharded = _three_cards(False), _three_cards(True)
     replicated = whole.memory("train", 4, gpu=True)
     split = sharded.memory("train", 4, gpu=True)
     assert split.weights_gb == replicated.weights_gb  # the whole copy for generation stays
@@ -132,18 +132,20 @@ def test_a_sharded_update_pays_its_gathers_for_the_busiest_ranks_whole_passes() 
     assert costs.compute_s("train", cards, False) == pytest.approx(CALL_OVERHEAD_S + alone + 6 * gather)
 
 
+def _three_cards(batch_size: int, n: int) -> EstimatedCosts:
+    """GRPO on one group of 3 GPUs: ``batch_size`` prompts of ``n`` samples."""
+    data = grpo({"path": QWEN, "device_group": "actor_group", "dtype": "bf16"},
+                {"path": QWEN, "device_group": "actor_group", "dtype": "bf16"},
+                {"actor_group": {"type": "gpu", "count": 3}},
+                batch_size=batch_size, n=n, max_new_tokens=64)
+    return EstimatedCosts(pipeline_from_dict(data), prompt_tokens=16)
+
+
 def test_each_rank_is_sized_for_the_busiest_ranks_rows() -> None:
     """8 sequences on 3 ranks put 3 on the busiest: its memory is that of 9 on 3 (3 each),
     for the update and a forward pass; on one device 8 take less. A generation's ranks hold
     whole prompts."""
-    def costs_of(batch_size: int, n: int) -> EstimatedCosts:
-        data = grpo({"path": QWEN, "device_group": "actor_group", "dtype": "bf16"},
-                    {"path": QWEN, "device_group": "actor_group", "dtype": "bf16"},
-                    {"actor_group": {"type": "gpu", "count": 3}},
-                    batch_size=batch_size, n=n, max_new_tokens=64)
-        return EstimatedCosts(pipeline_from_dict(data), prompt_tokens=16)
-
-    eight, nine, twelve = costs_of(2, 4), costs_of(3, 3), costs_of(3, 4)
+    eight, nine, twelve = _three_cards(2, 4), _three_cards(3, 3), _three_cards(3, 4)
     assert eight.work("train").num_sequences == 8 and nine.work("train").num_sequences == 9
     for node in ("train", "ref"):
         assert eight.memory(node, 3, gpu=True) == nine.memory(node, 3, gpu=True), node
@@ -156,21 +158,14 @@ def test_each_rank_is_sized_for_the_busiest_ranks_rows() -> None:
 def test_each_rank_is_timed_for_the_busiest_ranks_rows() -> None:
     """8 sequences on 3 ranks take as long per rank as 9 (3 on the busiest rank): the
     reference pass and the update's work on one device are those of 3 rows."""
-    def costs_of(batch_size: int, n: int) -> EstimatedCosts:
-        data = grpo({"path": QWEN, "device_group": "actor_group", "dtype": "bf16"},
-                    {"path": QWEN, "device_group": "actor_group", "dtype": "bf16"},
-                    {"actor_group": {"type": "gpu", "count": 3}},
-                    batch_size=batch_size, n=n, max_new_tokens=64)
-        return EstimatedCosts(pipeline_from_dict(data), prompt_tokens=16)
-
-    eight, nine = costs_of(2, 4), costs_of(3, 3)
+    eight, nine = _three_cards(2, 4), _three_cards(3, 3)
     card = gpu(0, "H100-80GB", 80, 989, 3350)
     for node in ("train", "ref"):
         assert eight._on_device(eight.work(node), card, 3) == pytest.approx(
             nine._on_device(nine.work(node), card, 3)), node
     # generation splits whole prompts: 2 prompts of 4 samples on 3 ranks put one prompt (4 rows)
     # on the busiest, as 3 prompts of 4 do
-    twelve = costs_of(3, 4)
+    twelve = _three_cards(3, 4)
     assert eight.work("rollout").rank_sequences(3) == twelve.work("rollout").rank_sequences(3) == 4
     assert eight._on_device(eight.work("rollout"), card, 3) == pytest.approx(
         twelve._on_device(twelve.work("rollout"), card, 3))
