@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from flowrl.devices.explain import gb
+from flowrl.devices.explain import gib
 from flowrl.devices.files import load_inventory
 from flowrl.devices.groups import pipeline_groups
 from flowrl.devices.inventory import Inventory, detect_local
@@ -104,8 +104,8 @@ def _print_inventory(inventory: Inventory, console: Console) -> None:
             device.host,
             device.name,
             device.arch,
-            gb(device.memory_gb),
-            gb(device.memory_free_gb) if device.memory_free_gb is not None else "-",
+            gib(device.memory_gb),
+            gib(device.memory_free_gb) if device.memory_free_gb is not None else "-",
             f"{device.tflops_bf16:g}" if device.tflops_bf16 is not None else "-",
             f"{device.bandwidth_gbs:g}" if device.bandwidth_gbs is not None else "-",
             pcie,
@@ -113,8 +113,8 @@ def _print_inventory(inventory: Inventory, console: Console) -> None:
         )
     console.print(table)
     for host in inventory.hosts:
-        free = f", {gb(host.memory_free_gb)} free" if host.memory_free_gb is not None else ""
-        line = f"host {host.name}: {host.cores} cores, {gb(host.memory_gb)} memory{free}"
+        free = f", {gib(host.memory_free_gb)} free" if host.memory_free_gb is not None else ""
+        line = f"host {host.name}: {host.cores} cores, {gib(host.memory_gb)} memory{free}"
         console.print(line, highlight=False)
     for line in inventory_lines(inventory):
         console.print(line, highlight=False, markup=False)
@@ -152,4 +152,4 @@ def _print_match(spec: PipelineSpec, match: Match, shareable: bool, console: Con
 def _headroom(headroom_gb: float | None, min_memory_gb: float | None) -> str:
     if headroom_gb is None:
         return "-"
-    return f"+{gb(headroom_gb)}" if min_memory_gb is not None else "no minimum"
+    return f"+{gib(headroom_gb)}" if min_memory_gb is not None else "no minimum"

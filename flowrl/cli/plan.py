@@ -118,7 +118,7 @@ def print_plan(plan: CompiledPlan, console: Console) -> None:
         # offloaded models wait in host memory and are copied in for their calls
         paged = sorted({item.model for item in plan.nodes
                         if item.offloaded and item.model is not None and device.device in item.devices})
-        memory.add_row(device.label, f"{device.peak_gb:.2f} GB", f"{device.capacity_gb:g} GB",
+        memory.add_row(device.label, f"{device.peak_gb:.2f} GB", f"{device.capacity_gb:.1f} GB",
                        f"{share:.1%}", ", ".join([*device.models, *(f"{name} (paged in)" for name in paged)]) + colocated)
     console.print(memory)
     console.print(

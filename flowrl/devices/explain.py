@@ -2,8 +2,8 @@
 
 Messages follow one shape so a user can act on them without reading code::
 
-    actor_group needs 2 gpus with >= 80 GB; closest: gpu-3 H100-80GB (80 GB),
-    gpu-0 A100-40GB (40 GB): lower min_memory_gb to 40 or set count: 1
+    actor_group needs 2 gpus with >= 80 GiB; closest: gpu-3 H100-80GB (80 GiB),
+    gpu-0 A100-40GB (40 GiB): lower min_memory_gb to 40 or set count: 1
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ _JOINED_CPU = " (on a joined Dask cluster: start more CPU workers)"
 """cpu_slots sizes the local cluster only; a joined cluster's slots are the workers started."""
 
 
-def gb(value: float) -> str:
-    """``40 GB``, ``79.6 GB``: memory the way the files write it."""
-    return f"{round(value, 1):g} GB"
+def gib(value: float) -> str:
+    """``40 GiB``, ``79.6 GiB``: an inventory's memory, in the unit its files and
+    ``min_memory_gb`` use."""
+    return f"{round(value, 1):g} GiB"
 
 
 def plural(count: int, kind: str) -> str:
@@ -39,10 +40,10 @@ def fits_memory(device: Device, spec: DeviceGroupSpec) -> bool:
 
 
 def requirement(spec: DeviceGroupSpec, count: int) -> str:
-    """``2 gpus with >= 40 GB of arch v100 or a100``."""
+    """``2 gpus with >= 40 GiB of arch v100 or a100``."""
     text = plural(count, spec.type)
     if spec.min_memory_gb is not None:
-        text += f" with >= {gb(spec.min_memory_gb)}"
+        text += f" with >= {gib(spec.min_memory_gb)}"
     if spec.arch is not None:
         text += f" of arch {' or '.join(spec.arch)}"
     return text
@@ -120,8 +121,8 @@ def explain_together(
 
 def _describe(device: Device, spec: DeviceGroupSpec) -> str:
     if device.kind == "cpu":
-        return f"{device.id} ({gb(device.memory_gb)})"
-    details = [gb(device.memory_gb)]
+        return f"{device.id} ({gib(device.memory_gb)})"
+    details = [gib(device.memory_gb)]
     if spec.arch is not None:
         details.append(device.family if device.family != device.arch else device.arch)
     return f"{device.label} ({', '.join(details)})"

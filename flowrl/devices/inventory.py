@@ -23,6 +23,10 @@ from flowrl.devices.nvml import GpuReading, NvmlUnavailable, read_gpus
 
 DeviceKind = Literal["cpu", "gpu"]
 
+GB_PER_GIB = 2**30 / 1e9
+"""An inventory's memory is in GiB (as cards are sold and inventory files write it); the
+planner's predictions and the profiler's measurements are in GB (10^9 bytes)."""
+
 
 @dataclass(frozen=True)
 class Device:
@@ -77,6 +81,12 @@ class Device:
     def label(self) -> str:
         """``gpu-3 H100-80GB`` or ``cpu-0``: the id and, for a GPU, its type."""
         return f"{self.id} {self.name}" if self.kind == "gpu" else self.id
+
+    @property
+    def capacity_gb(self) -> float:
+        """``memory_gb`` in GB (10^9 bytes), the unit predicted and measured peaks are in:
+        85.9 for an 80 GiB card."""
+        return self.memory_gb * GB_PER_GIB
 
 
 @dataclass(frozen=True)

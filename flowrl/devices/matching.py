@@ -30,7 +30,7 @@ from flowrl.devices.explain import (
     explain_together,
     fits_arch,
     fits_memory,
-    gb,
+    gib,
     plural,
     requirement,
 )
@@ -186,7 +186,7 @@ class _Matcher:
             if broken:
                 self.unsatisfied[name] = (
                     f"pinned to {', '.join(d.label for d in broken)} "
-                    f"({', '.join(gb(d.memory_gb) for d in broken)}), which breaks its own "
+                    f"({', '.join(gib(d.memory_gb) for d in broken)}), which breaks its own "
                     f"requirement ({requirement(spec, len(ids))}): drop device_ids, or relax "
                     "min_memory_gb/arch"
                 )

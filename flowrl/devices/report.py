@@ -2,8 +2,8 @@
 
 Plain strings, so the same lines go to a terminal, a log file or ``events.jsonl``::
 
-    Detected 4 GPUs: gpu-0 A100-40GB (40 GB), ...; 2 CPU slots (64 cores, 512 GB)
-    actor_group -> [gpu-3 H100-80GB, gpu-0 A100-40GB] (matched 2/2, memory OK, +40 GB headroom)
+    Detected 4 GPUs: gpu-0 A100-40GB (40 GiB), ...; 2 CPU slots (64 cores, 512 GiB)
+    actor_group -> [gpu-3 H100-80GB, gpu-0 A100-40GB] (matched 2/2, memory OK, +40 GiB headroom)
     reference_group -> cpu-0 (cpu)
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from flowrl.devices.explain import gb
+from flowrl.devices.explain import gib
 from flowrl.devices.inventory import Inventory
 from flowrl.devices.matching import Match
 
@@ -23,9 +23,9 @@ def inventory_lines(inventory: Inventory) -> list[str]:
     cores = sum(host.cores for host in inventory.hosts)
     memory = sum(host.memory_gb for host in inventory.hosts)
     hosts = f" on {len(inventory.hosts)} hosts" if len(inventory.hosts) > 1 else ""
-    cpu_part = f"{len(cpus)} CPU slot{'s' if len(cpus) != 1 else ''} ({cores} cores, {gb(memory)})"
+    cpu_part = f"{len(cpus)} CPU slot{'s' if len(cpus) != 1 else ''} ({cores} cores, {gib(memory)})"
     if gpus:
-        listed = ", ".join(f"{device.label} ({gb(device.memory_gb)})" for device in gpus)
+        listed = ", ".join(f"{device.label} ({gib(device.memory_gb)})" for device in gpus)
         noun = "GPU" if len(gpus) == 1 else "GPUs"
         first = f"Detected {len(gpus)} {noun}{hosts}: {listed}; {cpu_part}"
     else:
@@ -56,7 +56,7 @@ def match_lines(
         requested = match.requested.get(group, len(device_ids))
         headroom = match.headroom_gb.get(group)
         memory = (
-            f"memory OK, +{gb(headroom)} headroom"
+            f"memory OK, +{gib(headroom)} headroom"
             if headroom is not None and match.min_memory_gb.get(group) is not None
             else "no memory requirement"
         )

@@ -48,6 +48,7 @@ class DevicePlan:
     label: str
     kind: str
     capacity_gb: float
+    """The device's memory in GB (10^9 bytes; the inventory's GiB converted)."""
     peak_gb: float
     """Predicted peak memory, in GB (CPU slots: this slot's share of its host)."""
     models: list[str]
@@ -182,7 +183,7 @@ def plan_from_evaluation(
         here = [item for item in nodes if device.id in item.devices]
         models = sorted({item.model for item in here if item.model is not None and not item.offloaded})
         devices.append(
-            DevicePlan(device.id, device.label, device.kind, device.memory_gb,
+            DevicePlan(device.id, device.label, device.kind, device.capacity_gb,
                        round(evaluation.memory_gb[device.id], 6), models, [item.node for item in here])
         )
     timeline = [

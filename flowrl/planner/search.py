@@ -306,7 +306,7 @@ def fits(memory: Mapping[str, float], inventory: Inventory, reserve: float) -> t
     for device_id, peak in memory.items():
         device = by_id[device_id]
         key = f"host:{device.host}" if device.kind == "cpu" else device.id
-        total, capacity = used.get(key, (0.0, device.memory_gb))
+        total, capacity = used.get(key, (0.0, device.capacity_gb))
         used[key] = (total + peak, capacity)
     feasible = all(total * (1 + reserve) <= capacity for total, capacity in used.values())
     headroom = min(((capacity - total) / capacity for total, capacity in used.values()), default=1.0)
@@ -453,12 +453,12 @@ def _memory_message(best: Evaluation, inventory: Inventory, reserve: float, pipe
     for device_id, peak in sorted(best.memory_gb.items()):
         device = inventory.by_id(device_id)
         assert device is not None
-        if peak * (1 + reserve) > device.memory_gb:
+        if peak * (1 + reserve) > device.capacity_gb:
             models = sorted({n for n, p in best.placement.items() if device_id in p.devices})
             overflowing.add(device_id)
             over.append(
                 f"{device.label} needs {peak:.1f} GB + {reserve:.0%} reserve of "
-                f"{device.memory_gb:g} GB (runs {', '.join(models)})"
+                f"{device.capacity_gb:.1f} GB ({device.memory_gb:g} GiB; runs {', '.join(models)})"
             )
     # an update over several of the overflowing devices could keep 1/N of its training state
     shardable = sorted({

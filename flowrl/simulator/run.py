@@ -242,7 +242,7 @@ def _run_step(
                                       rate_of_output=pipeline.spec.nodes[item.node].rate_of_output))
     memory = {device.device: device.peak_gb for device in plan.devices}
     samples = [
-        DeviceSample(d.id, d.kind, utilization[d.id], memory.get(d.id, 0.0), d.memory_gb)
+        DeviceSample(d.id, d.kind, utilization[d.id], memory.get(d.id, 0.0), d.capacity_gb)
         for d in cluster.devices
     ]
     policy.observe(step, timings, samples, step_s)

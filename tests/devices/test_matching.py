@@ -71,11 +71,11 @@ def test_matching_is_deterministic() -> None:
 
 
 def test_biggest_cards_go_to_the_group_that_needs_memory_most() -> None:
-    # big (>= 41 GB) fits only the H100, so small (declared first) takes an A100
+    # big (>= 41 GiB) fits only the H100, so small (declared first) takes an A100
     groups = {"small": gpu(count=1), "big": gpu(count=1, min_memory_gb=41)}
     assert match_groups(groups, MIXED).assignment == {"small": ["gpu-0"], "big": ["gpu-3"]}
     # with no hard constraint either way, the group asking for more memory still gets
-    # the bigger card: medium (>= 16 GB) outranks small (no minimum)
+    # the bigger card: medium (>= 16 GiB) outranks small (no minimum)
     groups = {"small": gpu(count=1), "medium": gpu(count=1, min_memory_gb=16)}
     assert match_groups(groups, MIXED).assignment == {"small": ["gpu-0"], "medium": ["gpu-3"]}
 
@@ -85,9 +85,9 @@ def test_pinned_group_keeps_its_devices_and_the_rest_match_around_it() -> None:
     match = match_groups(groups, MIXED)
     assert match.assignment["pinned"] == ["gpu-3"]
     assert match.reasons["pinned"] == "pinned by device_ids (matching is off for this group)"
-    # the only card >= 60 GB is pinned away
+    # the only card >= 60 GiB is pinned away
     assert match.unsatisfied["other"] == (
-        "other needs 1 gpu with >= 60 GB; closest: gpu-0 A100-40GB (40 GB): "
+        "other needs 1 gpu with >= 60 GiB; closest: gpu-0 A100-40GB (40 GiB): "
         "lower min_memory_gb to 40"
     )
 
@@ -98,8 +98,8 @@ def test_pin_to_a_missing_device_or_one_too_small_is_explained() -> None:
     assert match.unsatisfied == {
         "a": "device_ids: no gpu-7 in this inventory (gpus: gpu-0 .. gpu-3); pin existing "
         "devices or drop device_ids to let flowrl choose",
-        "b": "pinned to gpu-2 V100-32GB (32 GB), which breaks its own requirement (1 gpu "
-        "with >= 40 GB): drop device_ids, or relax min_memory_gb/arch",
+        "b": "pinned to gpu-2 V100-32GB (32 GiB), which breaks its own requirement (1 gpu "
+        "with >= 40 GiB): drop device_ids, or relax min_memory_gb/arch",
     }
 
 
@@ -121,8 +121,8 @@ def test_unsatisfiable_group_says_what_failed_and_what_fixes_it() -> None:
     match = match_groups({"actor_group": gpu(count=2, min_memory_gb=80)}, MIXED)
     assert match.assignment["actor_group"] == []
     assert match.unsatisfied["actor_group"] == (
-        "actor_group needs 2 gpus with >= 80 GB; closest: gpu-3 H100-80GB (80 GB), "
-        "gpu-0 A100-40GB (40 GB): lower min_memory_gb to 40 or set count: 1"
+        "actor_group needs 2 gpus with >= 80 GiB; closest: gpu-3 H100-80GB (80 GiB), "
+        "gpu-0 A100-40GB (40 GiB): lower min_memory_gb to 40 or set count: 1"
     )
     header = r"1 device group cannot be matched:\n  devices.actor_group: "
     with pytest.raises(PlacementError, match=header):
@@ -132,8 +132,8 @@ def test_unsatisfiable_group_says_what_failed_and_what_fixes_it() -> None:
 def test_arch_filter_failure_suggests_the_architectures_to_add() -> None:
     match = match_groups({"old": gpu(count=2, arch=["volta"])}, MIXED)
     assert match.unsatisfied["old"] == (
-        "old needs 2 gpus of arch volta; closest: gpu-2 V100-32GB (32 GB, v100), "
-        "gpu-3 H100-80GB (80 GB, h100): add h100 to arch or set count: 1"
+        "old needs 2 gpus of arch volta; closest: gpu-2 V100-32GB (32 GiB, v100), "
+        "gpu-3 H100-80GB (80 GiB, h100): add h100 to arch or set count: 1"
     )
 
 
@@ -145,7 +145,7 @@ def test_groups_that_fit_alone_but_not_together_are_named_together() -> None:
     }
     match = match_groups(groups, MIXED)
     message = (
-        "a and b together need 4 gpus (a: 2 gpus with >= 40 GB; b: 2 gpus with >= 40 GB), "
+        "a and b together need 4 gpus (a: 2 gpus with >= 40 GiB; b: 2 gpus with >= 40 GiB), "
         "but only 3 fit them: gpu-0 A100-40GB, gpu-1 A100-40GB, gpu-3 H100-80GB; lower a "
         "count, relax min_memory_gb or arch so more devices fit, let a and b share devices (drop exclusive: true), "
         "or match against a larger inventory"
@@ -198,7 +198,7 @@ def test_too_many_gpus_for_the_inventory() -> None:
 def test_gpu_group_on_a_machine_without_gpus() -> None:
     match = match_groups(PPO_GROUPS, CPU_MACHINE)
     assert match.unsatisfied["critic_group"] == (
-        "critic_group needs 1 gpu with >= 24 GB; this inventory has no gpus: set type: cpu, run where GPUs "
+        "critic_group needs 1 gpu with >= 24 GiB; this inventory has no gpus: set type: cpu, run where GPUs "
         "are (on a joined Dask cluster: start GPU workers), or plan for an inventory with gpus "
         "(flowrl plan PIPELINE --devices devices/FILE.yaml)"
     )

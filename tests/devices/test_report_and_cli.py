@@ -34,14 +34,14 @@ def test_start_up_lines_for_the_ppo_pipeline_on_the_mixed_node() -> None:
     spec = load_pipeline(PPO).spec
     match = match_groups(pipeline_groups(spec), inventory)
     assert inventory_lines(inventory) == [
-        "Detected 4 GPUs: gpu-0 A100-40GB (40 GB), gpu-1 A100-40GB (40 GB), "
-        "gpu-2 V100-32GB (32 GB), gpu-3 H100-80GB (80 GB); 2 CPU slots (64 cores, 512 GB)"
+        "Detected 4 GPUs: gpu-0 A100-40GB (40 GiB), gpu-1 A100-40GB (40 GiB), "
+        "gpu-2 V100-32GB (32 GiB), gpu-3 H100-80GB (80 GiB); 2 CPU slots (64 cores, 512 GiB)"
     ]
     assert match_lines(match, inventory, offload_notes(spec)) == [
         "actor_group -> [gpu-3 H100-80GB, gpu-0 A100-40GB] "
-        "(matched 2/2, memory OK, +0 GB headroom)",
-        "critic_group -> [gpu-1 A100-40GB] (matched 1/1, memory OK, +16 GB headroom)",
-        "reward_group -> [gpu-2 V100-32GB] (matched 1/1, memory OK, +8 GB headroom)",
+        "(matched 2/2, memory OK, +0 GiB headroom)",
+        "critic_group -> [gpu-1 A100-40GB] (matched 1/1, memory OK, +16 GiB headroom)",
+        "reward_group -> [gpu-2 V100-32GB] (matched 1/1, memory OK, +8 GiB headroom)",
         "reference_group -> cpu-0 (cpu, offloaded: reference)",
     ]
 

@@ -11,7 +11,7 @@ from rich.console import Console
 from flowrl.cli.plan import plan_command
 from flowrl.devices.files import load_inventory
 from flowrl.devices.groups import pipeline_groups
-from flowrl.devices.inventory import Inventory
+from flowrl.devices.inventory import GB_PER_GIB, Inventory
 from flowrl.devices.matching import match_groups
 from flowrl.errors import PlacementError, SpecError
 from flowrl.graph import PipelineGraph
@@ -55,7 +55,7 @@ def test_on_a_40_gb_card_the_update_takes_the_most_rows_that_fit_and_no_more() -
     # the resolved job plans within the reserve; one row more per pass does not fit
     plan = compile_plan(resolved, devices, base_dir=GPU_JOB.parent)
     peak = {device.device: device.peak_gb for device in plan.devices}["gpu-0"]
-    assert peak * 1.10 <= 40
+    assert peak * 1.10 <= 40 * GB_PER_GIB  # 42.9 GB: a 40 GiB card
     nodes = dict(resolved.spec.nodes)
     nodes["train"] = nodes["train"].model_copy(update={"micro_batch_tokens": (train.rows + 1) * ROW_TOKENS})
     bigger = PipelineGraph(resolved.spec.model_copy(update={"nodes": nodes}))

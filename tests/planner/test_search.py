@@ -8,11 +8,12 @@ import pytest
 
 from flowrl.devices.files import load_inventory
 from flowrl.devices.groups import pipeline_groups
+from flowrl.devices.inventory import GB_PER_GIB
 from flowrl.devices.matching import match_groups
 from flowrl.errors import PlacementError
 from flowrl.planner.compiled import CompiledPlan, compile_plan
 from flowrl.planner.costs import EstimatedCosts
-from flowrl.planner.search import SearchOptions
+from flowrl.planner.search import SearchOptions, fits
 from flowrl.spec.loader import load_pipeline, pipeline_from_dict
 
 from tests.planner.conftest import cpu, gpu, grpo, inventory
@@ -74,8 +75,8 @@ def test_cpu_offload_when_the_gpu_is_full() -> None:
     alone = resident + max(actor.transient_gb, generate.transient_gb)
     paged = resident + ref.weights_gb + ref.transient_gb
     assert paged > alone
-    memory_gb = (alone * 1.1 + paged * 1.1) / 2
-    plan = compile_plan(pipeline, inventory(gpu(0, "SMALL", memory_gb, 312, 1555), cpu(0, 256)))
+    capacity_gb = (alone * 1.1 + paged * 1.1) / 2
+    plan = compile_plan(pipeline, inventory(gpu(0, "SMALL", capacity_gb / GB_PER_GIB, 312, 1555), cpu(0, 256)))
     assert plan.node_devices["ref"] == ["cpu-0"]
     assert "cpu offload" in next(p.reason for p in plan.nodes if p.node == "ref")
     _fits(plan)
@@ -212,7 +213,7 @@ def test_no_placement_fits_raises_with_the_numbers() -> None:
     data = grpo({"path": "Qwen/Qwen2.5-7B", "device_group": "actor_group"},
                 {"path": "Qwen/Qwen2.5-7B", "device_group": "ref_group"},
                 {"actor_group": {"type": "gpu"}, "ref_group": {"type": "cpu"}})
-    with pytest.raises(PlacementError, match=r"gpu-0 SMALL needs .* GB \+ 10% reserve of 40 GB") as raised:
+    with pytest.raises(PlacementError, match=r"gpu-0 SMALL needs .* GB \+ 10% reserve of 42.9 GB \(40 GiB") as raised:
         compile_plan(pipeline_from_dict(data), inventory(gpu(0, "SMALL", 40, 312, 1555), cpu(0, 512)))
     # bf16 is suggested for the fp32 models on the device, and not once they are bf16
     assert "Use bf16 for actor, gradient_checkpointing" in str(raised.value)
@@ -301,3 +302,15 @@ def test_on_a_cpu_only_cluster_every_slot_counts_towards_fewer_slots() -> None:
     plan = compile_plan(pipeline, load_inventory(ROOT / "devices" / "cluster-2node.yaml"))
     used = {device for devices in plan.node_devices.values() for device in devices}
     assert used == {"cpu-0", "cpu-1"}
+
+
+def test_a_cards_gib_are_compared_with_predicted_gb_in_one_unit() -> None:
+    # an 80 GiB card holds 85.90 GB: a 75 GB peak plus the 10 % reserve (82.5 GB) fits,
+    # 79 GB (86.9 GB) does not; on two CPU slots of one 16 GiB host (17.18 GB) the slots' 7.5 GB
+    # and 8.0 GB add up to 15.5 GB, 17.05 GB with the reserve
+    card = inventory(gpu(0, "A100-80GB", 80, 312, 2039))
+    assert fits({"gpu-0": 75.0}, card, 0.10) == (True, pytest.approx(1 - 75.0 / (80 * 2**30 / 1e9)))
+    assert fits({"gpu-0": 79.0}, card, 0.10)[0] is False
+    slots = inventory(cpu(0, 16.0), cpu(1, 16.0))
+    assert fits({"cpu-0": 7.5, "cpu-1": 8.0}, slots, 0.10)[0] is True
+    assert fits({"cpu-0": 7.5, "cpu-1": 8.2}, slots, 0.10)[0] is False
