@@ -247,8 +247,10 @@ class Driver:
             self.built_once = True
             sizes = {}
             for info in infos:
-                sizes[info["model"]] = info["trained_parameters"]
-                adapters = info["trained_parameters"] < info["num_parameters"]
+                if info["trains"]:
+                    sizes[info["model"]] = info["trained_parameters"]
+                # a copy no update trains (generation's, on another worker) trains nothing
+                adapters = info["trains"] and info["trained_parameters"] < info["num_parameters"]
                 self.watcher.event(RunEvent(
                     "model", f"{info['model']} on {info['device']}: {info['num_parameters']:,} parameters"
                     + (f" ({info['trained_parameters']:,} trainable, in adapters)" if adapters else ""), 0))

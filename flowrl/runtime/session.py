@@ -206,18 +206,23 @@ class Session:
         return cores
 
     def load_models(self) -> list[dict[str, Any]]:
-        """Load every model on every slot that holds it, all slots at once.
+        """Load every model on every slot that holds it, all slots at once; each copy's
+        ``load_model`` report with ``trains``: whether an update trains that copy.
 
         Parts of a split generate node sample with their own RNG stream (seed + part), so
         they do not draw the same random numbers for different prompts."""
         seed = self.pipeline.spec.trainer.seed
         calls = []
+        training = set()  # (model, slot) of the copies an update trains
+        for node in self.pipeline.nodes_of(UpdateNode):
+            training |= {(self.pipeline.spec.nodes[node].model, slot) for slot in self.plan.slots_of(node)}
         for model, slots in self.plan.model_slots.items():
             spec = self.pipeline.spec.models[model]
             for slot in slots:
                 offset = stream_offset(self.pipeline, self.plan, model, slot)
                 calls.append((slot, self.hosts[slot].load_model(model, spec, seed + offset, adapter_seed=seed)))
-        return self.gather(calls, self._long_s, "loading models")
+        infos = self.gather(calls, self._long_s, "loading models")
+        return [{**info, "trains": (info["model"], slot) in training} for (slot, _), info in zip(calls, infos)]
 
     def run_step(
         self, step: int, prompts: Sequence[Any], kl_coefs: dict[str, float] | None = None, profile_dir: str = ""

@@ -4,6 +4,7 @@ one does."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,11 @@ def _split(output: Path, steps: int, checkpoint_every: int = 0, lr: float = 5e-3
 def test_adapters_alone_reach_the_generator_on_another_worker_and_the_run_learns(tmp_path: Path) -> None:
     result = run(_split(tmp_path / "out", steps=30))
     assert result.metric("perf/weight_sync_mb") == [pytest.approx(ADAPTER_PARAMETERS * 4 / 1e6)] * 30
+    # the start-up log counts the adapters of the copy the update trains, not the generator's
+    events = [json.loads(line) for line in (tmp_path / "out" / "events.jsonl").read_text().splitlines()]
+    models = sorted(event["message"] for event in events if event["kind"] == "model")
+    assert len(models) == 2, models
+    assert sum(f"({ADAPTER_PARAMETERS:,} trainable, in adapters)" in message for message in models) == 1, models
     rewards = result.metric("critic/score/mean")
     assert sum(rewards[-6:]) / 6 > sum(rewards[:6]) / 6 + 0.05
     final = tmp_path / "out" / "final"
