@@ -650,7 +650,7 @@ class Driver:
                 raise CheckpointError(f"cannot write {what}: {type(error).__name__}: {error}; {kept}") from error
             raise error
         found = newest_checkpoint(self.folder.checkpoints)
-        self.watcher.event(RunEvent("stopped", stop.message, self.machine.step))
+        self.watcher.event(RunEvent("stopped", stop.message, self.machine.step - 1))  # the last step finished
         raise RunStopped(f"{stop.message}; the run stopped: {self._kept(newest=found.path if found else None, checked=True)}"
                          ) from None
 
@@ -660,7 +660,7 @@ class Driver:
         step = self.machine.step
         message = (f"step {step}: the Dask scheduler cannot be reached ({type(error).__name__}: {str(error)[:200]}); "
                    f"the run stopped: {self._kept('once the scheduler and its workers are back')}")
-        self.watcher.event(RunEvent("stopped", message, step))
+        self.watcher.event(RunEvent("stopped", message, step - 1))  # the last step finished
         return RunStopped(message)
 
     def _kept(self, when: str = "", newest: Path | None = None, checked: bool = False) -> str:

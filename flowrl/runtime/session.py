@@ -61,10 +61,14 @@ class Session:
         self._ensure_hosts(_slots_in_use(plan))
         self._form_groups(plan)
 
-    def gather(self, calls: list[tuple[str, Any]], timeout_s: float, what: str) -> list[Any]:
+    def gather(self, calls: list[tuple[str, Any]], timeout_s: float, what: str, setting: str = "") -> list[Any]:
         """Results of (slot, future) calls; a lost worker or the deadline raises at once
-        (``runtime.waiting.gather``)."""
-        return gather(calls, timeout_s, what, self.addresses, self.cluster.addresses)
+        (``runtime.waiting.gather``; ``setting``: what sets the deadline, for its message)."""
+        return gather(calls, timeout_s, what, self.addresses, self.cluster.addresses, setting)
+
+    def gather_long(self, calls: list[tuple[str, Any]], what: str) -> list[Any]:
+        """``gather`` of calls that load, save or move models: as long as a node may run."""
+        return self.gather(calls, self.executor.node_timeout_s, what, "runtime.node_timeout_s")
 
     def _weight_groups(self, plan: Plan) -> dict[str, tuple[str, ...]]:
         """With ``runtime.weight_sync: collective``, per update node whose model has copies on
@@ -105,9 +109,8 @@ class Session:
             if self._sharded(node):
                 # its ranks gather the model's whole optimizer state: a failure must not pass
                 # unnoticed (the run recovers from its snapshot instead)
-                self.gather([(slot, self.hosts[slot].leave_group(node)) for slot in members if slot in self.hosts],
-                            self._long_s,
-                            f"gathering the state of {node}'s sharded model")
+                self.gather_long([(slot, self.hosts[slot].leave_group(node)) for slot in members if slot in self.hosts],
+                                 f"gathering the state of {node}'s sharded model")
             else:
                 _settle([(self.hosts[slot], "leave_group", (node,)) for slot in members if slot in self.hosts])
 
@@ -221,7 +224,7 @@ class Session:
             for slot in slots:
                 offset = stream_offset(self.pipeline, self.plan, model, slot)
                 calls.append((slot, self.hosts[slot].load_model(model, spec, seed + offset, adapter_seed=seed)))
-        infos = self.gather(calls, self._long_s, "loading models")
+        infos = self.gather_long(calls, "loading models")
         return [{**info, "trains": (info["model"], slot) in training} for (slot, _), info in zip(calls, infos)]
 
     def run_step(
@@ -311,7 +314,7 @@ class Session:
             ))
             for t in transfers
         ]
-        num_bytes = sum(done["bytes"] for done in self.gather(calls, self._long_s, "moving models"))
+        num_bytes = sum(done["bytes"] for done in self.gather_long(calls, "moving models"))
         trained_before, trained_after = self._training_slots(self.plan), self._training_slots(plan)
         _settle(
             [
@@ -378,9 +381,9 @@ class Session:
         ]
         copies = self._other_copies() if with_state else []
         exports = [(slot, self.hosts[slot].export_state(model, self._copy_parts(model, slot))) for model, slot in copies]
-        self.gather(calls, self._long_s, "saving models")
+        self.gather_long(calls, "saving models")
         generators: dict[str, dict[str, Any]] = {}
-        for (model, slot), export in zip(copies, self.gather(exports, self._long_s, "saving sampling states")):
+        for (model, slot), export in zip(copies, self.gather_long(exports, "saving sampling states")):
             generators.setdefault(model, {})[slot] = export["generator"]
         for model, states in generators.items():
             torch.save(states, Path(directory) / model / GENERATORS_FILE)
@@ -428,7 +431,7 @@ class Session:
         for model, slot, training in self._copies():
             parts = ("weights", "optimizer", "generator") if training else self._copy_parts(model, slot)
             staged.append((model, slot, self.hosts[slot].stage_state(model, parts)))
-        self.gather([(slot, call) for _, slot, call in staged], self._long_s, "taking a snapshot")
+        self.gather_long([(slot, call) for _, slot, call in staged], "taking a snapshot")
         return PendingSnapshot(self, [(model, slot, self.hosts[slot].take_staged(model)) for model, slot, _ in staged])
 
     def restore(self, snapshot: dict[str, dict[str, dict[str, Any]]]) -> None:
@@ -448,7 +451,7 @@ class Session:
             if "generator" in saved.get(slot, {}):
                 parts["generator"] = saved[slot]["generator"]
             calls.append((slot, self.hosts[slot].restore_state(model, parts)))
-        self.gather(calls, self._long_s, "restoring models")
+        self.gather_long(calls, "restoring models")
 
     def load_checkpoint(self, directory: Path) -> None:
         """Restore every copy of each trained model from a checkpoint directory: the training
@@ -461,7 +464,7 @@ class Session:
                 None if training else ("weights", "optimizer") if (model, slot) in ranks else ("weights",)))
             for model, slot, training in self._copies()
         ]
-        self.gather(calls, self._long_s, "loading a checkpoint")
+        self.gather_long(calls, "loading a checkpoint")
         states: dict[str, dict[str, Any]] = {}
         restores = []
         for model, slot in self._other_copies():
@@ -470,12 +473,7 @@ class Session:
                 states[model] = torch.load(saved, weights_only=True) if saved.is_file() else {}
             if slot in states[model]:  # a copy on a slot the checkpoint did not know keeps its seed
                 restores.append((slot, self.hosts[slot].restore_state(model, {"generator": states[model][slot]})))
-        self.gather(restores, self._long_s, "restoring sampling states")
-
-    @property
-    def _long_s(self) -> float:
-        """Deadline of a call that loads, saves or moves models: as long as a node may run."""
-        return self.executor.node_timeout_s
+        self.gather_long(restores, "restoring sampling states")
 
     def close(self) -> None:
         self.executor.close()
@@ -499,8 +497,7 @@ class PendingSnapshot:
     def result(self) -> dict[str, dict[str, dict[str, Any]]]:
         """model -> slot -> parts, once every copy arrived; raises like ``Session.gather``
         when a worker holding one was lost first."""
-        results = self._session.gather([(slot, call) for _, slot, call in self._fetches],
-                                       self._session._long_s, "taking a snapshot")
+        results = self._session.gather_long([(slot, call) for _, slot, call in self._fetches], "taking a snapshot")
         taken: dict[str, dict[str, dict[str, Any]]] = {}
         for (model, slot, _), result in zip(self._fetches, results):
             taken.setdefault(model, {})[slot] = unpack(result)

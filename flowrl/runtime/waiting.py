@@ -26,8 +26,10 @@ def gather(
     what: str,
     addresses: Mapping[str, str],
     registered: Callable[[], Mapping[str, str]],
+    setting: str = "",
 ) -> list[Any]:
-    """The results of ``(slot, future)`` calls, in order.
+    """The results of ``(slot, future)`` calls, in order (``setting``: the field that sets
+    ``timeout_s``, named in the timeout's message).
 
     Raises ``WorkerLost`` as soon as a slot's worker is no longer the one in ``addresses``
     (``registered()`` gives slot -> address now), ``NodeTimeout`` (the slots still busy count
@@ -52,7 +54,8 @@ def gather(
             check_at = now + LIVENESS_S
             raise_if_lost(busy, addresses, registered(), what)
         if now >= deadline:
-            raise NodeTimeout(f"{what} on {', '.join(busy)} did not finish within {timeout_s:g} s", tuple(busy))
+            named = f" ({setting})" if setting else ""
+            raise NodeTimeout(f"{what} on {', '.join(busy)} did not finish within {timeout_s:g} s{named}", tuple(busy))
     return [results[index] for index in range(len(calls))]
 
 

@@ -403,3 +403,19 @@ def test_a_reward_function_that_never_returns_stops_the_run_naming_it(tmp_path: 
         run(pipeline, base_dir=tmp_path)
     assert time.monotonic() - started < 90
     assert sum(e["kind"] == "fault" for e in _events(tmp_path / "out")) == 1
+
+
+def test_a_node_timeout_too_short_to_load_the_models_stops_the_run_before_any_step_and_names_the_setting(
+        tmp_path: Path) -> None:
+    """Loading the models outlasts a 1 ms ``runtime.node_timeout_s``: every retry times out too,
+    the run stops at step 1 with the setting named, and its log says no step finished."""
+    from flowrl.errors import RunStopped
+
+    output = tmp_path / "out"
+    with pytest.raises(RunStopped, match=r"step 1: NodeTimeout: loading models on cpu-\d(, cpu-\d)? did not finish within "
+                                         r"0\.001 s \(runtime\.node_timeout_s\)"):
+        run(tiny_grpo(output, steps=2, runtime={"node_timeout_s": 0.001}))
+    events = [json.loads(line) for line in (output / "events.jsonl").read_text().splitlines()]
+    stopped = [event for event in events if event["kind"] == "stopped"]
+    assert [event["step"] for event in stopped] == [0]  # the last step finished: none
+    assert (output / "metrics.jsonl").read_text() == ""
