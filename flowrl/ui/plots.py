@@ -86,10 +86,14 @@ def timeline(bars: list[Bar], lanes: list[str], title: str, path: Path, lane_lab
     if any(bar.waiting for bar in bars):
         handles.append(pyplot.Rectangle((0, 0), 1, 1, color=WAIT_COLOR))
         names.append("waiting for inputs")
-    axes.legend(handles, names, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.25 if len(lanes) < 3 else -0.12),
-                ncol=min(6, len(names)), frameon=False)
+    from matplotlib.transforms import ScaledTranslation
+
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    # under the tick labels and the axis label: an offset in inches, whatever the axes' height
+    below = axes.transAxes + ScaledTranslation(0, -0.5, figure.dpi_scale_trans)
+    legend = axes.legend(handles, names, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, 0),
+                         bbox_transform=below, ncol=min(6, len(names)), frameon=False)
+    figure.savefig(path, dpi=110, bbox_inches="tight", bbox_extra_artists=[legend])
     pyplot.close(figure)
 
 
