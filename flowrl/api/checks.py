@@ -15,7 +15,7 @@ from flowrl.api.data import eval_examples, policy_formatter, training_source
 from flowrl.api.model_fit import model_fit_issues
 from flowrl.backends.cache import BUILTIN_PREFIX as MODEL_PREFIX
 from flowrl.backends.catalog import lookup_builtin
-from flowrl.backends.locations import hub_model_problem, saved_model_location, tokenizer_problem
+from flowrl.backends.locations import config_problem, hub_model_problem, saved_model_location, tokenizer_problem
 from flowrl.backends.model_facts import kind_problem, model_facts
 from flowrl.data import PromptExample, PromptSource
 from flowrl.data.files import missing_local_source
@@ -188,7 +188,8 @@ def model_issues(graph: PipelineGraph, base_dir: Path | None) -> list[Issue]:
             if isinstance(location, str):
                 problem = hub_model_problem(location, model.revision)
             else:  # a policy's tokenizer renders and reads the prompts
-                problem = tokenizer_problem(location) if model.kind == "policy" else None
+                problem = config_problem(location) or (tokenizer_problem(location) if model.kind == "policy" else None)
+                problem = problem or _weights_problem(location, model.path, base_dir, model.trust_remote_code)
             if problem is None:  # what the checkpoint is, against its kind
                 facts = model_facts(model.path, base_dir, model.revision)
                 wrong = kind_problem(facts, model.kind) if facts is not None else None
@@ -198,6 +199,20 @@ def model_issues(graph: PipelineGraph, base_dir: Path | None) -> list[Issue]:
         except ModelLoadError as error:
             issues.append((where, str(error)))
     return issues
+
+
+def _weights_problem(location: Path, path: str, base_dir: Path | None, trust_remote_code: bool) -> str | None:
+    """A local model's safetensors weights against its config.json (``weight_files.weights_problem``):
+    headers only, against the shapes of the model built from the config on the meta device."""
+    from flowrl.backends.weight_files import has_weights, weights_problem  # torch: only for a local model
+
+    if not has_weights(location):
+        return None
+    skeleton = _skeleton(path, base_dir, None, trust_remote_code)
+    if skeleton is None:
+        return weights_problem(location)
+    shapes = {name: tuple(tensor.shape) for name, tensor in skeleton.state_dict().items()}
+    return weights_problem(location, shapes, getattr(skeleton, "base_model_prefix", ""))
 
 
 def model_problems(graph: PipelineGraph, base_dir: Path | None) -> list[Issue]:

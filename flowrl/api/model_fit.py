@@ -152,7 +152,8 @@ def _vocabulary_issues(graph: PipelineGraph, base_dir: Path | None, facts: dict[
     # the policy's tokenizer's size, not its embedding's: embeddings are often padded past the
     # tokenizer (Qwen2.5's sizes differ between models of one tokenizer)
     policy_tokenizer = _model_tokenizer(graph, base_dir, policy)  # loaded once for both checks
-    tokens = len(policy_tokenizer) if policy_tokenizer is not None else None
+    policy_rows = facts[policy].vocabulary if policy in facts else None
+    tokens = _ids_fed(policy_tokenizer, policy_rows) if policy_tokenizer is not None else None
     described = "the tokenizer of" if tokens is not None else "the embedding of"
     if tokens is None and policy in facts:
         tokens = facts[policy].vocabulary
@@ -178,6 +179,17 @@ def _vocabulary_issues(graph: PipelineGraph, base_dir: Path | None, facts: dict[
         if problem is not None:
             issues.append((f"models.{name}.path", problem))
     return issues
+
+
+def _ids_fed(tokenizer: Any, rows: int | None) -> int:
+    """How many token ids a run feeds the models: the tokenizer's, less its last id where that
+    is a pad token past the policy's embedding (a tokenizer class that adds a pad token the
+    model has no row for: the run pads with eos instead, ``hf.set_padding``)."""
+    count = len(tokenizer)
+    pad = tokenizer.pad_token_id
+    if rows is not None and pad is not None and pad >= rows and pad == count - 1:
+        return count - 1
+    return count
 
 
 def _is_builtin(graph: PipelineGraph, name: str) -> bool:

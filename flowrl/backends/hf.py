@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from safetensors import SafetensorError
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -35,6 +36,17 @@ from flowrl.backends.hub import HUB_PROBE_TIMEOUT_S, hub_offline, hub_reachable
 from flowrl.backends.locations import resolve_model_path, saved_model_location
 from flowrl.backends.builtin import quiet_progress_bars
 from flowrl.errors import ModelLoadError, RemoteCodeNotTrusted
+
+LOAD_FAILURES = (OSError, ValueError, KeyError, RuntimeError, SafetensorError)
+"""What ``from_pretrained`` raises for what the user passed: missing files and unknown
+architectures (OSError, ValueError; KeyError for some unknown model types), weights of another
+shape than config.json's (RuntimeError), a damaged safetensors file (SafetensorError). An
+out-of-memory error is a RuntimeError too, and stays one (:func:`user_load_failure`)."""
+
+
+def user_load_failure(error: BaseException) -> bool:
+    """Whether ``error``, one of :data:`LOAD_FAILURES`, is the user's to fix, not the machine's."""
+    return not isinstance(error, torch.OutOfMemoryError)
 
 DtypeName = Literal["fp32", "bf16", "fp16"]
 
@@ -137,9 +149,9 @@ def _from_pretrained(
             model = AutoModelForCausalLM.from_pretrained(
                 source, dtype=TORCH_DTYPES[dtype], **kwargs
             )
-    except (OSError, ValueError, KeyError) as error:
-        # transformers reports missing files and unknown architectures as OSError/ValueError
-        # (KeyError for some unknown model types); all are problems with what the user passed.
+    except LOAD_FAILURES as error:
+        if not user_load_failure(error):
+            raise
         raise load_error(shown_name, source, options, error) from error
     return model, tokenizer
 
@@ -160,6 +172,11 @@ def load_error(
             "if you trust that code, set trust_remote_code: true on this model "
             "(models.<name>.trust_remote_code in the pipeline)"
         )
+    if "ignore_mismatched_sizes" in str(error) or "size mismatch" in str(error):
+        # transformers' words name an argument of its own the user never set
+        return ModelLoadError(f"cannot load {options.describe(name)} from {source}: its weights are not of the "
+                              "shapes its config.json gives (saved from a model of another configuration); pass "
+                              f"the config.json saved with them{hint}")
     return ModelLoadError(f"cannot load {options.describe(name)} from {source}: {error}{hint}")
 
 

@@ -78,6 +78,22 @@ def saved_model_location(path: str, base_dir: Path | None = None) -> Path | str:
     return location
 
 
+def config_problem(location: Path) -> str | None:
+    """Why the config.json of model folder ``location`` cannot be read, or None."""
+    import json
+
+    config = location / "config.json"
+    try:
+        text = json.loads(config.read_text())
+    except (OSError, UnicodeDecodeError) as error:
+        return f"{config} cannot be read ({error})"
+    except ValueError as error:
+        return f"{config} is not valid JSON ({error}); pass the config.json save_pretrained wrote"
+    if not isinstance(text, dict):
+        return f"{config} holds a {type(text).__name__}, not an object of settings; pass the config.json save_pretrained wrote"
+    return None
+
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 """Any of these in a model folder: a tokenizer was saved there."""
 

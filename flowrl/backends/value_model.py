@@ -40,7 +40,15 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 
 from flowrl.backends.builtin import quiet_progress_bars
-from flowrl.backends.hf import TORCH_DTYPES, DtypeName, HubOptions, load_error, set_padding
+from flowrl.backends.hf import (
+    LOAD_FAILURES,
+    TORCH_DTYPES,
+    DtypeName,
+    HubOptions,
+    load_error,
+    set_padding,
+    user_load_failure,
+)
 from flowrl.backends.locations import saved_model_location
 from flowrl.backends.model_facts import classifier_of, reward_head_problem
 from flowrl.backends.scalar_files import (
@@ -163,7 +171,9 @@ def load_scalar_model(
                     problem = reward_head_problem(architectures, getattr(config, "num_labels", None), False)
                     raise ModelLoadError(f"model '{path}' {problem}")
                 model = ScalarHeadModel(_load_backbone(source, torch_dtype, path, kwargs))
-    except (OSError, ValueError, KeyError) as error:
+    except LOAD_FAILURES as error:
+        if not user_load_failure(error):
+            raise
         hint = (
             " (hub names are read from the local Hugging Face cache only; download the model "
             "and pass its directory)"

@@ -105,3 +105,46 @@ def write_weights(
     (earlier weight files in ``directory`` are removed first, as ``save_pretrained`` does)."""
     limit = shard_size_bytes(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
     save_torch_state_dict(tensors, directory, max_shard_size=limit)
+
+
+def weights_problem(directory: Path, expected: dict[str, tuple[int, ...]] | None = None,
+                    prefix: str = "") -> str | None:
+    """Why the safetensors weights in ``directory`` cannot be loaded, or None: a file whose
+    header or length is damaged (a copy or download that did not finish), a shard the index
+    names that is missing, or, given ``expected`` (tensor name -> shape, as the model built
+    from its config.json has them; ``prefix``: the model's base prefix, which checkpoints
+    may or may not write before its names), a tensor of another shape. Only headers are
+    read. A directory without safetensors weights (``pytorch_model.bin``) is not checked."""
+    from safetensors import SafetensorError
+
+    if not has_weights(directory):
+        return None
+    try:
+        located = weight_map(directory)
+    except (SafetensorError, OSError, ValueError) as error:
+        return f"{directory / WEIGHTS_NAME} is damaged ({error}): copy or download it again"
+    for file in sorted(set(located.values())):
+        path = directory / file
+        if not path.is_file():
+            return f"{path} is missing ({INDEX_NAME} names it): copy or download the model again"
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                shapes = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
+        except (SafetensorError, OSError) as error:
+            return f"{path} is damaged ({error}): copy or download it again"
+        for name, shape in shapes.items():
+            want = _expected_shape(expected or {}, name, prefix)
+            if want is not None and want != shape:
+                return (f"{path} holds {name} of shape {list(shape)}, but config.json makes it {list(want)}: "
+                        "the weights were saved from a model of another configuration; pass the config.json "
+                        "saved with them")
+    return None
+
+
+def _expected_shape(expected: dict[str, tuple[int, ...]], name: str, prefix: str) -> tuple[int, ...] | None:
+    # checkpoints are written with or without the base model's prefix ("model.")
+    if name in expected:
+        return expected[name]
+    if prefix and name.startswith(prefix + "."):
+        return expected.get(name[len(prefix) + 1:])
+    return expected.get(f"{prefix}.{name}") if prefix else None

@@ -55,6 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flowrl.backends.catalog import BUILTIN_MODELS
+from flowrl.backends.locations import config_problem
 from flowrl.backends.logits import transforms_logits
 from flowrl.errors import PlacementError
 
@@ -142,6 +143,9 @@ def resolve_shape(path: str, base_dir: Path | None = None) -> ModelShape:
     directory = Path(path) if base_dir is None else base_dir / path
     config_file = directory / "config.json"
     if config_file.is_file():
+        problem = config_problem(directory)
+        if problem is not None:
+            raise PlacementError(f"cannot size model '{path}' for planning: {problem}")
         return shape_from_config(json.loads(config_file.read_text()), str(config_file))
     names = ", ".join(sorted(KNOWN_SHAPES))
     raise PlacementError(
