@@ -21,6 +21,7 @@ import os
 from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
 import time
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -87,6 +88,9 @@ class RoleHost:
         self._groups: dict[str, DeviceGroup] = {}
         usable = len(cores) if cores else (os.cpu_count() or 1)
         self._sampler = DeviceSampler(device_name, min(max(1, torch_threads), usable), sample_interval_s, gpu_index)
+        # a joined cluster's workers outlive the run: the host's threads end with it, however
+        # it ends (dropped by its session, or forgotten by Dask with the run's client)
+        self._threads = weakref.finalize(self, _stop_threads, self._sampler, self._compute)
 
     async def _computed(self, work: Any, *args: Any) -> Any:
         """Run ``work(*args)`` on the compute thread. Every tensor operation of this host goes
@@ -229,14 +233,15 @@ class RoleHost:
         return {"seconds": time.perf_counter() - started, "bytes": float(num_bytes)}
 
     def drop_all(self) -> None:
-        """Forget every model, stored output and process group (this host's session is over;
-        its peers may be gone, so nothing is gathered)."""
+        """Forget every model, stored output and process group, and end the host's threads
+        (this host's session is over; its peers may be gone, so nothing is gathered)."""
         self.models.clear()
         self.store.clear()
         self._staged.clear()
         for group in set(self._groups.values()):
             group.close()
         self._groups.clear()
+        self._threads()  # no call comes after this one
 
     def drop_model(self, name: str) -> None:
         """Forget a model whose nodes all moved away (its memory goes back to the worker)."""
@@ -628,3 +633,9 @@ def _broadcast_weights(state: ModelState, group: DeviceGroup) -> int:
         if pending:
             send(pending)
     return num_bytes
+
+
+def _stop_threads(sampler: DeviceSampler, compute: ThreadPoolExecutor) -> None:
+    """End a host's sampler and compute threads (a call running on the latter finishes first)."""
+    sampler.close()
+    compute.shutdown(wait=False)

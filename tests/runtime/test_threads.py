@@ -95,3 +95,30 @@ def test_a_light_call_runs_on_one_thread_and_leaves_the_worker_its_own() -> None
     report = asyncio.run(host.run_node(call))
     assert seen == [1] and report.metrics
     assert host._compute.submit(torch.get_num_threads).result() == 2
+
+
+def test_a_hosts_sampler_and_compute_threads_end_when_it_is_dropped_or_forgotten() -> None:
+    """A joined cluster's workers serve run after run: each run's hosts must take their
+    threads with them, whether their session drops them or Dask forgets the object."""
+    import gc
+    import threading
+
+    from flowrl.runtime.host import RoleHost
+
+    def sampler_of(name: str) -> threading.Thread:
+        return next(thread for thread in threading.enumerate() if thread.name == f"flowrl-sampler-{name}")
+
+    dropped = RoleHost("drop-me", "cpu", 1, 0, None, sample_interval_s=60.0)
+    assert dropped._compute.submit(lambda: 1).result() == 1
+    threads = [sampler_of("drop-me"), *dropped._compute._threads]
+    dropped.drop_all()
+    for thread in threads:
+        thread.join(timeout=10)
+        assert not thread.is_alive(), thread.name
+
+    forgotten = RoleHost("forget-me", "cpu", 1, 0, None, sample_interval_s=60.0)
+    sampler = sampler_of("forget-me")
+    del forgotten
+    gc.collect()
+    sampler.join(timeout=10)
+    assert not sampler.is_alive()
