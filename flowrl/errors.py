@@ -65,6 +65,8 @@ class DataError(FlowrlError):
     def __init__(self, message: str, field: str | None = None) -> None:
         super().__init__(message)
         self.field = field
+        self.also: list[DataError] = []
+        """Problems found beside this one (each placed at its own field), for a report of all."""
 
 
 class ModelLoadError(FlowrlError):

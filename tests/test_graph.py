@@ -482,3 +482,18 @@ def test_a_mini_batch_size_above_the_rollout_is_refused_and_an_uneven_one_is_war
     assert issues(data) == [
         "nodes.train.mini_batch_size: mini_batch_size 64 is more than the 16 sequences of a rollout (data.batch_size 4 "
         "x n 4); set at most 16, or remove it (one optimizer step over the whole rollout)"]
+
+
+def test_inputs_an_update_never_reads_are_refused() -> None:
+    # rewards reach an update through its advantages
+    data = grpo()
+    data["nodes"]["train"]["inputs"].append("reward")
+    assert issues(data) == ["nodes.train.inputs: an update reads the rewards through its advantages, so score node "
+                            "'reward' in its inputs is never read; drop it from inputs"]
+    # a critic's update has no KL term
+    data = ppo()
+    data["models"]["ref"] = {"path": "builtin:tiny-llama"}
+    data["nodes"]["ref"] = {"role": "reference_logprob", "model": "ref", "inputs": ["rollout"]}
+    data["nodes"]["train_critic"]["inputs"].append("ref")
+    assert issues(data) == ["nodes.train_critic.inputs: a value model's update has no KL term, so reference 'ref' "
+                            "in its inputs is never read; drop it from inputs"]

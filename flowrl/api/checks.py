@@ -18,7 +18,7 @@ from flowrl.backends.catalog import lookup_builtin
 from flowrl.backends.locations import config_problem, hub_model_problem, saved_model_location, tokenizer_problem
 from flowrl.backends.model_facts import kind_problem, model_facts
 from flowrl.data import PromptExample, PromptSource
-from flowrl.data.files import missing_local_source
+from flowrl.data.files import missing_local_source, resolve_local
 from flowrl.data.source import BUILTIN_PREFIX, endless_task, is_endless_task
 from flowrl.errors import DataError, ModelLoadError, RewardError, SpecError, SpecIssue
 from flowrl.graph import PipelineGraph
@@ -138,7 +138,7 @@ def check_inputs(graph: PipelineGraph, base_dir: Path | None, locate: Locate | N
     """Check the model paths, load the data (and held-out data) and check every reward
     function against it; SpecError listing every problem, each placed by ``locate`` (a line
     of the pipeline file, or the override that set it) when given."""
-    issues: list[Issue] = model_issues(graph, base_dir) + task_field_issues(graph)
+    issues: list[Issue] = model_issues(graph, base_dir) + task_field_issues(graph) + local_subset_issues(graph, base_dir)
     offered: set[str] | None = None
     held_out: list[Any] = []
     if not issues:  # the data is read with the policy's tokenizer
@@ -148,7 +148,7 @@ def check_inputs(graph: PipelineGraph, base_dir: Path | None, locate: Locate | N
         try:
             source = training_source(graph, base_dir, formatter)
         except (DataError, ModelLoadError) as error:
-            issues.append((error.field or "data.source", str(error)))  # training_source names one
+            issues.extend(_data_issues(error, "data.source"))  # training_source names one
             tokenizer_failed = isinstance(error, ModelLoadError)
         evaluation = graph.spec.eval
         endless = _endless_eval(graph)
@@ -160,7 +160,7 @@ def check_inputs(graph: PipelineGraph, base_dir: Path | None, locate: Locate | N
             try:
                 held_out = eval_examples(graph, base_dir, formatter)
             except (DataError, ModelLoadError) as error:
-                issues.append((error.field or "eval.source", str(error)))  # read_eval names one
+                issues.extend(_data_issues(error, "eval.source"))  # read_eval names one
         if source is not None:
             offered = offered_keywords(source)
     if not any(path.startswith("models.") for path, _ in issues):
@@ -171,6 +171,12 @@ def check_inputs(graph: PipelineGraph, base_dir: Path | None, locate: Locate | N
         issues.extend(eval_reward_issues(graph, base_dir, call_keywords(held_out), offered))
     if issues:
         raise SpecError(_located(issues, locate))
+
+
+def _data_issues(error: DataError | ModelLoadError, field: str) -> list[Issue]:
+    """The error and those found beside it (``DataError.also``), each at its field, else ``field``."""
+    found = [error, *(error.also if isinstance(error, DataError) else [])]
+    return [(item.field or field, str(item)) for item in found]
 
 
 def model_issues(graph: PipelineGraph, base_dir: Path | None) -> list[Issue]:
@@ -272,7 +278,8 @@ def raise_early_issues(graph: PipelineGraph, base_dir: Path | None, locate: Loca
     reward functions that cannot be loaded, local data files that are not there. SpecError
     listing them, placed by ``locate`` when given (a run checks the rest, with the data, as
     it starts)."""
-    issues = model_problems(graph, base_dir) + reward_issues(graph, base_dir, None) + task_field_issues(graph)
+    issues = (model_problems(graph, base_dir) + reward_issues(graph, base_dir, None) + task_field_issues(graph)
+              + local_subset_issues(graph, base_dir))
     sources = [("data.source", graph.spec.data.source)]
     if graph.spec.eval is not None and graph.spec.eval.source:
         sources.append(("eval.source", graph.spec.eval.source))
@@ -306,6 +313,23 @@ def task_field_issues(graph: PipelineGraph) -> list[Issue]:
             for field, lacks in TASK_IGNORES.items() if field in changed]
 
 
+def local_subset_issues(graph: PipelineGraph, base_dir: Path | None) -> list[Issue]:
+    """``data.subset`` / ``eval.subset`` where the source they go with is a local file or
+    folder: a subset is a configuration of a hub dataset, which a local source has none of."""
+    issues: list[Issue] = []
+    data, evaluation = graph.spec.data, graph.spec.eval
+    asked = [("data.subset", data.subset, data.source)]
+    if evaluation is not None:
+        asked.append(("eval.subset", evaluation.subset, evaluation.source or data.source))
+    for field, subset, source in asked:
+        local = resolve_local(source, base_dir) if subset is not None else None
+        if local is not None:
+            issues.append((field, f"a subset is a configuration of a hub dataset, and {source} is a local "
+                                  f"{'folder' if local.is_dir() else 'file'}, which has none, so '{subset}' "
+                                  "would be ignored; remove it"))
+    return issues
+
+
 def _endless_eval(graph: PipelineGraph) -> Issue | None:
     """An evaluation of a built-in task of random prompts: nothing there is held out."""
     evaluation = graph.spec.eval
@@ -315,3 +339,22 @@ def _endless_eval(graph: PipelineGraph) -> Issue | None:
 
 def _located(issues: list[Issue], locate: Locate | None) -> list[SpecIssue]:
     return [locate(path, message) if locate is not None else SpecIssue(path, message) for path, message in issues]
+
+
+def inert_settings(graph: PipelineGraph) -> list[str]:
+    """Settings this pipeline accepts and that change nothing where it runs, for a note (a
+    pipeline may be written to run on CPU slots and GPUs alike): ``offload_to_cpu`` of a model
+    whose nodes all run on CPU slots, where its weights are in host memory already."""
+    notes = []
+    spec = graph.spec
+    for name, model in spec.models.items():
+        if not model.offload_to_cpu:
+            continue
+        # a node may name its own group; a model without one gets a one-CPU-slot group
+        groups = {node.device_group or model.device_group for node in spec.nodes.values() if node.model == name}
+        kinds = {spec.devices[group].type if group is not None and group in spec.devices else "cpu"
+                 for group in groups or {model.device_group}}
+        if kinds == {"cpu"}:
+            notes.append(f"models.{name}.offload_to_cpu pages a GPU model's weights, and '{name}' runs on CPU "
+                         "slots, where its weights are in host memory already: it changes nothing here")
+    return notes

@@ -27,8 +27,8 @@ from flowrl.api.result import Observer, RunResult, as_observer, load_run
 from flowrl.backends.cache import BUILTIN_PREFIX, built_builtin_dir, cache_root
 from flowrl.backends.catalog import builtin_folder
 from flowrl.api.data import evaluates_training_prompts, policy_formatter, read_eval, training_source
-from flowrl.api.checks import (call_keywords, check_inputs, eval_reward_issues, model_problems, offered_keywords,
-                               reward_issues)
+from flowrl.api.checks import (call_keywords, check_inputs, eval_reward_issues, inert_settings, model_problems,
+                               offered_keywords, reward_issues)
 from flowrl.api.evaluation import Evaluator
 from flowrl.data import PromptSource
 from flowrl.data.formatting import FormatCounts
@@ -376,6 +376,8 @@ def _run_watched(graph: PipelineGraph, folder: RunFolder, watcher: "_Watchers", 
         watcher.event(RunEvent("warning", too_large, 0))
     for uneven in uneven_mini_batches(spec):
         watcher.event(RunEvent("warning", uneven, 0))
+    for inert in inert_settings(graph):
+        watcher.event(RunEvent("warning", inert, 0))
     if held_out:
         if evaluates_training_prompts(graph, base_dir or Path.cwd()):
             watcher.event(RunEvent(

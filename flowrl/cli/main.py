@@ -141,6 +141,10 @@ def validate(
 
     for problem in missing_packages(graph):  # the file is valid; this machine lacks what it names
         print(f"note: a run started on this machine would be refused: {problem}")
+    from flowrl.api.checks import inert_settings
+
+    for note in inert_settings(graph):
+        print(f"note: {note}")
 
 
 @app.command()

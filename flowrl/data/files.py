@@ -168,13 +168,16 @@ def _load_folder(path: Path, source: str, split: str) -> Any:
                 f"asked for '{split}': set the split to {SINGLE_SPLIT}, or save a DatasetDict", field=SPLIT_FIELD
             )
         return loaded
-    files = [item for item in sorted(path.iterdir()) if item.suffix.lower() in FILE_BUILDERS]
+    # at the top or in folders below it, as a hub dataset's download keeps them (data/train-00000-of-00002.parquet);
+    # datasets reads the splits from the file and folder names
+    files = [item for item in sorted(path.rglob("*")) if item.suffix.lower() in FILE_BUILDERS and item.is_file()
+             and not any(part.startswith(".") for part in item.relative_to(path).parts)]
     if not files:
         raise DataError(
             f"folder {source} holds neither a dataset written by save_to_disk nor data files "
             f"({', '.join(FILE_BUILDERS)})"
         )
-    empty = [item.name for item in files if _empty_file(item)]
+    empty = [str(item.relative_to(path)) for item in files if _empty_file(item)]
     if empty:
         # datasets says only "StopIteration" or "corresponds to no data" for these
         raise DataError(f"folder {source} has empty data file{'s' if len(empty) > 1 else ''} {', '.join(empty)} "
@@ -182,7 +185,7 @@ def _load_folder(path: Path, source: str, split: str) -> Any:
                         "example per row, or remove the file")
     for item in files:  # a bad line named by its file and line (see _load_file)
         if FILE_BUILDERS[item.suffix.lower()] == "json":
-            check_json_lines(item, f"{source}/{item.name}")
+            check_json_lines(item, f"{source}/{item.relative_to(path)}")
     try:
         loaded = datasets.load_dataset(str(path))
     except Exception as error:  # noqa: BLE001

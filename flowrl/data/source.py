@@ -87,12 +87,19 @@ def read_examples(
             error.field = f"{section}.split"
         raise
     display = source if split == SINGLE_SPLIT and not has_splits(location, base_dir) else f"{source} (split {split})"
-    check_columns(list(rows.column_names), answer_key, display, section, answer_key_named)
+    problems = []
     if prompt_key not in rows.column_names:
-        raise DataError(
+        problems.append(DataError(
             f"{display} has no column '{prompt_key}' (columns: {', '.join(rows.column_names)}); "
             f"set {section}.prompt_key to the column that holds the prompts", field=f"{section}.prompt_key"
-        )
+        ))
+    try:
+        check_columns(list(rows.column_names), answer_key, display, section, answer_key_named)
+    except DataError as error:
+        problems.append(error)
+    if problems:  # every column problem at once
+        problems[0].also = problems[1:]
+        raise problems[0]
     examples, counts = formatter.examples(rows.to_list(), prompt_key, answer_key, display)
     if not examples:
         raise DataError(f"{display} holds no usable prompt ({counts.num_rows} rows, {counts.num_skipped} skipped as too long)")

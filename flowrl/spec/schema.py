@@ -708,7 +708,13 @@ class UpdateNode(_NodeBase):
         advantages = view.inputs_of(AdvantageNode)
         if not advantages:
             view.add(f"{path}.inputs", "update needs advantages: add an advantage node to inputs")
+        for score in view.inputs_of(ScoreNode):
+            view.add(f"{path}.inputs", f"an update reads the rewards through its advantages, so score node "
+                                       f"'{score}' in its inputs is never read; drop it from inputs")
         if kind == "value":
+            for reference in view.inputs_of(ReferenceLogprobNode):
+                view.add(f"{path}.inputs", f"a value model's update has no KL term, so reference '{reference}' in "
+                                           "its inputs is never read; drop it from inputs")
             # a critic learns the returns, which only gae computes
             for advantage in advantages:
                 estimator = getattr(view.node(advantage), "estimator", None)
@@ -934,7 +940,8 @@ class SchedulerSpec(StrictModel):
     policy: Literal["static", "dynamic"] = "static"
     """static keeps the first plan; dynamic re-plans from measurements. Default static."""
     every_steps: int = Field(default=10, ge=1)
-    """Consider re-planning every this many steps (dynamic). Default 10."""
+    """Every this many steps: re-plan if it pays (dynamic), re-balance the rows of nodes
+    split over several devices, and print the profile's status line. Default 10."""
     low_util: float = Field(default=0.4, ge=0, le=1)
     """Utilization (0..1) below which a device counts as under-used. Default 0.4."""
     low_util_window_s: float = Field(default=30.0, gt=0)
@@ -946,6 +953,19 @@ class SchedulerSpec(StrictModel):
     share (hysteresis). Default 0.1."""
     max_moves_per_replan: int = Field(default=4, ge=1)
     """Most models one re-plan may move (a lost device ignores it). Default 4."""
+
+    @model_validator(mode="after")
+    def _dynamic_read(self) -> SchedulerSpec:
+        read = [name for name in DYNAMIC_ONLY if name in self.changed_fields()]
+        if self.policy == "static" and read:
+            raise ValueError(f"{', '.join(read)} {'is' if len(read) == 1 else 'are'} read only by policy: dynamic "
+                             "(static keeps the first plan); set policy: dynamic, or remove "
+                             f"{'it' if len(read) == 1 else 'them'}")
+        return self
+
+
+DYNAMIC_ONLY = ("low_util", "low_util_window_s", "high_memory", "min_gain", "max_moves_per_replan")
+"""The scheduler settings only the dynamic policy reads."""
 
 
 class RuntimeSpec(StrictModel):

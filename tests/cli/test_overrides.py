@@ -286,3 +286,41 @@ def test_an_empty_file_is_called_empty_whatever_the_overrides(tmp_path: Path) ->
     empty.write_text("")
     with pytest.raises(SpecError, match="the file is empty; a pipeline needs name, models, nodes and data"):
         load_pipeline(empty, ["trainer.steps=2"])
+
+
+def test_validate_notes_a_setting_that_changes_nothing_where_the_pipeline_runs() -> None:
+    """offload_to_cpu on a model of CPU slots: accepted (a pipeline may run on GPUs elsewhere),
+    and said to change nothing here."""
+    pipeline = Path(__file__).resolve().parents[2] / "pipelines" / "grpo_tiny.yaml"
+    result = CliRunner().invoke(cli.app, ["validate", str(pipeline), "models.reference.offload_to_cpu=true"])
+    assert result.exit_code == 0, result.output
+    assert ("note: models.reference.offload_to_cpu pages a GPU model's weights, and 'reference' runs on CPU slots, "
+            "where its weights are in host memory already: it changes nothing here") in result.output
+    gpu = Path(__file__).resolve().parents[2] / "pipelines" / "grpo_0.4b_gpu.yaml"
+    result = CliRunner().invoke(cli.app, ["validate", str(gpu), "models.reference.offload_to_cpu=true"])
+    assert result.exit_code == 0 and "note:" not in result.output, result.output
+
+
+def test_a_subset_of_a_local_data_file_is_refused_not_ignored(tmp_path: Path) -> None:
+    text = (Path(__file__).resolve().parents[2] / "pipelines" / "grpo_tiny.yaml").read_text()
+    (tmp_path / "q.jsonl").write_text('{"prompt": "ab=", "answer": "1"}\n')
+    pipeline = tmp_path / "p.yaml"
+    pipeline.write_text(text.replace("builtin:digits", "q.jsonl"))
+    result = CliRunner().invoke(cli.app, ["validate", str(pipeline), "data.subset=main"])
+    assert result.exit_code == 2
+    assert ("command line: data.subset=main: a subset is a configuration of a hub dataset, and q.jsonl is a local "
+            "file, which has none, so 'main' would be ignored; remove it") in result.output
+
+
+def test_a_data_file_without_the_prompt_and_the_answer_column_gets_both_reported_at_once(tmp_path: Path) -> None:
+    text = (Path(__file__).resolve().parents[2] / "pipelines" / "grpo_tiny.yaml").read_text()
+    (tmp_path / "q.jsonl").write_text('{"prompt": "ab=", "answer": "1"}\n')
+    pipeline = tmp_path / "p.yaml"
+    pipeline.write_text(text.replace("builtin:digits", "q.jsonl"))
+    result = CliRunner().invoke(cli.app, ["validate", str(pipeline), "data.prompt_key=question",
+                                          "data.answer_key=gold"])
+    assert result.exit_code == 2
+    assert "2 problems" in result.output
+    assert ("command line: data.prompt_key=question: q.jsonl has no column 'question' (columns: prompt, answer); "
+            "set data.prompt_key to the column that holds the prompts") in result.output
+    assert "command line: data.answer_key=gold: q.jsonl has no column 'gold' (data.answer_key;" in result.output

@@ -486,3 +486,19 @@ def test_without_max_prompt_tokens_truncate_left_and_skip_cut_at_the_room_the_mo
     left_out = PromptFormatter(build_char_tokenizer(), overlong="skip", room=6, room_why=why)
     source = PromptSource("d.jsonl", 2, 0, tmp_path, shuffle=False, formatter=left_out)
     assert _prompts(source.next_batch(0)) == ["abc", "abcdef"] and source.counts.num_skipped == 1
+
+
+def test_a_folder_as_a_hub_dataset_download_lays_it_out_reads_its_splits(tmp_path: Path) -> None:
+    """data/train-00000-of-00002.parquet ...: the files sit a folder below, their names give the splits."""
+    shards = tmp_path / "gsm" / "data"
+    shards.mkdir(parents=True)
+    rows = [{"question": f"{a}+{a}=", "answer": str(2 * a)} for a in range(6)]
+    datasets.Dataset.from_list(rows[:2]).to_parquet(str(shards / "train-00000-of-00002.parquet"))
+    datasets.Dataset.from_list(rows[2:4]).to_parquet(str(shards / "train-00001-of-00002.parquet"))
+    datasets.Dataset.from_list(rows[4:]).to_parquet(str(shards / "test-00000-of-00001.parquet"))
+    (tmp_path / "gsm" / ".cache").mkdir()  # what a download leaves beside the data: not read
+    (tmp_path / "gsm" / ".cache" / "stale.jsonl").write_text("not json\n")
+    train = PromptSource("gsm", 4, 0, base_dir=tmp_path, prompt_key="question", shuffle=False)
+    assert sorted(_prompts(train.next_batch(0))) == ["0+0=", "1+1=", "2+2=", "3+3="]
+    test = PromptSource("gsm", 2, 0, base_dir=tmp_path, prompt_key="question", split="test", shuffle=False)
+    assert sorted(_prompts(test.next_batch(0))) == ["4+4=", "5+5="]

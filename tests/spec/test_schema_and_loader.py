@@ -469,3 +469,14 @@ def test_a_profiled_step_past_the_run_is_refused(tmp_path: Path) -> None:
                               "from 1 to 4")
     (problem,) = problems(write(tmp_path, GOOD + "trainer: {steps: 4, torch_profile: [0]}\n"))
     assert problem == f"{path}:12: trainer.torch_profile.0: out of range: allowed torch_profile >= 1, found 0"
+
+
+def test_the_dynamic_policys_settings_under_the_static_policy_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "pipeline.yaml"
+    (problem,) = problems(write(tmp_path, GOOD + "scheduler: {low_util: 0.9, min_gain: 0.2, every_steps: 3}\n"))
+    assert problem.startswith(f"{path}:12: scheduler: low_util, min_gain are read only by policy: dynamic (static "
+                              "keeps the first plan); set policy: dynamic, or remove them")
+    # every_steps paces the status line and the rows of split nodes under either policy
+    spec = load_pipeline(write(tmp_path, GOOD + "scheduler: {policy: dynamic, low_util: 0.9}\n")).spec
+    assert spec.scheduler.low_util == 0.9
+    assert load_pipeline(write(tmp_path, GOOD + "scheduler: {every_steps: 3}\n")).spec.scheduler.every_steps == 3
