@@ -141,7 +141,8 @@ class Cluster:
             client = Client(local, direct_to_workers=True)
         except Exception as error:  # any start-up failure is an environment problem
             raise ClusterError(
-                f"cannot start a local Dask cluster of {len(specs)} workers: {str(error).rstrip('.')}.{_script_hint()}"
+                f"cannot start a local Dask cluster of {len(specs)} workers: {str(error).rstrip('.')}."
+                f"{_shadowing_hint(Path.cwd())}{_script_hint()}"
             ) from None  # the message holds the cause; Dask's start-up frames would bury it
         client.register_plugin(TorchSerializerPlugin())
         slots = []
@@ -584,6 +585,25 @@ def _script_hint() -> str:
         return ""
     return (" Worker processes import the main script again: when a script calls flowrl.run, put that call "
             "under `if __name__ == \"__main__\":`.")
+
+
+def _shadowing_hint(folder: Path) -> str:
+    """Worker processes start with the working directory first on their import path: a file
+    there named as a module they import (``random.py``, ``tokenizers.py``) replaces it, and
+    the workers fail to start. Named here, where only the workers' noise would say it."""
+    imported = {name.partition(".")[0] for name in sys.modules} - {"__main__"}
+    try:
+        shadowing = sorted(item.name for item in folder.iterdir()
+                           if (item.suffix == ".py" and item.stem in imported)
+                           or (item.is_dir() and item.name in imported and (item / "__init__.py").is_file()))
+    except OSError:
+        return ""
+    if not shadowing:
+        return ""
+    one = len(shadowing) == 1
+    return (f" The working directory {folder} holds {', '.join(shadowing)}, named as "
+            f"{'a module' if one else 'modules'} Python or flowrl imports: the workers, which start there, import "
+            f"{'it' if one else 'them'} instead; rename {'it' if one else 'them'}, or run from another folder.")
 
 
 CONNECT_GRACE_S = 10.0

@@ -242,3 +242,20 @@ def test_a_script_read_from_stdin_runs(tmp_path: Path) -> None:
                           timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "steps 1" in done.stdout and "Traceback" not in done.stderr
+
+
+def test_files_in_the_working_directory_named_as_imported_modules_are_named_when_workers_fail(tmp_path: Path) -> None:
+    """Workers start in the working directory, first on their import path: a random.py there
+    replaces Python's random in them, and only their log said so."""
+    import yaml  # noqa: F401 - imported by flowrl in any case
+
+    from flowrl.runtime.cluster import _shadowing_hint
+
+    assert _shadowing_hint(tmp_path) == ""
+    (tmp_path / "notes.py").write_text("")
+    (tmp_path / "random.py").write_text("def score(completions, **kwargs):\n    return [0.5] * len(completions)\n")
+    (tmp_path / "yaml").mkdir()
+    (tmp_path / "yaml" / "__init__.py").write_text("")
+    assert _shadowing_hint(tmp_path) == (
+        f" The working directory {tmp_path} holds random.py, yaml, named as modules Python or flowrl imports: the "
+        "workers, which start there, import them instead; rename them, or run from another folder.")
