@@ -84,6 +84,15 @@ class PlacementError(FlowrlError):
     """The device groups cannot be placed on the devices that exist."""
 
 
+class UnmatchedGroups(PlacementError):
+    """Device groups no devices satisfy. ``problems``: (pipeline field, message) of each, so
+    that a command that read the pipeline from a file places them at its lines."""
+
+    def __init__(self, message: str, problems: list[tuple[str, str]]) -> None:
+        super().__init__(message)
+        self.problems = problems
+
+
 class ClusterError(FlowrlError):
     """The Dask cluster cannot be started or reached, or lost the workers a run needs."""
 

@@ -35,8 +35,9 @@ from flowrl.devices.explain import (
     requirement,
 )
 from flowrl.devices.gpu_types import arch_matches, known_arch_words
+from flowrl.devices.groups import AUTO_GROUP_PREFIX
 from flowrl.devices.inventory import Device, Inventory
-from flowrl.errors import PlacementError
+from flowrl.errors import UnmatchedGroups
 from flowrl.spec.messages import did_you_mean
 from flowrl.spec.schema import DeviceGroupSpec
 
@@ -70,12 +71,15 @@ class Match:
         return asdict(self)
 
     def raise_if_unsatisfied(self) -> None:
-        """``PlacementError`` naming every unsatisfied group, one line each."""
+        """``UnmatchedGroups`` naming every unsatisfied group, one line each."""
         if self.unsatisfied:
             lines = [f"  devices.{group}: {text}" for group, text in self.unsatisfied.items()]
             count = len(lines)
             header = f"{count} device group{'s' if count != 1 else ''} cannot be matched:"
-            raise PlacementError("\n".join([header, *lines]))
+            # a model's own group (auto:NAME) is declared by the model, not under devices
+            problems = [(f"models.{group.removeprefix(AUTO_GROUP_PREFIX)}" if group.startswith(AUTO_GROUP_PREFIX)
+                         else f"devices.{group}", text) for group, text in self.unsatisfied.items()]
+            raise UnmatchedGroups("\n".join([header, *lines]), problems)
 
 
 def match_groups(

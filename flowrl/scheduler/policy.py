@@ -33,6 +33,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
+from pydantic import model_validator
+
 from flowrl.devices.groups import pipeline_groups
 from flowrl.devices.inventory import Device, Inventory
 from flowrl.devices.matching import Match, match_groups
@@ -77,6 +79,12 @@ class PolicySettings(SchedulerSpec):
     (a trigger); it counts as recovered below half that excess. Default 1.25."""
     alpha: float = 0.3
     """Weight of the newest step in the measured device speeds (EWMA). Default 0.3."""
+
+    @model_validator(mode="after")
+    def _dynamic_read(self) -> PolicySettings:
+        # replaces the pipeline section's check: these are the dynamic policy's settings, also
+        # where the simulator runs it beside a file's static policy
+        return self
     horizon_steps: int | None = None
     """Steps a move's predicted gain is counted over; None = ``every_steps`` (the next
     interval). Longer horizons accept moves that pay back later. Default None."""

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from flowrl.errors import DataError, FlowrlError, ModelLoadError, SpecError, SpecIssue
+from flowrl.errors import DataError, FlowrlError, ModelLoadError, SpecError, SpecIssue, UnmatchedGroups
 from flowrl.graph import PipelineGraph, find_graph_issues
 from flowrl.spec.lines import LineMap, file_order, line_of, read_yaml_file
 from flowrl.spec.messages import Issue, issues_from_validation, show
@@ -107,14 +107,17 @@ def issue_locator(path: str | Path, overrides: Sequence[str] = ()) -> Locate:
 
 
 def placed(error: FlowrlError, locate: Locate) -> FlowrlError:
-    """``error`` found while a run of the pipeline started (its data, its reward functions),
-    with its issues placed by ``locate`` at their line or override: a DataError or
-    ModelLoadError that names its field becomes a SpecError there; a pipeline's SpecError gets
+    """``error`` found while a run of the pipeline started (its data, its reward functions,
+    the devices its groups match), with its issues placed by ``locate`` at their line or
+    override: a DataError or ModelLoadError that names its field, or device groups no devices
+    satisfy, become a SpecError there; a pipeline's SpecError gets
     the places its issues lack. Anything else comes back as it was. The run names a field only
     for what it finds as it starts (the errors its steps raise name none), so an error of a
     step is never placed at a line of the file."""
     if isinstance(error, (DataError, ModelLoadError)) and error.field:
         return SpecError([locate(error.field, str(error))])
+    if isinstance(error, UnmatchedGroups):
+        return SpecError([locate(path, message) for path, message in error.problems])
     def unplaced(issue: SpecIssue) -> bool:
         return issue.file is None and issue.argument is None
 

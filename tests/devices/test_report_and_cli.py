@@ -16,7 +16,7 @@ from flowrl.devices.groups import offload_notes, pipeline_groups
 from flowrl.devices.files import load_inventory
 from flowrl.devices.matching import match_groups
 from flowrl.devices.report import inventory_lines, match_lines
-from flowrl.errors import PlacementError
+from flowrl.errors import SpecError
 from flowrl.spec.loader import load_pipeline
 
 ROOT = Path(__file__).parents[2]
@@ -92,9 +92,14 @@ def test_devices_command_shows_the_match_then_fails_with_exit_code_2(
 ) -> None:
     monkeypatch.setitem(sys.modules, "pynvml", None)  # this machine, without NVML
     term, out = console()
-    with pytest.raises(PlacementError) as caught:
+    with pytest.raises(SpecError) as caught:
         devices_command(PPO, None, False, term)
     assert caught.value.exit_code == 2
-    assert "3 device groups cannot be matched" in str(caught.value)
+    # each group at its line of the file
+    lines = str(caught.value).splitlines()
+    assert lines[0] == "3 problems in the pipeline:"
+    assert lines[1].startswith(f"  {PPO}:10: devices.actor_group: actor_group needs 2 gpus with >= 40 GiB; this "
+                               "inventory has no gpus")
+    assert [line.split(": ")[0].rsplit(":", 1)[-1] for line in lines[1:]] == ["10", "11", "12"]
     text = out.getvalue()
     assert "unmatched" in text and "reference_group" in text and "cpu-0" in text

@@ -114,3 +114,16 @@ def test_the_next_layout_is_printed_with_its_distance_and_called_close_within_te
     console = _console()
     print_plan(far, console)
     assert "next layout: ref_group on actor_group's devices, 250.00 ms (+25.0%)" in console.export_text()
+
+
+def test_groups_no_device_satisfies_are_refused_at_their_lines_of_the_file() -> None:
+    from flowrl.errors import SpecError
+
+    pipeline = ROOT / "pipelines" / "ppo.yaml"
+    with pytest.raises(SpecError) as caught:
+        plan_command(pipeline, ROOT / "devices" / "cpu-2core.yaml", as_json=False, output=None, console=_console())
+    lines = str(caught.value).splitlines()
+    assert lines[0] == "3 problems in the pipeline:"
+    assert lines[1].startswith(f"  {pipeline}:10: devices.actor_group: actor_group needs 2 gpus with >= 40 GiB; ")
+    assert lines[2].startswith(f"  {pipeline}:11: devices.critic_group: critic_group needs 1 gpu with >= 24 GiB; ")
+    assert lines[3].startswith(f"  {pipeline}:12: devices.reward_group: ")
