@@ -78,7 +78,8 @@ def _call(
         result = call_reward(fn, inputs, params)
     except Exception as error:
         return [None] * count, [f"raised {type(error).__name__}: {error}{_where(fn, error)}"] * count, error, None
-    if isinstance(result, (str, bytes)) or not hasattr(result, "__len__"):
+    if isinstance(result, (str, bytes, dict, set, frozenset)) or not hasattr(result, "__len__"):
+        # a mapping or set has a length, but no order that pairs its items with the completions
         why = f"returned {type(result).__name__}, not a list with one float per completion"
         return [None] * count, [why] * count, None, why
     if len(result) != count:
@@ -140,7 +141,8 @@ def score_safely(
     failed = [index for index, score in enumerate(scores) if score is None]
     first_error = None
     if unusable is not None:  # the call's result as a whole, not one sample, is wrong
-        first_error = (f"reward function '{label}' {unusable} (called on a batch of {len(scores)} completions); "
+        batch = f"{len(scores)} completion{'s' if len(scores) != 1 else ''}"
+        first_error = (f"reward function '{label}' {unusable} (called on a batch of {batch}); "
                        f"{len(failed)} of {len(scores)} samples failed")
     elif failed:
         index = failed[0]

@@ -455,6 +455,10 @@ def test_wrong_length_fails_every_sample() -> None:
     with pytest.raises(RewardError, match="returned 1 scores for 3 completions"):
         _call(short, ["a", "b", "c"], on_error="strict")
     assert _call(lambda completions, **kwargs: 0.5, ["a"]) == ([0.0], 1)
+    # a mapping has a length, but nothing pairs its items with the completions
+    assert score_safely(lambda completions, **kwargs: {"a": 1.0}, _inputs(["a"]), {}, name="keyed").first_error == (
+        "reward function 'keyed' returned dict, not a list with one float per completion (called on a batch of 1 "
+        "completion); 1 of 1 samples failed")
 
 
 def test_batch_failure_that_no_single_sample_reproduces() -> None:
