@@ -457,8 +457,8 @@ def _memory_message(best: Evaluation, inventory: Inventory, reserve: float, pipe
             models = sorted({n for n, p in best.placement.items() if device_id in p.devices})
             overflowing.add(device_id)
             over.append(
-                f"{device.label} needs {peak:.1f} GB + {reserve:.0%} reserve of "
-                f"{device.capacity_gb:.1f} GB ({device.memory_gb:g} GiB; runs {', '.join(models)})"
+                f"{device.label} needs {_gb(peak)} + {reserve:.0%} reserve of "
+                f"{_gb(device.capacity_gb)} ({device.memory_gb:g} GiB; runs {', '.join(models)})"
             )
     # an update over several of the overflowing devices could keep 1/N of its training state
     shardable = sorted({
@@ -483,5 +483,13 @@ def _memory_message(best: Evaluation, inventory: Inventory, reserve: float, pipe
         + tried
         + f". Use {bf16}gradient_checkpointing, a smaller mini_batch_size or batch, "
         + "".join(f"{hint} (training state split over the update's devices), " for hint in shardable)
-        + "offload_to_cpu for inference-only models, or larger devices"
+        # paging weights to host memory helps only a GPU
+        + ("offload_to_cpu for inference-only models, " if any(device.id in overflowing and device.kind == "gpu"
+                                                                for device in inventory.devices) else "")
+        + "or larger devices"
     )
+
+
+def _gb(value: float) -> str:
+    """``143.9 GB``; ``0.0123 GB`` for what one decimal would show as 0.0."""
+    return f"{value:.1f} GB" if value >= 0.1 else f"{value:.3g} GB"

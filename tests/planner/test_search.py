@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -221,6 +222,19 @@ def test_no_placement_fits_raises_with_the_numbers() -> None:
     with pytest.raises(PlacementError) as again:
         compile_plan(pipeline_from_dict(data), inventory(gpu(0, "SMALL", 20, 312, 1555), cpu(0, 512)))
     assert "bf16" not in str(again.value) and "Use gradient_checkpointing" in str(again.value)
+    assert "offload_to_cpu for inference-only models" in str(again.value)
+
+
+def test_a_host_too_small_for_any_placement_is_said_in_its_own_small_numbers() -> None:
+    # 0.0005 GiB of host memory (537 kB) against the tiny models' megabytes; paging weights to
+    # host memory is no help to CPU slots, whose weights are there already
+    data = grpo({"path": "builtin:tiny-llama", "device_group": "actor_group"},
+                {"path": "builtin:tiny-llama", "device_group": "actor_group"}, {"actor_group": {"type": "cpu"}})
+    with pytest.raises(PlacementError) as raised:
+        compile_plan(pipeline_from_dict(data), inventory(cpu(0, 0.0005)))
+    message = str(raised.value)
+    assert re.search(r"cpu-0 needs 0\.0\d{3} GB \+ 10% reserve of 0\.000537 GB \(0\.0005 GiB; runs ", message), message
+    assert "offload_to_cpu" not in message and message.endswith("or larger devices")
 
 
 @pytest.mark.parametrize("inventory_file", ["mixed-4gpu", "a100-4x40gb", "cluster-2node"])
