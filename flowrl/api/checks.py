@@ -192,7 +192,7 @@ def model_issues(graph: PipelineGraph, base_dir: Path | None) -> list[Issue]:
                 continue
             location = saved_model_location(model.path, base_dir)
             if isinstance(location, str):
-                problem = hub_model_problem(location, model.revision)
+                problem = hub_model_problem(location, model.revision, base_dir)
             else:  # a policy's tokenizer renders and reads the prompts
                 problem = config_problem(location) or (tokenizer_problem(location) if model.kind == "policy" else None)
                 problem = problem or _weights_problem(location, model.path, base_dir, model.trust_remote_code)

@@ -53,9 +53,10 @@ def resolve_model_path(path: str, base_dir: Path | None = None) -> Path | str:
     )
 
 
-def hub_model_problem(name: str, revision: str | None = None) -> str | None:
+def hub_model_problem(name: str, revision: str | None = None, base_dir: Path | None = None) -> str | None:
     """Why hub model ``name`` cannot be loaded here (not in the local cache and the hub
-    unreachable), or None: asked once, before any worker waits on the hub's retries."""
+    unreachable), or None: asked once, before any worker waits on the hub's retries. A name
+    close to a model folder in ``base_dir`` or the working directory is asked about."""
     from huggingface_hub import try_to_load_from_cache
 
     if isinstance(try_to_load_from_cache(name, "config.json", revision=revision), str):
@@ -65,8 +66,21 @@ def hub_model_problem(name: str, revision: str | None = None) -> str | None:
         fetch = f"hf download {name}" + (f" --revision {revision}" if revision else "")
         return (f"model '{name}'{at} is not a local directory nor in the local Hugging Face cache, and the hub "
                 f"cannot be reached (no network): download it elsewhere ({fetch}) and pass its directory, "
-                "or use builtin:tiny-llama")
+                f"or use builtin:tiny-llama{_near_folder(name, base_dir)}")
     return None
+
+
+def _near_folder(name: str, base_dir: Path | None) -> str:
+    """`` (did you mean the folder 'mymodel' here?)`` for a mistyped local name read as a hub name."""
+    folders: set[str] = set()
+    for parent in dict.fromkeys([base_dir, Path.cwd()]):
+        try:
+            if parent is not None and parent.is_dir():
+                folders |= {entry.name for entry in parent.iterdir() if (entry / "config.json").is_file()}
+        except OSError:  # a folder this user may not list: nothing to suggest from it
+            continue
+    close = difflib.get_close_matches(name, sorted(folders), n=1)
+    return f" (did you mean the model folder '{close[0]}' here?)" if close else ""
 
 
 def saved_model_location(path: str, base_dir: Path | None = None) -> Path | str:

@@ -138,3 +138,13 @@ def test_a_tokenizer_whose_class_adds_a_pad_past_the_embedding_is_accepted(tmp_p
     # the run pads with eos instead (hf.set_padding)
     _, loaded = load_causal_lm(str(folder))
     assert loaded.pad_token_id == loaded.eos_token_id
+
+
+def test_a_mistyped_folder_name_read_as_a_hub_name_asks_about_the_folder_beside_it(
+        good: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # 'goodd' has no slash and no folder of that name: a hub name, which cannot be fetched here
+    [(field, message)] = model_problems(_pipeline(good, Path(good.name + "d")), good.parent)
+    assert field == "models.reference.path"
+    assert message.startswith(f"model '{good.name}d' is not a local directory nor in the local Hugging Face cache")
+    assert message.endswith(f"(did you mean the model folder '{good.name}' here?)")
