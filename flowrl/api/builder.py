@@ -241,7 +241,8 @@ def plain_value(value: Any, key: str = "") -> Any:
         return [plain_value(item) for item in value]
     if isinstance(value, PurePath):
         return str(value)
-    if type(value).__module__ == "numpy" and callable(getattr(value, "item", None)):
+    # a numpy scalar (or 0-d array), not an array: validation names an array as it is
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None)):
         number = value.item()
         # a float32's shortest text is the number meant (0.7, not 0.699999988079071)
         return float(str(value)) if isinstance(number, float) else number

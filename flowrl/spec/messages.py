@@ -48,7 +48,14 @@ def show(value: Any) -> str:
         return str(value)
     # from Python, not a file: a tuple, a Path, a numpy number... named by its type
     library = type(value).__module__.split(".")[0]
-    return f"{value} (a {library if library not in ('builtins', 'pathlib') else 'Python'} {type(value).__name__})"
+    kind = f"a {library if library not in ('builtins', 'pathlib') else 'Python'} {type(value).__name__}"
+    text = str(value)
+    # a table or an array prints over many lines: its type says enough
+    return kind if "\n" in text or len(text) > SHOWN_CHARS else f"{text} ({kind})"
+
+
+SHOWN_CHARS = 80
+"""The longest printed value a message shows; a longer one is named by its type alone."""
 
 
 def issues_from_validation(error: ValidationError, within: Sequence[str] = ()) -> list[Issue]:

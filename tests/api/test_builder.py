@@ -255,3 +255,22 @@ def test_python_values_are_taken_as_a_file_would_give_them() -> None:
     assert spec.trainer.output_dir == str(Path("out") / "run") and spec.trainer.loggers == ("jsonl",)
     assert spec.nodes["reward"].params == {"bounds": (1, 2)}
     assert spec.nodes["rollout"].temperature == 0.7 and "temperature: 0.7" in p.to_yaml()
+
+
+def test_a_table_given_where_a_path_is_expected_is_named_by_its_type_not_printed() -> None:
+    import numpy as np
+    import pandas as pd
+
+    p = Pipeline("table")
+    actor = p.model("actor", path="builtin:tiny-llama")
+    rollout = p.generate(actor, p.source(pd.DataFrame({"prompt": ["ab="] * 100})))  # type: ignore[arg-type]
+    p.update(actor, rollout, p.advantage("grpo", p.score("digits", rollout)))
+    with pytest.raises(SpecError) as raised:
+        p.build()
+    assert str(raised.value) == "1 problem in the pipeline:\n  data.source: expected a string, found a pandas DataFrame"
+    # a short value is still shown, with its type
+    p = Pipeline("short")
+    actor = p.model("actor", path="builtin:tiny-llama")
+    p.generate(actor, p.source("builtin:digits"), temperature=np.array([0.5]))
+    with pytest.raises(SpecError, match=r"found \[0\.5\] \(a numpy ndarray\)"):
+        p.build()
