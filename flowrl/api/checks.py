@@ -138,7 +138,8 @@ def check_inputs(graph: PipelineGraph, base_dir: Path | None, locate: Locate | N
     """Check the model paths, load the data (and held-out data) and check every reward
     function against it; SpecError listing every problem, each placed by ``locate`` (a line
     of the pipeline file, or the override that set it) when given."""
-    issues: list[Issue] = model_issues(graph, base_dir) + task_field_issues(graph) + local_subset_issues(graph, base_dir)
+    issues: list[Issue] = (model_issues(graph, base_dir) + task_field_issues(graph) + local_subset_issues(graph, base_dir)
+                           + arch_issues(graph))
     offered: set[str] | None = None
     held_out: list[Any] = []
     if not issues:  # the data is read with the policy's tokenizer
@@ -279,7 +280,7 @@ def raise_early_issues(graph: PipelineGraph, base_dir: Path | None, locate: Loca
     listing them, placed by ``locate`` when given (a run checks the rest, with the data, as
     it starts)."""
     issues = (model_problems(graph, base_dir) + reward_issues(graph, base_dir, None) + task_field_issues(graph)
-              + local_subset_issues(graph, base_dir))
+              + local_subset_issues(graph, base_dir) + arch_issues(graph))
     sources = [("data.source", graph.spec.data.source)]
     if graph.spec.eval is not None and graph.spec.eval.source:
         sources.append(("eval.source", graph.spec.eval.source))
@@ -311,6 +312,23 @@ def task_field_issues(graph: PipelineGraph) -> list[Issue]:
     return [(f"data.{field}", f"{data.source} makes a new random prompt per row and has no {lacks}, so "
              f"data.{field} would be ignored; remove it, or name a data file or dataset as data.source")
             for field, lacks in TASK_IGNORES.items() if field in changed]
+
+
+def arch_issues(graph: PipelineGraph) -> list[Issue]:
+    """An ``arch`` word of a device group that names no GPU architecture or family flowrl
+    knows (``hoper``): found before any device is matched, as matching would find it."""
+    from flowrl.devices.gpu_types import known_arch_words
+    from flowrl.spec.messages import did_you_mean
+
+    known = known_arch_words()
+    issues: list[Issue] = []
+    for name, group in graph.spec.devices.items():
+        unknown = [word for word in group.arch or () if word.lower() not in known]
+        if unknown:
+            word = unknown[0]
+            issues.append((f"devices.{name}.arch", f"unknown architecture '{word}'{did_you_mean(word.lower(), known)}; "
+                                                   f"known: {', '.join(known)}"))
+    return issues
 
 
 def local_subset_issues(graph: PipelineGraph, base_dir: Path | None) -> list[Issue]:

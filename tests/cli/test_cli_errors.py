@@ -65,6 +65,9 @@ def test_validate_accepts_every_shipped_pipeline() -> None:
          ("command line: data.prompt_key=question: builtin:digits makes a new random prompt "
           "per row and has no prompt column, so data.prompt_key would be ignored",
           "data.shuffle=false: builtin:digits makes a new random prompt per row and has no order to shuffle")),
+        # an architecture no GPU has: found by validation, before any device is matched
+        (("validate", "pipelines/grpo_tiny.yaml", "devices.actor_group.type=gpu", "devices.actor_group.arch=[hoper]"),
+         ("command line: devices.actor_group.arch=[hoper]: unknown architecture 'hoper' (did you mean 'hopper'?)",)),
         # a mistyped file or folder name: the one beside it that is meant
         (("validate", "pipelines/grpo_tiny.yml"),
          ("pipelines/grpo_tiny.yml: no such file (did you mean 'pipelines/grpo_tiny.yaml'?)",)),
