@@ -9,12 +9,26 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 
 class FlowrlError(Exception):
     """A mistake in what the user gave flowrl (file, flag, data, environment)."""
 
     exit_code: int = 2
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # whole, with the attributes its own __init__ sets (``field``, ``slots``...), where a
+        # run goes through pickle (a run in a process pool); Exception's default would call
+        # a subclass's __init__ with the message alone
+        return _rebuilt, (type(self), self.args, self.__dict__)
+
+
+def _rebuilt(kind: type[FlowrlError], args: tuple[Any, ...], state: dict[str, Any]) -> FlowrlError:
+    error = kind.__new__(kind)
+    Exception.__init__(error, *args)
+    error.__dict__.update(state)
+    return error
 
 
 @dataclass(frozen=True)
@@ -93,6 +107,7 @@ class UnmatchedGroups(PlacementError):
         self.problems = problems
 
 
+
 class ClusterError(FlowrlError):
     """The Dask cluster cannot be started or reached, or lost the workers a run needs."""
 
@@ -107,12 +122,14 @@ class NodeTimeout(ClusterError):
         self.node = node
 
 
+
 class WorkerLost(ClusterError):
     """Workers that a call waited on left the scheduler (killed, crashed, their machine gone)."""
 
     def __init__(self, message: str, slots: tuple[str, ...]) -> None:
         super().__init__(message)
         self.slots = slots
+
 
 
 class RunStopped(ClusterError):

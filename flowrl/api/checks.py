@@ -8,6 +8,7 @@ the file and line of its ``fn:``, not at step 1.
 from __future__ import annotations
 
 import inspect
+import json
 from pathlib import Path
 from typing import Any
 
@@ -138,8 +139,7 @@ def check_inputs(graph: PipelineGraph, base_dir: Path | None, locate: Locate | N
     """Check the model paths, load the data (and held-out data) and check every reward
     function against it; SpecError listing every problem, each placed by ``locate`` (a line
     of the pipeline file, or the override that set it) when given."""
-    issues: list[Issue] = (model_issues(graph, base_dir) + task_field_issues(graph) + local_subset_issues(graph, base_dir)
-                           + arch_issues(graph))
+    issues: list[Issue] = model_issues(graph, base_dir) + task_field_issues(graph)
     offered: set[str] | None = None
     held_out: list[Any] = []
     if not issues:  # the data is read with the policy's tokenizer
@@ -168,6 +168,7 @@ def check_inputs(graph: PipelineGraph, base_dir: Path | None, locate: Locate | N
         issues.extend(model_fit_issues(graph, base_dir))  # beside the data's problems, not instead
         issues.extend(lora_issues(graph, base_dir))
     issues.extend(reward_issues(graph, base_dir, offered))
+    issues.extend(local_subset_issues(graph, base_dir) + arch_issues(graph))  # beside the data's, not instead
     if held_out:
         issues.extend(eval_reward_issues(graph, base_dir, call_keywords(held_out), offered))
     if issues:
@@ -215,8 +216,9 @@ def _weights_problem(location: Path, path: str, base_dir: Path | None, trust_rem
 
     if not has_weights(location):
         return None
-    skeleton = _skeleton(path, base_dir, None, trust_remote_code)
-    if skeleton is None:
+    quantized = "quantization_config" in json.loads((location / "config.json").read_text())
+    skeleton = None if quantized else _skeleton(path, base_dir, None, trust_remote_code)
+    if skeleton is None:  # quantized weights are packed: their shapes are not the config's
         return weights_problem(location)
     shapes = {name: tuple(tensor.shape) for name, tensor in skeleton.state_dict().items()}
     return weights_problem(location, shapes, getattr(skeleton, "base_model_prefix", ""))
@@ -315,25 +317,22 @@ def task_field_issues(graph: PipelineGraph) -> list[Issue]:
 
 
 def arch_issues(graph: PipelineGraph) -> list[Issue]:
-    """An ``arch`` word of a device group that names no GPU architecture or family flowrl
-    knows (``hoper``): found before any device is matched, as matching would find it."""
-    from flowrl.devices.gpu_types import known_arch_words
-    from flowrl.spec.messages import did_you_mean
+    """A device group's ``arch`` / ``preferred_arch`` that no device could match (a word that
+    names no architecture, any on a CPU group): found before any device is matched."""
+    from flowrl.devices.explain import arch_word_problem
 
-    known = known_arch_words()
     issues: list[Issue] = []
     for name, group in graph.spec.devices.items():
-        unknown = [word for word in group.arch or () if word.lower() not in known]
-        if unknown:
-            word = unknown[0]
-            issues.append((f"devices.{name}.arch", f"unknown architecture '{word}'{did_you_mean(word.lower(), known)}; "
-                                                   f"known: {', '.join(known)}"))
+        problem = arch_word_problem(group)
+        if problem is not None:
+            issues.append((f"devices.{name}.{problem[0]}", problem[1]))
     return issues
 
 
 def local_subset_issues(graph: PipelineGraph, base_dir: Path | None) -> list[Issue]:
-    """``data.subset`` / ``eval.subset`` where the source they go with is a local file or
-    folder: a subset is a configuration of a hub dataset, which a local source has none of."""
+    """``data.subset`` / ``eval.subset`` where the source they go with is a single local file:
+    a subset is a configuration of a hub dataset (a folder each in its download), and one file
+    has none. A folder's configurations are checked as it is read."""
     issues: list[Issue] = []
     data, evaluation = graph.spec.data, graph.spec.eval
     asked = [("data.subset", data.subset, data.source)]
@@ -341,10 +340,9 @@ def local_subset_issues(graph: PipelineGraph, base_dir: Path | None) -> list[Iss
         asked.append(("eval.subset", evaluation.subset, evaluation.source or data.source))
     for field, subset, source in asked:
         local = resolve_local(source, base_dir) if subset is not None else None
-        if local is not None:
-            issues.append((field, f"a subset is a configuration of a hub dataset, and {source} is a local "
-                                  f"{'folder' if local.is_dir() else 'file'}, which has none, so '{subset}' "
-                                  "would be ignored; remove it"))
+        if local is not None and local.is_file():
+            issues.append((field, f"a subset is a configuration of a hub dataset, and {source} is a single "
+                                  f"file, which has none, so '{subset}' would be ignored; remove it"))
     return issues
 
 

@@ -182,14 +182,12 @@ def _vocabulary_issues(graph: PipelineGraph, base_dir: Path | None, facts: dict[
 
 
 def _ids_fed(tokenizer: Any, rows: int | None) -> int:
-    """How many token ids a run feeds the models: the tokenizer's, less its last id where that
-    is a pad token past the policy's embedding (a tokenizer class that adds a pad token the
-    model has no row for: the run pads with eos instead, ``hf.set_padding``)."""
+    """How many token ids a run feeds the models: the tokenizer's, less a pad token past the
+    policy's embedding (a tokenizer class that adds a pad token the model has no row for: the
+    run pads with eos instead, ``hf.set_padding``)."""
     count = len(tokenizer)
     pad = tokenizer.pad_token_id
-    if rows is not None and pad is not None and pad >= rows and pad == count - 1:
-        return count - 1
-    return count
+    return count - 1 if rows is not None and pad is not None and pad >= rows else count
 
 
 def _is_builtin(graph: PipelineGraph, name: str) -> bool:

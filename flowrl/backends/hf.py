@@ -40,13 +40,21 @@ from flowrl.errors import ModelLoadError, RemoteCodeNotTrusted
 LOAD_FAILURES = (OSError, ValueError, KeyError, RuntimeError, SafetensorError)
 """What ``from_pretrained`` raises for what the user passed: missing files and unknown
 architectures (OSError, ValueError; KeyError for some unknown model types), weights of another
-shape than config.json's (RuntimeError), a damaged safetensors file (SafetensorError). An
-out-of-memory error is a RuntimeError too, and stays one (:func:`user_load_failure`)."""
+shape than config.json's (a RuntimeError), a damaged safetensors file (SafetensorError). Other
+RuntimeErrors (memory, CUDA, a bug) are the machine's: :func:`user_load_failure` says which."""
 
 
 def user_load_failure(error: BaseException) -> bool:
-    """Whether ``error``, one of :data:`LOAD_FAILURES`, is the user's to fix, not the machine's."""
-    return not isinstance(error, torch.OutOfMemoryError)
+    """Whether ``error``, one of :data:`LOAD_FAILURES`, is the user's to fix, not the machine's:
+    of the RuntimeErrors, only weights whose shapes differ from config.json's."""
+    if isinstance(error, RuntimeError):
+        return _mismatched_sizes(error)
+    return True
+
+
+def _mismatched_sizes(error: BaseException) -> bool:
+    return "ignore_mismatched_sizes" in str(error) or "size mismatch" in str(error)
+
 
 DtypeName = Literal["fp32", "bf16", "fp16"]
 
@@ -55,7 +63,6 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
 }
-
 
 
 @dataclass(frozen=True)
@@ -172,7 +179,7 @@ def load_error(
             "if you trust that code, set trust_remote_code: true on this model "
             "(models.<name>.trust_remote_code in the pipeline)"
         )
-    if "ignore_mismatched_sizes" in str(error) or "size mismatch" in str(error):
+    if _mismatched_sizes(error):
         # transformers' words name an argument of its own the user never set
         return ModelLoadError(f"cannot load {options.describe(name)} from {source}: its weights are not of the "
                               "shapes its config.json gives (saved from a model of another configuration); pass "

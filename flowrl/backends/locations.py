@@ -64,9 +64,9 @@ def hub_model_problem(name: str, revision: str | None = None, base_dir: Path | N
     if hub_offline() or not hub_reachable(HUB_PROBE_TIMEOUT_S):
         at = f" at revision '{revision}'" if revision else ""
         fetch = f"hf download {name}" + (f" --revision {revision}" if revision else "")
-        return (f"model '{name}'{at} is not a local directory nor in the local Hugging Face cache, and the hub "
-                f"cannot be reached (no network): download it elsewhere ({fetch}) and pass its directory, "
-                f"or use builtin:tiny-llama{_near_folder(name, base_dir)}")
+        return (f"model '{name}'{at} is not a local directory{_near_folder(name, base_dir)} nor in the local "
+                "Hugging Face cache, and the hub cannot be reached (no network): download it elsewhere "
+                f"({fetch}) and pass its directory, or use builtin:tiny-llama")
     return None
 
 

@@ -114,7 +114,8 @@ def weights_problem(directory: Path, expected: dict[str, tuple[int, ...]] | None
     names that is missing, or, given ``expected`` (tensor name -> shape, as the model built
     from its config.json has them; ``prefix``: the model's base prefix, which checkpoints
     may or may not write before its names), a tensor of another shape. Only headers are
-    read. A directory without safetensors weights (``pytorch_model.bin``) is not checked."""
+    read. A directory without safetensors weights (``pytorch_model.bin``) is not checked, nor
+    the shapes of quantized weights (``quantization_config``: packed, not as the config's)."""
     from safetensors import SafetensorError
 
     if not has_weights(directory):
@@ -122,7 +123,9 @@ def weights_problem(directory: Path, expected: dict[str, tuple[int, ...]] | None
     try:
         located = weight_map(directory)
     except (SafetensorError, OSError, ValueError) as error:
-        return f"{directory / WEIGHTS_NAME} is damaged ({error}): copy or download it again"
+        # the one weights file, else the shards' index, is what could not be read
+        read = directory / (WEIGHTS_NAME if (directory / WEIGHTS_NAME).is_file() else INDEX_NAME)
+        return f"{read} is damaged ({error}): copy or download it again"
     for file in sorted(set(located.values())):
         path = directory / file
         if not path.is_file():

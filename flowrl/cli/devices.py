@@ -7,7 +7,7 @@
     ... --json                                         # the same as JSON
 
 With a pipeline, a group that cannot be matched is shown with its reason and the command
-exits with code 2 (``PlacementError``) after printing the rest.
+exits with code 2 after printing the rest, each group at its line of the pipeline file.
 """
 
 from __future__ import annotations

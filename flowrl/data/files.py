@@ -33,6 +33,12 @@ SINGLE_SPLIT = "train"
 SPLIT_FIELD = "split"
 """``DataError.field`` of a split that is not there, relative to the pipeline section that
 named it (``read_examples`` makes it ``data.split`` or ``eval.split``)."""
+SUBSET_FIELD = "subset"
+"""``DataError.field`` of a configuration that is not there, or that must be chosen (as
+:data:`SPLIT_FIELD`)."""
+
+SPLIT_FOLDERS = frozenset({"data", "train", "test", "validation", "valid", "dev", "eval", "evaluation"})
+"""Folder names that hold a dataset's files or one split of them, not a configuration."""
 
 
 def _quiet() -> None:
@@ -84,7 +90,7 @@ def load_split(source: str, split: str, subset: str | None, base_dir: Path | Non
     local = resolve_local(source, base_dir)
     if local is not None:
         if local.is_dir():
-            return _load_folder(local, source, split)
+            return _load_folder(local, source, split, subset)
         return _load_file(local, source, split)
     missing = missing_local_source(source, base_dir)
     if missing is not None:
@@ -150,10 +156,29 @@ def _empty_file(path: Path) -> bool:
     return filled == 0 or builder == "csv"
 
 
-def _load_folder(path: Path, source: str, split: str) -> Any:
+def configurations(path: Path) -> list[str]:
+    """The configurations of a downloaded hub dataset's folder: its folders that hold data
+    files and are not named as a split (``main/``, ``socratic/`` of openai/gsm8k)."""
+    return sorted(item.name for item in path.iterdir()
+                  if item.is_dir() and not item.name.startswith(".") and item.name.lower() not in SPLIT_FOLDERS
+                  and any(file.suffix.lower() in FILE_BUILDERS for file in item.rglob("*")))
+
+
+def _load_folder(path: Path, source: str, split: str, subset: str | None = None) -> Any:
     import datasets
 
-    if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
+    saved = (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
+    found = [] if saved else configurations(path)
+    if subset is not None:
+        if subset not in found:
+            has = f"its configurations (a folder each): {', '.join(found)}" if found else "it has none: remove the subset"
+            raise DataError(f"{source} has no configuration '{subset}'; {has}", field=SUBSET_FIELD)
+        path, source = path / subset, f"{source}/{subset}"
+    elif len(found) > 1:
+        # read whole, their rows would be mixed into one split
+        raise DataError(f"{source} holds {len(found)} configurations, a folder each ({', '.join(found)}): set the "
+                        "subset to the one to read", field=SUBSET_FIELD)
+    if saved:
         try:
             loaded = datasets.load_from_disk(str(path))
         except Exception as error:  # noqa: BLE001

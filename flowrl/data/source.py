@@ -23,7 +23,7 @@ from typing import Any
 
 from flowrl.data.builtin import BUILTIN_DATASETS, BUILTIN_TASKS, BuiltinTask
 from flowrl.data.examples import PromptExample
-from flowrl.data.files import SINGLE_SPLIT, SPLIT_FIELD, has_splits, load_split
+from flowrl.data.files import SINGLE_SPLIT, SPLIT_FIELD, SUBSET_FIELD, has_splits, load_split
 from flowrl.data.formatting import FormatCounts, PromptFormatter, check_columns
 from flowrl.errors import DataError
 
@@ -83,8 +83,8 @@ def read_examples(
     try:
         rows = load_split(location, split, subset, base_dir)
     except DataError as error:
-        if error.field == SPLIT_FIELD:
-            error.field = f"{section}.split"
+        if error.field in (SPLIT_FIELD, SUBSET_FIELD):
+            error.field = f"{section}.{error.field}"
         raise
     display = source if split == SINGLE_SPLIT and not has_splits(location, base_dir) else f"{source} (split {split})"
     problems = []

@@ -11,8 +11,9 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 
-from flowrl.devices.gpu_types import arch_matches
+from flowrl.devices.gpu_types import arch_matches, known_arch_words
 from flowrl.devices.inventory import Device
+from flowrl.spec.messages import did_you_mean
 from flowrl.spec.schema import DeviceGroupSpec
 
 _MAX_CLOSEST = 4  # enough to see the pattern without flooding the line
@@ -29,6 +30,21 @@ def gib(value: float) -> str:
 def plural(count: int, kind: str) -> str:
     word = "cpu slot" if kind == "cpu" else "gpu"
     return f"{count} {word}{'s' if count != 1 else ''}"
+
+
+def arch_word_problem(spec: DeviceGroupSpec) -> tuple[str, str] | None:
+    """(field, message) for the first ``arch`` / ``preferred_arch`` a group cannot use: any on
+    a CPU group, a word that names no architecture or family; None when all can be matched."""
+    known = known_arch_words()
+    for field_name in ("arch", "preferred_arch"):
+        words = getattr(spec, field_name) or []
+        if words and spec.type == "cpu":
+            return field_name, "applies to gpu groups; remove it or set type: gpu"
+        for word in words:
+            if word.lower() not in known:
+                return field_name, (f"unknown architecture '{word}'{did_you_mean(word.lower(), known)}; known: "
+                                    f"{', '.join(known)}")
+    return None
 
 
 def fits_arch(device: Device, spec: DeviceGroupSpec) -> bool:

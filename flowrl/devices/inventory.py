@@ -246,7 +246,7 @@ def names_gpu(item: str, index: int, uuid: str | None) -> bool:
 def _gpu_device(reading: GpuReading, host_name: str) -> Device:
     gpu_type = estimate_gpu(reading.name, reading.memory_total_gb, reading.compute_capability)
     # A card in the table is listed with its memory as sold (80, not the 79.6 GiB NVML
-    # reports after the driver's reservation), so `min_memory_gb: 80` matches an 80 GB card.
+    # reports after the driver's reservation), so `min_memory_gb: 80` matches an 80 GiB card.
     # A board that reports far from its listed size (a MIG slice) keeps what it reports.
     measured = reading.memory_total_gb
     near = gpu_type.known and abs(measured - gpu_type.memory_gb) <= 0.1 * gpu_type.memory_gb

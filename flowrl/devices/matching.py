@@ -26,6 +26,7 @@ from typing import Any
 
 from flowrl.devices.assignment import Demand, Unfeasible, assign
 from flowrl.devices.explain import (
+    arch_word_problem,
     explain_alone,
     explain_together,
     fits_arch,
@@ -34,11 +35,10 @@ from flowrl.devices.explain import (
     plural,
     requirement,
 )
-from flowrl.devices.gpu_types import arch_matches, known_arch_words
+from flowrl.devices.gpu_types import arch_matches
 from flowrl.devices.groups import AUTO_GROUP_PREFIX
 from flowrl.devices.inventory import Device, Inventory
 from flowrl.errors import UnmatchedGroups
-from flowrl.spec.messages import did_you_mean
 from flowrl.spec.schema import DeviceGroupSpec
 
 
@@ -150,21 +150,10 @@ class _Matcher:
     # ---- checks and pins -------------------------------------------------------------
 
     def _check_words(self, name: str, spec: DeviceGroupSpec) -> None:
-        for field_name in ("arch", "preferred_arch"):
-            words = getattr(spec, field_name) or []
-            if words and spec.type == "cpu":
-                self.unsatisfied[name] = (
-                    f"{field_name} applies to gpu groups; remove it or set type: gpu"
-                )
-                return
-            for word in words:
-                if word.lower() not in known_arch_words():
-                    hint = did_you_mean(word.lower(), known_arch_words())
-                    self.unsatisfied[name] = (
-                        f"{field_name}: unknown architecture '{word}'{hint}; known: "
-                        f"{', '.join(known_arch_words())}"
-                    )
-                    return
+        problem = arch_word_problem(spec)
+        if problem is not None:
+            field_name, message = problem
+            self.unsatisfied[name] = f"{field_name}: {message}"
 
     def _pin(self) -> set[str]:
         """Give pinned groups their devices; return the device ids they hold."""

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import math
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -78,7 +79,7 @@ def _call(
         result = call_reward(fn, inputs, params)
     except Exception as error:
         return [None] * count, [f"raised {type(error).__name__}: {error}{_where(fn, error)}"] * count, error, None
-    if isinstance(result, (str, bytes, dict, set, frozenset)) or not hasattr(result, "__len__"):
+    if isinstance(result, (str, bytes, Mapping, AbstractSet)) or not hasattr(result, "__len__"):
         # a mapping or set has a length, but no order that pairs its items with the completions
         why = f"returned {type(result).__name__}, not a list with one float per completion"
         return [None] * count, [why] * count, None, why

@@ -591,7 +591,10 @@ def _shadowing_hint(folder: Path) -> str:
     """Worker processes start with the working directory first on their import path: a file
     there named as a module they import (``random.py``, ``tokenizers.py``) replaces it, and
     the workers fail to start. Named here, where only the workers' noise would say it."""
-    imported = {name.partition(".")[0] for name in sys.modules} - {"__main__"}
+    # modules the driver took from elsewhere (a reward's helper module imported from this
+    # folder is the user's own, not a shadow)
+    imported = {name for name, module in sys.modules.items()
+                if "." not in name and name != "__main__" and not _inside(module, folder)}
     try:
         shadowing = sorted(item.name for item in folder.iterdir()
                            if (item.suffix == ".py" and item.stem in imported)
@@ -604,6 +607,15 @@ def _shadowing_hint(folder: Path) -> str:
     return (f" The working directory {folder} holds {', '.join(shadowing)}, named as "
             f"{'a module' if one else 'modules'} Python or flowrl imports: the workers, which start there, import "
             f"{'it' if one else 'them'} instead; rename {'it' if one else 'them'}, or run from another folder.")
+
+
+def _inside(module: object, folder: Path) -> bool:
+    """Whether ``module`` was imported from a file in ``folder``."""
+    origin = getattr(module, "__file__", None)
+    try:
+        return origin is not None and folder.resolve() in Path(origin).resolve().parents
+    except OSError:
+        return False
 
 
 CONNECT_GRACE_S = 10.0

@@ -79,12 +79,6 @@ class PolicySettings(SchedulerSpec):
     (a trigger); it counts as recovered below half that excess. Default 1.25."""
     alpha: float = 0.3
     """Weight of the newest step in the measured device speeds (EWMA). Default 0.3."""
-
-    @model_validator(mode="after")
-    def _dynamic_read(self) -> PolicySettings:
-        # replaces the pipeline section's check: these are the dynamic policy's settings, also
-        # where the simulator runs it beside a file's static policy
-        return self
     horizon_steps: int | None = None
     """Steps a move's predicted gain is counted over; None = ``every_steps`` (the next
     interval). Longer horizons accept moves that pay back later. Default None."""
@@ -92,6 +86,12 @@ class PolicySettings(SchedulerSpec):
     """Measured steps (after a warm-up step) that learn how far the cost model is off per
     node, before device speeds are judged (``DeviceCalibration``). Real runs need it; the
     simulator, whose node times are the cost model's, does not. Default 0."""
+
+    @model_validator(mode="after")
+    def _dynamic_read(self) -> PolicySettings:
+        # replaces SchedulerSpec's check of the same name: these are the dynamic policy's
+        # settings, also where the simulator runs it beside a file's static policy
+        return self
 
 
 def settings_from_spec(

@@ -146,5 +146,42 @@ def test_a_mistyped_folder_name_read_as_a_hub_name_asks_about_the_folder_beside_
     # 'goodd' has no slash and no folder of that name: a hub name, which cannot be fetched here
     [(field, message)] = model_problems(_pipeline(good, Path(good.name + "d")), good.parent)
     assert field == "models.reference.path"
-    assert message.startswith(f"model '{good.name}d' is not a local directory nor in the local Hugging Face cache")
-    assert message.endswith(f"(did you mean the model folder '{good.name}' here?)")
+    assert message.startswith(f"model '{good.name}d' is not a local directory (did you mean the model folder "
+                              f"'{good.name}' here?) nor in the local Hugging Face cache")
+
+
+def test_of_the_runtime_errors_of_a_load_only_a_shape_mismatch_is_the_users() -> None:
+    """A RuntimeError out of memory or from the card is the machine's: it stays a fault of the
+    worker (retried, the worker checked), never a message that blames the model folder."""
+    from flowrl.backends.hf import user_load_failure
+
+    assert user_load_failure(RuntimeError("Error(s) in loading state_dict: size mismatch for lm_head.weight"))
+    assert user_load_failure(OSError("no file named config.json"))
+    assert not user_load_failure(RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't "
+                                              "allocate memory: you tried to allocate 8589934592 bytes"))
+    assert not user_load_failure(RuntimeError("CUDA error: an illegal memory access was encountered"))
+
+
+def test_the_weights_check_takes_shards_a_bare_backbone_and_a_value_head(tmp_path: Path) -> None:
+    """Layouts that load: weights in shards with their index, a backbone saved without the
+    causal LM's prefix, a token-classification (value) head beside the backbone."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForTokenClassification, Qwen2Model
+
+    from flowrl.api.checks import _weights_problem
+
+    tokenizer = _tokenizer(pad=True)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False, num_labels=1)
+    torch.manual_seed(0)
+    for name, model, shard in (("sharded", Qwen2ForCausalLM(config), "20KB"), ("bare", Qwen2Model(config), "5GB"),
+                               ("value", Qwen2ForTokenClassification(config), "5GB")):
+        folder = tmp_path / name
+        model.save_pretrained(folder, max_shard_size=shard)
+        tokenizer.save_pretrained(folder)
+        assert _weights_problem(folder, str(folder), None, False) is None, name
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    # a shard the index names that is gone
+    next((tmp_path / "sharded").glob("model-00002-of-*.safetensors")).unlink()
+    problem = _weights_problem(tmp_path / "sharded", str(tmp_path / "sharded"), None, False)
+    assert problem is not None and "model-00002-of-" in problem and "is missing (model.safetensors.index.json names it)" in problem

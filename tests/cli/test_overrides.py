@@ -308,7 +308,7 @@ def test_a_subset_of_a_local_data_file_is_refused_not_ignored(tmp_path: Path) ->
     pipeline.write_text(text.replace("builtin:digits", "q.jsonl"))
     result = CliRunner().invoke(cli.app, ["validate", str(pipeline), "data.subset=main"])
     assert result.exit_code == 2
-    assert ("command line: data.subset=main: a subset is a configuration of a hub dataset, and q.jsonl is a local "
+    assert ("command line: data.subset=main: a subset is a configuration of a hub dataset, and q.jsonl is a single "
             "file, which has none, so 'main' would be ignored; remove it") in result.output
 
 

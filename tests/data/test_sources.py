@@ -502,3 +502,21 @@ def test_a_folder_as_a_hub_dataset_download_lays_it_out_reads_its_splits(tmp_pat
     assert sorted(_prompts(train.next_batch(0))) == ["0+0=", "1+1=", "2+2=", "3+3="]
     test = PromptSource("gsm", 2, 0, base_dir=tmp_path, prompt_key="question", split="test", shuffle=False)
     assert sorted(_prompts(test.next_batch(0))) == ["4+4=", "5+5="]
+
+
+def test_a_downloaded_dataset_of_several_configurations_reads_the_one_its_subset_names(tmp_path: Path) -> None:
+    """openai/gsm8k's download: main/ and socratic/, each with its splits. Read whole, their rows
+    would be mixed into one split."""
+    for config in ("main", "socratic"):
+        (tmp_path / "gsm" / config).mkdir(parents=True)
+        rows = [{"question": f"{config} {a}+{a}=", "answer": str(2 * a)} for a in range(3)]
+        datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "gsm" / config / "train-00000-of-00001.parquet"))
+    with pytest.raises(DataError, match=r"gsm holds 2 configurations, a folder each \(main, socratic\): set the "
+                                        r"subset to the one to read") as caught:
+        PromptSource("gsm", 3, 0, base_dir=tmp_path, prompt_key="question")
+    assert caught.value.field == "data.subset"
+    main = PromptSource("gsm", 3, 0, base_dir=tmp_path, prompt_key="question", subset="main", shuffle=False)
+    assert sorted(_prompts(main.next_batch(0))) == ["main 0+0=", "main 1+1=", "main 2+2="]
+    with pytest.raises(DataError, match=r"gsm has no configuration 'default'; its configurations \(a folder each\): "
+                                        r"main, socratic"):
+        PromptSource("gsm", 3, 0, base_dir=tmp_path, prompt_key="question", subset="default")

@@ -259,3 +259,15 @@ def test_files_in_the_working_directory_named_as_imported_modules_are_named_when
     assert _shadowing_hint(tmp_path) == (
         f" The working directory {tmp_path} holds random.py, yaml, named as modules Python or flowrl imports: the "
         "workers, which start there, import them instead; rename them, or run from another folder.")
+    # a module of the folder's own (a reward's helper the driver imported from it) is no shadow
+    import importlib
+    import sys
+
+    (tmp_path / "my_reward_helpers.py").write_text("WEIGHT = 2\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        importlib.import_module("my_reward_helpers")
+        assert "my_reward_helpers" not in _shadowing_hint(tmp_path)
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("my_reward_helpers", None)

@@ -103,22 +103,28 @@ def test_a_hosts_sampler_and_compute_threads_end_when_it_is_dropped_or_forgotten
     import gc
     import threading
 
+    import torch
+
     from flowrl.runtime.host import RoleHost
 
     def sampler_of(name: str) -> threading.Thread:
         return next(thread for thread in threading.enumerate() if thread.name == f"flowrl-sampler-{name}")
 
-    dropped = RoleHost("drop-me", "cpu", 1, 0, None, sample_interval_s=60.0)
-    assert dropped._compute.submit(lambda: 1).result() == 1
-    threads = [sampler_of("drop-me"), *dropped._compute._threads]
-    dropped.drop_all()
-    for thread in threads:
-        thread.join(timeout=10)
-        assert not thread.is_alive(), thread.name
+    threads_before = torch.get_num_threads()  # a host sets its worker's threads: this process's here
+    try:
+        dropped = RoleHost("drop-me", "cpu", 1, 0, None, sample_interval_s=60.0)
+        assert dropped._compute.submit(lambda: 1).result() == 1
+        threads = [sampler_of("drop-me"), *dropped._compute._threads]
+        dropped.drop_all()
+        for thread in threads:
+            thread.join(timeout=10)
+            assert not thread.is_alive(), thread.name
 
-    forgotten = RoleHost("forget-me", "cpu", 1, 0, None, sample_interval_s=60.0)
-    sampler = sampler_of("forget-me")
-    del forgotten
-    gc.collect()
-    sampler.join(timeout=10)
-    assert not sampler.is_alive()
+        forgotten = RoleHost("forget-me", "cpu", 1, 0, None, sample_interval_s=60.0)
+        sampler = sampler_of("forget-me")
+        del forgotten
+        gc.collect()
+        sampler.join(timeout=10)
+        assert not sampler.is_alive()
+    finally:
+        torch.set_num_threads(threads_before)
