@@ -68,6 +68,10 @@ def test_validate_accepts_every_shipped_pipeline() -> None:
         # an architecture no GPU has: found by validation, before any device is matched
         (("validate", "pipelines/grpo_tiny.yaml", "devices.actor_group.type=gpu", "devices.actor_group.arch=[hoper]"),
          ("command line: devices.actor_group.arch=[hoper]: unknown architecture 'hoper' (did you mean 'hopper'?)",)),
+        (("validate", "pipelines/grpo_tiny.yaml", "devices.actor_group.type=gpu",
+          "devices.actor_group.preferred_arch=[amprere]"),
+         ("command line: devices.actor_group.preferred_arch=[amprere]: unknown architecture 'amprere' (did you mean "
+          "'ampere'?)",)),
         # a mistyped file or folder name: the one beside it that is meant
         (("validate", "pipelines/grpo_tiny.yml"),
          ("pipelines/grpo_tiny.yml: no such file (did you mean 'pipelines/grpo_tiny.yaml'?)",)),
