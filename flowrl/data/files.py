@@ -158,7 +158,10 @@ def _empty_file(path: Path) -> bool:
 
 def configurations(path: Path) -> list[str]:
     """The configurations of a downloaded hub dataset's folder: its folders that hold data
-    files and are not named as a split (``main/``, ``socratic/`` of openai/gsm8k)."""
+    files and are not named as a split (``main/``, ``socratic/`` of openai/gsm8k). A folder
+    with data files of its own is one dataset, whatever folders sit beside them."""
+    if any(item.suffix.lower() in FILE_BUILDERS and item.is_file() for item in path.iterdir()):
+        return []
     return sorted(item.name for item in path.iterdir()
                   if item.is_dir() and not item.name.startswith(".") and item.name.lower() not in SPLIT_FOLDERS
                   and any(file.suffix.lower() in FILE_BUILDERS for file in item.rglob("*")))
