@@ -593,7 +593,7 @@ def _shadowing_hint(folder: Path) -> str:
     the workers fail to start. Named here, where only the workers' noise would say it."""
     # modules the driver took from elsewhere (a reward's helper module imported from this
     # folder is the user's own, not a shadow)
-    imported = {name for name, module in sys.modules.items()
+    imported = {name for name, module in list(sys.modules.items())  # a copy: threads may import meanwhile
                 if "." not in name and name != "__main__" and not _inside(module, folder)}
     try:
         shadowing = sorted(item.name for item in folder.iterdir()
