@@ -26,9 +26,9 @@ from flowrl.devices.groups import pipeline_groups
 from flowrl.devices.inventory import Inventory, detect_local
 from flowrl.devices.matching import Match, match_groups
 from flowrl.devices.report import inventory_lines
-from flowrl.errors import ClusterError, FlowrlError, UnmatchedGroups
+from flowrl.errors import ClusterError, FlowrlError
 from flowrl.planner.search import SearchOptions, sharings
-from flowrl.spec.loader import issue_locator, load_pipeline, placed
+from flowrl.spec.loader import issue_locator, load_pipeline, placed_within
 from flowrl.spec.schema import PipelineSpec, RuntimeSpec, check_scheduler_address
 
 
@@ -53,10 +53,8 @@ def devices_command(
             shareable = next(sharings(graph, match, SearchOptions()), None) is not None
             _print_match(graph.spec, match, shareable, console)
     if match is not None:
-        try:
+        with placed_within(issue_locator(pipeline) if pipeline is not None else None):  # at the groups' lines
             match.raise_if_unsatisfied()
-        except UnmatchedGroups as error:  # at the groups' lines
-            raise placed(error, issue_locator(pipeline)) if pipeline is not None else error from None
 
 
 JOIN_TIMEOUT_S = 10.0

@@ -281,22 +281,14 @@ def _train(graph: Any, base_dir: Path, plain: bool, resume: bool, force: bool, o
         pending = PendingCluster(overrides.get("cpu_slots") or runtime.cpu_slots, runtime.dashboard, runtime.pin_cpus)
     try:
         from flowrl.api.run import run as run_pipeline
+        from flowrl.spec.loader import placed_within
         from flowrl.ui import make_reporter
 
         console = _console()
         num_steps = overrides.get("steps") or graph.spec.trainer.steps
-        with make_reporter(console, plain, graph.name, num_steps) as reporter:
+        with placed_within(locate), make_reporter(console, plain, graph.name, num_steps) as reporter:
             result = run_pipeline(graph, observer=reporter, base_dir=base_dir, resume=resume, force=force,
                                   local_cluster=pending, overwrite=overwrite, **overrides)
-    except FlowrlError as error:
-        if locate is None:
-            raise
-        from flowrl.spec.loader import placed
-
-        located = placed(error, locate)
-        if located is error:
-            raise
-        raise located from None
     finally:
         if pending is not None:
             pending.discard()

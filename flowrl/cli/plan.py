@@ -26,14 +26,14 @@ from rich.table import Table
 from flowrl.cli.devices import inventory_for
 from flowrl.devices.groups import pipeline_groups
 from flowrl.devices.matching import match_groups
-from flowrl.errors import FlowrlError, PlacementError, SpecError, UnmatchedGroups
+from flowrl.errors import FlowrlError, PlacementError, SpecError
 from flowrl.graph import PipelineGraph
 from flowrl.planner.compiled import CompiledPlan, compile_plan, layout_words
 from flowrl.planner.cost import measure_cpu_rates, resolve_shape
 from flowrl.planner.costs import EstimatedCosts
 from flowrl.planner.micro_batches import resolve_micro_batches, resolved_json
 from flowrl.planner.search import FEWER_CPU_SLOTS_WITHIN
-from flowrl.spec.loader import issue_locator, load_pipeline, placed
+from flowrl.spec.loader import issue_locator, load_pipeline, placed_within
 
 GANTT_WIDTH = 60
 """Characters of the terminal timeline's time axis."""
@@ -61,10 +61,8 @@ def plan_command(
     # measured as `flowrl run` measures them, so that both predict alike.
     cpu_rates = measure_cpu_rates() if devices_file is None else None
     match = match_groups(pipeline_groups(graph.spec), inventory)
-    try:
+    with placed_within(issue_locator(pipeline, overrides)):  # at the groups' lines
         match.raise_if_unsatisfied()
-    except UnmatchedGroups as error:  # at the groups' lines
-        raise placed(error, issue_locator(pipeline, overrides)) from None
     costs = EstimatedCosts(graph, cpu_rates, base_dir)
     graph, costs, passes = resolve_micro_batches(graph, inventory, match, costs)
     plan = compile_plan(graph, inventory, match=match, costs=costs)

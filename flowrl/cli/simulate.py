@@ -20,12 +20,12 @@ from rich.table import Table
 
 from flowrl.cli.devices import inventory_for
 from flowrl.planner.cost import measure_cpu_rates
-from flowrl.errors import FlowrlError, SpecError, UnmatchedGroups
+from flowrl.errors import FlowrlError, SpecError
 from flowrl.scheduler.events import Decision
 from flowrl.scheduler.policy import settings_from_spec
 from flowrl.simulator.run import SimulationResult, compare_policies
 from flowrl.simulator.scenario import SHIPPED_DIR, Scenario, load_scenario
-from flowrl.spec.loader import issue_locator, load_pipeline, placed
+from flowrl.spec.loader import issue_locator, load_pipeline, placed_within
 
 POLICIES = ("static", "dynamic", "both")
 
@@ -67,11 +67,9 @@ def simulate_command(
     settings = settings_from_spec(graph.spec.scheduler, restart_s=None)
     # where this machine is simulated, its CPUs are measured as flowrl plan and run measure them
     cpu_rates = measure_cpu_rates() if devices_file is None and not graph.spec.runtime.scheduler_address else None
-    try:
+    with placed_within(issue_locator(pipeline, overrides)):  # unmatched groups at their lines
         results = compare_policies(graph, inventory, chosen, names, steps, seed, settings,
                                    base_dir=pipeline.resolve().parent, cpu_rates=cpu_rates)
-    except UnmatchedGroups as error:  # at the groups' lines
-        raise placed(error, issue_locator(pipeline, overrides)) from None
     used_seed = chosen.seed if seed is None else seed
     if as_json:
         data = {

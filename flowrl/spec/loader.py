@@ -9,7 +9,8 @@ those about command-line overrides (``trainer.steps=abc``) in the order they wer
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +125,19 @@ def placed(error: FlowrlError, locate: Locate) -> FlowrlError:
     if type(error) is SpecError and any(map(unplaced, error.issues)):
         return SpecError([locate(issue.path, issue.message) if unplaced(issue) else issue for issue in error.issues])
     return error
+
+
+@contextmanager
+def placed_within(locate: Locate | None) -> Iterator[None]:
+    """The flowrl errors raised inside, :func:`placed` by ``locate`` where it can place them
+    (None: as they are)."""
+    try:
+        yield
+    except FlowrlError as error:
+        located = placed(error, locate) if locate is not None else error
+        if located is error:
+            raise
+        raise located from None
 
 
 def _locate(
