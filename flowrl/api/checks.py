@@ -361,16 +361,17 @@ def inert_settings(graph: PipelineGraph) -> list[str]:
     """Settings this pipeline accepts and that change nothing where it runs, for a note (a
     pipeline may be written to run on CPU slots and GPUs alike): ``offload_to_cpu`` of a model
     whose nodes all run on CPU slots, where its weights are in host memory already."""
+    from flowrl.devices.groups import model_group, pipeline_groups
+    from flowrl.planner.placement import node_group
+
     notes = []
     spec = graph.spec
+    groups = pipeline_groups(spec)  # a model without a group has a one-CPU-slot group of its own
     for name, model in spec.models.items():
         if not model.offload_to_cpu:
             continue
-        # a node may name its own group; a model without one gets a one-CPU-slot group
-        groups = {node.device_group or model.device_group for node in spec.nodes.values() if node.model == name}
-        kinds = {spec.devices[group].type if group is not None and group in spec.devices else "cpu"
-                 for group in groups or {model.device_group}}
-        if kinds == {"cpu"}:
+        used = {node_group(graph, node) for node, item in spec.nodes.items() if item.model == name}
+        if all(groups[group].type == "cpu" for group in used or {model_group(graph, name)} if group in groups):
             notes.append(f"models.{name}.offload_to_cpu pages a GPU model's weights, and '{name}' runs on CPU "
                          "slots, where its weights are in host memory already: it changes nothing here")
     return notes

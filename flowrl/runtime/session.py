@@ -216,16 +216,14 @@ class Session:
         they do not draw the same random numbers for different prompts."""
         seed = self.pipeline.spec.trainer.seed
         calls = []
-        training = set()  # (model, slot) of the copies an update trains
-        for node in self.pipeline.nodes_of(UpdateNode):
-            training |= {(self.pipeline.spec.nodes[node].model, slot) for slot in self.plan.slots_of(node)}
+        training = self._training_slots(self.plan)
         for model, slots in self.plan.model_slots.items():
             spec = self.pipeline.spec.models[model]
             for slot in slots:
                 offset = stream_offset(self.pipeline, self.plan, model, slot)
                 calls.append((slot, self.hosts[slot].load_model(model, spec, seed + offset, adapter_seed=seed)))
         infos = self.gather_long(calls, "loading models")
-        return [{**info, "trains": (info["model"], slot) in training} for (slot, _), info in zip(calls, infos)]
+        return [{**info, "trains": slot in training.get(info["model"], [])} for (slot, _), info in zip(calls, infos)]
 
     def run_step(
         self, step: int, prompts: Sequence[Any], kl_coefs: dict[str, float] | None = None, profile_dir: str = ""
