@@ -8,7 +8,6 @@ the file and line of its ``fn:``, not at step 1.
 from __future__ import annotations
 
 import inspect
-import json
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,7 @@ from flowrl.api.data import eval_examples, policy_formatter, training_source
 from flowrl.api.model_fit import model_fit_issues
 from flowrl.backends.cache import BUILTIN_PREFIX as MODEL_PREFIX
 from flowrl.backends.catalog import lookup_builtin
-from flowrl.backends.locations import config_problem, hub_model_problem, saved_model_location, tokenizer_problem
+from flowrl.backends.locations import config_problem, hub_model_problem, read_config, saved_model_location, tokenizer_problem
 from flowrl.backends.model_facts import kind_problem, model_facts
 from flowrl.data import PromptExample, PromptSource
 from flowrl.data.files import missing_local_source, resolve_local
@@ -216,7 +215,7 @@ def _weights_problem(location: Path, path: str, base_dir: Path | None, trust_rem
 
     if not has_weights(location):
         return None
-    quantized = "quantization_config" in json.loads((location / "config.json").read_text())
+    quantized = "quantization_config" in read_config(location)
     skeleton = None if quantized else _skeleton(path, base_dir, None, trust_remote_code)
     if skeleton is None:  # quantized weights are packed: their shapes are not the config's
         return weights_problem(location)

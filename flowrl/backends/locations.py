@@ -5,7 +5,9 @@ paths with these before any worker starts."""
 from __future__ import annotations
 
 import difflib
+import json
 from pathlib import Path
+from typing import Any
 
 from flowrl.backends.cache import BUILTIN_PREFIX
 from flowrl.backends.hub import HUB_NAME_PATTERN, HUB_PROBE_TIMEOUT_S, hub_offline, hub_reachable
@@ -92,19 +94,29 @@ def saved_model_location(path: str, base_dir: Path | None = None) -> Path | str:
     return location
 
 
-def config_problem(location: Path) -> str | None:
-    """Why the config.json of model folder ``location`` cannot be read, or None."""
-    import json
-
+def read_config(location: Path) -> dict[str, Any]:
+    """The settings in model folder ``location``'s config.json; a ModelLoadError says why they
+    cannot be read (unreadable, not JSON, not an object). The one reader of a folder's config
+    for validation, the planner and the model facts."""
     config = location / "config.json"
     try:
         text = json.loads(config.read_text())
     except (OSError, UnicodeDecodeError) as error:
-        return f"{config} cannot be read ({error})"
+        raise ModelLoadError(f"{config} cannot be read ({error})") from None
     except ValueError as error:
-        return f"{config} is not valid JSON ({error}); pass the config.json save_pretrained wrote"
+        raise ModelLoadError(f"{config} is not valid JSON ({error}); pass the config.json save_pretrained wrote") from None
     if not isinstance(text, dict):
-        return f"{config} holds a {type(text).__name__}, not an object of settings; pass the config.json save_pretrained wrote"
+        raise ModelLoadError(f"{config} holds a {type(text).__name__}, not an object of settings; pass the "
+                             "config.json save_pretrained wrote")
+    return text
+
+
+def config_problem(location: Path) -> str | None:
+    """Why the config.json of model folder ``location`` cannot be read, or None."""
+    try:
+        read_config(location)
+    except ModelLoadError as error:
+        return str(error)
     return None
 
 

@@ -5,14 +5,14 @@ with the policy's, and with the model's ``kind``."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from flowrl.backends.cache import BUILTIN_PREFIX
 from flowrl.backends.catalog import lookup_builtin
-from flowrl.backends.locations import resolve_model_path
+from flowrl.backends.locations import read_config, resolve_model_path
+from flowrl.errors import ModelLoadError
 
 SCALAR_MARKER = "scalar_head.json"
 """Beside a value or reward model that flowrl saved: its trained scalar head's format."""
@@ -50,10 +50,8 @@ def model_facts(path: str, base_dir: Path | None = None, revision: str | None = 
     if config_file is None:
         return None
     try:
-        config = json.loads(config_file.read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(config, dict):
+        config = read_config(config_file.parent)
+    except ModelLoadError:
         return None
     # a multimodal config keeps the language model's numbers in text_config
     nested = config.get("text_config")

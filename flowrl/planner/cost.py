@@ -48,16 +48,15 @@ Memory (bytes):
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from flowrl.backends.catalog import BUILTIN_MODELS
-from flowrl.backends.locations import config_problem
+from flowrl.backends.locations import read_config
 from flowrl.backends.logits import transforms_logits
-from flowrl.errors import PlacementError
+from flowrl.errors import ModelLoadError, PlacementError
 
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
 """Bytes per parameter of each dtype a model may declare."""
@@ -143,10 +142,10 @@ def resolve_shape(path: str, base_dir: Path | None = None) -> ModelShape:
     directory = Path(path) if base_dir is None else base_dir / path
     config_file = directory / "config.json"
     if config_file.is_file():
-        problem = config_problem(directory)
-        if problem is not None:
-            raise PlacementError(f"cannot size model '{path}' for planning: {problem}")
-        return shape_from_config(json.loads(config_file.read_text()), str(config_file))
+        try:
+            return shape_from_config(read_config(directory), str(config_file))
+        except ModelLoadError as error:
+            raise PlacementError(f"cannot size model '{path}' for planning: {error}") from None
     names = ", ".join(sorted(KNOWN_SHAPES))
     raise PlacementError(
         f"cannot size model '{path}' for planning: it is not a local directory with a "
