@@ -33,7 +33,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from pydantic import model_validator
 
 from flowrl.devices.groups import pipeline_groups
 from flowrl.devices.inventory import Device, Inventory
@@ -60,15 +59,15 @@ from flowrl.scheduler.events import (
 from flowrl.scheduler.moves import plan_moves
 from flowrl.scheduler.replan import placement_of, prune_moves
 from flowrl.planner.search import MEMORY_RESERVE
-from flowrl.spec.schema import SchedulerSpec
+from flowrl.spec.schema import SchedulerSettings, SchedulerSpec
 
 RECORD_GAIN = 0.01
 """A re-plan that is not accepted is recorded when it would have gained this share per step."""
 
 
-class PolicySettings(SchedulerSpec):
+class PolicySettings(SchedulerSettings):
     """How eagerly the dynamic policy re-plans, and what a move must gain: the pipeline's
-    ``scheduler:`` section (``SchedulerSpec``, whose fields say what each does) plus what the
+    ``scheduler:`` section (``SchedulerSettings``, whose fields say what each does) plus what the
     run measures or the simulator sets."""
 
     restart_s: float = 0.05
@@ -86,12 +85,6 @@ class PolicySettings(SchedulerSpec):
     """Measured steps (after a warm-up step) that learn how far the cost model is off per
     node, before device speeds are judged (``DeviceCalibration``). Real runs need it; the
     simulator, whose node times are the cost model's, does not. Default 0."""
-
-    @model_validator(mode="after")
-    def _dynamic_read(self) -> PolicySettings:
-        # replaces SchedulerSpec's check of the same name: these are the dynamic policy's
-        # settings, also where the simulator runs it beside a file's static policy
-        return self
 
 
 def settings_from_spec(

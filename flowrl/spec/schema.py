@@ -934,8 +934,10 @@ class TrainerSpec(StrictModel):
     flowrl extra of the same name). Default [jsonl]."""
 
 
-class SchedulerSpec(StrictModel):
-    """When the placement is reconsidered while running."""
+class SchedulerSettings(StrictModel):
+    """The fields of the ``scheduler:`` section, with no check between them: the dynamic
+    policy's own settings (``flowrl.scheduler.PolicySettings``) extend these, and are read
+    where the simulator runs that policy beside a file's static one."""
 
     policy: Literal["static", "dynamic"] = "static"
     """static keeps the first plan; dynamic re-plans from measurements. Default static."""
@@ -953,6 +955,10 @@ class SchedulerSpec(StrictModel):
     share (hysteresis). Default 0.1."""
     max_moves_per_replan: int = Field(default=4, ge=1)
     """Most models one re-plan may move (a lost device ignores it). Default 4."""
+
+
+class SchedulerSpec(SchedulerSettings):
+    """When the placement is reconsidered while running."""
 
     @model_validator(mode="after")
     def _dynamic_read(self) -> SchedulerSpec:
