@@ -18,6 +18,7 @@ from flowrl.backends.models import load_policy, load_scalar, resolve_model_path
 from flowrl.backends.compiled_layers import ATTRIBUTE as COMPILED_ATTRIBUTE
 from flowrl.backends.static_decode import DECODER_ATTRIBUTE
 from flowrl.backends.value_model import ScalarHeadModel
+from flowrl.errors import CheckpointError
 from flowrl.roles.master_weights import MasterWeightAdamW, needs_masters, without_masters
 
 MODULE_CACHES = (DECODER_ATTRIBUTE, COMPILED_ATTRIBUTE)
@@ -263,6 +264,7 @@ class ModelState:
         if "weights" in saved:
             self.load_weights(saved["weights"])
         if saved.get("optimizer") is not None:
+            self._check_optimizer(saved["optimizer"])
             if self.shards_training and self.sharded is None:
                 # cut into shards by the next update; no whole optimizer on the device before
                 self.pending_optimizer, self.optimizer = saved["optimizer"], None
@@ -276,6 +278,19 @@ class ModelState:
             self.num_updates = int(saved["num_updates"])
         if saved.get("generator") is not None:
             self.generator.set_state(saved["generator"])
+
+    def _check_optimizer(self, whole: dict[str, Any]) -> None:
+        """An optimizer state of as many parameters as this copy trains (one saved for a model
+        of another configuration failed in torch's loading with a traceback)."""
+        saved = sum(len(group["params"]) for group in whole["param_groups"])
+        trained = len(self._trained_parameters())
+        if saved != trained:
+            source = f" ({self.source})" if self.source else ""
+            raise CheckpointError(
+                f"the optimizer state of '{self.name}' is for {saved} trained tensors, and models.{self.name}{source} "
+                f"trains {trained}: it was saved for another model; resume with the model that wrote it, or start "
+                "afresh in another output_dir"
+            )
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Whole tensors by ``state_dict`` name, into the whole copy and, when sharded, into

@@ -126,10 +126,9 @@ def load_model_state(state: ModelState, directory: Path, parts: tuple[str, ...] 
         if has_adapters(state.module):
             weights = read_adapter(directory / ADAPTER_DIR)
             _check_adapters(state, directory, weights)
-        elif isinstance(state.module, ScalarHeadModel):
-            weights = scalar_model_weights(directory)
         else:
-            weights = read_weights(directory)
+            weights = scalar_model_weights(directory) if isinstance(state.module, ScalarHeadModel) else read_weights(directory)
+            _check_weights(state, directory, weights)
     except CheckpointError:
         raise
     except (OSError, ValueError, KeyError, ModelLoadError) as error:
@@ -146,6 +145,33 @@ def load_model_state(state: ModelState, directory: Path, parts: tuple[str, ...] 
         everything = {key: value for key, value in everything.items()
                       if key in parts or (key == "num_updates" and "optimizer" in parts)}
     state.restore(everything)
+
+
+def _check_weights(state: ModelState, directory: Path, saved: dict[str, torch.Tensor]) -> None:
+    """The saved weights must be the model's: the same names and shapes (a resume whose
+    model path was changed, with ``--force``, to a model of another configuration)."""
+    own = state.module.state_dict()
+    reshaped = [f"{key} {list(tensor.shape)} against {list(own[key].shape)} now" for key, tensor in saved.items()
+                if key in own and tuple(tensor.shape) != tuple(own[key].shape)]
+    unknown = [key for key in saved if key not in own]
+    # tied weights stand in state_dict under each name and in the file under one
+    stored = {own[key].data_ptr() for key in saved if key in own}
+    missing = [key for key, tensor in own.items() if key not in saved and tensor.data_ptr() not in stored]
+    if reshaped or unknown or missing:
+        found = "; ".join(f"{what}: {_first(names)}" for what, names in (
+            ("other shapes", reshaped), (f"weights models.{state.name} lacks", unknown),
+            ("weights the checkpoint lacks", missing)) if names)
+        source = f" ({state.source})" if state.source else ""
+        raise CheckpointError(
+            f"the checkpoint of '{state.name}' in {directory} holds the weights of another model than "
+            f"models.{state.name} now{source}: {found}; resume with the model that wrote it, or start afresh in "
+            "another output_dir"
+        )
+
+
+def _first(names: list[str], shown: int = 3) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
 
 
 def _check_base(state: ModelState, directory: Path, saved: str) -> None:

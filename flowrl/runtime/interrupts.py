@@ -9,14 +9,22 @@ the cluster, an exit handler reaping the fork server) and cuts it short: its bar
 ``interrupted`` or traceback replaces the message that says where the run stopped and how to
 resume it, and what the clean-up left half done can hold the exit up for seconds.
 
+A stop signal that comes while the main thread imports a module is raised once the import
+is over. Raised inside one, the KeyboardInterrupt leaves a half-initialised module behind (a
+later import of torch aborted the process: "cannot initialize type GradBucket: an object with
+that name is already defined"), or lands in a callback of the import machinery that drops it
+(the command then went on after the Ctrl-C).
+
 Kept free of heavy imports: the command line sets it up first thing.
 """
 
 from __future__ import annotations
 
+import _thread
 import os
 import signal
 import threading
+from types import FrameType
 from typing import Any
 
 LEAVE_AT = 3
@@ -32,6 +40,14 @@ class _Stop:
     signal: str | None = None
     count = 0
     """Stop signals that came."""
+    owed = False
+    """The first signal's KeyboardInterrupt waits for the import under way to end."""
+    retrying = False
+    """The next call of the handler is a retry of the owed KeyboardInterrupt, not a signal."""
+
+
+RETRY_S = 0.02
+"""How often an owed KeyboardInterrupt is tried again while an import runs."""
 
 
 def stop_at_first_signal() -> None:
@@ -92,10 +108,43 @@ def stopping_for() -> str | None:
     return _Stop.signal
 
 
-def _interrupt_once(signum: int, frame: Any) -> None:
-    if _Stop.signal is not None:
+def _interrupt_once(signum: int, frame: FrameType | None) -> None:
+    retry, _Stop.retrying = _Stop.retrying, False
+    if _Stop.signal is None:
+        _Stop.signal = signal.Signals(signum).name
+        _Stop.count = 1
+    elif not retry:
         repeated_signal()  # the stop is under way: an exception now would cut its clean-up short
+        if not _Stop.owed:
+            return
+    # the first signal, or its KeyboardInterrupt still owed
+    if not _importing(frame):
+        _Stop.owed = False
+        raise KeyboardInterrupt
+    if retry or not _Stop.owed:  # no retry pending: the first signal, or the last retry came
+        timer = threading.Timer(RETRY_S, _retry, args=(signum,))
+        timer.daemon = True
+        timer.start()
+    _Stop.owed = True
+
+
+def _retry(signum: int) -> None:
+    """From a timer's thread: call the handler again in the main thread, as a signal would,
+    while the KeyboardInterrupt is still owed and the handler still this module's (a run
+    loop's own handler has the stop in hand: ``stopping_for``)."""
+    if not _Stop.owed:
         return
-    _Stop.signal = signal.Signals(signum).name
-    _Stop.count = 1
-    raise KeyboardInterrupt
+    if signal.getsignal(signum) is not _interrupt_once:
+        _Stop.owed = False
+        return
+    _Stop.retrying = True
+    _thread.interrupt_main(signal.Signals(signum))
+
+
+def _importing(frame: FrameType | None) -> bool:
+    """Whether ``frame`` runs inside an import: a module's body or the import machinery."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +24,8 @@ def python_handles_sigint(monkeypatch: pytest.MonkeyPatch) -> object:
     monkeypatch.setattr(interrupts._Stop, "enabled", False)
     monkeypatch.setattr(interrupts._Stop, "signal", None)
     monkeypatch.setattr(interrupts._Stop, "count", 0)
+    monkeypatch.setattr(interrupts._Stop, "owed", False)
+    monkeypatch.setattr(interrupts._Stop, "retrying", False)
     before = signal.signal(signal.SIGINT, signal.default_int_handler)
     others = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGHUP)}
     yield
@@ -207,3 +212,37 @@ def test_a_command_started_with_sighup_ignored_keeps_ignoring_it() -> None:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as under nohup
     stop_at_first_signal()
     assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+
+
+def _command(tmp_path: Path, module_body: str, main: str) -> subprocess.CompletedProcess[str]:
+    """Run ``main`` as a command (stopping at its first signal) beside a module ``slow`` whose
+    body is ``module_body``."""
+    (tmp_path / "slow.py").write_text(module_body)
+    code = ("import os, signal, sys, time\n"
+            "from flowrl.runtime.interrupts import stop_at_first_signal\n"
+            "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+            f"stop_at_first_signal()\nsys.path.insert(0, {str(tmp_path)!r})\n" + main)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+
+
+def test_a_signal_during_an_import_is_raised_once_the_import_is_over(tmp_path: Path) -> None:
+    """Raised inside an import, the KeyboardInterrupt left half-initialised modules (a later
+    import of torch aborted the process) or was dropped by the import machinery's callbacks
+    (the command went on after the Ctrl-C)."""
+    done = _command(
+        tmp_path,
+        "import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\ntime.sleep(0.2)\nWHOLE = True\n",
+        "try:\n    import slow\n    print('imported', slow.WHOLE, flush=True)\n    time.sleep(10)\n"
+        "    print('not interrupted', flush=True)\nexcept KeyboardInterrupt:\n"
+        "    print('interrupted', 'slow' in sys.modules, flush=True)\n")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["imported", "True", "interrupted", "True"]
+
+
+def test_the_third_stop_signal_during_an_import_still_leaves_at_once(tmp_path: Path) -> None:
+    """An import that hangs can be left as a clean-up that hangs can."""
+    body = "import os, signal, time\n" + "os.kill(os.getpid(), signal.SIGINT)\ntime.sleep(0.1)\n" * 3 + \
+        "time.sleep(10)\nprint('not reached', flush=True)\n"
+    done = _command(tmp_path, body, "import slow\n")
+    assert done.returncode == 130
+    assert "stopped at once (a third stop signal)" in done.stderr and "not reached" not in done.stdout

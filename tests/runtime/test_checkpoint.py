@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, LlamaForCausalLM
 
 from flowrl.api.outputs import RunFolder
 from flowrl.api.recovery import checkpoint_problem
@@ -18,7 +18,7 @@ from flowrl.backends.weight_files import INDEX_NAME, WEIGHTS_NAME, read_weights,
 from flowrl.errors import CheckpointError
 from flowrl.roles.state import ModelState
 from flowrl.runtime.checkpoint import STATE_FILE, load_model_state, save_model_state
-from tests.tiny_models import model_state, tiny_policy, tiny_scalar_model
+from tests.tiny_models import model_state, tiny_llama_config, tiny_policy, tiny_scalar_model
 
 
 def _trained(state: ModelState) -> ModelState:
@@ -221,3 +221,39 @@ def test_read_weights_takes_only_the_named_tensors(tmp_path: Path) -> None:
     assert read_weights(tmp_path, [name]).keys() == {name}
     with pytest.raises(KeyError, match="no.such"):
         read_weights(tmp_path, ["no.such"])
+
+
+def _policy(seed: int = 0, **changes: object) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = tiny_llama_config()
+    for key, value in changes.items():
+        setattr(config, key, value)
+    return LlamaForCausalLM(config)
+
+
+def test_a_checkpoint_of_another_model_shape_is_a_checkpoint_error_naming_the_weights(tmp_path: Path) -> None:
+    """``flowrl resume --force`` with the model path changed to a model of another width
+    failed in a tensor copy with a traceback."""
+    directory = tmp_path / "actor"
+    save_model_state(_trained(model_state("actor", _policy())), directory, with_state=True, max_shard_size="5GB")
+    with pytest.raises(CheckpointError, match=r"holds the weights of another model than models.actor now: "
+                                              r"other shapes: lm_head.weight \[\d+, 32\] against \[\d+, 16\] now, .* and 9 more"):
+        load_model_state(model_state("actor", _policy(hidden_size=16, intermediate_size=32)), directory)
+
+
+def test_tied_and_untied_checkpoints_resume_only_into_their_own_kind(tmp_path: Path) -> None:
+    """A tied model's file holds the embedding once (the head is the same tensor): it resumes
+    into a tied model, and is refused by an untied one (whose head it lacks; its optimizer
+    state, of one tensor fewer, failed in torch's loading with a traceback)."""
+    tied = tmp_path / "tied"
+    saved = _trained(model_state("actor", _policy(tie_word_embeddings=True)))
+    save_model_state(saved, tied, with_state=True, max_shard_size="5GB")
+    resumed = model_state("actor", _policy(seed=1, tie_word_embeddings=True))
+    load_model_state(resumed, tied)
+    assert torch.equal(resumed.module.lm_head.weight, saved.module.lm_head.weight)
+    with pytest.raises(CheckpointError, match="weights the checkpoint lacks: lm_head.weight"):
+        load_model_state(model_state("actor", _policy(tie_word_embeddings=False)), tied)
+    untied = model_state("actor", _policy(tie_word_embeddings=False))
+    with pytest.raises(CheckpointError, match="the optimizer state of 'actor' is for 11 trained tensors, and "
+                                              "models.actor trains 12"):
+        untied.restore({"optimizer": saved.optimizer.state_dict()})  # type: ignore[union-attr]
