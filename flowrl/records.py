@@ -74,9 +74,18 @@ class StepRecord:
     nodes: list[NodeTiming] = field(default_factory=list)
     devices: list[DeviceSample] = field(default_factory=list)
     elapsed_s: float = 0.0
-    """Seconds since this process's run started (a resumed run: since it resumed)."""
+    """Seconds of the run: since this process's run started, plus ``resumed_s`` (a resumed
+    run's clock goes on from its checkpoint's step)."""
     first_step: int = 1
     """The first step this process ran (a resumed run's first step after its checkpoint)."""
+    resumed_s: float = 0.0
+    """The run's ``elapsed_s`` at the checkpoint this process resumed from (0 for a run that
+    started here): ``elapsed_s - resumed_s`` is this process's time."""
+
+    @property
+    def process_s(self) -> float:
+        """Seconds since this process's run started."""
+        return self.elapsed_s - self.resumed_s
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

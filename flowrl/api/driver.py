@@ -155,6 +155,9 @@ class Driver:
         self.rewards = RewardFailureGuard(graph, folder.checkpoints)
         self.recovery: Recovery | None = None
         self.started = time.perf_counter()
+        self.resumed_s = 0.0
+        """The run's elapsed seconds at the checkpoint this process resumed from
+        (``StepRecord.resumed_s``)."""
         self.built_once = False
         self.standby_started = False
         spec = graph.spec
@@ -294,6 +297,7 @@ class Driver:
             session.load_checkpoint(found.path)
             if found is self.start:
                 self.start_restored = True
+                self.resumed_s = self.folder.elapsed_at(found.step)
                 self.watcher.restored()
             self.kl.load_state_dict(found.trainer_state.get("kl", {}))
             if self.recovery is None:  # a resumed run: what the scheduler had learned (a live one still knows)
@@ -314,6 +318,10 @@ class Driver:
                 f"{'; their lines moved to metrics.rewound.jsonl' if dropped else ''})", back_to))
         return lc.Restored(back_to)
 
+    def _elapsed(self) -> float:
+        """The run's seconds: this process's, after those of the run it resumed."""
+        return self.resumed_s + time.perf_counter() - self.started
+
     def _checkpoint_to_restore(self) -> FoundCheckpoint | None:
         """The checkpoint a resume starts from until it is restored (a roll-back moves the later
         ones aside only then), afterwards the newest."""
@@ -325,8 +333,7 @@ class Driver:
         values, timings = self.evaluator.run(self._session(), 0, self.watcher.event)
         if values:
             self.evaluations.append((0, values))
-            self.watcher.evaluated(StepRecord(0, self.graph.spec.trainer.steps, values,
-                                              elapsed_s=time.perf_counter() - self.started))
+            self.watcher.evaluated(StepRecord(0, self.graph.spec.trainer.steps, values, elapsed_s=self._elapsed()))
         for timing in timings:
             self.folder.append_node(0, timing)
         return lc.Evaluated(0)
@@ -389,8 +396,8 @@ class Driver:
             self.evaluations.append((step, values))
         for timing in timings:
             self.folder.append_node(step, timing)
-        record = StepRecord(step, num_steps, metrics, nodes, devices, time.perf_counter() - self.started,
-                            first_step=self.machine.first_step)
+        record = StepRecord(step, num_steps, metrics, nodes, devices, self._elapsed(),
+                            first_step=self.machine.first_step, resumed_s=self.resumed_s)
         self.records.append(record)
         self.watcher.step(record)
         self.folder.append_samples(step, samples)

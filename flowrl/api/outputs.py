@@ -230,6 +230,22 @@ class RunFolder:
             path.write_text("".join(line + "\n" for line in kept))
         return dropped
 
+    def elapsed_at(self, step: int) -> float:
+        """The run's elapsed seconds when ``step`` finished, from metrics.jsonl (0 for step 0,
+        or a step it has no line of)."""
+        path = self.path / "metrics.jsonl"
+        if step <= 0 or not path.is_file():
+            return 0.0
+        for text in path.read_text().splitlines():
+            try:
+                at, line = step_line(text)
+            except ValueError:
+                continue  # a line cut short by a killed process
+            elapsed = line.get("elapsed_s")
+            if at == step and isinstance(elapsed, (int, float)):
+                return float(elapsed)
+        return 0.0
+
     def add_measured_to_plans(self, records: list[StepRecord]) -> None:
         """Put what the run measured beside what each plan predicted: plan-N.json gets a
         ``measured`` section over the steps it governed (from N, or 1, to the next plan):

@@ -127,7 +127,8 @@ def load_model_state(state: ModelState, directory: Path, parts: tuple[str, ...] 
             weights = read_adapter(directory / ADAPTER_DIR)
             _check_adapters(state, directory, weights)
         else:
-            weights = scalar_model_weights(directory) if isinstance(state.module, ScalarHeadModel) else read_weights(directory)
+            scalar = isinstance(state.module, ScalarHeadModel)
+            weights = scalar_model_weights(directory) if scalar else read_weights(directory)
             _check_weights(state, directory, weights)
     except CheckpointError:
         raise

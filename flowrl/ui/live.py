@@ -110,7 +110,7 @@ class LiveView:
         with self._lock:
             self._last = record
             self._last_received_s = self._clock()
-            self._eta.add(record.step, record.elapsed_s, record.first_step)
+            self._eta.add(record.step, record.process_s, record.first_step)
             if REWARD_KEY in record.metrics:
                 self._rewards.append(record.metrics[REWARD_KEY])
 
@@ -150,7 +150,7 @@ class LiveView:
         now_s = self._clock()
         if self._last is None:
             return now_s - self._started_s
-        return self._last.elapsed_s + (now_s - self._last_received_s)
+        return self._last.process_s + (now_s - self._last_received_s)
 
     def _header(self) -> Table:
         step = self._last.step if self._last is not None else 0

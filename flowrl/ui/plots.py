@@ -99,7 +99,7 @@ def timeline(bars: list[Bar], lanes: list[str], title: str, path: Path, lane_lab
 
 def curves(series: dict[str, tuple[list[float], list[float]]], path: Path, marks: tuple[Mark, ...] = (),
            x_label: str = "step", columns: int = 2) -> None:
-    """Small line plots, one per named series of (x, y), faults and moves as vertical lines."""
+    """Small line plots, one per named series of (x, y), faults, moves and resumes as vertical lines."""
     pyplot = _pyplot()
     names = list(series)
     rows = max(1, -(-len(names) // columns))

@@ -11,7 +11,7 @@ samples), ``events.jsonl`` (faults and moves, marked on the curves) and ``plan-0
   when the run evaluated), ``timeline.png`` (the measured timeline of one step: a lane per
   worker, a bar per node call, its wait for inputs in grey), ``nodes.png`` (predicted and
   measured seconds per node), ``devices.png`` (utilisation and memory of each device over the
-  run), with faults and moves as dashed lines;
+  run), with faults, moves and resumes as dashed lines;
 - ``trace.json``: every node call of every step in Chrome's trace format (``chrome://tracing``,
   https://ui.perfetto.dev): one thread per worker, a slice per wait and per computation.
 """
@@ -191,7 +191,7 @@ def _write_report(files: RunFiles, folder: Path, out: Path, step: int | None) ->
         if points:
             series[title] = ([float(x) for x, _ in points], [float(y) for _, y in points])
     curves(series, out / "curves.png", files.marks(on_time=False))
-    pictures.append(("curves.png", "Training curves", "per step; dashed: faults (red) and moves (purple)"))
+    pictures.append(("curves.png", "Training curves", "per step; dashed: faults (red), moves (purple) and resumes (green)"))
 
     evaluated = sorted({key for line in files.metrics for key in line if key.startswith("val/") and key.endswith("/mean")})
     if evaluated:
@@ -225,7 +225,8 @@ def _write_report(files: RunFiles, folder: Path, out: Path, step: int | None) ->
             device_series[f"{device} utilisation"] = (xs, [float(sample["utilization"]) for sample in rows])
             device_series[f"{device} memory (GB)"] = (xs, [float(sample["memory_gb"]) for sample in rows])
         curves(device_series, out / "devices.png", files.marks(on_time=True), x_label="seconds")
-        pictures.append(("devices.png", "Devices", "per worker slot over the run; dashed: faults and moves"))
+        pictures.append(("devices.png", "Devices", "per worker slot over the run (a resumed run's clock goes on from "
+                         "its checkpoint); dashed: faults, moves and resumes"))
 
     (out / "trace.json").write_text(json.dumps(chrome_trace(files)))
     page = out / "index.html"
