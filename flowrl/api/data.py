@@ -110,6 +110,16 @@ def evaluates_training_prompts(graph: PipelineGraph, base_dir: Path | None) -> b
     return graph.spec.eval is not None and _eval_data(graph, base_dir) == (data.source, data.split, data.subset)
 
 
+def not_held_out(graph: PipelineGraph, base_dir: Path | None) -> str | None:
+    """Where the evaluation's prompts come from when they are the training data's split
+    (:func:`evaluates_training_prompts`), said for a warning; None when they are held out."""
+    if not evaluates_training_prompts(graph, base_dir):
+        return None
+    data = graph.spec.data
+    return (f"split '{data.split}' of {data.source}, the split training draws from, so they are not held out; give "
+            "eval.source held-out prompts (a single data file has only that split) or eval.split another split")
+
+
 def _eval_data(graph: PipelineGraph, base_dir: Path | None) -> tuple[str, str, str | None]:
     """(source, split, subset) an evaluation reads: its own, else the training data's."""
     spec = graph.spec

@@ -154,6 +154,8 @@ class Driver:
         self.nonfinite = NonFiniteGuard(graph.spec.trainer.max_nonfinite_updates, folder.checkpoints)
         self.rewards = RewardFailureGuard(graph, folder.checkpoints)
         self.recovery: Recovery | None = None
+        self.interrupt = _InterruptFlag()
+        """Stop signals while the loop runs (``run``)."""
         self.started = time.perf_counter()
         self.resumed_s = 0.0
         """The run's elapsed seconds at the checkpoint this process resumed from
@@ -175,6 +177,7 @@ class Driver:
 
     def run(self) -> None:
         with _InterruptFlag() as interrupt:
+            self.interrupt = interrupt
             self._loop(interrupt)
 
     def _loop(self, interrupt: _InterruptFlag) -> None:
@@ -186,7 +189,7 @@ class Driver:
                 with interrupt.armed():
                     event = self.carry_out(instruction)
             except KeyboardInterrupt:
-                event = lc.Interrupted(interrupt.signal)
+                event = lc.Interrupted(interrupt.signal, self._last_finished())
             except Exception as failure:  # noqa: BLE001 - every failure becomes an event
                 failure = self._hung_reward(failure)
                 error, failed_at = failure, instruction
@@ -196,11 +199,15 @@ class Driver:
             if interrupt.raised:
                 # Ctrl-C came, even if the KeyboardInterrupt it raised was swallowed on the
                 # way (C code that clears Python errors): the run stops all the same.
-                event = lc.Interrupted(interrupt.signal)
+                event = lc.Interrupted(interrupt.signal, self._last_finished())
             instruction = self.machine.handle(event)
         if isinstance(instruction, lc.Stop):
             self._interrupt_signal = interrupt.signal
             self._stop(instruction, error, failed_at)
+
+    def _last_finished(self) -> int:
+        """The last step whose record was written (the checkpoint's after a restore)."""
+        return self.records[-1].step if self.records else self.machine.first_step - 1
 
     def close(self) -> None:
         if self.session is not None:
@@ -398,9 +405,10 @@ class Driver:
             self.folder.append_node(step, timing)
         record = StepRecord(step, num_steps, metrics, nodes, devices, self._elapsed(),
                             first_step=self.machine.first_step, resumed_s=self.resumed_s)
-        self.records.append(record)
-        self.watcher.step(record)
-        self.folder.append_samples(step, samples)
+        with self.interrupt.held():
+            self.records.append(record)
+            self.watcher.step(record)
+            self.folder.append_samples(step, samples)
         self.nonfinite.check(record, self.watcher)
         self.rewards.check(step, reports, self.watcher.event)
         self.replanner.after_step(record, step_s)
@@ -683,7 +691,7 @@ class Driver:
         return f"the newest{' intact' if checked else ''} checkpoint is {written}. {self._resume_hint()}{later}"
 
     def _resume_hint(self) -> str:
-        return f"Resume it with `flowrl resume {self.folder.path}`"
+        return f"Resume it with `flowrl resume {self.folder.path}` (from Python: `run(pipeline, resume=True)`)"
 
     def _session(self) -> Session:
         if self.session is None:
@@ -744,6 +752,20 @@ class _InterruptFlag:
             yield
         finally:
             self._armed = False
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Inside an armed block: a stop signal waits for this block to end, and is raised
+        then (a finished step's record reaches every file, the terminal and the trackers
+        alike, or none of them)."""
+        armed, came = self._armed, self.raised
+        self._armed = False
+        try:
+            yield
+        finally:
+            self._armed = armed
+        if armed and self.raised and not came:
+            raise KeyboardInterrupt
 
     def __enter__(self) -> _InterruptFlag:
         if threading.current_thread() is not threading.main_thread():

@@ -105,6 +105,8 @@ class Failed:
 @dataclass(frozen=True)
 class Interrupted:
     signal: str = "SIGINT"
+    finished: int = 0
+    """The last step whose record was written: the step under way when it is that one."""
 
 
 Event = Union[Built, Restored, Evaluated, SnapshotTaken, Replanned, StepDone, CheckpointWritten,
@@ -240,7 +242,8 @@ class Lifecycle:
         if self.phase in ("new", "finished", "stopped"):
             raise LifecycleError(f"{type(event).__name__} after the run {self.phase}")
         if isinstance(event, Interrupted):
-            return self._stop("interrupted", f"interrupted ({event.signal}) during step {self.step}")
+            where = f"after step {self.step}" if event.finished >= self.step else f"during step {self.step}"
+            return self._stop("interrupted", f"interrupted ({event.signal}) {where}")
         if isinstance(event, Failed):
             return self._failed(event.fault)
         expected = _EXPECTED[self.phase]

@@ -98,7 +98,9 @@ def resume_note(checkpoints: Path | None, fix: str, changes_pipeline: bool = Fal
         return ("; no checkpoint was written (trainer.checkpoint_every sets how often one is), so a rerun starts "
                 "from step 1")
     force = " --force" if changes_pipeline else ""
-    return f"; its newest checkpoint is {written} ({fix}, then `flowrl resume {checkpoints.parent}{force}`)"
+    python = ", force=True" if changes_pipeline else ""
+    return (f"; its newest checkpoint is {written} ({fix}, then `flowrl resume {checkpoints.parent}{force}`; from "
+            f"Python: `run(pipeline, resume=True{python})`)")
 
 
 def newest_checkpoint(checkpoints: Path) -> FoundCheckpoint | None:

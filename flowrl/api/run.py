@@ -26,7 +26,7 @@ from flowrl.api.replanning import Replanner
 from flowrl.api.result import Observer, RunResult, as_observer, load_run
 from flowrl.backends.cache import BUILTIN_PREFIX, built_builtin_dir, cache_root
 from flowrl.backends.catalog import builtin_folder
-from flowrl.api.data import evaluates_training_prompts, policy_formatter, read_eval, training_source
+from flowrl.api.data import not_held_out, policy_formatter, read_eval, training_source
 from flowrl.api.checks import (call_keywords, check_inputs, eval_reward_issues, inert_settings, model_problems,
                                offered_keywords, reward_issues)
 from flowrl.api.evaluation import Evaluator
@@ -48,7 +48,7 @@ from flowrl.runtime.interrupts import stopping_for
 from flowrl.runtime.cluster import Cluster, PendingCluster, join_for, main_without_a_missing_file
 from flowrl.scheduler import make_policy, settings_from_spec
 from flowrl.scheduler.calibration import calibrated_prediction
-from flowrl.spec.dump import resumable_form, to_yaml, written_steps
+from flowrl.spec.dump import field_changes, resumable_form, to_yaml, written_steps
 from flowrl.spec.lines import nearest_beside
 from flowrl.spec.loader import issue_locator, load_pipeline
 from flowrl.spec.messages import issues_from_validation
@@ -292,7 +292,7 @@ def _run_in(folder: RunFolder, graph: PipelineGraph, observer: Observer | None, 
                                               "with more steps to go on)", 0))
         if forced:
             watcher.event(RunEvent("warning", "resumed with a pipeline that differs from the one the run started with "
-                                              f"(--force; - before, + now): {'; '.join(forced)}", 0, {"changes": forced}))
+                                              f"(--force; {_legend(forced)}): {'; '.join(forced)}", 0, {"changes": forced}))
         if resume and not earlier_run:
             watcher.event(RunEvent("warning", f"resume: {folder.path} held no earlier run, so this one starts at step "
                                               f"1{_run_nearby(folder.path)}", 0))
@@ -379,11 +379,8 @@ def _run_watched(graph: PipelineGraph, folder: RunFolder, watcher: "_Watchers", 
     for inert in inert_settings(graph):
         watcher.event(RunEvent("warning", inert, 0))
     if held_out:
-        if evaluates_training_prompts(graph, base_dir or Path.cwd()):
-            watcher.event(RunEvent(
-                "warning", f"evaluation: {len(held_out)} prompts of split '{spec.data.split}' of {spec.data.source}, the "
-                "split training draws from, so they are not held out; give eval.source held-out prompts (a single "
-                "data file has only that split) or eval.split another split", 0))
+        if (shared := not_held_out(graph, base_dir or Path.cwd())) is not None:
+            watcher.event(RunEvent("warning", f"evaluation: {len(held_out)} prompts of {shared}", 0))
         else:
             watcher.event(RunEvent("data", f"evaluation: {len(held_out)} held-out prompts{_formatted(held_out_counts)}", 0))
     address = spec.runtime.scheduler_address
@@ -425,6 +422,11 @@ def _started_with(folder: RunFolder) -> str | None:
     return stored if isinstance(stored, str) else folder.read_config()
 
 
+def _legend(changes: list[str]) -> str:
+    """How to read ``changes``: diff lines, or a line per field."""
+    return "- before, + now" if changes and changes[0][:1] in ("-", "+") else "before -> now"
+
+
 def _real_changes(changes: list[str]) -> list[str]:
     """The diff lines less a ``trainer:`` line pair that differs only in what a resume may
     change (more steps, a moved folder): those are not changes of the job."""
@@ -443,19 +445,25 @@ def _trainer_form(line: str) -> Any:
 
 
 def _check_unchanged(folder: RunFolder, before: str | None, config_text: str, force: bool) -> list[str]:
-    """The changes of the pipeline since the run started (``before``), as diff lines, when
-    ``force`` lets them through; a FlowrlError showing them otherwise. More steps, or the
-    output folder moved, are not changes: a run may be extended or its folder copied."""
+    """The changes of the pipeline since the run started (``before``), a line per field
+    (``nodes.train.lr: 0.0005 -> 0.001``; diff lines where the earlier text is not a valid
+    pipeline here), when ``force`` lets them through; a FlowrlError showing them otherwise.
+    More steps, or the output folder moved, are not changes: a run may be extended or its
+    folder copied."""
     if before is None or resumable_form(before) == resumable_form(config_text):
         return []
-    changes = _real_changes(config_changes(before, config_text))
+    changes = field_changes(before, config_text)
+    if changes is None:
+        changes = _real_changes(config_changes(before, config_text))
+    if not changes:  # the same job written otherwise (quoting, order, a default spelled out)
+        return []
     if force:
         return changes
     shown = "\n".join(f"  {line}" for line in changes[:20])
     more = f"\n  ... and {len(changes) - 20} more lines" if len(changes) > 20 else ""
     raise FlowrlError(
         f"the pipeline differs from the one the run in {folder.path} started with "
-        f"(- before, + now):\n{shown}{more}\n"
+        f"({_legend(changes)}):\n{shown}{more}\n"
         "resume with --force (run(..., force=True)) to go on with the new pipeline, or give another output_dir "
         "to start afresh"
     )

@@ -142,9 +142,12 @@ def validate(
     for problem in missing_packages(graph):  # the file is valid; this machine lacks what it names
         print(f"note: a run started on this machine would be refused: {problem}")
     from flowrl.api.checks import inert_settings
+    from flowrl.api.data import not_held_out
 
     for note in inert_settings(graph):
         print(f"note: {note}")
+    if (shared := not_held_out(graph, base_dir)) is not None:
+        print(f"note: the evaluation's prompts are those of {shared}")
 
 
 @app.command()

@@ -116,6 +116,48 @@ def resumable_form(config_text: str) -> Any:
     return data
 
 
+def field_changes(before: str, now: str) -> list[str] | None:
+    """What differs between two written pipelines, a line per field with the defaults a file
+    leaves out filled in (``data.batch_size: 4 -> 8``, where the newer file, at the default,
+    no longer writes it), less what a resume may change. None where either text is not a
+    valid pipeline here (a run written by another version): a text diff is all there is."""
+    try:
+        old, new = _everything(before), _everything(now)
+        written = _load(before), _load(now)
+    except (ValueError, yaml.YAMLError):  # pydantic's ValidationError is a ValueError
+        return None
+    lines: list[str] = []
+    _compare("", (old, new), written, lines)
+    return lines
+
+
+def _everything(text: str) -> dict[str, Any]:
+    """Every field of a written pipeline, defaults too, less ``RESUME_MAY_CHANGE``."""
+    data = PipelineSpec.model_validate(_load(text)).model_dump(mode="json")
+    for name in RESUME_MAY_CHANGE:
+        data["trainer"].pop(name, None)
+    return data
+
+
+def _compare(where: str, values: tuple[Any, Any], written: tuple[Any, Any], lines: list[str]) -> None:
+    """Lines for the fields that differ between ``values`` (before, now: every field); an
+    entry only one side has is shown as its file ``written`` it."""
+    old, new = values
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        if old != new:
+            lines.append(f"{where}: {_flow(old)} -> {_flow(new)}")
+        return
+    for key in dict.fromkeys([*old, *new]):
+        path = f"{where}.{key}" if where else str(key)
+        inside = tuple(side.get(key) if isinstance(side, dict) else None for side in written)
+        if key not in old:
+            lines.append(f"{path}: added {_flow(inside[1] if inside[1] is not None else new[key])}")
+        elif key not in new:
+            lines.append(f"{path}: removed (was {_flow(inside[0] if inside[0] is not None else old[key])})")
+        else:
+            _compare(path, (old[key], new[key]), (inside[0], inside[1]), lines)
+
+
 def written_steps(config_text: str) -> int:
     """``trainer.steps`` of a written pipeline (which leaves out a default value)."""
     data = _load(config_text)

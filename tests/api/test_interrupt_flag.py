@@ -48,6 +48,20 @@ def test_sigint_raises_and_is_remembered_even_when_the_exception_is_swallowed() 
     assert signal.getsignal(signal.SIGINT) is before
 
 
+def test_a_held_block_finishes_before_the_signal_raises() -> None:
+    """A step's record goes to metrics.jsonl, the terminal and the trackers in one block: a
+    Ctrl-C between them left the step in the file and out of the trackers."""
+    done = []
+    with _InterruptFlag() as flag:
+        with pytest.raises(KeyboardInterrupt):
+            with flag.armed():
+                with flag.held():
+                    os.kill(os.getpid(), signal.SIGINT)
+                    done.append("rest of the block")
+                done.append("after the block")
+    assert done == ["rest of the block"] and flag.raised
+
+
 def test_between_instructions_sigint_is_only_remembered() -> None:
     """A KeyboardInterrupt between two instructions would escape the loop that turns it into
     the run's stop (the run ended saying only 'interrupted')."""

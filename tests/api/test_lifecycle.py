@@ -253,6 +253,19 @@ def test_an_interrupt_at_any_moment_stops(kind: type) -> None:
     assert isinstance(stop, lc.Stop) and stop.reason == "interrupted"
 
 
+def test_an_interrupt_names_the_step_under_way_or_the_one_whose_record_was_written() -> None:
+    """A signal that came as step 25's record was being written stopped the run with step 25
+    in metrics.jsonl, and the message said 'during step 25'."""
+    def stopped(finished: int) -> str:
+        machine = lc.Lifecycle(num_steps=3)
+        stop = drive(machine, once(lc.RunStep, 2, lc.Interrupted("SIGINT", finished)))[-1]
+        assert isinstance(stop, lc.Stop)
+        return stop.message
+
+    assert stopped(1) == "interrupted (SIGINT) during step 2"
+    assert stopped(2) == "interrupted (SIGINT) after step 2"
+
+
 PHASE_EVENTS: list[lc.Event] = [
     lc.Built(), lc.Restored(0), lc.Evaluated(0), lc.SnapshotTaken(0), lc.Replanned(1), lc.StepDone(1),
     lc.CheckpointWritten(1), lc.FinalSaved(1), lc.WorkersJoined(("cpu-1",)), lc.DeadlinePassed(("cpu-1",)),

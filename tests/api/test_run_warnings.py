@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from flowrl.api.data import evaluates_training_prompts
+from flowrl.errors import FlowrlError
 from flowrl.spec.loader import pipeline_from_dict
 
 
@@ -148,7 +149,18 @@ def test_the_changes_a_resume_refuses_leave_out_more_steps_and_a_moved_folder(tm
     assert now != before and "steps: 200" in now
     folder = RunFolder(tmp_path)
     changes = _check_unchanged(folder, before, now, force=True)
-    assert [line[0] for line in changes] == ["-", "+"] and all("lr: 0.00" in line for line in changes), changes
+    assert changes == ["nodes.train.lr: 0.0005 -> 0.001"]
+    # a field set back to its default is shown with the value it takes, not as removed
+    written = "data: {source: builtin:digits, batch_size: 4}"
+    assert written in before
+    at_default = before.replace(written, "data: {source: builtin:digits}")
+    assert _check_unchanged(folder, before, at_default, force=True) == ["data.batch_size: 4 -> 8"]
+    spelled_out = before.replace(written, "data: {source: builtin:digits, batch_size: 8}")
+    assert _check_unchanged(folder, at_default, spelled_out, force=False) == []  # the same job
+    # an earlier text this version cannot read is shown as a diff of its lines
+    unknown = before.replace(written, "data: {source: builtin:digits, batch_size: 4, shuffle_buffer: 3}")
+    with pytest.raises(FlowrlError, match=r"\(- before, \+ now\):\n  -data: .*shuffle_buffer: 3\}\n  \+data: "):
+        _check_unchanged(folder, unknown, before, force=False)
     # the steps alone are no change at all
     assert _check_unchanged(folder, before, before.replace("steps: 120", "steps: 200"), force=False) == []
 

@@ -301,6 +301,23 @@ def test_validate_notes_a_setting_that_changes_nothing_where_the_pipeline_runs()
     assert result.exit_code == 0 and "note:" not in result.output, result.output
 
 
+def test_validate_notes_an_evaluation_of_the_training_prompts(tmp_path: Path) -> None:
+    """A single data file has one split: evaluated without eval.source, its prompts are the
+    training ones (the run warned; validation said nothing)."""
+    pipeline = tmp_path / "p.yaml"
+    pipeline.write_text((Path(__file__).resolve().parents[2] / "pipelines" / "grpo_tiny.yaml").read_text())
+    (tmp_path / "prompts.jsonl").write_text("".join(f'{{"prompt": "abc{n}="}}\n' for n in range(8)))
+    result = CliRunner().invoke(cli.app, ["validate", str(pipeline), "data.source=prompts.jsonl", "eval.every_steps=5"])
+    assert result.exit_code == 0, result.output
+    assert ("note: the evaluation's prompts are those of split 'train' of prompts.jsonl, the split training draws "
+            "from, so they are not held out") in result.output, result.output
+    held = tmp_path / "held.jsonl"
+    held.write_text('{"prompt": "xyz="}\n')
+    result = CliRunner().invoke(cli.app, ["validate", str(pipeline), "data.source=prompts.jsonl", "eval.every_steps=5",
+                                          "eval.source=held.jsonl"])
+    assert result.exit_code == 0 and "note:" not in result.output, result.output
+
+
 def test_a_subset_of_a_local_data_file_is_refused_not_ignored(tmp_path: Path) -> None:
     text = (Path(__file__).resolve().parents[2] / "pipelines" / "grpo_tiny.yaml").read_text()
     (tmp_path / "q.jsonl").write_text('{"prompt": "ab=", "answer": "1"}\n')
