@@ -40,7 +40,8 @@ from flowrl.graph import PipelineGraph
 from flowrl.records import RunEvent, StepRecord
 from flowrl.runtime.torch_profile import fallback_folder
 from flowrl.runtime.cluster import Cluster, call_within
-from flowrl.runtime.interrupts import note_stop_signal, repeated_signal, stopping_for
+from flowrl.runtime.interrupts import (handed_over, note_stop_signal, owed, raise_outside_imports, repeated_signal,
+                                       stopping_for, took_retry)
 from flowrl.runtime.session import PendingSnapshot, Session
 from flowrl.runtime.waiting import lost_slots
 from flowrl.scheduler.events import DeviceReplaced
@@ -304,7 +305,8 @@ class Driver:
             session.load_checkpoint(found.path)
             if found is self.start:
                 self.start_restored = True
-                self.resumed_s = self.folder.elapsed_at(found.step)
+                kept = found.trainer_state.get("elapsed_s")
+                self.resumed_s = float(kept) if isinstance(kept, (int, float)) else self.folder.elapsed_at(found.step)
                 self.watcher.restored()
             self.kl.load_state_dict(found.trainer_state.get("kl", {}))
             if self.recovery is None:  # a resumed run: what the scheduler had learned (a live one still knows)
@@ -433,8 +435,10 @@ class Driver:
         except BaseException:
             self.folder.discard_staging(staging)
             raise
-        final = self.folder.commit_checkpoint(staging, step, {"kl": self.kl.state_dict(), "scheduler": self.replanner.state_dict()},
-                                              self.graph.spec.trainer.keep_checkpoints)
+        # the run's clock at the step, where a resume from this checkpoint sets it on
+        elapsed_s = self.records[-1].elapsed_s if self.records and self.records[-1].step == step else self._elapsed()
+        state = {"kl": self.kl.state_dict(), "scheduler": self.replanner.state_dict(), "elapsed_s": elapsed_s}
+        final = self.folder.commit_checkpoint(staging, step, state, self.graph.spec.trainer.keep_checkpoints)
         self.watcher.event(RunEvent("checkpoint", f"saved {final}", step))
         return lc.CheckpointWritten(step)
 
@@ -691,7 +695,8 @@ class Driver:
         return f"the newest{' intact' if checked else ''} checkpoint is {written}. {self._resume_hint()}{later}"
 
     def _resume_hint(self) -> str:
-        return f"Resume it with `flowrl resume {self.folder.path}` (from Python: `run(pipeline, resume=True)`)"
+        return (f"Resume it with `flowrl resume {self.folder.path}` (from Python: "
+                f"`run(pipeline, output_dir='{self.folder.path}', resume=True)`)")
 
     def _session(self) -> Session:
         if self.session is None:
@@ -757,7 +762,8 @@ class _InterruptFlag:
     def held(self) -> Iterator[None]:
         """Inside an armed block: a stop signal waits for this block to end, and is raised
         then (a finished step's record reaches every file, the terminal and the trackers
-        alike, or none of them)."""
+        alike, or none of them). A tracker's call that hangs in it is left with the third
+        stop signal, as a clean-up that hangs is."""
         armed, came = self._armed, self.raised
         self._armed = False
         try:
@@ -776,6 +782,7 @@ class _InterruptFlag:
             # SIGHUP under nohup) keeps ignoring it.
             if number is not None and signal.getsignal(number) is not signal.SIG_IGN:
                 self._previous[number] = signal.signal(number, self._handle)
+        handed_over()
         earlier = stopping_for()
         if earlier is not None:
             # the command was interrupted before the loop, and its KeyboardInterrupt was
@@ -785,17 +792,25 @@ class _InterruptFlag:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        handed_over()
         for number, previous in self._previous.items():
             signal.signal(number, previous)
         self._previous = {}
 
     def _handle(self, signum: int, frame: Any) -> None:
+        retry = took_retry()
+        if retry and not owed():
+            return  # a retry whose KeyboardInterrupt was raised already, or whose block ended
         first = not self.raised
         if first:
             self.signal = signal.Signals(signum).name
             note_stop_signal(self.signal)  # the handler handed back afterwards knows the stop is under way
-        else:
+        elif not retry:
             repeated_signal()  # the stop under way cleans up whole; the command leaves at the third
         self.raised = True
-        if self._armed and first:  # a second one would cut short what the first one's stop cleans up
-            raise KeyboardInterrupt
+        # a second one would cut short what the first one's stop cleans up; one inside an
+        # import waits for it to end (a half-imported library fails later)
+        if self._armed and (first or retry):
+            raise_outside_imports(signum, frame, retry)
+        elif retry:
+            handed_over()  # the block ended: the loop stops on ``raised``

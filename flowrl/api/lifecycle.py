@@ -242,7 +242,10 @@ class Lifecycle:
         if self.phase in ("new", "finished", "stopped"):
             raise LifecycleError(f"{type(event).__name__} after the run {self.phase}")
         if isinstance(event, Interrupted):
-            where = f"after step {self.step}" if event.finished >= self.step else f"during step {self.step}"
+            if self.phase == "finalizing":
+                where = f"after step {self.num_steps}, while the final model was saved"
+            else:
+                where = f"after step {self.step}" if event.finished >= self.step else f"during step {self.step}"
             return self._stop("interrupted", f"interrupted ({event.signal}) {where}")
         if isinstance(event, Failed):
             return self._failed(event.fault)

@@ -231,20 +231,22 @@ class RunFolder:
         return dropped
 
     def elapsed_at(self, step: int) -> float:
-        """The run's elapsed seconds when ``step`` finished, from metrics.jsonl (0 for step 0,
-        or a step it has no line of)."""
+        """The run's elapsed seconds when ``step`` finished, from metrics.jsonl, for a
+        checkpoint that does not keep them (written before it did): the most of the lines up
+        to ``step`` (0 for none)."""
         path = self.path / "metrics.jsonl"
-        if step <= 0 or not path.is_file():
-            return 0.0
+        found = 0.0
+        if not path.is_file():
+            return found
         for text in path.read_text().splitlines():
             try:
                 at, line = step_line(text)
             except ValueError:
                 continue  # a line cut short by a killed process
             elapsed = line.get("elapsed_s")
-            if at == step and isinstance(elapsed, (int, float)):
-                return float(elapsed)
-        return 0.0
+            if 0 < at <= step and isinstance(elapsed, (int, float)):
+                found = max(found, float(elapsed))
+        return found
 
     def add_measured_to_plans(self, records: list[StepRecord]) -> None:
         """Put what the run measured beside what each plan predicted: plan-N.json gets a

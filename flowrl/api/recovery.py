@@ -100,7 +100,7 @@ def resume_note(checkpoints: Path | None, fix: str, changes_pipeline: bool = Fal
     force = " --force" if changes_pipeline else ""
     python = ", force=True" if changes_pipeline else ""
     return (f"; its newest checkpoint is {written} ({fix}, then `flowrl resume {checkpoints.parent}{force}`; from "
-            f"Python: `run(pipeline, resume=True{python})`)")
+            f"Python: `run(pipeline, output_dir='{checkpoints.parent}', resume=True{python})`)")
 
 
 def newest_checkpoint(checkpoints: Path) -> FoundCheckpoint | None:

@@ -261,10 +261,11 @@ class ModelState:
         """Take over the parts of another copy's state that ``saved`` holds: ``weights``,
         ``optimizer`` with ``num_updates``, ``generator``. Used by checkpoint loading and by
         migration alike, so a moved role and a resumed one continue the same way."""
+        if saved.get("optimizer") is not None:
+            self._check_optimizer(saved["optimizer"])  # before any weight is overwritten
         if "weights" in saved:
             self.load_weights(saved["weights"])
         if saved.get("optimizer") is not None:
-            self._check_optimizer(saved["optimizer"])
             if self.shards_training and self.sharded is None:
                 # cut into shards by the next update; no whole optimizer on the device before
                 self.pending_optimizer, self.optimizer = saved["optimizer"], None

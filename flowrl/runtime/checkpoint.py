@@ -150,23 +150,24 @@ def load_model_state(state: ModelState, directory: Path, parts: tuple[str, ...] 
 
 def _check_weights(state: ModelState, directory: Path, saved: dict[str, torch.Tensor]) -> None:
     """The saved weights must be the model's: the same names and shapes (a resume whose
-    model path was changed, with ``--force``, to a model of another configuration)."""
+    model path was changed, with ``--force``, to a model of another configuration). A
+    buffer the model keeps out of its files need not be there."""
     own = state.module.state_dict()
     reshaped = [f"{key} {list(tensor.shape)} against {list(own[key].shape)} now" for key, tensor in saved.items()
                 if key in own and tuple(tensor.shape) != tuple(own[key].shape)]
     unknown = [key for key in saved if key not in own]
     # tied weights stand in state_dict under each name and in the file under one
     stored = {own[key].data_ptr() for key in saved if key in own}
-    missing = [key for key, tensor in own.items() if key not in saved and tensor.data_ptr() not in stored]
+    missing = [key for key, tensor in state.module.named_parameters(remove_duplicate=False)
+               if key not in saved and tensor.data_ptr() not in stored]
     if reshaped or unknown or missing:
         found = "; ".join(f"{what}: {_first(names)}" for what, names in (
             ("other shapes", reshaped), (f"weights models.{state.name} lacks", unknown),
             ("weights the checkpoint lacks", missing)) if names)
         source = f" ({state.source})" if state.source else ""
         raise CheckpointError(
-            f"the checkpoint of '{state.name}' in {directory} holds the weights of another model than "
-            f"models.{state.name} now{source}: {found}; resume with the model that wrote it, or start afresh in "
-            "another output_dir"
+            f"the weights in the checkpoint of '{state.name}' in {directory} do not match models.{state.name} "
+            f"now{source}: {found}; resume with the model that wrote it, or start afresh in another output_dir"
         )
 
 

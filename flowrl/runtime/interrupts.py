@@ -20,12 +20,10 @@ Kept free of heavy imports: the command line sets it up first thing.
 
 from __future__ import annotations
 
-import _thread
 import os
 import signal
 import threading
 from types import FrameType
-from typing import Any
 
 LEAVE_AT = 3
 """The stop signal that makes the command leave at once, the clean-up unfinished: a
@@ -108,8 +106,43 @@ def stopping_for() -> str | None:
     return _Stop.signal
 
 
-def _interrupt_once(signum: int, frame: FrameType | None) -> None:
+def handed_over() -> None:
+    """Another handler takes the stop signals from now on, or hands them back: an owed
+    KeyboardInterrupt is no longer retried (``stopping_for`` tells a run loop's handler of
+    the signal that came)."""
+    _Stop.owed = False
+
+
+def took_retry() -> bool:
+    """Whether the signal being handled is a retry of an owed KeyboardInterrupt (:func:`owe`),
+    not one from anyone stopping the process."""
     retry, _Stop.retrying = _Stop.retrying, False
+    return retry
+
+
+def owed() -> bool:
+    """Whether a KeyboardInterrupt waits for an import to end."""
+    return _Stop.owed
+
+
+def raise_outside_imports(signum: int, frame: FrameType | None, retry: bool) -> None:
+    """Raise KeyboardInterrupt, unless ``frame`` runs inside an import: then it is owed, and
+    the handler of ``signum`` is called again shortly (``retry``: this call is such a
+    retry, and the next one is due)."""
+    if not importing(frame):
+        _Stop.owed = False
+        raise KeyboardInterrupt
+    if retry or not _Stop.owed:  # else a retry is pending already
+        _Stop.owed = True
+        timer = threading.Timer(RETRY_S, _retry, args=(signum,))
+        timer.daemon = True
+        timer.start()
+
+
+def _interrupt_once(signum: int, frame: FrameType | None) -> None:
+    retry = took_retry()
+    if retry and not _Stop.owed:
+        return  # the owed KeyboardInterrupt was raised already, or handed over
     if _Stop.signal is None:
         _Stop.signal = signal.Signals(signum).name
         _Stop.count = 1
@@ -117,31 +150,20 @@ def _interrupt_once(signum: int, frame: FrameType | None) -> None:
         repeated_signal()  # the stop is under way: an exception now would cut its clean-up short
         if not _Stop.owed:
             return
-    # the first signal, or its KeyboardInterrupt still owed
-    if not _importing(frame):
-        _Stop.owed = False
-        raise KeyboardInterrupt
-    if retry or not _Stop.owed:  # no retry pending: the first signal, or the last retry came
-        timer = threading.Timer(RETRY_S, _retry, args=(signum,))
-        timer.daemon = True
-        timer.start()
-    _Stop.owed = True
+    raise_outside_imports(signum, frame, retry)  # the first signal, or its KeyboardInterrupt still owed
 
 
 def _retry(signum: int) -> None:
-    """From a timer's thread: call the handler again in the main thread, as a signal would,
-    while the KeyboardInterrupt is still owed and the handler still this module's (a run
-    loop's own handler has the stop in hand: ``stopping_for``)."""
+    """From a timer's thread: signal the main thread again while the KeyboardInterrupt is
+    owed. A real signal, not a flag the interpreter looks at between instructions: that would
+    wait for whatever the main thread waits in (a sleep, a socket) to end."""
     if not _Stop.owed:
         return
-    if signal.getsignal(signum) is not _interrupt_once:
-        _Stop.owed = False
-        return
     _Stop.retrying = True
-    _thread.interrupt_main(signal.Signals(signum))
+    signal.pthread_kill(threading.main_thread().ident or 0, signum)
 
 
-def _importing(frame: FrameType | None) -> bool:
+def importing(frame: FrameType | None) -> bool:
     """Whether ``frame`` runs inside an import: a module's body or the import machinery."""
     while frame is not None:
         if frame.f_code.co_filename.startswith("<frozen importlib"):

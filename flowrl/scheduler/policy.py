@@ -33,7 +33,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-
 from flowrl.devices.groups import pipeline_groups
 from flowrl.devices.inventory import Device, Inventory
 from flowrl.devices.matching import Match, match_groups

@@ -144,8 +144,10 @@ def _compare(where: str, values: tuple[Any, Any], written: tuple[Any, Any], line
     entry only one side has is shown as its file ``written`` it."""
     old, new = values
     if not (isinstance(old, dict) and isinstance(new, dict)):
-        if old != new:
-            lines.append(f"{where}: {_flow(old)} -> {_flow(new)}")
+        if old != new:  # a section set or unset (eval: null -> {...}) is shown as written
+            shown = [side if isinstance(value, dict) and side is not None else value
+                     for value, side in zip(values, written)]
+            lines.append(f"{where}: {_flow(shown[0])} -> {_flow(shown[1])}")
         return
     for key in dict.fromkeys([*old, *new]):
         path = f"{where}.{key}" if where else str(key)

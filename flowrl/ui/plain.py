@@ -96,7 +96,7 @@ class PlainLog:
 
     def on_step(self, record: StepRecord) -> None:
         """Log a finished step."""
-        elapsed_s = record.process_s if record.elapsed_s > 0 else self._clock() - self._started_s
+        elapsed_s = record.process_s if record.process_s > 0 else self._clock() - self._started_s
         self._eta.add(record.step, elapsed_s, record.first_step)
         self._write(format_step_line(record, self._eta.eta_s(record.num_steps)))
 

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -236,7 +237,7 @@ def _command(tmp_path: Path, module_body: str, main: str) -> subprocess.Complete
             "from flowrl.runtime.interrupts import stop_at_first_signal\n"
             "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
             f"stop_at_first_signal()\nsys.path.insert(0, {str(tmp_path)!r})\n" + main)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
 
 
 def test_a_signal_during_an_import_is_raised_once_the_import_is_over(tmp_path: Path) -> None:
@@ -246,11 +247,26 @@ def test_a_signal_during_an_import_is_raised_once_the_import_is_over(tmp_path: P
     done = _command(
         tmp_path,
         "import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\ntime.sleep(0.2)\nWHOLE = True\n",
-        "try:\n    import slow\n    print('imported', slow.WHOLE, flush=True)\n    time.sleep(10)\n"
+        # the wait after the import is cut short too (the command would not stop for a minute)
+        "try:\n    import slow\n    print('imported', slow.WHOLE, flush=True)\n    time.sleep(60)\n"
         "    print('not interrupted', flush=True)\nexcept KeyboardInterrupt:\n"
         "    print('interrupted', 'slow' in sys.modules, flush=True)\n")
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["imported", "True", "interrupted", "True"]
+
+
+def test_in_the_run_loop_a_signal_during_an_import_is_raised_once_it_is_over(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "slow_in_loop.py").write_text("import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\n"
+                                              "time.sleep(0.2)\nWHOLE = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with _InterruptFlag() as flag:
+        with pytest.raises(KeyboardInterrupt):
+            with flag.armed():
+                import slow_in_loop  # noqa: F401
+                time.sleep(60)
+    assert flag.raised and sys.modules["slow_in_loop"].WHOLE
+    assert not interrupts.owed()
 
 
 def test_the_third_stop_signal_during_an_import_still_leaves_at_once(tmp_path: Path) -> None:

@@ -264,6 +264,9 @@ def test_an_interrupt_names_the_step_under_way_or_the_one_whose_record_was_writt
 
     assert stopped(1) == "interrupted (SIGINT) during step 2"
     assert stopped(2) == "interrupted (SIGINT) after step 2"
+    machine = lc.Lifecycle(num_steps=3)
+    stop = drive(machine, once(lc.SaveFinal, 3, lc.Interrupted("SIGTERM", 3)))[-1]
+    assert isinstance(stop, lc.Stop) and stop.message == "interrupted (SIGTERM) after step 3, while the final model was saved"
 
 
 PHASE_EVENTS: list[lc.Event] = [

@@ -50,3 +50,18 @@ def test_a_damaged_run_record_is_an_error_where_a_resume_needs_it(tmp_path: Path
     assert read_run_info(tmp_path) == {}  # a fresh start or a report does without it
     with pytest.raises(FlowrlError, match=r"run.json cannot be read \(JSONDecodeError: .*\): the run's record is damaged"):
         read_run_info(tmp_path, strict=True)
+
+
+def test_the_clock_a_resume_goes_on_from_comes_from_the_lines_up_to_its_checkpoint(tmp_path: Path) -> None:
+    """For a checkpoint written before trainer_state.json kept the run's seconds: the step's
+    line, else the latest line before it (its own line lost with an edited file)."""
+    from flowrl.api.outputs import RunFolder
+
+    lines = [{"step": 0, "elapsed_s": 0.5}, {"step": 1, "elapsed_s": 1.0}, {"step": 3, "elapsed_s": 3.0},
+             {"step": 4, "elapsed_s": 4.5}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines) + '{"step": 5, "ela')
+    folder = RunFolder(tmp_path)
+    try:
+        assert [folder.elapsed_at(step) for step in (0, 1, 2, 3, 4, 9)] == [0.0, 1.0, 1.0, 3.0, 4.5, 4.5]
+    finally:
+        folder.release()

@@ -39,7 +39,7 @@ def test_a_failing_function_beside_a_working_one_is_said_to_give_no_signal_itsel
     assert "score node 'shape' failed on every sample for 2 steps in a row" in message
     assert "so its reward gave training no signal; the run stopped at step 2" in message
     assert (f"(fix the function, then `flowrl resume {tmp_path / 'run'}`; from Python: "
-            "`run(pipeline, resume=True)`)") in message
+            f"`run(pipeline, output_dir='{tmp_path / 'run'}', resume=True)`)") in message
     # one node alone: training as a whole had no signal
     alone = RewardFailureGuard(_graph({"shape": "digits"}))  # type: ignore[arg-type]
     alone.check(1, {"shape": _report(1.0)}, events.append)

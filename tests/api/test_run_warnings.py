@@ -157,6 +157,9 @@ def test_the_changes_a_resume_refuses_leave_out_more_steps_and_a_moved_folder(tm
     assert _check_unchanged(folder, before, at_default, force=True) == ["data.batch_size: 4 -> 8"]
     spelled_out = before.replace(written, "data: {source: builtin:digits, batch_size: 8}")
     assert _check_unchanged(folder, at_default, spelled_out, force=False) == []  # the same job
+    # a section set where there was none: as written, not every field of it
+    assert _check_unchanged(folder, before, before + "eval: {every_steps: 5}\n", force=True) == [
+        "eval: null -> {every_steps: 5}"]
     # an earlier text this version cannot read is shown as a diff of its lines
     unknown = before.replace(written, "data: {source: builtin:digits, batch_size: 4, shuffle_buffer: 3}")
     with pytest.raises(FlowrlError, match=r"\(- before, \+ now\):\n  -data: .*shuffle_buffer: 3\}\n  \+data: "):
