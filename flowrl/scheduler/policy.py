@@ -204,6 +204,8 @@ class DynamicPolicy:
         self.groups = pipeline_groups(pipeline.spec)
         self._match, self._plan = initial_plan(pipeline, inventory, self.calibration.base)
         self._flags = _Flags()
+        self._measured_on: dict[str, tuple[str, ...]] = {}
+        """Node -> the devices its last observed call ran on."""
         self._restart_s = self.settings.restart_s
 
     @property
@@ -219,8 +221,15 @@ class DynamicPolicy:
             item.node: [by_id[d] for d in item.devices if d in by_id] for item in self._plan.nodes
         }
         offloaded = {item.node: item.offloaded for item in self._plan.nodes}
-        self.calibration.observe_step(timings, node_devices, offloaded,
-                                      core_shares(self.pipeline, node_devices, host_cores(self.inventory)))
+        # A node's first call on devices it moved to warms up there (its model's first shapes,
+        # compiles, caches): 0.77 s against 25 ms after. Taken as speed, it made the devices
+        # a move had just chosen look slow, and the next re-plan moved the node back.
+        placed = {item.node: tuple(item.devices) for item in self._plan.nodes}
+        warming = {node for node, devices in placed.items()
+                   if node in self._measured_on and self._measured_on[node] != devices}
+        self._measured_on = placed
+        self.calibration.observe_step([timing for timing in timings if timing.node not in warming], node_devices,
+                                      offloaded, core_shares(self.pipeline, node_devices, host_cores(self.inventory)))
         planned = {d for item in self._plan.nodes for d in item.devices}
         if any(timing.peak_memory_gb > 0 for timing in timings) and planned <= set(by_id):
             predicted = node_call_memory_gb(self.pipeline, placement_of(self._plan), self.inventory,

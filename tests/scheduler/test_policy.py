@@ -131,6 +131,21 @@ def test_a_slow_device_moves_the_actor_when_the_gain_beats_cost_times_one_plus_m
     assert actor_devices(target) == ["gpu-1"]
 
 
+def test_the_first_calls_on_the_devices_a_move_chose_are_warm_up_not_speed() -> None:
+    """On a CPU slot the reference's first call after a move took 773 ms against 25 ms after:
+    read as speed, the slot the move had chosen looked slow and the actor went back."""
+    target = policy(1.0)
+    measure(target, {"gpu-0": 2.0})
+    [decision] = target.decide(2, [])
+    assert decision.accepted and actor_devices(target) == ["gpu-1"]
+    measure(target, {"gpu-0": 2.0, "gpu-1": 30.0}, step=2)  # first calls on gpu-1: warm-up
+    assert target.calibration.ratio("gpu-1") == 1.0
+    assert [d for d in target.decide(3, []) if d.accepted] == []
+    measure(target, {"gpu-0": 2.0, "gpu-1": 1.2}, step=3)  # the next ones count
+    assert target.calibration.ratio("gpu-1") == pytest.approx(1.2)
+    assert actor_devices(target) == ["gpu-1"]
+
+
 def test_a_slow_device_does_not_move_the_actor_when_the_margin_is_not_met() -> None:
     # cost 18.5 s x 1.1 = 20.35 s > 20 s gain: kept, and recorded as considered
     target = policy(18.5)
