@@ -678,7 +678,8 @@ class Driver:
         with what it kept."""
         step = self.machine.step
         message = (f"step {step}: the Dask scheduler cannot be reached ({type(error).__name__}: {str(error)[:200]}); "
-                   f"the run stopped: {self._kept('once the scheduler and its workers are back')}")
+                   f"the run stopped: {self._kept('once the scheduler and its workers are back')} (a scheduler at "
+                   "another address: add runtime.scheduler_address=tcp://HOST:PORT)")
         self.watcher.event(RunEvent("stopped", message, step - 1))  # the last step finished
         return RunStopped(message)
 

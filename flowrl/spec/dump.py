@@ -98,21 +98,23 @@ def _dump_one(value: Any) -> str:
     return text.strip()[1:-1]
 
 
-RESUME_MAY_CHANGE = ("steps", "output_dir", "torch_profile")
-"""trainer fields a resumed run may change freely: it may run longer, its folder may move, and
-other steps may be profiled."""
+RESUME_MAY_CHANGE = {"trainer": ("steps", "output_dir", "torch_profile"), "runtime": ("scheduler_address",)}
+"""Fields a resumed run may change freely, by section: it may run longer, its folder may move,
+other steps may be profiled, and the Dask cluster it joins may be another (a scheduler lost
+and started again at a new address)."""
 
 
 def resumable_form(config_text: str) -> Any:
     """A written pipeline as data, less what a resume may change (``RESUME_MAY_CHANGE``):
     two runs' texts with equal forms are the same job."""
     data = _load(config_text)
-    trainer = data.get("trainer") if isinstance(data, dict) else None
-    if isinstance(trainer, dict):
-        for name in RESUME_MAY_CHANGE:
-            trainer.pop(name, None)
-        if not trainer:  # a trainer section of only those is the same as none
-            data.pop("trainer")
+    for section, names in RESUME_MAY_CHANGE.items():
+        fields = data.get(section) if isinstance(data, dict) else None
+        if isinstance(fields, dict):
+            for name in names:
+                fields.pop(name, None)
+            if not fields:  # a section of only those is the same as none
+                data.pop(section)
     return data
 
 
@@ -134,8 +136,9 @@ def field_changes(before: str, now: str) -> list[str] | None:
 def _everything(text: str) -> dict[str, Any]:
     """Every field of a written pipeline, defaults too, less ``RESUME_MAY_CHANGE``."""
     data = PipelineSpec.model_validate(_load(text)).model_dump(mode="json")
-    for name in RESUME_MAY_CHANGE:
-        data["trainer"].pop(name, None)
+    for section, names in RESUME_MAY_CHANGE.items():
+        for name in names:
+            data[section].pop(name, None)
     return data
 
 

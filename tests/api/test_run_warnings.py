@@ -157,6 +157,10 @@ def test_the_changes_a_resume_refuses_leave_out_more_steps_and_a_moved_folder(tm
     assert _check_unchanged(folder, before, at_default, force=True) == ["data.batch_size: 4 -> 8"]
     spelled_out = before.replace(written, "data: {source: builtin:digits, batch_size: 8}")
     assert _check_unchanged(folder, at_default, spelled_out, force=False) == []  # the same job
+    # the Dask cluster joined is no change (a scheduler lost and started again elsewhere)
+    assert _check_unchanged(folder, before + "runtime: {scheduler_address: 'tcp://a:8786'}\n",
+                            before + "runtime: {scheduler_address: 'tcp://b:8786'}\n", force=False) == []
+    assert _check_unchanged(folder, before + "runtime: {scheduler_address: 'tcp://a:8786'}\n", before, force=False) == []
     # a section set where there was none: as written, not every field of it
     assert _check_unchanged(folder, before, before + "eval: {every_steps: 5}\n", force=True) == [
         "eval: null -> {every_steps: 5}"]
