@@ -4,14 +4,14 @@
 
     grpo-digits   step 12/120   ━━━╺━━━━━━━━━━━━━━━━━━━━   elapsed 6s   eta 9s
     reward 0.41 ▁▃▅█   resp_len 16.0   step 0.084s   1,520 tok/s
+    step 10  checkpoint: saved outputs/run/step-10
+    last warning (step 7): reward: 3 of 32 samples failed: ValueError: ...
      node     role      device   latency   tok/s   wait
      gen      generate  cpu:0       31ms   1,200    2ms
      ...
      device   kind   util   memory
      cpu:0    cpu     75%   1.2 GB
      ...
-     step 10  checkpoint: saved outputs/run/step-10
-    last warning (step 7): reward: 3 of 32 samples failed: ValueError: ...
 
 State changes only in ``on_step`` / ``on_event``; ``render`` is a pure function of that
 state and of ``clock``, so a test renders it into a recording console and reads the text.
@@ -61,13 +61,15 @@ REFRESHES_PER_S = 4.0
 NUM_SPARK_STEPS = 20
 """Recent steps drawn in the reward sparkline."""
 NUM_EVENTS_SHOWN = 5
-"""Most recent events listed under the tables."""
+"""Most recent events listed (above the tables)."""
 PROGRESS_BAR_WIDTH = 30
 """Progress bar width in characters."""
 
 _EVENT_STYLES = {
     "warning": "yellow",
     "error": "bold red",
+    "fault": "bold red",
+    "recovered": "green",
     "checkpoint": "green",
     "placement": "cyan",
 }
@@ -134,23 +136,29 @@ class LiveView:
         """The whole view as one renderable, from the current state and clock."""
         with self._lock:
             parts: list[RenderableType] = [self._header(), self._summary()]
-            if self._last is None:
-                parts.append(Text("waiting for the first step", style="dim"))
-            else:
-                parts.append(self._node_table(self._last))
-                parts.append(self._device_table(self._last))
+            # the events before the tables: a terminal too short for all of it cuts the
+            # bottom, and a fault or a move must not be what is cut
             if self._events:
                 parts.append(self._event_lines())
             if self._warning is not None and self._warning not in self._events:
                 where = f" (step {self._warning.step})" if self._warning.step is not None else ""
                 parts.append(Text(f"last warning{where}: {self._warning.message}", style="yellow"))
+            if self._last is None:
+                parts.append(Text("waiting for the first step", style="dim"))
+            else:
+                parts.append(self._node_table(self._last))
+                parts.append(self._device_table(self._last))
             return Group(*parts)
 
     def _elapsed_s(self) -> float:
+        """Seconds since the view started (the command's start-up included) or, if more, the
+        last step's time in this process and since: never less than a moment ago (the run's
+        clock starts after the cluster does, and read alone it went back at step 1)."""
         now_s = self._clock()
-        if self._last is None:
-            return now_s - self._started_s
-        return self._last.process_s + (now_s - self._last_received_s)
+        shown = now_s - self._started_s
+        if self._last is not None:
+            shown = max(shown, self._last.process_s + (now_s - self._last_received_s))
+        return shown
 
     def _header(self) -> Table:
         step = self._last.step if self._last is not None else 0

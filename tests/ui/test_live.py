@@ -84,6 +84,28 @@ def test_elapsed_and_eta_move_between_steps(
     assert "eta 25s" in text
 
 
+def test_elapsed_never_goes_back_when_the_first_step_comes(
+    console: Console, clock: FakeClock, make_step: StepFactory
+) -> None:
+    """The run's clock starts after the cluster does: read alone, the view counted 0-3 s
+    while it started, then 1 s at step 1."""
+    view = LiveView("grpo-digits", 10, console, clock=clock)
+    clock.advance(3.0)
+    assert "elapsed 3s" in rendered(view, console)
+    view.on_step(make_step(1, elapsed_s=1.0, num_steps=10))
+    assert "elapsed 3s" in rendered(view, console)
+
+
+def test_events_come_before_the_tables_that_a_short_terminal_cuts(
+    console: Console, clock: FakeClock, make_step: StepFactory
+) -> None:
+    view = LiveView("grpo-digits", 10, console, clock=clock)
+    view.on_step(make_step(3, elapsed_s=1.0, num_steps=10))
+    view.on_event(RunEvent("fault", "worker cpu-1 lost", step=3))
+    text = rendered(view, console)
+    assert text.index("fault: worker cpu-1 lost") < text.index("compute") < text.index("util")
+
+
 def test_long_runs_format_minutes(
     console: Console, clock: FakeClock, make_step: StepFactory
 ) -> None:
