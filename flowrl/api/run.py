@@ -575,7 +575,7 @@ def check_runnable(graph: PipelineGraph) -> None:
         unsplittable = sorted(
             node for node in graph.spec.nodes if node_group(graph, node) == name and not splittable(graph, node)
         )
-        if (group.count or group.min_count or 1) > 1 and unsplittable:
+        if group.effective_count > 1 and unsplittable:
             problems.append(
                 f"devices.{name}.count: several devices can run generate, score, reference_logprob, value "
                 f"and update nodes, and this group runs {', '.join(unsplittable)}; set count: 1"

@@ -65,10 +65,6 @@ def requirement(spec: DeviceGroupSpec, count: int) -> str:
     return text
 
 
-def count_field(spec: DeviceGroupSpec) -> str:
-    return "min_count" if spec.min_count is not None else "count"
-
-
 def explain_alone(group: str, spec: DeviceGroupSpec, pool: Sequence[Device], count: int) -> str:
     """Why ``group`` cannot get ``count`` devices of ``pool`` even with no other group."""
     need = f"{group} needs {requirement(spec, count)}"
@@ -83,7 +79,7 @@ def explain_alone(group: str, spec: DeviceGroupSpec, pool: Sequence[Device], cou
     if count > len(pool):
         listed = ", ".join(device.id for device in pool[:_MAX_CLOSEST])
         more = ", ..." if len(pool) > _MAX_CLOSEST else ""
-        fix = f"set {count_field(spec)}: {len(pool)}"
+        fix = f"set count: {len(pool)}"
         if spec.type == "cpu":
             fix += f", or raise runtime.cpu_slots to {count}{_JOINED_CPU}"
         return f"{need}; the inventory has {plural(len(pool), spec.type)} ({listed}{more}): {fix}"
@@ -104,7 +100,7 @@ def explain_alone(group: str, spec: DeviceGroupSpec, pool: Sequence[Device], cou
         missing = _unique(d.family for d in best[:count] if not fits_arch(d, spec))
         fixes.append(f"add {', '.join(missing)} to arch")
     if both:
-        fixes.append(f"set {count_field(spec)}: {len(both)}")
+        fixes.append(f"set count: {len(both)}")
     if not fixes:  # both filters bite: relax both
         best = sorted(pool, key=lambda d: (-d.memory_gb, d.number))[:count]
         fixes.append(

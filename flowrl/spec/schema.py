@@ -115,11 +115,12 @@ class DeviceGroupSpec(StrictModel):
     type: Literal["cpu", "gpu"] = "cpu"
     """Kind of device. Default cpu."""
     count: Annotated[int, Field(ge=1)] | None = None
-    """Exact number of devices (CPU slots or GPUs); excludes min/max_count. Default None (= 1)."""
+    """Number of devices (CPU slots or GPUs). Default None (= 1)."""
     min_count: Annotated[int, Field(ge=1)] | None = None
-    """Fewest devices the group may shrink to under the dynamic scheduler. Default None."""
+    """Refused: a group's size is fixed (``count``). Kept as a field so that a file giving it
+    is told so, not told of an unknown field. Default None."""
     max_count: Annotated[int, Field(ge=1)] | None = None
-    """Most devices the group may grow to under the dynamic scheduler. Default None."""
+    """Refused, as ``min_count``. Default None."""
     min_memory_gb: Annotated[float, Field(gt=0)] | None = None
     """Least memory per device, in GiB. Default None (any)."""
     arch: list[str] | None = None
@@ -136,17 +137,14 @@ class DeviceGroupSpec(StrictModel):
 
     @model_validator(mode="after")
     def _counts_agree(self) -> DeviceGroupSpec:
-        if self.count is not None and (self.min_count is not None or self.max_count is not None):
+        ranged = [name for name in ("min_count", "max_count") if getattr(self, name) is not None]
+        if ranged:
+            # nothing sizes a group between two counts: the planner splits a node's work over
+            # the devices a group has, and the dynamic scheduler moves nodes between devices
+            # (a lost device's group goes on with the others) but never adds one to a group
             raise ValueError(
-                "count fixes the size, min_count/max_count let it vary; give one or the other"
-            )
-        if (
-            self.min_count is not None
-            and self.max_count is not None
-            and self.min_count > self.max_count
-        ):
-            raise ValueError(
-                f"min_count ({self.min_count}) is larger than max_count ({self.max_count})"
+                f"{' and '.join(ranged)}: a device group's size is fixed for the run; give count: N (the "
+                "devices its nodes' work is split over)"
             )
         if self.device_ids is not None and self.count is not None:
             if len(self.device_ids) != self.count:
@@ -162,7 +160,7 @@ class DeviceGroupSpec(StrictModel):
             return self.count
         if self.device_ids is not None:
             return len(self.device_ids)
-        return self.min_count if self.min_count is not None else 1
+        return 1
 
 
 Split = Literal["none", "prompts", "rows", "ranks"]

@@ -70,7 +70,7 @@ def test_awkward_values_round_trip(tmp_path: Path) -> None:
             "name": "yes",  # would read back as a boolean if written plain
             "models": {"actor": {"path": "dir with: colon/#x", "device_group": "g"}},
             "devices": {
-                "g": {"type": "gpu", "min_count": 1, "max_count": 3, "arch": ["null", "1.5", "1e-5"]}
+                "g": {"type": "gpu", "count": 3, "arch": ["null", "1.5", "1e-5"]}
             },
             "nodes": {
                 "rollout": {

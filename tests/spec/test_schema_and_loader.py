@@ -281,10 +281,12 @@ def test_score_needs_exactly_one_of_fn_and_model() -> None:
 
 
 def test_device_group_counts() -> None:
-    with pytest.raises(ValidationError, match="give one or the other"):
-        DeviceGroupSpec(count=2, min_count=1)
-    with pytest.raises(ValidationError, match=r"min_count \(3\) is larger than max_count \(2\)"):
-        DeviceGroupSpec(min_count=3, max_count=2)
+    # no group is sized between two counts: refused, not ignored
+    with pytest.raises(ValidationError, match="min_count and max_count: a device group's size is fixed for the run; "
+                                              "give count: N"):
+        DeviceGroupSpec(min_count=1, max_count=16)
+    with pytest.raises(ValidationError, match="max_count: a device group's size is fixed"):
+        DeviceGroupSpec(type="gpu", max_count=2)
     assert DeviceGroupSpec().effective_count == 1
     assert DeviceGroupSpec(type="gpu", device_ids=[2, 3]).effective_count == 2
 
