@@ -5,7 +5,9 @@ memory as sold (the number in the product name, which is what users write in
 ``min_memory_gb``), dense bf16 tensor TFLOP/s (no sparsity), memory bandwidth in GB/s and the
 L2 cache in MiB.
 Volta and Turing have no bf16 tensor cores; their ``tflops_bf16`` is the fp16 tensor
-rate, which is what a bf16 pipeline gets there after flowrl falls back to fp16.
+rate, what a model of ``dtype: fp16`` gets there. A model left in bf16 on such a card runs
+without tensor cores, several times slower than a plan from this rate says: give it
+``dtype: fp16`` there.
 
 The planner reads these numbers to predict times for machines described in ``devices/*.yaml``
 files, so a missing card is better described by a conservative estimate (``estimate_gpu``)
