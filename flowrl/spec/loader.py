@@ -9,6 +9,7 @@ those about command-line overrides (``trainer.steps=abc``) in the order they wer
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -143,7 +144,7 @@ def placed_within(locate: Locate | None) -> Iterator[None]:
 def _locate(
     path: str, message: str, source_name: str | None, line_map: LineMap, origins: Origins
 ) -> SpecIssue:
-    argument = origin_of(path, origins, line_map)
+    argument = _named_override(path, message, origins) or origin_of(path, origins, line_map)
     section, _, field = path.rpartition(".")
     if argument is None and field.endswith("_key") and path not in line_map and f"{section}.source" in origins:
         # a column the data lacks, under a key nobody set: the override that named the data
@@ -151,6 +152,17 @@ def _locate(
     if argument is not None:
         return SpecIssue(path, message, COMMAND_LINE, None, argument)
     return SpecIssue(path, message, source_name, line_of(path, line_map) if source_name else None)
+
+
+def _named_override(path: str, message: str, origins: Origins) -> str | None:
+    """Of the overrides inside ``path``, the one that set a field the message names: a check of
+    a whole section (``scheduler: min_gain is read only by policy: dynamic``) is about that
+    field, not about the first override that touched the section."""
+    for key, argument in origins.items():
+        inner = key.removeprefix(f"{path}.") if path else key
+        if inner != key and "." not in inner and re.search(rf"\b{re.escape(inner)}\b", message):
+            return argument
+    return None
 
 
 def _in_order(line_map: LineMap, origins: Origins) -> Callable[[SpecIssue], tuple[int, ...]]:

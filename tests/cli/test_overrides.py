@@ -159,6 +159,14 @@ def test_issues_name_the_override_and_come_after_the_files(tmp_path: Path) -> No
     assert (issue.path, issue.file, issue.line) == ("trainer.steps", "command line", None)
 
 
+def test_a_check_of_a_whole_section_names_the_override_of_the_field_it_is_about(tmp_path: Path) -> None:
+    """It named the first override that touched the section (every_steps, valid alone)."""
+    with pytest.raises(SpecError) as caught:
+        load_pipeline(write(tmp_path), ["scheduler.every_steps=5", "scheduler.min_gain=0.5"])
+    [issue] = caught.value.issues
+    assert issue.argument == "scheduler.min_gain=0.5" and "min_gain is read only by policy: dynamic" in issue.message
+
+
 def test_a_path_through_a_value_that_is_not_a_mapping(tmp_path: Path) -> None:
     with pytest.raises(SpecError) as caught:
         load_pipeline(write(tmp_path), ["name.x=1", "nodes.train.inputs.0=a"])
