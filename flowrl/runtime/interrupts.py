@@ -114,8 +114,8 @@ def handed_over() -> None:
 
 
 def took_retry() -> bool:
-    """Whether the signal being handled is a retry of an owed KeyboardInterrupt (:func:`owe`),
-    not one from anyone stopping the process."""
+    """Whether the signal being handled is a retry of an owed KeyboardInterrupt
+    (:func:`raise_outside_imports`), not one from anyone stopping the process."""
     retry, _Stop.retrying = _Stop.retrying, False
     return retry
 
