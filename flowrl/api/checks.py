@@ -359,7 +359,8 @@ def _located(issues: list[Issue], locate: Locate | None) -> list[SpecIssue]:
 def inert_settings(graph: PipelineGraph) -> list[str]:
     """Settings this pipeline accepts and that change nothing where it runs, for a note (a
     pipeline may be written to run on CPU slots and GPUs alike): ``offload_to_cpu`` of a model
-    whose nodes all run on CPU slots, where its weights are in host memory already."""
+    whose nodes all run on CPU slots, where its weights are in host memory already; ``sharded``
+    of a model whose updates all run on one device, where there is nothing to shard over."""
     from flowrl.devices.groups import model_group, pipeline_groups
     from flowrl.planner.placement import node_group
 
@@ -373,4 +374,13 @@ def inert_settings(graph: PipelineGraph) -> list[str]:
         if all(groups[group].type == "cpu" for group in used or {model_group(graph, name)} if group in groups):
             notes.append(f"models.{name}.offload_to_cpu pages a GPU model's weights, and '{name}' runs on CPU "
                          "slots, where its weights are in host memory already: it changes nothing here")
+    for name, model in spec.models.items():
+        if not model.sharded:
+            continue
+        updates = {node_group(graph, node) for node, item in spec.nodes.items() if item.model == name and item.trains}
+        if updates and all(group in groups and groups[group].effective_count == 1 for group in updates):
+            where = ", ".join(sorted(str(group) for group in updates))
+            notes.append(f"models.{name}.sharded splits a trained model over its update's devices, and the update of "
+                         f"'{name}' runs on one device (group {where}): it changes nothing here; give the group "
+                         "count: 2 or more to shard")
     return notes

@@ -423,8 +423,10 @@ class DynamicPolicy:
             reason = (f"gain {gain_s * 1e3:.1f} ms over {horizon} steps beats move cost "
                       f"{best.cost_s * 1e3:.1f} ms x {factor}")
         else:
-            reason = (f"kept: gain {gain_s * 1e3:.1f} ms over {horizon} steps does not beat "
-                      f"move cost {best.cost_s * 1e3:.1f} ms x {factor}")
+            weighed = ", ".join(f"{move.subject} {'+'.join(move.from_devices)} -> {'+'.join(move.to_devices)}"
+                                for move in best.moves)
+            reason = (f"kept: moving {weighed} would gain {gain_s * 1e3:.1f} ms over {horizon} steps, which does "
+                      f"not beat move cost {best.cost_s * 1e3:.1f} ms x {factor}")
         if accepted:
             self._match = best.match
         return Decision(step, triggers, accepted, forced, best.moves, before,

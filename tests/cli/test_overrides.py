@@ -309,6 +309,18 @@ def test_validate_notes_a_setting_that_changes_nothing_where_the_pipeline_runs()
     assert result.exit_code == 0 and "note:" not in result.output, result.output
 
 
+def test_validate_notes_sharding_over_one_device() -> None:
+    """sharded: true with the update's group at one device: nothing to split the model over."""
+    pipeline = Path(__file__).resolve().parents[2] / "pipelines" / "grpo_sharded.yaml"
+    result = CliRunner().invoke(cli.app, ["validate", str(pipeline), "devices.actor_group.count=1"])
+    assert result.exit_code == 0, result.output
+    assert ("note: models.actor.sharded splits a trained model over its update's devices, and the update of 'actor' "
+            "runs on one device (group actor_group): it changes nothing here; give the group count: 2 or more to "
+            "shard") in result.output
+    result = CliRunner().invoke(cli.app, ["validate", str(pipeline)])
+    assert result.exit_code == 0 and "note:" not in result.output, result.output
+
+
 def test_validate_notes_an_evaluation_of_the_training_prompts(tmp_path: Path) -> None:
     """A single data file has one split: evaluated without eval.source, its prompts are the
     training ones (the run warned; validation said nothing)."""

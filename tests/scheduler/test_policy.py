@@ -153,7 +153,9 @@ def test_a_slow_device_does_not_move_the_actor_when_the_margin_is_not_met() -> N
     [decision] = target.decide(2, [])
     assert not decision.accepted
     assert decision.plan is None
-    assert decision.reason.startswith("kept:")
+    # the move it weighed is named: the gain (2 s/step x 10) and the cost (18.5 s x 1.1)
+    assert decision.reason == ("kept: moving actor gpu-0 -> gpu-1 would gain 20000.0 ms over 10 steps, which does "
+                               "not beat move cost 18500.0 ms x 1.1")
     assert actor_devices(target) == ["gpu-0"]
 
 
