@@ -114,12 +114,16 @@ class ClusterError(FlowrlError):
 
 class NodeTimeout(ClusterError):
     """A node ran past ``runtime.node_timeout_s``: its worker counts as hung. ``node``: the
-    node whose call it was, where one call is known."""
+    node whose call it was, where one call is known. ``collective``: a rank of the node's
+    group failed in a collective because another rank died or stopped answering (the slots
+    are the whole group; which of them is at fault is not known yet)."""
 
-    def __init__(self, message: str, slots: tuple[str, ...], node: str | None = None) -> None:
+    def __init__(self, message: str, slots: tuple[str, ...], node: str | None = None,
+                 collective: bool = False) -> None:
         super().__init__(message)
         self.slots = slots
         self.node = node
+        self.collective = collective
 
 
 

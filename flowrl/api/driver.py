@@ -20,7 +20,7 @@ import signal
 import statistics
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -49,6 +49,9 @@ from flowrl.spec.schema import ScoreNode
 
 LOSS_NOTICE_S = 15.0
 """Longest wait for the scheduler to see a worker loss that the driver already saw."""
+PEER_LOSS_NOTICE_S = 3.0
+"""Longest wait for the scheduler to see that a rank whose group's collective failed is gone;
+a rank that did not die (stopped, hung) costs this wait before its group restarts."""
 NEW_WORKER_AFTER_S = 8.0
 """A lost slot whose worker is not back after this long gets a newly started worker too. A
 nanny's replacement forked from the warm server registers in about 0.1 s on 2 idle cores; a
@@ -562,7 +565,7 @@ class Driver:
         if isinstance(error, WorkerLost):
             return lc.Fault("lost", error.slots, detail)
         if isinstance(error, NodeTimeout):
-            return lc.Fault("hung", error.slots, detail)
+            return timeout_fault(error, detail, self._lost)
         if isinstance(error, FlowrlError) or isinstance(instruction, lc.ShrinkPlan):
             return lc.Fault("error", (), detail)
         if not self.cluster.connected() and self.cluster.reconnect_s > 0:
@@ -720,6 +723,20 @@ def _all_answer(cluster: Cluster, addresses: list[str]) -> bool:
     outcome = call_within(lambda: cluster.client.run(_answer, workers=addresses), ANSWER_S, "flowrl-answer")
     answers = outcome.result if outcome.finished and outcome.error is None else {}
     return all(answers.get(address) is True for address in addresses)
+
+
+def timeout_fault(error: NodeTimeout, detail: str, lost_within: Callable[[set[str], float], list[str]]) -> lc.Fault:
+    """The fault of a call past its deadline, or of a group whose collective failed.
+
+    A rank of a group died (the others' collective fails at once) or stopped answering. A
+    death the scheduler confirms within ``PEER_LOSS_NOTICE_S`` (``lost_within(slots, wait_s)``)
+    is a lost worker, and the group's other ranks keep their processes (their collective
+    failed; they did not hang); else the whole group counts as hung and restarts."""
+    if error.collective:
+        lost = lost_within(set(error.slots), PEER_LOSS_NOTICE_S)
+        if lost:
+            return lc.Fault("lost", tuple(lost), detail)
+    return lc.Fault("hung", error.slots, detail)
 
 
 def _looks_lost(error: BaseException) -> bool:

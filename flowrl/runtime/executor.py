@@ -105,7 +105,7 @@ class StepExecutor:
                 raise NodeTimeout(
                     f"node '{node}' on {', '.join(group)}: a collective of its group failed "
                     f"({type(error).__name__}: {str(error)[:200]}): a rank died or stopped answering",
-                    tuple(group),
+                    tuple(group), collective=True,
                 ) from error
             raise
 

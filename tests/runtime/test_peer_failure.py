@@ -81,7 +81,7 @@ def test_a_split_node_whose_rank_fails_in_its_collective_counts_as_hung(tmp_path
     executor = StepExecutor(graph, plan, hosts, 8.0, gather=gather)
     with pytest.raises(NodeTimeout) as hung:
         executor._collect("train", ["a", "b"])
-    assert hung.value.slots == ("cpu-0", "cpu-1")
+    assert hung.value.slots == ("cpu-0", "cpu-1") and hung.value.collective
     assert "a collective of its group failed" in str(hung.value) and "pair closure" in str(hung.value)
 
     # one worker alone has no peer: its error is its own
