@@ -28,8 +28,12 @@ their nominal speed then:
     compute_s(node, devices) = base.compute_s(node, devices) * factor(node) * max ratio(d)
 
 and device ratios are measured against the calibrated prediction from then on: a device
-is slow relative to how it ran at the start. A device that is already slow at the start
-is taken as it is.
+is slow relative to how it ran at the start. A CPU slot whose cores other processes keep
+busy runs slow from the start, and taken as it was, that slowness would be learned as the
+node's own (the move off the busy slot predicted to gain 22 %/step where it gained 1.9x).
+So the calibration samples are divided by the slot's slowdown from that load
+(:func:`contention_slowdown`, from its measured utilisation and external load), and the
+device's ratio afterwards carries the load as any later slowness.
 """
 
 from __future__ import annotations
@@ -43,10 +47,38 @@ from flowrl.devices.inventory import Device, Inventory
 from flowrl.graph import PipelineGraph
 from flowrl.planner.compiled import CompiledPlan
 from flowrl.planner.costs import CostSource, NodeMemory
-from flowrl.planner.sharing import core_shares, host_cores, shared_time
+from flowrl.planner.sharing import core_shares, cores_shared, host_cores, shared_time
 from flowrl.planner.simulate import Placement, simulate
 from flowrl.planner.work import NodeWork
-from flowrl.records import NodeTiming, StepRecord, slowest_part_medians
+from flowrl.records import DeviceSample, NodeTiming, StepRecord, slowest_part_medians
+
+
+def contention_slowdown(utilization: float, external_load: float) -> float:
+    """How many times longer a slot's calls take for what other processes run on its cores:
+    ``1 + D``, with ``D`` (0..1) the cores' worth of work those processes want.
+
+    Both inputs are averages over the step (per core of the slot): ``utilization`` the share
+    this worker was busy, ``external_load`` the share the others were. Under fair sharing of a
+    core, while the worker runs (a share ``b`` of the step) the others get ``D / (1 + D)`` and
+    the worker ``1 / (1 + D)``; while it waits they get ``D``. So ``u = b / (1 + D)`` and
+    ``e = D (1 - u D)``, of which ``D = (1 - sqrt(1 - 4 u e)) / (2 u)`` (``D = e`` for an idle
+    worker). A busy loop beside a worker that computes all the time: ``u = e = 0.5``, ``D = 1``,
+    twice as long, as measured."""
+    u, e = max(0.0, utilization), min(1.0, max(0.0, external_load))
+    if u < 1e-6:
+        return 1.0 + e
+    demand = (1.0 - math.sqrt(max(0.0, 1.0 - 4.0 * u * e))) / (2.0 * u)
+    return 1.0 + min(1.0, max(0.0, demand))
+
+
+def contention_of(pipeline: PipelineGraph, samples: Sequence[DeviceSample]) -> dict[str, float]:
+    """Device -> :func:`contention_slowdown` of each CPU slot sampled, where each slot has cores
+    of its own (``planner.sharing.cores_shared``); none where slots share cores, since then
+    the other slots' work is in the external load, and ``core_shares`` counts it already."""
+    if cores_shared(pipeline):
+        return {}
+    return {sample.device: contention_slowdown(sample.utilization, sample.external_load)
+            for sample in samples if sample.external_load is not None}
 
 
 @dataclass
@@ -103,6 +135,7 @@ class DeviceCalibration:
         node_devices: Mapping[str, Sequence[Device]],
         offloaded: Mapping[str, bool],
         shares: Mapping[str, float] | None = None,
+        contention: Mapping[str, float] | None = None,
     ) -> None:
         """Fold one step's node calls (one ``NodeTiming`` per node and device) in.
 
@@ -110,7 +143,9 @@ class DeviceCalibration:
         the placement that was measured; ``shares``: how many times slower each node ran
         for sharing its machine's cores in that placement (``planner.sharing.core_shares``,
         which ``simulate`` applies too), so that a factor learned in one placement holds
-        in another.
+        in another; ``contention``: device -> how many times slower its calls ran this step
+        for other processes on its cores (:func:`contention_slowdown`), taken out of what the
+        calibration steps learn.
         """
         measured: dict[str, float] = {}
         predicted: dict[str, float] = {}
@@ -128,7 +163,7 @@ class DeviceCalibration:
                 # the median: one step disturbed by something else on the machine must not
                 # set the baseline every later step is judged against
                 samples = self._samples.setdefault(timing.node, [])
-                samples.append(timing.compute_s / expected)
+                samples.append(timing.compute_s / (expected * (contention or {}).get(timing.device, 1.0)))
                 self.node_factors[timing.node] = statistics.median(samples)
                 continue
             measured[timing.device] = measured.get(timing.device, 0.0) + timing.compute_s
@@ -226,7 +261,7 @@ def calibrated_prediction(
     offloaded = {node: where.offloaded for node, where in placement.items()}
     shares = core_shares(pipeline, devices, host_cores(inventory))
     for record in learn:
-        calibration.observe_step(record.nodes, devices, offloaded, shares)
+        calibration.observe_step(record.nodes, devices, offloaded, shares, contention_of(pipeline, record.devices))
     schedule = simulate(pipeline, placement, inventory, calibration)
     measured = slowest_part_medians((t.node, r.step, t.compute_s) for r in judge for t in r.nodes)
     step_times = [r.metrics["timing_s/step"] for r in judge if math.isfinite(r.metrics.get("timing_s/step", math.nan))]

@@ -44,7 +44,7 @@ from flowrl.planner.search import evaluate
 from flowrl.planner.sharing import core_shares, host_cores
 from flowrl.planner.simulate import node_call_memory_gb
 from flowrl.records import DeviceSample, NodeTiming
-from flowrl.scheduler.calibration import DeviceCalibration
+from flowrl.scheduler.calibration import DeviceCalibration, contention_of, contention_slowdown
 from flowrl.scheduler.candidates import neighbour_matches, repair_matches
 from flowrl.scheduler.events import (
     Decision,
@@ -229,7 +229,8 @@ class DynamicPolicy:
                    if node in self._measured_on and self._measured_on[node] != devices}
         self._measured_on = placed
         self.calibration.observe_step([timing for timing in timings if timing.node not in warming], node_devices,
-                                      offloaded, core_shares(self.pipeline, node_devices, host_cores(self.inventory)))
+                                      offloaded, core_shares(self.pipeline, node_devices, host_cores(self.inventory)),
+                                      contention_of(self.pipeline, devices))
         planned = {d for item in self._plan.nodes for d in item.devices}
         if any(timing.peak_memory_gb > 0 for timing in timings) and planned <= set(by_id):
             predicted = node_call_memory_gb(self.pipeline, placement_of(self._plan), self.inventory,
@@ -247,7 +248,8 @@ class DynamicPolicy:
         for sample in devices:
             if sample.device not in used:
                 if sample.external_load is not None:
-                    self.calibration.observe_idle(sample.device, 1.0 + sample.external_load)
+                    self.calibration.observe_idle(sample.device,
+                                                  contention_slowdown(sample.utilization, sample.external_load))
                 continue
             if sample.utilization < settings.low_util:
                 total = flags.low_util_s.get(sample.device, 0.0) + step_s

@@ -162,3 +162,51 @@ def test_the_policy_learns_gpu_memory_from_the_calls_it_observes() -> None:
     timings = [NodeTiming("rollout", "x", rollout.devices[0], 1.0, 1.0, 0.0, 0, 0, peak_memory_gb=30.0)]
     target.observe(1, timings, [], 2.0)
     assert target.calibration.memory_excess_gb["rollout"] == pytest.approx(30.0 - (3 * 9.125 + 40) * 2**20 / 1e9)
+
+
+def test_contention_slowdown_from_utilisation_and_external_load() -> None:
+    from flowrl.scheduler.calibration import contention_slowdown
+
+    assert contention_slowdown(0.0, 0.0) == 1.0
+    assert contention_slowdown(0.0, 0.3) == pytest.approx(1.3)  # idle: the others' load as it is
+    # a busy loop beside a worker that computes all the time: each gets half the core
+    assert contention_slowdown(0.5, 0.5) == pytest.approx(2.0)
+    # the worker busy a third of the step: u = 0.3, e = D (1 - u D); D = 0.5 gives e = 0.425
+    assert contention_slowdown(0.3, 0.425) == pytest.approx(1.5)
+    assert contention_slowdown(1.0, 0.0) == 1.0
+    assert contention_slowdown(0.6, 0.6) == pytest.approx(1 + 1 / 1.2)  # noisy: u + e > 1
+
+
+def test_calibration_takes_the_load_of_other_processes_out_of_the_node_factors() -> None:
+    calibration = DeviceCalibration(TableCosts(), alpha=0.5, calibration_steps=2)
+    loaded = {"gpu-0": 2.0}  # another process halves the device from the start
+    calibration.observe_step(timings(ACTOR_ON_0, {"gpu-0": 10.0}), DEVICES, {})  # warm-up
+    for _ in range(2):
+        calibration.observe_step(timings(ACTOR_ON_0, loaded), DEVICES, {}, contention=loaded)
+    assert calibration.node_factors == {"rollout": pytest.approx(0.3), "train": pytest.approx(0.9)}
+    # after calibration the load is the device's: measured 0.6 + 1.8 s against 0.3 + 0.9
+    calibration.observe_step(timings(ACTOR_ON_0, loaded), DEVICES, {}, contention=loaded)
+    assert calibration.ratio("gpu-0") == pytest.approx(1.0 + 0.5 * (2.0 - 1.0))
+
+
+def test_a_slot_busy_with_another_process_from_the_start_loses_the_actor() -> None:
+    """A busy loop on cpu-0's core before the run: learned as the nodes' own slowness, the
+    move off it was predicted to gain 22 %/step where it gained 1.9x."""
+    from flowrl.records import DeviceSample
+    from flowrl.spec.loader import pipeline_from_dict
+
+    pinned = pipeline_from_dict({**PIPELINE.to_dict(), "runtime": {"pin_cpus": True}})
+    settings = PolicySettings(every_steps=5, min_gain=0.1, restart_s=0.1, alpha=0.5, calibration_steps=2)
+    target = DynamicPolicy(pinned, inventory(gpu(0), gpu(1)), settings, TableCosts())
+    busy = [DeviceSample("gpu-0", "cpu", 0.5, 1.0, external_load=0.5),
+            DeviceSample("gpu-1", "cpu", 0.0, 1.0, external_load=0.0)]
+    moves = []
+    for step in range(1, 13):
+        moves += [decision for decision in target.decide(step, []) if decision.accepted]
+        placed = {item.node: item.devices[0] for item in target.plan.nodes if item.node in REAL_S and TIMES_S[item.node]}
+        target.observe(step, timings(placed, {"gpu-0": 2.0}), busy, 1.0)
+    assert next(item.devices for item in target.plan.nodes if item.node == "rollout") == ["gpu-1"]
+    # at the first re-plan after calibration (steps 2-3), gpu-0's ratio is 1 + 0.5 (2 - 1) = 1.5
+    # after one step: 1.8 s of rollout and train there against 1.2 s on gpu-1, a third less
+    [move] = moves
+    assert move.step == 5 and move.gain_share == pytest.approx(1 / 3, abs=0.01)
