@@ -4,7 +4,6 @@ paths with these before any worker starts."""
 
 from __future__ import annotations
 
-import difflib
 import json
 from pathlib import Path
 from typing import Any
@@ -12,6 +11,7 @@ from typing import Any
 from flowrl.backends.cache import BUILTIN_PREFIX
 from flowrl.backends.hub import HUB_NAME_PATTERN, HUB_PROBE_TIMEOUT_S, hub_offline, hub_reachable
 from flowrl.errors import ModelLoadError
+from flowrl.spec.lines import nearest_beside
 
 
 def resolve_model_path(path: str, base_dir: Path | None = None) -> Path | str:
@@ -46,9 +46,9 @@ def resolve_model_path(path: str, base_dir: Path | None = None) -> Path | str:
     near = ""
     if parent is not None:
         siblings = sorted(entry.name for entry in parent.iterdir() if entry.is_dir())
-        close = difflib.get_close_matches(Path(path).name, siblings, n=1)
+        close = nearest_beside(parent / Path(path).name, folders=True, cutoff=0.6)
         near = f"; {parent} holds {', '.join(siblings[:8]) or 'no folders'}" + (
-            f" (did you mean '{str(Path(path).parent / close[0])}'?)" if close else "")
+            f" (did you mean '{str(Path(path).parent / close.name)}'?)" if close else "")
     raise ModelLoadError(
         f"model directory '{path}' not found (looked in {looked_in}){near}; pass an existing "
         "directory, a hub name like 'org/name', or builtin:tiny-llama"
@@ -74,15 +74,13 @@ def hub_model_problem(name: str, revision: str | None = None, base_dir: Path | N
 
 def _near_folder(name: str, base_dir: Path | None) -> str:
     """`` (did you mean the folder 'mymodel' here?)`` for a mistyped local name read as a hub name."""
-    folders: set[str] = set()
     for parent in dict.fromkeys([base_dir, Path.cwd()]):
-        try:
-            if parent is not None and parent.is_dir():
-                folders |= {entry.name for entry in parent.iterdir() if (entry / "config.json").is_file()}
-        except OSError:  # a folder this user may not list: nothing to suggest from it
+        if parent is None or "/" in name:
             continue
-    close = difflib.get_close_matches(name, sorted(folders), n=1)
-    return f" (did you mean the model folder '{close[0]}' here?)" if close else ""
+        close = nearest_beside(parent / name, folders=True, cutoff=0.6, keep=lambda entry: (entry / "config.json").is_file())
+        if close is not None:
+            return f" (did you mean the model folder '{close.name}' here?)"
+    return ""
 
 
 def saved_model_location(path: str, base_dir: Path | None = None) -> Path | str:
