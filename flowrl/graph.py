@@ -29,6 +29,7 @@ from flowrl.spec.schema import (
     ReferenceLogprobNode,
     ScoreNode,
     UpdateNode,
+    ValueNode,
 )
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
@@ -69,6 +70,7 @@ class _Checker:
         self._check_unused()
         self._check_eval()
         self._check_groups()
+        self._check_unread()
         return self.issues
 
     def add(self, path: str, message: str) -> None:
@@ -307,6 +309,22 @@ class _Checker:
             # the edge that closes the cycle is an input of the first node
             self.add(f"nodes.{start}.inputs", f"cycle {shown}; one iteration must flow one way")
 
+    def _check_unread(self) -> None:
+        """A reference, value or advantage node whose output no node reads runs every step for
+        nothing. Said only of an otherwise valid pipeline: where a node lacks an input, that
+        node's message says what to add, and the unread one is the same mistake."""
+        if self.issues or self.broken:
+            return
+        read = {item for node in self.spec.nodes.values() for item in node.inputs}
+        readers = {AdvantageNode: "an update", ReferenceLogprobNode: "an update or an advantage with kl_coef > 0",
+                   ValueNode: "an advantage (estimator: gae)"}
+        for name, node in self.spec.nodes.items():
+            # a score node no advantage reads still watches (logged, evaluated): a note, not this
+            wanted = next((who for role, who in readers.items() if isinstance(node, role)), None)
+            if wanted is not None and name not in read:
+                self.add(f"nodes.{name}", f"no node reads {node.role} node '{name}': it would run every step for "
+                                          f"nothing; list it in the inputs of {wanted}, or remove it")
+
     def _check_groups(self) -> None:
         """grpo and rloo compare the samples of each prompt: a rollout of one sample per
         prompt gives every completion the advantage 0, and nothing would train."""
@@ -521,6 +539,13 @@ def _rollout_size(spec: PipelineSpec, name: str) -> tuple[int, str] | None:
         return None
     rows = spec.data.batch_size * rollouts[0].n
     return rows, f"the {rows} sequences of a rollout (data.batch_size {spec.data.batch_size} x n {rollouts[0].n})"
+
+
+def trained_scores(spec: PipelineSpec) -> list[str]:
+    """The score nodes an advantage reads: what training adds up. A score node no advantage
+    reads only watches (its numbers are logged and evaluated, nothing trains on them)."""
+    read = {item for node in spec.nodes.values() if isinstance(node, AdvantageNode) for item in node.inputs}
+    return [name for name, node in spec.nodes.items() if isinstance(node, ScoreNode) and name in read]
 
 
 def uneven_mini_batches(spec: PipelineSpec) -> list[str]:

@@ -484,6 +484,46 @@ def test_a_mini_batch_size_above_the_rollout_is_refused_and_an_uneven_one_is_war
         "x n 4); set at most 16, or remove it (one optimizer step over the whole rollout)"]
 
 
+def test_a_mini_batch_beside_another_section_s_mistake_is_judged_or_left_never_a_traceback() -> None:
+    """The graph rules run on what passed the schema: a mini-batch rule read data.batch_size
+    from a spec built without its data section (AttributeError, exit 1)."""
+    data = grpo()
+    data["data"] = {"source": "builtin:digits", "batch_size": 4}
+    data["nodes"]["rollout"]["n"] = 4
+    data["nodes"]["train"]["mini_batch_size"] = 64
+    data["trainer"] = {"steps": 0}
+    with pytest.raises(SpecError) as raised:
+        pipeline_from_dict(data)
+    assert sorted(issue.path for issue in raised.value.issues) == ["nodes.train.mini_batch_size", "trainer.steps"]
+    data["data"]["batch_size"] = 0  # the rollout's size is unknown: the rule is left out
+    with pytest.raises(SpecError) as raised:
+        pipeline_from_dict(data)
+    assert sorted(issue.path for issue in raised.value.issues) == ["data.batch_size", "trainer.steps"]
+
+
+def test_a_node_whose_output_no_node_reads_is_refused() -> None:
+    """A second advantage, a reference and a critic's values that feed nothing ran every step
+    for nothing, accepted."""
+    data = grpo()
+    data["nodes"]["adv2"] = {"role": "advantage", "estimator": "rloo", "inputs": ["reward"]}
+    data["nodes"]["train"]["kl_coef"] = 0.0
+    data["nodes"]["train"]["inputs"] = ["rollout", "adv"]
+    assert issues(data) == [
+        "nodes.ref: no node reads reference_logprob node 'ref': it would run every step for nothing; list it in the "
+        "inputs of an update or an advantage with kl_coef > 0, or remove it",
+        "nodes.adv2: no node reads advantage node 'adv2': it would run every step for nothing; list it in the inputs "
+        "of an update, or remove it"]
+    data = ppo()
+    data["nodes"]["values2"] = {"role": "value", "model": "critic", "inputs": ["rollout"]}
+    assert issues(data) == [
+        "nodes.values2: no node reads value node 'values2': it would run every step for nothing; list it in the "
+        "inputs of an advantage (estimator: gae), or remove it"]
+    # a score node no advantage reads only watches: allowed (validation and the run note it)
+    data = grpo()
+    data["nodes"]["watch"] = {"role": "score", "fn": "digits", "inputs": ["rollout"]}
+    assert issues(data) == []
+
+
 def test_inputs_an_update_never_reads_are_refused() -> None:
     # rewards reach an update through its advantages
     data = grpo()

@@ -21,7 +21,7 @@ from flowrl.data import PromptExample, PromptSource
 from flowrl.data.files import missing_local_source, resolve_local
 from flowrl.data.source import BUILTIN_PREFIX, endless_task, is_endless_task
 from flowrl.errors import DataError, ModelLoadError, RewardError, SpecError, SpecIssue
-from flowrl.graph import PipelineGraph
+from flowrl.graph import PipelineGraph, trained_scores
 from flowrl.rewards import FLOWRL_KEYWORDS, REWARD_FUNCTIONS, resolve_reward, signature_problem
 from flowrl.spec.loader import Locate
 from flowrl.spec.messages import Issue
@@ -360,7 +360,8 @@ def inert_settings(graph: PipelineGraph) -> list[str]:
     """Settings this pipeline accepts and that change nothing where it runs, for a note (a
     pipeline may be written to run on CPU slots and GPUs alike): ``offload_to_cpu`` of a model
     whose nodes all run on CPU slots, where its weights are in host memory already; ``sharded``
-    of a model whose updates all run on one device, where there is nothing to shard over."""
+    of a model whose updates all run on one device, where there is nothing to shard over; a
+    score node no advantage reads, which only watches."""
     from flowrl.devices.groups import model_group, pipeline_groups
     from flowrl.planner.placement import node_group
 
@@ -374,6 +375,12 @@ def inert_settings(graph: PipelineGraph) -> list[str]:
         if all(groups[group].type == "cpu" for group in used or {model_group(graph, name)} if group in groups):
             notes.append(f"models.{name}.offload_to_cpu pages a GPU model's weights, and '{name}' runs on CPU "
                          "slots, where its weights are in host memory already: it changes nothing here")
+    trained = set(trained_scores(spec))
+    for name, node in spec.nodes.items():
+        if isinstance(node, ScoreNode) and name not in trained:
+            notes.append(f"nodes.{name}: no advantage reads score node '{name}': its scores are logged "
+                         f"(reward/{name}/*) and evaluated, and nothing trains on them; list it in an advantage's "
+                         "inputs to train on it")
     for name, model in spec.models.items():
         if not model.sharded:
             continue

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from flowrl.graph import PipelineGraph
+from flowrl.graph import PipelineGraph, trained_scores
 from flowrl.records import NodeTiming
 from flowrl.runtime.calls import NodeReport
 from flowrl.spec.schema import GenerateNode, ScoreNode
@@ -31,8 +31,10 @@ def step_metrics(
     nodes: list[NodeTiming] = []
     generated_tokens = 0
     score_nodes = [name for name in reports if isinstance(graph.spec.nodes[name], ScoreNode)]
+    trained = set(trained_scores(graph.spec))
     for name, report in reports.items():
-        if not (name in score_nodes and len(score_nodes) > 1):  # several scores add up: _summed_scores
+        # several scores add up, and one that no advantage reads is not in the sum: _summed_scores
+        if not (name in score_nodes and (len(score_nodes) > 1 or name not in trained)):
             for key, value in report.metrics.items():
                 # several updates (actor and critic) may each push weights: the step's sync is their sum
                 metrics[key] = metrics.get(key, 0.0) + value if key in SUMMED else value
@@ -65,7 +67,7 @@ def step_metrics(
         metrics["perf/max_memory_allocated_gb"] = max(t.peak_memory_gb for t in peaks)
         metrics["perf/memory_headroom_gb"] = min(t.memory_headroom_gb for t in peaks)
     if score_nodes:
-        metrics.update(_summed_scores({name: reports[name] for name in score_nodes}))
+        metrics.update(_summed_scores({name: reports[name] for name in score_nodes}, trained))
     metrics["timing_s/step"] = metrics["perf/time_per_step"] = step_s
     # verl's perf/throughput: prompt + response tokens per second per device.
     metrics["perf/throughput"] = generated_tokens / step_s / max(1, num_devices)
@@ -85,15 +87,17 @@ def step_metrics(
     return metrics, nodes
 
 
-def _summed_scores(reports: dict[str, NodeReport]) -> dict[str, float]:
-    """Metrics of the score nodes whose (weighted) scores the advantage adds up: the total's
-    mean (a sum of means), each node's own under ``reward/<node>/`` (one node's too, so a
-    node's numbers keep their names when a second is added), and failures over all of them."""
+def _summed_scores(reports: dict[str, NodeReport], trained: set[str]) -> dict[str, float]:
+    """Metrics of the score nodes: the mean of the total the advantages add up (a sum of the
+    ``trained`` nodes' means; a node no advantage reads is not in it), each node's own under
+    ``reward/<node>/`` (one node's too, so a node's numbers keep their names when a second is
+    added), and failures over all of them."""
     metrics: dict[str, float] = {"critic/score/mean": 0.0}
     failed = share_sum = batch_failed = 0.0
     with_failures = 0
     for name, report in reports.items():
-        metrics["critic/score/mean"] += report.metrics.get("critic/score/mean", 0.0)
+        if name in trained:
+            metrics["critic/score/mean"] += report.metrics.get("critic/score/mean", 0.0)
         for key, value in report.metrics.items():
             metrics[f"reward/{name}/{key.rsplit('/', 1)[-1]}"] = value
         if "reward/failed_share" in report.metrics:

@@ -28,7 +28,7 @@ from flowrl.spec.overrides import (
     origin_of,
     parse_overrides,
 )
-from flowrl.spec.schema import SECTION_CLASSES, NodeSpec, PipelineSpec
+from flowrl.spec.schema import SECTION_CLASSES, DataSpec, NodeSpec, PipelineSpec
 
 _NODE_ADAPTER: TypeAdapter[Any] = TypeAdapter(NodeSpec)
 
@@ -179,7 +179,7 @@ def _in_order(line_map: LineMap, origins: Origins) -> Callable[[SpecIssue], tupl
 
 
 def _partial_spec(data: dict[str, Any], error: ValidationError) -> tuple[PipelineSpec, set[str]]:
-    """The models, device groups and nodes usable by the graph checks, and what is not.
+    """The models, device groups, nodes and data usable by the graph checks, and what is not.
 
     An entry whose errors all sit in optional fields is kept with those fields dropped
     (back to defaults); the dropped fields are returned as unusable (``nodes.train.kl_coef``),
@@ -222,10 +222,18 @@ def _partial_spec(data: dict[str, Any], error: ValidationError) -> tuple[Pipelin
                 unusable.add(f"{section}.{name}")
         return entries
 
+    sections: dict[str, Any] = {}
+    try:  # the data section is read by rules on nodes (a mini-batch against the rollout's size)
+        if any(detail["loc"][:1] == ("data",) for detail in error.errors()):
+            raise ValueError("data failed")
+        sections["data"] = DataSpec.model_validate(data.get("data"))
+    except ValueError:  # ValidationError is a ValueError
+        unusable.add("data")
     spec = PipelineSpec.model_construct(
         models=valid_entries("models"),
         devices=valid_entries("devices"),
         nodes=valid_entries("nodes"),
+        **sections,
     )
     return spec, unusable
 

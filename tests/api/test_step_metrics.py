@@ -80,3 +80,26 @@ def test_one_score_node_is_logged_under_its_own_name_too(tmp_path: Path) -> None
     assert metrics["critic/score/mean"] == metrics["reward/digits/mean"] == 0.25
     assert metrics["reward/digits/num_failed"] == metrics["reward/num_failed"] == 1.0
     assert metrics["reward/batch_failed"] == metrics["reward/digits/batch_failed"] == 1.0
+
+
+def test_a_score_no_advantage_reads_is_logged_but_not_added_to_the_reward(tmp_path: Path) -> None:
+    """'again' feeds nothing: the step's reward (the status line's, the report's curve) was
+    0.75 while the advantage trained on 0.25."""
+    path = tmp_path / "p.yaml"
+    path.write_text(PIPELINE.replace("inputs: [digits, again]", "inputs: [digits]"))
+    graph = load_pipeline(path)
+    reports = {
+        "rollout": _report("rollout", "generate", 0.2, 24, 16),
+        "digits": _report("digits", "score", 0.01, 16, 0, **{"critic/score/mean": 0.25}),
+        "again": _report("again", "score", 0.03, 16, 0, **{"critic/score/mean": 0.5}),
+        "adv": _report("adv", "advantage", 0.002, 0, 0),
+        "train": _report("train", "update", 0.4, 40, 0),
+    }
+    metrics, _ = step_metrics(graph, reports, step_s=0.7, num_devices=1)
+    assert metrics["critic/score/mean"] == 0.25
+    assert metrics["reward/digits/mean"] == 0.25 and metrics["reward/again/mean"] == 0.5
+    # the one score node an advantage reads is the reward; the one it does not, never
+    path.write_text(PIPELINE.replace("inputs: [digits, again]", "inputs: [again]"))
+    reports = {name: report for name, report in reports.items() if name != "digits"}
+    metrics, _ = step_metrics(load_pipeline(path), reports, step_s=0.7, num_devices=1)
+    assert metrics["critic/score/mean"] == 0.5 and metrics["reward/again/mean"] == 0.5
