@@ -8,9 +8,11 @@ from pydantic import BaseModel, ConfigDict
 class StrictModel(BaseModel):
     """Frozen, refuses unknown keys, and refuses a value of another type instead of
     converting it: ``lr: yes`` is YAML's true, which lax validation would take as 1.0, and
-    ``n='4'`` from Python would become 4. An int still stands for a float."""
+    ``n='4'`` from Python would become 4. An int still stands for a float. No number is NaN or
+    infinite (``weight: .nan`` made every reward NaN and trained nothing, without a word)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True, strict=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True, strict=True,
+                              allow_inf_nan=False)
 
     def changed_fields(self) -> set[str]:
         """Fields whose value is not their default (a default written out changes nothing:

@@ -256,6 +256,17 @@ def test_values_of_another_type_are_refused_not_converted(tmp_path: Path) -> Non
     assert spec.nodes["train"].lr == 1e-5
 
 
+def test_a_number_that_is_nan_or_infinite_is_refused(tmp_path: Path) -> None:
+    """weight: .nan passed validation; every reward was then NaN and nothing trained, exit 0."""
+    text = GOOD.replace("fn: digits,", "fn: digits, weight: .nan,").replace(
+        "inputs: [rollout, adv]}", "inputs: [rollout, adv], max_grad_norm: .inf}")
+    path = tmp_path / "pipeline.yaml"
+    assert problems(write(tmp_path, text)) == [
+        f"{path}:8: nodes.reward.weight: input should be a finite number, found nan",
+        f"{path}:10: nodes.train.max_grad_norm: input should be a finite number, found inf",
+    ]
+
+
 def test_a_device_id_as_the_commands_print_it_says_which_number_to_write(tmp_path: Path) -> None:
     path = write(tmp_path, GOOD.replace("{type: cpu}", "{type: cpu, device_ids: [cpu-1]}"))
     assert problems(path) == [
