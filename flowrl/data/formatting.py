@@ -74,6 +74,22 @@ class PromptFormatter:
         self.room = None if max_prompt_tokens is not None else room
         self.room_why = room_why
 
+    @property
+    def bound(self) -> int | None:
+        """The prompt length longer prompts are cut to or left out at: ``max_prompt_tokens``,
+        else the room the models leave where ``overlong`` cuts or skips (with ``error`` a
+        prompt beyond the room stops the run instead); None: no bound."""
+        if self.max_prompt_tokens is not None:
+            return self.max_prompt_tokens
+        return self.room if self.overlong != "error" else None
+
+    @property
+    def bound_name(self) -> str:
+        """How messages name :attr:`bound`."""
+        if self.max_prompt_tokens is not None or self.room is None:
+            return "data.max_prompt_tokens"
+        return f"the {self.room} tokens a prompt has room for"
+
     def with_room(self, room: int | None, why: str = "") -> "PromptFormatter":
         """This formatter with another room (held-out prompts: the evaluation's own
         completion length and the policy's positions); ``max_prompt_tokens`` still wins."""

@@ -234,9 +234,10 @@ class PromptSource:
         return batch
 
     def length_metrics(self, batch: list[PromptExample]) -> dict[str, float]:
-        """With ``max_prompt_tokens``: the batch's prompts cut to it, and the dataset's rows
-        left out for exceeding it (``skip``)."""
-        if self.formatter.max_prompt_tokens is None:
+        """Where prompts have a bound (``max_prompt_tokens``, else the room the models leave
+        with ``truncate_left`` or ``skip``): the batch's prompts cut to it, and the dataset's
+        rows left out for exceeding it (``skip``)."""
+        if self.formatter.bound is None:
             return {}
         return {
             "data/prompts_truncated": float(sum(1 for example in batch if example.meta.get("truncated"))),
@@ -296,10 +297,11 @@ class PromptSource:
         notes = []
         if counts.num_chat:
             notes.append(f"{counts.num_chat} chats rendered with the chat template")
+        bound = self.formatter.bound_name
         if counts.num_truncated:
-            notes.append(f"{counts.num_truncated} truncated on the left to data.max_prompt_tokens")
+            notes.append(f"{counts.num_truncated} truncated on the left to {bound}")
         if counts.num_skipped:
-            notes.append(f"{counts.num_skipped} longer than data.max_prompt_tokens skipped")
+            notes.append(f"{counts.num_skipped} longer than {bound} skipped")
         extra = f"; {', '.join(notes)}" if notes else ""
         return (
             f"{self.source}: {num_examples} prompts, {order}, {self.batch_size} per step "
@@ -308,5 +310,8 @@ class PromptSource:
 
 
 def _short_number(value: float) -> str:
-    """``5.71``, ``12``, ``0.0039``: two decimals at most, three digits below 1."""
+    """``5.71``, ``12``, ``1,219``, ``0.0039``: two decimals at most below 100, none above, two
+    significant digits below 1."""
+    if value >= 100:
+        return f"{value:,.0f}"
     return f"{value:.2f}".rstrip("0").rstrip(".") if value >= 1 else f"{value:.2g}"

@@ -482,10 +482,20 @@ def test_without_max_prompt_tokens_truncate_left_and_skip_cut_at_the_room_the_mo
         in str(caught.value)
     cut = PromptFormatter(build_char_tokenizer(), overlong="truncate_left", room=5, room_why=why)
     source = PromptSource("d.jsonl", 3, 0, tmp_path, shuffle=False, formatter=cut)
-    assert _prompts(source.next_batch(0)) == ["abc", "bcdef", "56789"] and source.counts.num_truncated == 2
+    batch = source.next_batch(0)
+    assert _prompts(batch) == ["abc", "bcdef", "56789"] and source.counts.num_truncated == 2
+    # counted in the step's metrics as with max_prompt_tokens, and named by the room
+    assert source.length_metrics(batch) == {"data/prompts_truncated": 2.0, "data/prompts_skipped": 0.0}
+    assert "2 truncated on the left to the 5 tokens a prompt has room for" in source.describe()
     left_out = PromptFormatter(build_char_tokenizer(), overlong="skip", room=6, room_why=why)
     source = PromptSource("d.jsonl", 2, 0, tmp_path, shuffle=False, formatter=left_out)
-    assert _prompts(source.next_batch(0)) == ["abc", "abcdef"] and source.counts.num_skipped == 1
+    batch = source.next_batch(0)
+    assert _prompts(batch) == ["abc", "abcdef"] and source.counts.num_skipped == 1
+    assert source.length_metrics(batch) == {"data/prompts_truncated": 0.0, "data/prompts_skipped": 1.0}
+    assert "1 longer than the 6 tokens a prompt has room for skipped" in source.describe()
+    # no bound at all: no such metrics
+    plain = PromptSource("d.jsonl", 2, 0, tmp_path, shuffle=False, formatter=PromptFormatter(build_char_tokenizer()))
+    assert plain.length_metrics(plain.next_batch(0)) == {}
 
 
 def test_a_folder_as_a_hub_dataset_download_lays_it_out_reads_its_splits(tmp_path: Path) -> None:
