@@ -184,7 +184,7 @@ class PromptFormatter:
             return "", False, f"no column '{prompt_key}' (columns: {columns}; set data.prompt_key)"
         value = row[prompt_key]
         if value is None:
-            return "", False, f"no '{prompt_key}' in this row"
+            return "", False, f"'{prompt_key}' is null (missing in this row, or an empty CSV cell)"
         if isinstance(value, str):
             if not value.strip():  # nothing to generate from (a tokenizer may give it no token at all)
                 return "", False, f"an empty '{prompt_key}'" if not value else f"only white space in '{prompt_key}'"

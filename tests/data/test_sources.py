@@ -323,7 +323,7 @@ def test_every_bad_line_and_row_is_reported(tmp_path: Path) -> None:
     lines = str(caught.value).splitlines()
     assert lines[0] == "4 bad rows in rows.jsonl (each row needs a non-empty string or a list of chat messages in 'prompt'):"
     assert lines[1:] == [
-        "  rows.jsonl: row 2: no 'prompt' in this row",
+        "  rows.jsonl: row 2: 'prompt' is null (missing in this row, or an empty CSV cell)",
         "  rows.jsonl: row 3: 'prompt' is int 12",
         "  rows.jsonl: row 4: an empty 'prompt'",
         "  rows.jsonl: row 5: only white space in 'prompt'",
