@@ -79,18 +79,22 @@ def target_problem(module: torch.nn.Module, target_modules: str | list[str], mod
     names = _linear_names(module, ends)
     matches = {target: [layer for name, layer in module.named_modules() if name == target or name.endswith("." + target)]
                for target in target_modules}
+    # every problem at once: a list with a typo and the output head is told of both
+    problems = []
     unmatched = [target for target, matched in matches.items() if not matched]
     if unmatched:  # peft accepts a list as long as one name matches
-        return f"{unmatched} match no module of '{model}'; its linear layers are named {names}, or write all-linear"
+        problems.append(f"{unmatched} match no module of '{model}'; its linear layers are named {names}, or write "
+                        "all-linear")
     for target, matched in matches.items():
-        for what, end in ends.items():
-            if end is not None and any(layer is end for layer in matched):
-                return (f"{target!r} is the {what} of '{model}', which cannot take adapters (generation "
-                        "and the log-prob head read its weight directly); leave it out of target_modules")
-        if not any(_linear_like(layer) for layer in matched):
-            return (f"{target!r} names {type(matched[0]).__name__} modules of '{model}', and adapters go on "
-                    f"linear layers: {names}")
-    return None
+        end_named = next((what for what, end in ends.items()
+                          if end is not None and any(layer is end for layer in matched)), None)
+        if end_named is not None:
+            problems.append(f"{target!r} is the {end_named} of '{model}', which cannot take adapters (generation "
+                            "and the log-prob head read its weight directly); leave it out of target_modules")
+        elif matched and not any(_linear_like(layer) for layer in matched):
+            problems.append(f"{target!r} names {type(matched[0]).__name__} modules of '{model}', and adapters go on "
+                            f"linear layers: {names}")
+    return "; ".join(problems) or None
 
 
 def rank_problem(module: torch.nn.Module, target_modules: str | list[str], rank: int, model: str = "model") -> str | None:

@@ -212,6 +212,8 @@ def test_a_model_state_of_an_adapted_model_hands_over_its_adapters_alone() -> No
                         r"'q_proj', 'up_proj', 'v_proj'\], or write all-linear"),
     (["q_proj", "vproj"], r"\['vproj'\] match no module"),
     (["model.norm"], "names LlamaRMSNorm modules of 'model', and adapters go on linear layers"),
+    # every problem at once: the typo and the head (the head was told only once the typo was fixed)
+    (["q_prj", "lm_head"], r"\['q_prj'\] match no module of 'model'.*; 'lm_head' is the output head"),
 ])
 def test_targets_that_cannot_take_adapters_are_refused(targets: list[str], message: str) -> None:
     with pytest.raises(ModelLoadError, match=message):
