@@ -19,6 +19,10 @@ from rich.markup import escape
 
 from flowrl.errors import FlowrlError
 
+FLAG = ""
+"""The metavar of an on/off option: the help shows none (typer writes ``<bool>``, which reads
+as if the option took a value)."""
+
 app = typer.Typer(
     name="flowrl",
     help="Reinforcement-learning dataflow for language models, placed on Dask workers.",
@@ -112,7 +116,7 @@ def _print_version(value: bool) -> None:
 @app.callback()
 def _options(
     version: bool = typer.Option(
-        False, "--version", callback=_print_version, is_eager=True, help="Print the version and exit."
+        False, "--version", metavar=FLAG, callback=_print_version, is_eager=True, help="Print the version and exit."
     ),
 ) -> None:
     """Reinforcement-learning dataflow for language models, placed on Dask workers."""
@@ -162,12 +166,12 @@ def run(
     ),
     cpu_slots: Optional[int] = typer.Option(None, min=1, help="Override runtime.cpu_slots (local cluster workers)."),
     seed: Optional[int] = typer.Option(None, help="Override trainer.seed."),
-    plain: bool = typer.Option(False, "--plain", help="One log line per step instead of the live view."),
-    resume: bool = typer.Option(False, "--resume", help="Continue the run in the output folder from its newest checkpoint."),
-    force: bool = typer.Option(False, "--force", help="With --resume: go on although the pipeline changed."),
+    plain: bool = typer.Option(False, "--plain", metavar=FLAG, help="One log line per step instead of the live view."),
+    resume: bool = typer.Option(False, "--resume", metavar=FLAG, help="Continue the run in the output folder from its newest checkpoint."),
+    force: bool = typer.Option(False, "--force", metavar=FLAG, help="With --resume: go on although the pipeline changed."),
     checkpoint: Optional[str] = _checkpoint_option(),
     overwrite: bool = typer.Option(
-        False, "--overwrite", help="Start over in an output folder that holds an earlier run's checkpoints or final model (deletes them)."
+        False, "--overwrite", metavar=FLAG, help="Start over in an output folder that holds an earlier run's checkpoints or final model (deletes them)."
     ),
 ) -> None:
     """Train a pipeline (with any KEY=VALUE overrides): start (or join) Dask, place the roles, run the steps."""
@@ -203,8 +207,8 @@ def _with_steps(overrides: list[str] | None, steps: int | None) -> list[str]:
 def resume(
     output_dir: Path = typer.Argument(..., help="The output folder of the run to continue."),
     overrides: Optional[list[str]] = _overrides_argument(),
-    plain: bool = typer.Option(False, "--plain", help="One log line per step instead of the live view."),
-    force: bool = typer.Option(False, "--force", help="Go on although the saved pipeline was edited."),
+    plain: bool = typer.Option(False, "--plain", metavar=FLAG, help="One log line per step instead of the live view."),
+    force: bool = typer.Option(False, "--force", metavar=FLAG, help="Go on although the saved pipeline was edited."),
     steps: Optional[int] = typer.Option(
         None, "--steps", min=1, help="Train to this step in all (extends a finished run that kept checkpoints)."
     ),
@@ -341,7 +345,7 @@ def devices(
     devices_file: Optional[Path] = typer.Option(
         None, "--devices", help="Inventory file (devices/*.yaml) to use instead of this machine."
     ),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
+    as_json: bool = typer.Option(False, "--json", metavar=FLAG, help="Print JSON instead of tables."),
     scheduler: Optional[str] = _scheduler_option("Show the workers of this Dask scheduler (tcp://HOST:PORT)"),
 ) -> None:
     """Show the devices here (or in an inventory file, or behind a Dask scheduler) and how a pipeline's device groups match them."""
@@ -358,7 +362,7 @@ def plan(
     devices_file: Optional[Path] = typer.Option(
         None, "--devices", help="Inventory file (devices/*.yaml) to plan for instead of this machine."
     ),
-    as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON instead of tables."),
+    as_json: bool = typer.Option(False, "--json", metavar=FLAG, help="Print the plan as JSON instead of tables."),
     output: Optional[Path] = typer.Option(
         None, "--output", "-o", help="Write the timeline as a picture: .svg or .png."
     ),
@@ -393,7 +397,7 @@ def simulate(
     ),
     policy: str = typer.Option("both", help="Scheduler policy: static, dynamic, or both side by side."),
     seed: Optional[int] = typer.Option(None, help="Noise seed; default: the scenario's seed."),
-    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of tables."),
+    as_json: bool = typer.Option(False, "--json", metavar=FLAG, help="Print the results as JSON instead of tables."),
 ) -> None:
     """Run scheduler policies on a simulated cluster with noise and device events, and compare them."""
     from flowrl.cli.simulate import simulate_command

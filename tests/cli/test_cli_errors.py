@@ -369,3 +369,17 @@ def test_adapter_targets_the_model_lacks_are_found_by_validate_at_their_line(tmp
                        "'v_proj'], or write all-linear")
     _assert_user_error(_flowrl("run", str(pipeline), "models.actor.lora.target_modules=[lm_head]", "-o",
                                str(tmp_path / "out")), "'lm_head' is the output head of 'actor'")
+
+
+def test_the_help_shows_on_off_options_without_a_value() -> None:
+    """typer wrote `--plain <bool>`, which reads as if the option took a value."""
+    from typer.testing import CliRunner
+
+    from flowrl.cli import main as cli
+
+    result = CliRunner().invoke(cli.app, ["run", "--help"], env={"COLUMNS": "120"})
+    assert result.exit_code == 0, result.output
+    rows = {line.split()[1]: line for line in result.output.splitlines() if line.startswith("│ --")}
+    for flag in ("--plain", "--resume", "--force", "--overwrite"):
+        assert "<bool>" not in rows[flag], rows[flag]
+    assert "<int range>" in rows["--steps"]  # options that take a value still say what
