@@ -324,11 +324,14 @@ def _reward_summary(records: list[Any]) -> str:
     first = sum(value for _, value in head) / window
     last = sum(value for _, value in tail) / window
     since = "" if scored[0][0] == 1 else " since the resume"
+    from flowrl.ui.format import format_number
+
+    start, end = format_number(first, 3), format_number(last, 3)
     if len(scored) == 1:
-        return f"reward mean{since}: step {scored[0][0]} {first:.3f}"
+        return f"reward mean{since}: step {scored[0][0]} {start}"
     if not since and window > 1:
-        return f"reward mean: first {window} steps {first:.3f} -> last {window} steps {last:.3f}"
-    return f"reward mean{since}: {_steps(head)} {first:.3f} -> {_steps(tail)} {last:.3f}"
+        return f"reward mean: first {window} steps {start} -> last {window} steps {end}"
+    return f"reward mean{since}: {_steps(head)} {start} -> {_steps(tail)} {end}"
 
 
 def _steps(scored: list[tuple[int, float]]) -> str:

@@ -90,10 +90,13 @@ def format_duration(seconds: float | None) -> str:
 
 
 def format_number(value: float | None, decimals: int = 2) -> str:
-    """A metric with a fixed number of decimals: ``0.4061 -> "0.41"``."""
+    """A metric with a fixed number of decimals: ``0.4061 -> "0.41"``; from 1e6 on in
+    scientific notation (``1e30`` from a reward function would fill the line with digits)."""
     if _is_missing(value):
         return MISSING
     assert value is not None
+    if abs(value) >= 1e6:
+        return f"{value:.{decimals}e}"
     return f"{value:.{decimals}f}"
 
 

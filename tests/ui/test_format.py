@@ -57,6 +57,7 @@ def test_format_other_units() -> None:
     assert format_percent(1.0) == "100%"
     assert format_number(0.4061) == "0.41"
     assert format_number(16.0, 1) == "16.0"
+    assert format_number(1e30) == "1.00e+30" and format_number(-2.5e6, 1) == "-2.5e+06"  # not 31 digits
 
 
 def test_sparkline_scales_between_min_and_max() -> None:
