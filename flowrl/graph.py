@@ -243,6 +243,9 @@ class _Checker:
         path = f"nodes.{name}.mini_batch_size"
         if size is None or not self.reliable(path) or not self.reliable("data.batch_size"):
             return
+        rollouts = [item for item in node.inputs if isinstance(self.spec.nodes.get(item), GenerateNode)]
+        if not all(self.reliable(f"nodes.{item}.n") for item in rollouts):
+            return  # an n that failed the schema reads as its default here
         found = _rollout_size(self.spec, name)
         if found is not None and size > found[0]:
             rows, described = found

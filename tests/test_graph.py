@@ -495,6 +495,12 @@ def test_a_mini_batch_beside_another_section_s_mistake_is_judged_or_left_never_a
     with pytest.raises(SpecError) as raised:
         pipeline_from_dict(data)
     assert sorted(issue.path for issue in raised.value.issues) == ["nodes.train.mini_batch_size", "trainer.steps"]
+    data["data"]["batch_size"] = 4
+    data["nodes"]["rollout"]["n"] = 16.0  # n fails the schema: 64 is 4 x 16, not more than 4 x 8
+    with pytest.raises(SpecError) as raised:
+        pipeline_from_dict(data)
+    assert sorted(issue.path for issue in raised.value.issues) == ["nodes.rollout.n", "trainer.steps"]
+    data["nodes"]["rollout"]["n"] = 4
     data["data"]["batch_size"] = 0  # the rollout's size is unknown: the rule is left out
     with pytest.raises(SpecError) as raised:
         pipeline_from_dict(data)

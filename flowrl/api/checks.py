@@ -379,8 +379,8 @@ def inert_settings(graph: PipelineGraph) -> list[str]:
     for name, node in spec.nodes.items():
         if isinstance(node, ScoreNode) and name not in trained:
             notes.append(f"nodes.{name}: no advantage reads score node '{name}': its scores are logged "
-                         f"(reward/{name}/*) and evaluated, and nothing trains on them; list it in an advantage's "
-                         "inputs to train on it")
+                         f"(reward/{name}/*), and evaluated where an eval section scores it, and nothing trains on "
+                         "them; list it in an advantage's inputs to train on it")
     for name, model in spec.models.items():
         if not model.sharded:
             continue

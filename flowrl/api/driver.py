@@ -728,11 +728,14 @@ def _all_answer(cluster: Cluster, addresses: list[str]) -> bool:
 def timeout_fault(error: NodeTimeout, detail: str, lost_within: Callable[[set[str], float], list[str]]) -> lc.Fault:
     """The fault of a call past its deadline, or of a group whose collective failed.
 
-    A rank of a group died (the others' collective fails at once) or stopped answering. A
-    death the scheduler confirms within ``PEER_LOSS_NOTICE_S`` (``lost_within(slots, wait_s)``)
-    is a lost worker, and the group's other ranks keep their processes (their collective
-    failed; they did not hang); else the whole group counts as hung and restarts."""
-    if error.collective:
+    A rank of a group died (the others' collective fails at once) or stopped answering. In a
+    group of CPU slots (gloo), a death the scheduler confirms within ``PEER_LOSS_NOTICE_S``
+    (``lost_within(slots, wait_s)``) is a lost worker, and the other ranks keep their
+    processes: their collective failed at once, and the rebuilt session forms a new group.
+    Else the whole group counts as hung and restarts: a rank that stopped answering, and any
+    group with a GPU slot, whose NCCL communicator may hang when torn down after a peer died
+    or have the process killed by NCCL's error handling."""
+    if error.collective and all(slot.startswith("cpu-") for slot in error.slots):
         lost = lost_within(set(error.slots), PEER_LOSS_NOTICE_S)
         if lost:
             return lc.Fault("lost", tuple(lost), detail)

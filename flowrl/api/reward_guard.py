@@ -10,7 +10,8 @@ the first time. When its score node is the pipeline's only one, every sample of
 ``max_failed_reward_steps`` steps in a row failed or without a score stops the run too: the
 scores are all 0 and training has no signal. Beside other score nodes (functions or reward
 models) it may rightly not apply to a whole batch (a task the batch does not hold), and only
-the warning is given.
+the warning is given. A score node no advantage reads only watches: its failures are warned
+about and never stop the run.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any, Callable
 
 from flowrl.api.recovery import resume_note
 from flowrl.errors import RewardError
-from flowrl.graph import PipelineGraph
+from flowrl.graph import PipelineGraph, trained_scores
 from flowrl.records import RunEvent
 from flowrl.rewards.safety import BATCH_FAILED
 from flowrl.spec.schema import ScoreNode
@@ -34,8 +35,10 @@ class RewardFailureGuard:
             for name, node in graph.spec.nodes.items()
             if isinstance(node, ScoreNode) and node.fn is not None
         }
-        # a reward model's score node gives signal too: a function is alone only without one
-        self.alone = sum(isinstance(node, ScoreNode) for node in graph.spec.nodes.values()) == 1
+        # a reward model's score node gives signal too: a function is alone only without one;
+        # a score node no advantage reads gives none, and failing there stops nothing
+        self.trained = set(trained_scores(graph.spec))
+        self.alone = len(self.trained) == 1
         self.streaks = {name: 0 for name in self.functions}
         self.first_errors: dict[str, str] = {}
         self._warned: dict[str, str] = {}
@@ -66,6 +69,8 @@ class RewardFailureGuard:
                 on_event(RunEvent("warning", f"score node '{name}': the reward function '{function}' returned None "
                                              "(does not apply) for every sample of this step, which all score 0 from "
                                              "it; if it should apply, make it return a number per completion", step))
+            if name not in self.trained:
+                continue  # only watches: warned about above, and training does not depend on it
             alone = self.alone
             if share >= 1.0 or (alone and share + none >= 1.0):
                 if self.streaks[name] == 0 and message:

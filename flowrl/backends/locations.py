@@ -74,8 +74,10 @@ def hub_model_problem(name: str, revision: str | None = None, base_dir: Path | N
 
 def _near_folder(name: str, base_dir: Path | None) -> str:
     """`` (did you mean the folder 'mymodel' here?)`` for a mistyped local name read as a hub name."""
-    for parent in dict.fromkeys([base_dir, Path.cwd()]):
-        if parent is None or "/" in name:
+    if "/" in name:
+        return ""  # org/name: not a folder of one of these
+    for parent in dict.fromkeys([base_dir, Path.cwd()]):  # the pipeline's folder first
+        if parent is None:
             continue
         close = nearest_beside(parent / name, folders=True, cutoff=0.6, keep=lambda entry: (entry / "config.json").is_file())
         if close is not None:

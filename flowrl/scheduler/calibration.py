@@ -65,10 +65,9 @@ def contention_slowdown(utilization: float, external_load: float) -> float:
     worker). A busy loop beside a worker that computes all the time: ``u = e = 0.5``, ``D = 1``,
     twice as long, as measured."""
     u, e = max(0.0, utilization), min(1.0, max(0.0, external_load))
-    if u < 1e-6:
-        return 1.0 + e
-    demand = (1.0 - math.sqrt(max(0.0, 1.0 - 4.0 * u * e))) / (2.0 * u)
-    return 1.0 + min(1.0, max(0.0, demand))
+    # the same root as 2e / (1 + sqrt(1 - 4ue)), which needs no case of its own at u = 0
+    demand = 2.0 * e / (1.0 + math.sqrt(max(0.0, 1.0 - 4.0 * u * e)))
+    return 1.0 + min(1.0, demand)
 
 
 def contention_of(pipeline: PipelineGraph, samples: Sequence[DeviceSample]) -> dict[str, float]:
@@ -260,8 +259,15 @@ def calibrated_prediction(
     devices = {node: [by_id[d] for d in where.devices if d in by_id] for node, where in placement.items()}
     offloaded = {node: where.offloaded for node, where in placement.items()}
     shares = core_shares(pipeline, devices, host_cores(inventory))
+    loads: dict[str, list[float]] = {}
     for record in learn:
-        calibration.observe_step(record.nodes, devices, offloaded, shares, contention_of(pipeline, record.devices))
+        contention = contention_of(pipeline, record.devices)
+        calibration.observe_step(record.nodes, devices, offloaded, shares, contention)
+        for device_id, slowdown in contention.items():
+            loads.setdefault(device_id, []).append(slowdown)
+    # the factors leave other processes' load out; the devices carry it, as a policy's do
+    for device_id, slowdowns in loads.items():
+        calibration.ratios[device_id] = statistics.median(slowdowns)
     schedule = simulate(pipeline, placement, inventory, calibration)
     measured = slowest_part_medians((t.node, r.step, t.compute_s) for r in judge for t in r.nodes)
     step_times = [r.metrics["timing_s/step"] for r in judge if math.isfinite(r.metrics.get("timing_s/step", math.nan))]

@@ -47,6 +47,21 @@ def test_a_failing_function_beside_a_working_one_is_said_to_give_no_signal_itsel
         alone.check(2, {"shape": _report(1.0)}, events.append)
 
 
+def test_a_score_node_no_advantage_reads_neither_stops_the_run_nor_hides_the_one_that_trains() -> None:
+    """A watching node counted as a second score: the one trained function returning None on
+    every sample never stopped the run, and the watcher failing everywhere stopped it."""
+    spec = _graph({"correct": "digits", "watch": "digits"}).spec.model_dump(mode="json", exclude_unset=True)  # type: ignore[attr-defined]
+    spec["nodes"]["adv"]["inputs"] = ["correct"]
+    guard = RewardFailureGuard(pipeline_from_dict(spec))
+    events: list[RunEvent] = []
+    for step in range(1, 4):  # the watcher fails everywhere: warned, never stopped
+        guard.check(step, {"correct": _report(0.0), "watch": _report(1.0)}, events.append)
+    assert [event.kind for event in events] == ["warning"]
+    guard.check(4, {"correct": _none(1.0), "watch": _report(1.0)}, events.append)
+    with pytest.raises(RewardError, match="score node 'correct' failed or returned None .* so training had no signal"):
+        guard.check(5, {"correct": _none(1.0), "watch": _report(1.0)}, events.append)
+
+
 def _none(none_share: float) -> SimpleNamespace:
     return SimpleNamespace(metrics={"reward/failed_share": 0.0, "reward/none_share": none_share}, messages=[])
 

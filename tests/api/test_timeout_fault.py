@@ -30,6 +30,14 @@ def test_a_rank_that_died_in_a_collective_is_lost_and_its_peers_keep_their_worke
     assert scheduler.asked == [({"cpu-0", "cpu-1"}, PEER_LOSS_NOTICE_S)]
 
 
+def test_a_gpu_group_whose_rank_died_restarts_every_rank() -> None:
+    # an NCCL communicator torn down after a peer died may hang: the survivors restart too
+    error = NodeTimeout("a collective of its group failed", ("gpu-0", "gpu-1"), collective=True)
+    scheduler = _Scheduler(gone=["gpu-1"])
+    fault = timeout_fault(error, "detail", scheduler.lost_within)
+    assert (fault.kind, fault.slots) == ("hung", ("gpu-0", "gpu-1")) and scheduler.asked == []
+
+
 def test_a_collective_whose_peer_stopped_answering_counts_the_group_hung() -> None:
     error = NodeTimeout("a collective of its group failed", ("cpu-0", "cpu-1"), collective=True)
     fault = timeout_fault(error, "detail", _Scheduler(gone=[]).lost_within)

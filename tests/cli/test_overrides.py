@@ -325,8 +325,9 @@ def test_validate_notes_a_score_node_no_advantage_reads() -> None:
     pipeline = Path(__file__).resolve().parents[2] / "pipelines" / "ppo_tiny.yaml"
     result = CliRunner().invoke(cli.app, ["validate", str(pipeline), "nodes.watch={role: score, fn: digits, inputs: [rollout]}"])
     assert result.exit_code == 0, result.output
-    assert ("note: nodes.watch: no advantage reads score node 'watch': its scores are logged (reward/watch/*) and "
-            "evaluated, and nothing trains on them; list it in an advantage's inputs to train on it") in result.output
+    assert ("note: nodes.watch: no advantage reads score node 'watch': its scores are logged (reward/watch/*), and "
+            "evaluated where an eval section scores it, and nothing trains on them; list it in an advantage's inputs "
+            "to train on it") in result.output
 
 
 def test_validate_notes_an_evaluation_of_the_training_prompts(tmp_path: Path) -> None:

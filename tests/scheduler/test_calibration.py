@@ -171,10 +171,11 @@ def test_contention_slowdown_from_utilisation_and_external_load() -> None:
     assert contention_slowdown(0.0, 0.3) == pytest.approx(1.3)  # idle: the others' load as it is
     # a busy loop beside a worker that computes all the time: each gets half the core
     assert contention_slowdown(0.5, 0.5) == pytest.approx(2.0)
-    # the worker busy a third of the step: u = 0.3, e = D (1 - u D); D = 0.5 gives e = 0.425
+    # the worker got the core for 0.3 of the step (it wanted it 0.3 x 1.5 = 0.45): e = D (1 - u D)
+    # with D = 0.5 is 0.425
     assert contention_slowdown(0.3, 0.425) == pytest.approx(1.5)
     assert contention_slowdown(1.0, 0.0) == 1.0
-    assert contention_slowdown(0.6, 0.6) == pytest.approx(1 + 1 / 1.2)  # noisy: u + e > 1
+    assert contention_slowdown(0.6, 0.6) == 2.0  # noisy, u + e > 1: a whole core wanted, at most
 
 
 def test_calibration_takes_the_load_of_other_processes_out_of_the_node_factors() -> None:
@@ -210,3 +211,26 @@ def test_a_slot_busy_with_another_process_from_the_start_loses_the_actor() -> No
     # after one step: 1.8 s of rollout and train there against 1.2 s on gpu-1, a third less
     [move] = moves
     assert move.step == 5 and move.gain_share == pytest.approx(1 / 3, abs=0.01)
+
+
+def test_the_calibrated_prediction_keeps_other_processes_load_on_the_devices() -> None:
+    """Taken out of the per-node factors, the load must be put on the devices: else the plan
+    file's calibrated prediction misses a loaded slot's times by the load."""
+    from flowrl.records import DeviceSample, StepRecord
+    from flowrl.scheduler.calibration import calibrated_prediction
+    from flowrl.spec.loader import pipeline_from_dict
+
+    pinned = pipeline_from_dict({**PIPELINE.to_dict(), "runtime": {"pin_cpus": True}})
+    devices = inventory(gpu(0), gpu(1))
+    plan = DynamicPolicy(pinned, devices, PolicySettings(), TableCosts()).plan
+    placed = {item.node: item.devices[0] for item in plan.nodes if item.node in REAL_S and TIMES_S[item.node]}
+    busy = [DeviceSample("gpu-0", "cpu", 0.5, 1.0, external_load=0.5)]  # twice as long
+    records = [StepRecord(step, 9, {"timing_s/step": 2.4}, timings(placed, {"gpu-0": 2.0}), busy)
+               for step in range(1, 10)]
+    calibrated = calibrated_prediction(pinned, plan, devices, TableCosts(), records)
+    assert calibrated is not None
+    assert calibrated["node_factors"] == {"rollout": pytest.approx(0.3), "train": pytest.approx(0.9)}
+    nodes = calibrated["nodes"]
+    assert isinstance(nodes, dict)
+    assert nodes["rollout"]["predicted_s"] == pytest.approx(0.6) and nodes["rollout"]["measured_s"] == 0.6
+    assert nodes["train"]["predicted_s"] == pytest.approx(1.8) and nodes["train"]["measured_s"] == 1.8
