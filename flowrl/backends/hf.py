@@ -35,6 +35,7 @@ from transformers import (
 from flowrl.backends.hub import HUB_PROBE_TIMEOUT_S, hub_offline, hub_reachable
 from flowrl.backends.locations import resolve_model_path, saved_model_location
 from flowrl.backends.builtin import quiet_progress_bars
+from flowrl.backends.dropout import disable_dropout
 from flowrl.errors import ModelLoadError, RemoteCodeNotTrusted
 
 LOAD_FAILURES = (OSError, ValueError, KeyError, RuntimeError, SafetensorError)
@@ -115,6 +116,7 @@ def load_causal_lm(
     else:
         model, tokenizer = _load_hub_model(location, dtype, options)
     set_padding(tokenizer, model, path)
+    disable_dropout(model)
     # Module.to moves in place; called on the base class, whose signature mypy knows
     # (transformers wraps PreTrainedModel.to in a decorator that hides it).
     torch.nn.Module.to(model, torch.device(device))

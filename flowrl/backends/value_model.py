@@ -40,6 +40,7 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 
 from flowrl.backends.builtin import quiet_progress_bars
+from flowrl.backends.dropout import disable_dropout
 from flowrl.backends.hf import (
     LOAD_FAILURES,
     TORCH_DTYPES,
@@ -182,6 +183,7 @@ def load_scalar_model(
         )
         raise load_error(path, source, options, error, hint) from error
     set_padding(tokenizer, model, path)
+    disable_dropout(model)
     return model.to(device), tokenizer
 
 
