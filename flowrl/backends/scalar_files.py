@@ -10,9 +10,11 @@ flowrl::
     model.safetensors      or model-0000i-of-0000N.safetensors + model.safetensors.index.json
                            (``trainer.max_shard_size``): "<prefix>.*" the backbone (prefix: its
                            base_model_prefix, "model" for Llama and Qwen2), "score.weight"
-                           [1, hidden] and, for a critic, "score.bias" [1]
+                           [1, hidden] and, for a critic, "score.bias" [1] ("classifier.*"
+                           where the class calls its head that: GPT-2's token classifier)
     tokenizer files
-    scalar_head.json       marker: format, version 2, backbone prefix, hidden size, what trained it
+    scalar_head.json       marker: format, version 2, backbone prefix, head name, hidden size,
+                           what trained it
 
 - ``AutoModelForTokenClassification.from_pretrained(dir)`` opens a critic: in eval mode (its
   dropout off) ``logits[..., 0]`` are the values flowrl computes at every position;
@@ -60,7 +62,29 @@ MARKER_VERSION = 2
 HEAD_FILE_V1 = "value_head.safetensors"
 """The head's weights ("weight", "bias") in a version-1 directory."""
 SCORE = "score"
-"""Name of the head in the checkpoint, as transformers' decoder classifiers call it."""
+"""Name of the head in the checkpoint, as most of transformers' decoder classifiers call it
+(Llama, Qwen, Mistral, and every sequence classifier)."""
+HEAD_NAMES = (SCORE, "classifier")
+"""What transformers' classifiers call their head: ``classifier`` in GPT-2's, GPT-NeoX's and
+some other token classifiers."""
+
+
+def classifier_head_name(config: Any, architecture: str) -> str:
+    """The attribute transformers' class ``architecture`` keeps its one-label head in (built on
+    the meta device from ``config``, no memory); ``score`` where the class is unknown."""
+    import transformers
+
+    model_class = getattr(transformers, architecture, None)
+    if model_class is None:
+        return SCORE
+    labelled = copy.deepcopy(config)
+    labelled.num_labels = 1
+    try:
+        with torch.device("meta"):
+            built = model_class(labelled)
+    except (TypeError, ValueError, AttributeError, RuntimeError, ImportError):
+        return SCORE  # a class this config does not build: the name flowrl reads back itself
+    return next((name for name in HEAD_NAMES if isinstance(getattr(built, name, None), nn.Linear)), SCORE)
 
 
 def classifier_architecture(backbone_config: Any, with_bias: bool) -> str:
@@ -96,11 +120,16 @@ def save_scalar_model(
     config = copy.deepcopy(backbone.config)
     config.architectures = [classifier_architecture(config, with_bias)]
     config.num_labels = 1
+    if getattr(config, "pad_token_id", None) is None and tokenizer is not None and tokenizer.pad_token_id is not None:
+        # transformers' sequence classifiers find each row's last token by the pad id, and
+        # refuse a batch of several rows without one
+        config.pad_token_id = tokenizer.pad_token_id
+    head_name = classifier_head_name(config, config.architectures[0])
     prefix = backbone.base_model_prefix
     tensors = {f"{prefix}.{name}": tensor for name, tensor in backbone.state_dict().items()}
-    tensors[f"{SCORE}.weight"] = head.weight.detach()
+    tensors[f"{head_name}.weight"] = head.weight.detach()
     if head.bias is not None:
-        tensors[f"{SCORE}.bias"] = head.bias.detach()
+        tensors[f"{head_name}.bias"] = head.bias.detach()
     with quiet_progress_bars():
         config.save_pretrained(directory)
         write_weights(tensors, directory, max_shard_size)
@@ -110,6 +139,7 @@ def save_scalar_model(
         "format": MARKER_FORMAT,
         "version": MARKER_VERSION,
         "backbone_prefix": prefix,
+        "head": head_name,
         "hidden_size": int(backbone.config.hidden_size),
         "trained_by": trained_by,
     }
@@ -139,14 +169,16 @@ def read_marker(directory: Path) -> dict[str, Any]:
 def read_head(directory: Path) -> nn.Linear:
     """The trained head saved in ``directory`` (either version), in float32."""
     directory = Path(directory)
-    version = read_marker(directory).get("version", 1)
+    marker = read_marker(directory)
+    version = marker.get("version", 1)
     bias: torch.Tensor | None
     try:
         if version == 1:
             tensors = load_file(str(directory / HEAD_FILE_V1))
             weight, bias = tensors["weight"], tensors["bias"]
         else:
-            names = [f"{SCORE}.weight", f"{SCORE}.bias"]
+            head_name = str(marker.get("head", SCORE))
+            names = [f"{head_name}.weight", f"{head_name}.bias"]
             try:
                 tensors = read_weights(directory, names)
             except KeyError:  # a reward model: no bias
@@ -189,15 +221,16 @@ def scalar_model_weights(directory: Path) -> dict[str, torch.Tensor]:
             f"{directory} is not a complete scalar-model directory: {error}"
         ) from error
     prefix = f"{marker.get('backbone_prefix', 'model')}."
+    head_name = str(marker.get("head", SCORE))
     weights = {}
     for key, value in saved.items():
-        if key.startswith(f"{SCORE}."):
-            weights[f"head.{key.removeprefix(f'{SCORE}.')}"] = value
+        if key.startswith(f"{head_name}."):
+            weights[f"head.{key.removeprefix(f'{head_name}.')}"] = value
         elif key.startswith(prefix):
             weights[f"backbone.{key.removeprefix(prefix)}"] = value
         else:
             raise ModelLoadError(
-                f"{directory} holds a tensor '{key}' that is neither the head ({SCORE}.*) nor the "
+                f"{directory} holds a tensor '{key}' that is neither the head ({head_name}.*) nor the "
                 f"backbone ({prefix}*); re-save the model with flowrl"
             )
     return weights

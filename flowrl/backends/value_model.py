@@ -54,7 +54,7 @@ from flowrl.backends.locations import saved_model_location
 from flowrl.backends.model_facts import classifier_of, reward_head_problem
 from flowrl.backends.scalar_files import (
     MARKER_FILE,
-    SCORE,
+    HEAD_NAMES,
     copy_head,
     has_trained_head,
     read_head,
@@ -248,11 +248,12 @@ def _from_classifier(
         classifier = auto_class.from_pretrained(  # type: ignore[attr-defined]
             source, dtype=torch_dtype, **kwargs
         )
-    score = getattr(classifier, SCORE, None)
-    if not isinstance(score, nn.Linear):
+    score = next((layer for name in HEAD_NAMES if isinstance(layer := getattr(classifier, name, None), nn.Linear)),
+                 None)
+    if score is None:
         raise ModelLoadError(
-            f"model '{path}' is a {type(classifier).__name__} without a linear '{SCORE}' "
-            "layer; only decoder classifiers (Llama, Qwen, Mistral, ...) are supported"
+            f"model '{path}' is a {type(classifier).__name__} without a linear head "
+            f"({' or '.join(HEAD_NAMES)}); only decoder classifiers (Llama, Qwen, Mistral, GPT-2, ...) are supported"
         )
     # Decoder sequence classifiers have no bias on their score layer; a critic gets one (0).
     head = copy_head(score.weight, score.bias, with_bias=kind == "value" or score.bias is not None)

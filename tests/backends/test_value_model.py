@@ -229,3 +229,41 @@ def test_a_version_1_directory_is_still_read(causal_lm_dir: Path, tmp_path: Path
     with torch.no_grad():
         torch.testing.assert_close(loaded(*_inputs()), critic(*_inputs()))
     assert scalar_model_weights(old).keys() == critic.state_dict().keys()
+
+
+def test_a_gpt2_critic_and_reward_model_open_as_transformers_classifiers(tmp_path: Path) -> None:
+    """GPT-2's token classifier calls its head 'classifier': saved as 'score', transformers
+    opened the critic with a fresh random head (values off by 0.45), without an error."""
+    from transformers import AutoModelForCausalLM, GPT2Config, GPT2ForTokenClassification
+
+    tokenizer = build_char_tokenizer()
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(tokenizer), n_positions=32, n_embd=32, n_layer=2, n_head=2)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "lm")
+    tokenizer.save_pretrained(tmp_path / "lm")
+    critic, _ = load_scalar_model(str(tmp_path / "lm"))
+    with torch.no_grad():
+        critic.head.weight.normal_(generator=torch.Generator().manual_seed(2))
+        critic.head.bias.fill_(-0.3)
+    save_scalar_model(critic, tokenizer, tmp_path / "critic")
+    opened = AutoModelForTokenClassification.from_pretrained(tmp_path / "critic")
+    assert isinstance(opened, GPT2ForTokenClassification)
+    input_ids, mask, positions = _inputs()
+    with torch.no_grad():
+        theirs = opened(input_ids=input_ids, attention_mask=mask, position_ids=positions).logits[..., 0]
+        torch.testing.assert_close(theirs, critic(input_ids, mask, positions))
+    # flowrl reads it back, and a user's GPT-2 token classifier is taken as a critic too
+    reloaded, _ = load_scalar_model(str(tmp_path / "critic"))
+    opened.save_pretrained(tmp_path / "theirs")
+    tokenizer.save_pretrained(tmp_path / "theirs")
+    theirs_loaded, _ = load_scalar_model(str(tmp_path / "theirs"))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids, mask, positions), critic(input_ids, mask, positions))
+        torch.testing.assert_close(theirs_loaded(input_ids, mask, positions), critic(input_ids, mask, positions))
+    # a reward model (sequence classifier: 'score' in GPT-2's too)
+    reward = ScalarHeadModel(critic.backbone, torch.nn.Linear(32, 1, bias=False))
+    save_scalar_model(reward, tokenizer, tmp_path / "rm")
+    scored = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm")
+    with torch.no_grad():
+        torch.testing.assert_close(scored(input_ids=input_ids, attention_mask=mask, position_ids=positions).logits[:, 0],
+                                   reward(input_ids, mask, positions)[:, -1])
