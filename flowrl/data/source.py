@@ -245,15 +245,19 @@ class PromptSource:
         }
 
     def _format_task(self, made: list[PromptExample]) -> list[PromptExample]:
-        """A built-in task's examples through the same length policy as a dataset's rows."""
-        if self.formatter.max_prompt_tokens is None:
+        """A built-in task's examples through the same length policy as a dataset's rows: its
+        ``max_prompt_tokens``, else the room the models leave a prompt (a GPT-2 of 16 positions
+        ran its 9-token prompts into 12 new tokens, past its position table)."""
+        if self.formatter.max_prompt_tokens is None and self.formatter.room is None:
             return made
         rows = [{"prompt": example.prompt, **({"answer": example.answer} if example.answer is not None else {})} for example in made]
         formatted, _ = self.formatter.examples(rows, "prompt", "answer", self.source)
         if len(formatted) < len(made):
             raise DataError(
-                f"{self.source}'s prompts are longer than data.max_prompt_tokens and a built-in task "
-                "cannot skip them; raise max_prompt_tokens or set overlong_prompts: truncate_left"
+                f"{self.source}'s prompts are longer than {self.formatter.bound_name} and a built-in task "
+                "cannot skip them; set overlong_prompts: truncate_left, or "
+                + ("raise max_prompt_tokens" if self.formatter.max_prompt_tokens is not None
+                   else "ask for fewer new tokens")
             )
         return [
             PromptExample(f.prompt, f.answer, {**m.meta, **f.meta}, f.columns, f.data_prompt, f.prompt_ids, f.chat)

@@ -498,6 +498,23 @@ def test_without_max_prompt_tokens_truncate_left_and_skip_cut_at_the_room_the_mo
     assert plain.length_metrics(plain.next_batch(0)) == {}
 
 
+def test_a_built_in_task_s_prompts_meet_the_room_the_model_leaves(tmp_path: Path) -> None:
+    """A GPT-2 of 16 positions with 12 new tokens: the digits task's 9-token prompts ran past
+    its position table (IndexError mid-run), where a data file's were refused up front."""
+    why = "model 'actor' takes at most 16 tokens per sequence and nodes.rollout.max_new_tokens is 12"
+    with pytest.raises(DataError, match=r"longer than the 4 tokens .* a prompt has room for"):
+        PromptSource("builtin:digits", 2, 0, None, formatter=PromptFormatter(build_char_tokenizer(), room=4, room_why=why))
+    skip = PromptFormatter(build_char_tokenizer(), overlong="skip", room=4, room_why=why)
+    with pytest.raises(DataError, match="a built-in task cannot skip them; set overlong_prompts: truncate_left, or "
+                                        "ask for fewer new tokens"):
+        PromptSource("builtin:digits", 2, 0, None, formatter=skip)
+    cut = PromptFormatter(build_char_tokenizer(), overlong="truncate_left", room=4, room_why=why)
+    batch = PromptSource("builtin:digits", 2, 0, None, formatter=cut).next_batch(3)
+    assert all(len(example.prompt_ids or ()) == 4 and example.prompt.endswith("=") for example in batch)
+    roomy = PromptFormatter(build_char_tokenizer(), room=9, room_why=why)  # 9 tokens fit
+    assert len(PromptSource("builtin:digits", 2, 0, None, formatter=roomy).next_batch(0)) == 2
+
+
 def test_a_folder_as_a_hub_dataset_download_lays_it_out_reads_its_splits(tmp_path: Path) -> None:
     """data/train-00000-of-00002.parquet ...: the files sit a folder below, their names give the splits."""
     shards = tmp_path / "gsm" / "data"
