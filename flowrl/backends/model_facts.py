@@ -37,6 +37,8 @@ class ModelFacts:
     """A classifier's outputs per position (``id2label``'s size, else ``num_labels``)."""
     scalar_head: bool = False
     """A scalar head flowrl saved lies beside it (:data:`SCALAR_MARKER`)."""
+    encoder_decoder: bool = False
+    """The config says ``is_encoder_decoder`` (T5, BART): not a decoder-only model."""
 
 
 def model_facts(path: str, base_dir: Path | None = None, revision: str | None = None) -> ModelFacts | None:
@@ -63,6 +65,7 @@ def model_facts(path: str, base_dir: Path | None = None, revision: str | None = 
         tuple(name for name in architectures if isinstance(name, str)) if isinstance(architectures, list) else (),
         len(labels) if isinstance(labels, dict) else _number(config.get("num_labels")),
         (config_file.parent / SCALAR_MARKER).is_file(),
+        config.get("is_encoder_decoder") is True,
     )
 
 
@@ -74,7 +77,12 @@ def classifier_of(architectures: tuple[str, ...] | list[str]) -> str | None:
 def kind_problem(facts: ModelFacts, kind: str) -> str | None:
     """Why a model of these facts cannot serve as ``kind`` (policy, reward), or None: a
     classifier as a policy (its language-model head would start random), a reward model
-    without one trained score. A critic (value) may start from any backbone."""
+    without one trained score, an encoder-decoder model as anything. A critic (value) may start
+    from any decoder-only backbone."""
+    if facts.encoder_decoder:
+        what = f"a {facts.architectures[0]}" if facts.architectures else "a model"
+        return (f"holds {what}, an encoder-decoder model (is_encoder_decoder in its config.json): flowrl runs "
+                "decoder-only models; give a causal language model (...ForCausalLM) or a classifier built on one")
     classifier = classifier_of(facts.architectures)
     if kind == "policy" and (classifier or facts.scalar_head):
         what = f"a {classifier}" if classifier else f"a scalar-head model ({SCALAR_MARKER})"

@@ -39,6 +39,14 @@ def test_a_classifier_is_refused_as_a_policy_and_a_language_model_as_a_reward_mo
     assert kind_problem(two_labels, "value") is None  # a critic may start from any backbone
 
 
+def test_an_encoder_decoder_model_is_refused_as_any_kind(tmp_path: Path) -> None:
+    """T5 passed validation and failed at the run's sizing with a message naming no field."""
+    t5 = _facts(tmp_path, "t5", {"architectures": ["T5ForConditionalGeneration"], "is_encoder_decoder": True})
+    for kind in ("policy", "value", "reward"):
+        assert ("holds a T5ForConditionalGeneration, an encoder-decoder model (is_encoder_decoder in its "
+                "config.json): flowrl runs decoder-only models") in str(kind_problem(t5, kind))
+
+
 def test_validation_places_a_wrong_kind_at_the_model_path(tmp_path: Path) -> None:
     _facts(tmp_path, "lm", {"architectures": ["LlamaForCausalLM"]})
     graph = pipeline_from_dict({
