@@ -106,10 +106,13 @@ class PromptFormatter:
 
     def examples(
         self, rows: list[dict[str, Any]], prompt_key: str, answer_key: str, display_name: str,
-        first_row: int = 0,
+        first_row: int = 0, can_skip: bool = True,
     ) -> tuple[list[PromptExample], FormatCounts]:
         """The rows' examples (skipped ones left out) and counts; DataError listing every
-        bad row. ``first_row`` numbers the rows in messages (1-based row = first_row + i + 1)."""
+        bad row. ``first_row`` numbers the rows in messages (1-based row = first_row + i + 1);
+        ``can_skip``: whether messages may offer ``skip`` (a built-in task makes its prompts
+        per step and cannot leave one out)."""
+        fixes = "truncate_left or skip" if can_skip else "truncate_left"
         problems: list[str] = []
         texts: list[str] = []
         kept_rows: list[tuple[int, dict[str, Any], bool]] = []
@@ -165,13 +168,13 @@ class PromptFormatter:
             _raise_if(
                 too_long, display_name,
                 f"longer than data.max_prompt_tokens = {self.max_prompt_tokens} tokens of the tokenizer of "
-                f"{self.tokenizer_name}; raise max_prompt_tokens, or set data.overlong_prompts to truncate_left or skip",
+                f"{self.tokenizer_name}; raise max_prompt_tokens, or set data.overlong_prompts to {fixes}",
             )
         if no_room:
             _raise_if(
                 no_room, display_name,
                 f"longer than the {self.room} tokens (of the tokenizer of {self.tokenizer_name}) a prompt has room "
-                f"for: {self.room_why}; set data.overlong_prompts: truncate_left or skip (at that room, or at a "
+                f"for: {self.room_why}; set data.overlong_prompts: {fixes} (at that room, or at a "
                 "data.max_prompt_tokens below it), or ask for fewer new tokens",
             )
         counts = FormatCounts(len(rows), sum(chat for _, _, chat in kept_rows), truncated, skipped)

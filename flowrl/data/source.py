@@ -251,7 +251,7 @@ class PromptSource:
         if self.formatter.max_prompt_tokens is None and self.formatter.room is None:
             return made
         rows = [{"prompt": example.prompt, **({"answer": example.answer} if example.answer is not None else {})} for example in made]
-        formatted, _ = self.formatter.examples(rows, "prompt", "answer", self.source)
+        formatted, _ = self.formatter.examples(rows, "prompt", "answer", self.source, can_skip=False)
         if len(formatted) < len(made):
             raise DataError(
                 f"{self.source}'s prompts are longer than {self.formatter.bound_name} and a built-in task "

@@ -502,7 +502,8 @@ def test_a_built_in_task_s_prompts_meet_the_room_the_model_leaves(tmp_path: Path
     """A GPT-2 of 16 positions with 12 new tokens: the digits task's 9-token prompts ran past
     its position table (IndexError mid-run), where a data file's were refused up front."""
     why = "model 'actor' takes at most 16 tokens per sequence and nodes.rollout.max_new_tokens is 12"
-    with pytest.raises(DataError, match=r"longer than the 4 tokens .* a prompt has room for"):
+    with pytest.raises(DataError, match=r"longer than the 4 tokens .* a prompt has room for: .*; set "
+                                        r"data.overlong_prompts: truncate_left \(at that room"):  # not skip
         PromptSource("builtin:digits", 2, 0, None, formatter=PromptFormatter(build_char_tokenizer(), room=4, room_why=why))
     skip = PromptFormatter(build_char_tokenizer(), overlong="skip", room=4, room_why=why)
     with pytest.raises(DataError, match="a built-in task cannot skip them; set overlong_prompts: truncate_left, or "
