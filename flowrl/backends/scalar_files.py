@@ -82,8 +82,8 @@ def classifier_head_name(config: Any, architecture: str) -> str:
     try:
         with torch.device("meta"):
             built = model_class(labelled)
-    except (TypeError, ValueError, AttributeError, RuntimeError, ImportError):
-        return SCORE  # a class this config does not build: the name flowrl reads back itself
+    except Exception:  # noqa: BLE001 - best effort: a class this config does not build (KeyError
+        return SCORE  # from Cohere's, among others) keeps the name flowrl reads back itself
     return next((name for name in HEAD_NAMES if isinstance(getattr(built, name, None), nn.Linear)), SCORE)
 
 
@@ -120,10 +120,12 @@ def save_scalar_model(
     config = copy.deepcopy(backbone.config)
     config.architectures = [classifier_architecture(config, with_bias)]
     config.num_labels = 1
-    if getattr(config, "pad_token_id", None) is None and tokenizer is not None and tokenizer.pad_token_id is not None:
+    pad, eos = (tokenizer.pad_token_id, tokenizer.eos_token_id) if tokenizer is not None else (None, None)
+    if getattr(config, "pad_token_id", None) is None and pad is not None and pad != eos:
         # transformers' sequence classifiers find each row's last token by the pad id, and
-        # refuse a batch of several rows without one
-        config.pad_token_id = tokenizer.pad_token_id
+        # refuse a batch of several rows without one; an eos standing in as the pad would make
+        # them score before a completion's own eos
+        config.pad_token_id = pad
     head_name = classifier_head_name(config, config.architectures[0])
     prefix = backbone.base_model_prefix
     tensors = {f"{prefix}.{name}": tensor for name, tensor in backbone.state_dict().items()}

@@ -116,7 +116,8 @@ class ScalarHeadModel(nn.Module):
 
         Checkpoints call ``module.save_pretrained``; read the weights back with
         :func:`scalar_model_weights` (the file names the backbone's keys with its
-        ``base_model_prefix`` and the head ``score``, as transformers' classifiers do).
+        ``base_model_prefix`` and the head as the architecture's classifier names it: ``score``,
+        or ``classifier`` in GPT-2's token classifier).
         """
         save_scalar_model(self, None, Path(directory), max_shard_size=max_shard_size)
 

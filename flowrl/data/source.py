@@ -117,6 +117,11 @@ def eval_split(source: str | None, split: str | None, data_source: str, base_dir
     return EVAL_SPLIT if has_splits(chosen, base_dir) else SINGLE_SPLIT
 
 
+TASK_STEPS_CHECKED = 64
+"""Steps whose batches of a built-in task are measured against a prompt-length limit when the
+source is built (a prompt longer than it would otherwise stop the run at its step)."""
+
+
 class PromptSource:
     """Batches of prompts from a built-in task or a dataset.
 
@@ -162,7 +167,12 @@ class PromptSource:
         self._permutations: dict[int, list[int]] = {}
         if source.startswith(BUILTIN_PREFIX) and _builtin_name(source[len(BUILTIN_PREFIX):]) in BUILTIN_TASKS:
             self.task = BUILTIN_TASKS[source[len(BUILTIN_PREFIX):]]
-            self.next_batch(0)  # a length limit that no prompt meets fails here, before step 1
+            # A length limit a prompt exceeds fails here, before step 1: with a subword
+            # tokenizer the random prompts' lengths vary, so the first steps' batches are read
+            # (a step's batch depends only on the seed and the step: these are the run's own).
+            bounded = self.formatter.max_prompt_tokens is not None or self.formatter.room is not None
+            for step in range(TASK_STEPS_CHECKED if bounded else 1):
+                self.next_batch(step)
             return
         local = base_dir is not None and (Path(base_dir) / source).exists()
         if not local and source in BUILTIN_TASKS:

@@ -516,6 +516,31 @@ def test_a_built_in_task_s_prompts_meet_the_room_the_model_leaves(tmp_path: Path
     assert len(PromptSource("builtin:digits", 2, 0, None, formatter=roomy).next_batch(0)) == 2
 
 
+def test_a_built_in_task_s_prompts_of_varying_subword_lengths_are_checked_over_the_first_steps() -> None:
+    """With a subword tokenizer the random prompts' lengths vary: one checked at step 0 passed
+    construction and stopped the run at a later step."""
+    import string
+
+    from tokenizers import Tokenizer, models, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from flowrl.data.source import TASK_STEPS_CHECKED
+
+    made = PromptSource("builtin:digits", 4, 0, None)
+    corpus = [example.prompt for step in range(100, 400) for example in made.next_batch(step)]
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<pad>", "<eos>"],
+                                                        initial_alphabet=list(string.ascii_lowercase + "=")))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>")
+    one = PromptSource("builtin:digits", 1, 0, None)
+    lengths = [len(tokenizer(one.next_batch(step)[0].prompt, add_special_tokens=False)["input_ids"])
+               for step in range(TASK_STEPS_CHECKED)]
+    assert lengths[0] < max(lengths)  # step 0's prompt fits a room its later ones do not
+    room = max(lengths) - 1
+    with pytest.raises(DataError, match=f"longer than the {room} tokens"):
+        PromptSource("builtin:digits", 1, 0, None, formatter=PromptFormatter(tokenizer, room=room, room_why="x"))
+
+
 def test_a_folder_as_a_hub_dataset_download_lays_it_out_reads_its_splits(tmp_path: Path) -> None:
     """data/train-00000-of-00002.parquet ...: the files sit a folder below, their names give the splits."""
     shards = tmp_path / "gsm" / "data"
