@@ -544,11 +544,11 @@ def _rollout_size(spec: PipelineSpec, name: str) -> tuple[int, str] | None:
     return rows, f"the {rows} sequences of a rollout (data.batch_size {spec.data.batch_size} x n {rollouts[0].n})"
 
 
-def trained_scores(spec: PipelineSpec) -> list[str]:
+def trained_scores(spec: PipelineSpec) -> set[str]:
     """The score nodes an advantage reads: what training adds up. A score node no advantage
     reads only watches (its numbers are logged and evaluated, nothing trains on them)."""
     read = {item for node in spec.nodes.values() if isinstance(node, AdvantageNode) for item in node.inputs}
-    return [name for name, node in spec.nodes.items() if isinstance(node, ScoreNode) and name in read]
+    return {name for name, node in spec.nodes.items() if isinstance(node, ScoreNode) and name in read}
 
 
 def uneven_mini_batches(spec: PipelineSpec) -> list[str]:

@@ -375,7 +375,7 @@ def inert_settings(graph: PipelineGraph) -> list[str]:
         if all(groups[group].type == "cpu" for group in used or {model_group(graph, name)} if group in groups):
             notes.append(f"models.{name}.offload_to_cpu pages a GPU model's weights, and '{name}' runs on CPU "
                          "slots, where its weights are in host memory already: it changes nothing here")
-    trained = set(trained_scores(spec))
+    trained = trained_scores(spec)
     for name, node in spec.nodes.items():
         if isinstance(node, ScoreNode) and name not in trained:
             notes.append(f"nodes.{name}: no advantage reads score node '{name}': its scores are logged "

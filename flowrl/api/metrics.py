@@ -31,7 +31,7 @@ def step_metrics(
     nodes: list[NodeTiming] = []
     generated_tokens = 0
     score_nodes = [name for name in reports if isinstance(graph.spec.nodes[name], ScoreNode)]
-    trained = set(trained_scores(graph.spec))
+    trained = trained_scores(graph.spec)
     for name, report in reports.items():
         # several scores add up, and one that no advantage reads is not in the sum: _summed_scores
         if not (name in score_nodes and (len(score_nodes) > 1 or name not in trained)):

@@ -150,7 +150,7 @@ class Replanner:
             self.emit(
                 RunEvent(
                     "move",
-                    f"moving {move.subject}: {'+'.join(move.from_devices)} -> {'+'.join(move.to_devices)} "
+                    f"moving {move.subject}: {move.route} "
                     f"({move.why}, predicted gain {decision.gain_share:.0%}/step, move cost {move.cost_s:.2f} s)",
                     step,
                 )

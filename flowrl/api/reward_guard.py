@@ -37,7 +37,7 @@ class RewardFailureGuard:
         }
         # a reward model's score node gives signal too: a function is alone only without one;
         # a score node no advantage reads gives none, and failing there stops nothing
-        self.trained = set(trained_scores(graph.spec))
+        self.trained = trained_scores(graph.spec)
         self.alone = len(self.trained) == 1
         self.streaks = {name: 0 for name in self.functions}
         self.first_errors: dict[str, str] = {}

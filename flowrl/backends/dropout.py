@@ -28,7 +28,7 @@ def disable_dropout(model: torch.nn.Module) -> int:
             changed += module.p != 0
             module.p = 0.0
         for name, value in vars(module).items():
-            if isinstance(value, float) and not isinstance(value, bool) and any(word in name for word in DROPOUT_WORDS):
+            if isinstance(value, float) and any(word in name for word in DROPOUT_WORDS):
                 changed += value != 0
                 setattr(module, name, 0.0)
     return changed

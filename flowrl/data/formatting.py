@@ -75,6 +75,11 @@ class PromptFormatter:
         self.room_why = room_why
 
     @property
+    def limited(self) -> bool:
+        """Whether prompts are measured at all: ``max_prompt_tokens`` or a known room."""
+        return self.max_prompt_tokens is not None or self.room is not None
+
+    @property
     def bound(self) -> int | None:
         """The prompt length longer prompts are cut to or left out at: ``max_prompt_tokens``,
         else the room the models leave where ``overlong`` cuts or skips (with ``error`` a
@@ -217,7 +222,7 @@ class PromptFormatter:
         (``max_prompt_tokens``, else the room with truncate_left or skip), its ids; (0, None)
         where no limit applies. Tokenized in chunks, and only the ids of rows to cut are kept,
         so that a large dataset is never held as ids in full."""
-        if (self.max_prompt_tokens is None and self.room is None) or self.tokenizer is None or not texts:
+        if not self.limited or self.tokenizer is None or not texts:
             return [(0, None)] * len(texts)
         bound = self.max_prompt_tokens if self.max_prompt_tokens is not None else (
             self.room if self.overlong != "error" else None)

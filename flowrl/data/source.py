@@ -170,8 +170,7 @@ class PromptSource:
             # A length limit a prompt exceeds fails here, before step 1: with a subword
             # tokenizer the random prompts' lengths vary, so the first steps' batches are read
             # (a step's batch depends only on the seed and the step: these are the run's own).
-            bounded = self.formatter.max_prompt_tokens is not None or self.formatter.room is not None
-            for step in range(TASK_STEPS_CHECKED if bounded else 1):
+            for step in range(TASK_STEPS_CHECKED if self.formatter.limited else 1):
                 self.next_batch(step)
             return
         local = base_dir is not None and (Path(base_dir) / source).exists()
@@ -258,7 +257,7 @@ class PromptSource:
         """A built-in task's examples through the same length policy as a dataset's rows: its
         ``max_prompt_tokens``, else the room the models leave a prompt (a GPT-2 of 16 positions
         ran its 9-token prompts into 12 new tokens, past its position table)."""
-        if self.formatter.max_prompt_tokens is None and self.formatter.room is None:
+        if not self.formatter.limited:
             return made
         rows = [{"prompt": example.prompt, **({"answer": example.answer} if example.answer is not None else {})} for example in made]
         formatted, _ = self.formatter.examples(rows, "prompt", "answer", self.source, can_skip=False)

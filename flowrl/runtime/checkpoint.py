@@ -122,8 +122,8 @@ def load_model_state(state: ModelState, directory: Path, parts: tuple[str, ...] 
     try:
         # A value/reward model's file names the backbone with its own prefix and the head as
         # its classifier class does ("score", "classifier"): read it as a whole, renamed to
-        # the module's keys. A model with adapters
-        # takes the adapters alone: its other weights are the frozen ones it was loaded with.
+        # the module's keys. A model with adapters takes the adapters alone: its other
+        # weights are the frozen ones it was loaded with.
         if has_adapters(state.module):
             weights = read_adapter(directory / ADAPTER_DIR)
             _check_adapters(state, directory, weights)

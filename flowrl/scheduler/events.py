@@ -64,6 +64,11 @@ class Move:
     why: str
     """What about the devices made it worth it (``gpu-3 at 50% speed``)."""
 
+    @property
+    def route(self) -> str:
+        """``gpu-0+gpu-1 -> gpu-2``."""
+        return f"{'+'.join(self.from_devices)} -> {'+'.join(self.to_devices)}"
+
 
 @dataclass(frozen=True)
 class Decision:

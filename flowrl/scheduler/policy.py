@@ -425,8 +425,7 @@ class DynamicPolicy:
             reason = (f"gain {gain_s * 1e3:.1f} ms over {horizon} steps beats move cost "
                       f"{best.cost_s * 1e3:.1f} ms x {factor}")
         else:
-            weighed = ", ".join(f"{move.subject} {'+'.join(move.from_devices)} -> {'+'.join(move.to_devices)}"
-                                for move in best.moves)
+            weighed = ", ".join(f"{move.subject} {move.route}" for move in best.moves)
             reason = (f"kept: moving {weighed} would gain {gain_s * 1e3:.1f} ms over {horizon} steps, which does "
                       f"not beat move cost {best.cost_s * 1e3:.1f} ms x {factor}")
         if accepted:

@@ -31,19 +31,23 @@ def _report(node: str, role: str, compute_s: float, tokens_in: int, tokens_out: 
     return NodeReport(node, role, "cpu-0", f"1:{node}", compute_s, compute_s, 0.0, tokens_in, tokens_out, metrics)
 
 
-def test_per_token_timings_with_two_score_nodes(tmp_path: Path) -> None:
-    path = tmp_path / "p.yaml"
-    path.write_text(PIPELINE)
-    graph = load_pipeline(path)
-    reports = {
-        # 4 completions of 4 tokens after prompts of 6: 16 generated, 40 read in all
+def _two_score_reports() -> dict[str, NodeReport]:
+    """A step of PIPELINE: 4 completions of 4 tokens after prompts of 6 (16 generated, 40
+    read in all); 'digits' scores 0.25 on average, 'again' 0.5."""
+    return {
         "rollout": _report("rollout", "generate", 0.2, 24, 16),
         "digits": _report("digits", "score", 0.01, 16, 0, **{"critic/score/mean": 0.25}),
         "again": _report("again", "score", 0.03, 16, 0, **{"critic/score/mean": 0.5}),
         "adv": _report("adv", "advantage", 0.002, 0, 0),
         "train": _report("train", "update", 0.4, 40, 0),
     }
-    metrics, _ = step_metrics(graph, reports, step_s=0.7, num_devices=1)
+
+
+def test_per_token_timings_with_two_score_nodes(tmp_path: Path) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text(PIPELINE)
+    graph = load_pipeline(path)
+    metrics, _ = step_metrics(graph, _two_score_reports(), step_s=0.7, num_devices=1)
     assert metrics["critic/score/mean"] == pytest.approx(0.75)  # the two scores add up
     assert metrics["perf/total_num_tokens"] == 40.0 and metrics["perf/time_per_step"] == 0.7
     assert metrics["timing_per_token_ms/gen"] == pytest.approx(200.0 / 16)  # per generated token
@@ -88,13 +92,7 @@ def test_a_score_no_advantage_reads_is_logged_but_not_added_to_the_reward(tmp_pa
     path = tmp_path / "p.yaml"
     path.write_text(PIPELINE.replace("inputs: [digits, again]", "inputs: [digits]"))
     graph = load_pipeline(path)
-    reports = {
-        "rollout": _report("rollout", "generate", 0.2, 24, 16),
-        "digits": _report("digits", "score", 0.01, 16, 0, **{"critic/score/mean": 0.25}),
-        "again": _report("again", "score", 0.03, 16, 0, **{"critic/score/mean": 0.5}),
-        "adv": _report("adv", "advantage", 0.002, 0, 0),
-        "train": _report("train", "update", 0.4, 40, 0),
-    }
+    reports = _two_score_reports()
     metrics, _ = step_metrics(graph, reports, step_s=0.7, num_devices=1)
     assert metrics["critic/score/mean"] == 0.25
     assert metrics["reward/digits/mean"] == 0.25 and metrics["reward/again/mean"] == 0.5

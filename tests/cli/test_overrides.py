@@ -296,38 +296,35 @@ def test_an_empty_file_is_called_empty_whatever_the_overrides(tmp_path: Path) ->
         load_pipeline(empty, ["trainer.steps=2"])
 
 
+def _valid(pipeline: str, *overrides: str) -> str:
+    """The output of ``flowrl validate`` of a shipped pipeline, which must pass."""
+    path = Path(__file__).resolve().parents[2] / "pipelines" / pipeline
+    result = CliRunner().invoke(cli.app, ["validate", str(path), *overrides])
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
 def test_validate_notes_a_setting_that_changes_nothing_where_the_pipeline_runs() -> None:
     """offload_to_cpu on a model of CPU slots: accepted (a pipeline may run on GPUs elsewhere),
     and said to change nothing here."""
-    pipeline = Path(__file__).resolve().parents[2] / "pipelines" / "grpo_tiny.yaml"
-    result = CliRunner().invoke(cli.app, ["validate", str(pipeline), "models.reference.offload_to_cpu=true"])
-    assert result.exit_code == 0, result.output
     assert ("note: models.reference.offload_to_cpu pages a GPU model's weights, and 'reference' runs on CPU slots, "
-            "where its weights are in host memory already: it changes nothing here") in result.output
-    gpu = Path(__file__).resolve().parents[2] / "pipelines" / "grpo_0.4b_gpu.yaml"
-    result = CliRunner().invoke(cli.app, ["validate", str(gpu), "models.reference.offload_to_cpu=true"])
-    assert result.exit_code == 0 and "note:" not in result.output, result.output
+            "where its weights are in host memory already: it changes nothing here") in _valid(
+                "grpo_tiny.yaml", "models.reference.offload_to_cpu=true")
+    assert "note:" not in _valid("grpo_0.4b_gpu.yaml", "models.reference.offload_to_cpu=true")
 
 
 def test_validate_notes_sharding_over_one_device() -> None:
     """sharded: true with the update's group at one device: nothing to split the model over."""
-    pipeline = Path(__file__).resolve().parents[2] / "pipelines" / "grpo_sharded.yaml"
-    result = CliRunner().invoke(cli.app, ["validate", str(pipeline), "devices.actor_group.count=1"])
-    assert result.exit_code == 0, result.output
     assert ("note: models.actor.sharded splits a trained model over its update's devices, and the update of 'actor' "
             "runs on one device (group actor_group): it changes nothing here; give the group count: 2 or more to "
-            "shard") in result.output
-    result = CliRunner().invoke(cli.app, ["validate", str(pipeline)])
-    assert result.exit_code == 0 and "note:" not in result.output, result.output
+            "shard") in _valid("grpo_sharded.yaml", "devices.actor_group.count=1")
+    assert "note:" not in _valid("grpo_sharded.yaml")
 
 
 def test_validate_notes_a_score_node_no_advantage_reads() -> None:
-    pipeline = Path(__file__).resolve().parents[2] / "pipelines" / "ppo_tiny.yaml"
-    result = CliRunner().invoke(cli.app, ["validate", str(pipeline), "nodes.watch={role: score, fn: digits, inputs: [rollout]}"])
-    assert result.exit_code == 0, result.output
     assert ("note: nodes.watch: no advantage reads score node 'watch': its scores are logged (reward/watch/*), and "
             "evaluated where an eval section scores it, and nothing trains on them; list it in an advantage's inputs "
-            "to train on it") in result.output
+            "to train on it") in _valid("ppo_tiny.yaml", "nodes.watch={role: score, fn: digits, inputs: [rollout]}")
 
 
 def test_validate_notes_an_evaluation_of_the_training_prompts(tmp_path: Path) -> None:
